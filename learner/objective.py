@@ -1,0 +1,223 @@
+"""The learner's policy loss: decoupled PPO with behavior correction (DESIGN §4, survey §2.3–2.4, §7.3).
+
+Three policies per action token t (log-probs of the sampled token, shape _BT):
+
+* ``behavior_logp_BT`` — π_beh, stored by the rollout engine that sampled the token;
+* ``prox_logp_BT``     — π_prox, recomputed without grad by the weights before this learner step;
+* ``logp_BT``          — π_θ, the current weights (the only input that carries grad).
+
+Per token: ``w = π_prox/π_beh`` (behavior correction, no grad), ``r = π_θ/π_prox`` and
+
+    L_t = −w · min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â)
+    L_t = min(L_t_ppo, c·|Â|)  for Â < 0 when dual clip c is set (AReaL / verl), before w.
+
+The loss is ``Σ_t m_t·L_t / D`` (or the per-sequence form), with D from ``ObjectiveConfig``:
+
+* ``token_global``  — D = N, the number of eligible tokens in the WHOLE batch. Pass
+  ``global_token_count`` when the call sees one micro-batch or one data-parallel shard; then the
+  shard losses (and gradients) SUM to the full-batch loss. Default N = Σ mask of this call.
+* ``sequence_mean`` — ``(1/S) Σ_i (Σ_t m_it L_it / Σ_t m_it)``; S = sequences with ≥ 1 eligible
+  token, ``global_sequence_count`` across shards.
+* ``constant``      — Dr.GRPO: ``Σ_{i,t} m_it L_it / (C · S)`` with C = ``constant_denominator``
+  (typically the maximum response length) and S as above, i.e. the per-sequence token SUM
+  divided by the constant, averaged over sequences (verl's ``seq-mean-token-sum-norm`` with the
+  batch-size division that verl #3741 forgot).
+
+"Eligible" means ``mask_BT`` (the loss mask). Tokens that MIS rejects contribute 0 but stay in D,
+so D depends only on the loss masks and can be counted when the batch is assembled, before any
+forward pass. ``mask_BT`` may be bool or 0/1 float; it is read as ``mask > 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["ObjectiveConfig", "behavior_weight", "decoupled_ppo_loss", "ppo_clip_loss"]
+
+_LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here before exp (as verl) so garbage cannot overflow
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """Knobs of the policy loss. Defaults: DAPO's clip-higher, verl's dual clip, TIS on."""
+
+    eps_low: float = 0.2
+    """Lower clip: r is held at 1 − eps_low when Â < 0."""
+    eps_high: float = 0.28
+    """Upper clip (clip-higher, DAPO §3.7): r is held at 1 + eps_high when Â > 0."""
+    dual_clip: float | None = 3.0
+    """c > 1: for Â < 0 the per-token loss is at most c·|Â|. None disables it."""
+    behavior_correction: Literal["tis", "mis", "none"] = "tis"
+    """How w = π_prox/π_beh enters: truncated at tis_cap, masked outside [mis_low, mis_high], or off."""
+    tis_cap: float = 2.0
+    """TIS: w = min(w, tis_cap)."""
+    mis_low: float = 0.5
+    """MIS: tokens with w < mis_low are dropped from the loss (still counted in D)."""
+    mis_high: float = 2.0
+    """MIS: tokens with w > mis_high are dropped from the loss (still counted in D)."""
+    denominator: Literal["token_global", "sequence_mean", "constant"] = "token_global"
+    """Loss aggregation; see the module docstring."""
+    constant_denominator: float = 1024.0
+    """C for ``denominator="constant"`` (Dr.GRPO): usually the maximum response length."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.tis_cap <= 0 or not (0 <= self.mis_low < 1.0 < self.mis_high):
+            raise ValueError("need tis_cap > 0 and 0 <= mis_low < 1 < mis_high")
+        if self.constant_denominator <= 0:
+            raise ValueError("constant_denominator must be > 0")
+
+
+def behavior_weight(
+    prox_logp_BT: Tensor, behavior_logp_BT: Tensor, mask_BT: Tensor, cfg: ObjectiveConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Behavior correction ``w = exp(prox − beh)``, without grad.
+
+    Returns ``(w_BT, w_raw_BT, kept_mask_BT)``: the weight the loss uses (capped for TIS, 0 where
+    MIS rejects, 1 for ``none``), the uncorrected weight, and the bool mask of tokens the loss
+    keeps (= mask for TIS/none; mask ∩ [mis_low, mis_high] for MIS). All are 0/False off the mask.
+    """
+    with torch.no_grad():
+        on_BT = mask_BT > 0
+        zero = torch.zeros((), dtype=prox_logp_BT.dtype)
+        log_w_BT = torch.where(on_BT, prox_logp_BT - behavior_logp_BT, zero)
+        w_raw_BT = torch.where(on_BT, log_w_BT.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT).exp(), zero)
+        if cfg.behavior_correction == "tis":
+            kept_BT = on_BT
+            w_BT = w_raw_BT.clamp(max=cfg.tis_cap)
+        elif cfg.behavior_correction == "mis":
+            kept_BT = on_BT & (w_raw_BT >= cfg.mis_low) & (w_raw_BT <= cfg.mis_high)
+            w_BT = torch.where(kept_BT, w_raw_BT, zero)
+        elif cfg.behavior_correction == "none":
+            kept_BT = on_BT
+            w_BT = on_BT.to(prox_logp_BT.dtype)
+        else:
+            raise ValueError(f"unknown behavior_correction {cfg.behavior_correction!r}")
+    return w_BT, w_raw_BT, kept_BT
+
+
+def _clipped_token_loss(
+    logp_BT: Tensor, anchor_logp_BT: Tensor, adv_BT: Tensor, on_BT: Tensor, cfg: ObjectiveConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token (dual-)clipped PPO loss around ``anchor`` and detached clip indicators."""
+    zero = torch.zeros((), dtype=logp_BT.dtype)
+    # torch.where (not multiplication) so that masked-out tokens get exactly zero gradient even
+    # when their log-probs are garbage (−inf, nan) on padding.
+    log_r_BT = torch.where(on_BT, logp_BT - anchor_logp_BT.detach(), zero)
+    r_BT = log_r_BT.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT).exp()
+    adv_BT = torch.where(on_BT, adv_BT.detach(), zero)
+    loss_unclipped_BT = -r_BT * adv_BT
+    loss_clipped_BT = -r_BT.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv_BT
+    loss_BT = torch.maximum(loss_unclipped_BT, loss_clipped_BT)
+    neg_BT = adv_BT < 0
+    dual_BT = torch.zeros_like(on_BT)
+    if cfg.dual_clip is not None:
+        bound_BT = -cfg.dual_clip * adv_BT  # = c·|Â| where Â < 0
+        dual_BT = neg_BT & (loss_BT > bound_BT) & on_BT
+        loss_BT = torch.where(neg_BT, torch.minimum(loss_BT, bound_BT), loss_BT)
+    with torch.no_grad():
+        r = r_BT.detach()
+        flags = {
+            "clip_low": on_BT & neg_BT & (r < 1.0 - cfg.eps_low),
+            "clip_high": on_BT & (adv_BT > 0) & (r > 1.0 + cfg.eps_high),
+            "dual_clip": dual_BT,
+            "ratio_outside": on_BT & ((r < 1.0 - cfg.eps_low) | (r > 1.0 + cfg.eps_high)),
+        }
+    return loss_BT, flags
+
+
+def _aggregate(
+    token_loss_BT: Tensor,
+    on_BT: Tensor,
+    cfg: ObjectiveConfig,
+    global_token_count: float | None,
+    global_sequence_count: float | None,
+) -> tuple[Tensor, Tensor]:
+    """Reduce masked per-token losses to a scalar with the configured denominator → (loss, D)."""
+    m_BT = on_BT.to(token_loss_BT.dtype)
+    masked_BT = torch.where(on_BT, token_loss_BT, torch.zeros((), dtype=token_loss_BT.dtype))
+    tokens_B = m_BT.sum(-1)
+    n_seq = float(global_sequence_count) if global_sequence_count is not None else float((tokens_B > 0).sum())
+    if cfg.denominator == "token_global":
+        n_tok = float(global_token_count) if global_token_count is not None else float(m_BT.sum())
+        denom = torch.tensor(max(n_tok, 1.0), dtype=token_loss_BT.dtype)
+        return masked_BT.sum() / denom, denom
+    if cfg.denominator == "sequence_mean":
+        denom = torch.tensor(max(n_seq, 1.0), dtype=token_loss_BT.dtype)
+        per_seq_B = masked_BT.sum(-1) / tokens_B.clamp_min(1.0)
+        return per_seq_B.sum() / denom, denom
+    if cfg.denominator == "constant":
+        denom = torch.tensor(cfg.constant_denominator * max(n_seq, 1.0), dtype=token_loss_BT.dtype)
+        return masked_BT.sum() / denom, denom
+    raise ValueError(f"unknown denominator {cfg.denominator!r}")
+
+
+def _stats(
+    loss: Tensor, denom: Tensor, on_BT: Tensor, r_source: tuple[Tensor, Tensor], flags: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    n = on_BT.sum().clamp_min(1).to(loss.dtype)
+    logp_BT, anchor_BT = r_source
+    zero = torch.zeros((), dtype=loss.dtype)
+    log_r_BT = torch.where(on_BT, logp_BT.detach() - anchor_BT.detach(), zero)
+    stats = {f"{k}_frac": v.sum().to(loss.dtype) / n for k, v in flags.items()}
+    stats["ratio_mean"] = torch.where(on_BT, log_r_BT.clamp(max=_LOG_RATIO_LIMIT).exp(), zero).sum() / n
+    stats["loss"] = loss.detach()
+    stats["denominator"] = denom.detach()
+    stats["num_tokens"] = on_BT.sum().to(loss.dtype)
+    return stats
+
+
+def decoupled_ppo_loss(
+    logp_BT: Tensor,
+    prox_logp_BT: Tensor,
+    behavior_logp_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    cfg: ObjectiveConfig,
+    *,
+    global_token_count: float | None = None,
+    global_sequence_count: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO loss (AReaL) with behavior correction; see the module docstring.
+
+    Returns ``(loss, stats)``; stats are detached scalars: ``clip_low_frac`` (Â<0, r<1−ε_low),
+    ``clip_high_frac`` (Â>0, r>1+ε_high), ``dual_clip_frac`` (dual bound active),
+    ``ratio_outside_frac`` (r ∉ [1−ε_low, 1+ε_high], survey §11.3 f_clip), ``ratio_mean``,
+    ``weight_mean``, ``mis_rejected_frac``, ``loss``, ``denominator``, ``num_tokens`` — fractions
+    over this call's eligible tokens.
+    """
+    on_BT = mask_BT > 0
+    w_BT, _, kept_BT = behavior_weight(prox_logp_BT, behavior_logp_BT, mask_BT, cfg)
+    token_loss_BT, flags = _clipped_token_loss(logp_BT, prox_logp_BT, adv_BT, on_BT, cfg)
+    # w is exactly 0 where MIS rejects, so those tokens add 0 (and get 0 grad) but stay in D.
+    loss, denom = _aggregate(w_BT * token_loss_BT, on_BT, cfg, global_token_count, global_sequence_count)
+    stats = _stats(loss, denom, on_BT, (logp_BT, prox_logp_BT), flags)
+    n = on_BT.sum().clamp_min(1).to(loss.dtype)
+    stats["weight_mean"] = w_BT.sum() / n
+    stats["mis_rejected_frac"] = (on_BT & ~kept_BT).sum().to(loss.dtype) / n
+    return loss, stats
+
+
+def ppo_clip_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    cfg: ObjectiveConfig,
+    *,
+    global_token_count: float | None = None,
+    global_sequence_count: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Plain (dual-)clipped PPO around ``old_logp_BT`` with no behavior weight
+    (``cfg.behavior_correction`` is ignored). Same aggregation and stats as the decoupled loss."""
+    on_BT = mask_BT > 0
+    token_loss_BT, flags = _clipped_token_loss(logp_BT, old_logp_BT, adv_BT, on_BT, cfg)
+    loss, denom = _aggregate(token_loss_BT, on_BT, cfg, global_token_count, global_sequence_count)
+    return loss, _stats(loss, denom, on_BT, (logp_BT, old_logp_BT), flags)

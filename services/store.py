@@ -1,0 +1,325 @@
+"""Trajectory store: the data buffer of the mesh (DESIGN.md §1.1, §3).
+
+::
+
+      TaskSampler ──▶ admission_loop ── gate.try_admit(G) ──▶ TASKS (one prompt × G)
+                          ▲  wakes on: capacity freed, learner version advanced
+                          │
+   TRAJ_GRADED ──▶ intake_loop ── parse ─ known task? ─ validate ─ dedupe ─▶ groups
+                                  │ quarantine (reason) ─────────────────────┐   │ complete (G received)
+                                  ▼                                          ▼   ▼
+                               Parquet archive ◀── filtered (zero variance) ◀─ ready groups (bounded)
+                                                                                  │
+                                        learner ◀── gRPC NextBatch ◀──────────────┘
+                                        learner ──▶ gRPC Report (trained / quarantined) ──▶ archive
+
+Redis holds the gate counters, the task records (the grader reads references from them), the
+set of trajectory ids already seen (dedupe), and the sampler cursor. Every record the store sees
+goes to the archive; every admitted trajectory ends as exactly one of trained, filtered,
+quarantined or failed_infra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis.asyncio
+from prometheus_client import Counter, Gauge
+
+from trajmesh import bus as busmod
+from trajmesh.archive import ArchiveWriter
+from trajmesh.config import RunConfig
+from trajmesh.contract import ContractError, Trajectory
+from trajmesh.gate import AsyncStalenessGate
+from trajmesh.keys import RedisKeys
+from trajmesh.service import Service, supervise
+from trajmesh.tasks import TaskSampler
+from trajmesh.tokenizer import load_tokenizer
+from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+
+log = logging.getLogger("trajmesh.store")
+
+TASKS_ADMITTED = Counter("trajmesh_store_tasks_admitted_total", "Tasks (prompt x G) admitted by the gate", ["source"])
+TRAJ_ADMITTED = Counter("trajmesh_store_trajectories_admitted_total", "Trajectories admitted (tasks x G)")
+OUTCOMES = Counter(
+    "trajmesh_store_trajectories_total", "Trajectory records by outcome and reason", ["outcome", "reason"]
+)
+GROUPS_READY = Gauge("trajmesh_store_groups_ready", "Assembled groups waiting for the learner")
+GROUPS_FILTERED = Counter("trajmesh_store_groups_filtered_total", "Groups dropped by a filter", ["reason"])
+GATE_CAPACITY = Gauge("trajmesh_store_gate_capacity_trajectories", "Staleness gate capacity")
+GATE_RUNNING = Gauge("trajmesh_store_gate_running_trajectories", "Trajectories admitted and not yet back")
+LEARNER_VERSION = Gauge("trajmesh_store_learner_version", "Policy version the learner reported")
+
+
+@dataclass
+class _Group:
+    group_id: str
+    expected: int
+    received: int = 0
+    members: list[Trajectory] = field(default_factory=list)
+
+
+class TrajectoryStore(Service):
+    name = "store"
+
+    async def setup(self) -> None:
+        cfg = self.cfg
+        ns = cfg.infra.namespace
+        self.keys = RedisKeys(ns)
+        assert cfg.infra.nats_url and cfg.infra.redis_url, "store needs infra.nats_url and infra.redis_url"
+        self.redis = redis.asyncio.Redis.from_url(cfg.infra.redis_url)
+        self.gate = AsyncStalenessGate(
+            self.redis,
+            key_prefix=self.keys.gate_prefix,
+            eta=cfg.effective_eta,
+            batch_size=cfg.batch_trajectories,
+            max_concurrent=cfg.gate.max_concurrent,
+        )
+        self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=ns)
+        await self.bus.ensure_streams()
+        self.intake = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=30.0)
+        assert cfg.model.path, "store needs model.path (for the tokenizer's vocabulary)"
+        self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
+        self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed)
+        self.archive = ArchiveWriter(Path(cfg.run_dir) / "archive", writer=f"store{self.replica}")
+        self.manifest_id = (await self.redis.get(self.keys.manifest_id) or b"").decode()
+        self.groups: dict[str, _Group] = {}
+        self.ready: deque[_Group] = deque()
+        self.ready_changed = asyncio.Event()
+        self.capacity_changed = asyncio.Event()
+        self.grpc_server = grpc.aio.server()
+        services_pb2_grpc.add_TrajectoryStoreServicer_to_server(_StoreServicer(self), self.grpc_server)
+        port = cfg.infra.store_address.rsplit(":", 1)[1]
+        self.grpc_server.add_insecure_port(f"0.0.0.0:{port}")
+        await self.grpc_server.start()
+
+    async def run(self) -> None:
+        await supervise(self.admission_loop(), self.intake_loop(), self.flush_loop())
+
+    async def stop(self) -> None:
+        if hasattr(self, "grpc_server"):
+            await self.grpc_server.stop(grace=1.0)
+        if hasattr(self, "archive"):
+            self.archive.close()
+        if hasattr(self, "bus"):
+            await self.bus.close()
+        if hasattr(self, "redis"):
+            await self.redis.aclose()
+
+    # ------------------------------------------------------------------ admission
+    async def admission_loop(self) -> None:
+        """Publishes tasks to TASKS while the gate has capacity for a whole group.
+
+        Waits on `capacity_changed`, set when a group finishes (capacity freed) or the learner
+        reports a new version (B more slots). A short timeout re-reads the gate, because another
+        store replica or a learner recovery may change the counters behind our back.
+        """
+        g = self.cfg.tasks.group_size
+        while True:
+            counters = await self.gate.counters()
+            GATE_CAPACITY.set(counters.capacity)
+            GATE_RUNNING.set(counters.running)
+            if await self.gate.try_admit(g):
+                await self._publish_next_task(counters.version)
+                continue
+            self.capacity_changed.clear()
+            try:
+                await asyncio.wait_for(self.capacity_changed.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+
+    async def _publish_next_task(self, version: int) -> None:
+        cursor = int(await self.redis.incr(self.keys.sampler_cursor)) - 1
+        task = self.sampler.task_at(cursor)
+        pb = trajectory_pb2.Task(
+            task_id=f"{task.task_id}-c{cursor}",
+            group_id=f"g{cursor}-{task.task_id}",
+            source=task.source,
+            revision=task.revision,
+            seed=self.cfg.seed * 1_000_003 + cursor,
+            group_size=self.cfg.tasks.group_size,
+            environment=task.environment,
+            prompt=task.prompt,
+            answer=task.answer,
+            metadata_json=json.dumps(task.metadata, default=str),
+            admitted_at_version=version,
+            manifest_id=self.manifest_id,
+        )
+        s = self.cfg.tasks.sampling
+        pb.sampling.CopyFrom(
+            trajectory_pb2.SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                max_new_tokens=s.max_new_tokens, max_turns=s.max_turns,
+            )
+        )
+        record = {"group_id": pb.group_id, "group_size": pb.group_size, "source": pb.source,
+                  "answer": pb.answer, "prompt": pb.prompt, "metadata": task.metadata}
+        await self.redis.hset(self.keys.tasks, pb.task_id, json.dumps(record, default=str))
+        await self.bus.publish(busmod.SUBJECT_TASKS, pb.SerializeToString(), msg_id=pb.task_id)
+        TASKS_ADMITTED.labels(source=pb.source).inc()
+        TRAJ_ADMITTED.inc(pb.group_size)
+        await self.redis.incrby(self.keys.admitted_trajectories, pb.group_size)
+
+    # ------------------------------------------------------------------ intake
+    async def intake_loop(self) -> None:
+        """Consumes TRAJ_GRADED; every message ends archived under exactly one outcome, then acked.
+
+        Waits for messages (pull fetch with timeout); backpressure: stops fetching while the
+        ready buffer is full (the gate keeps that rare).
+        """
+        while True:
+            if len(self.ready) >= self.cfg.store.max_buffered_groups:
+                self.ready_changed.clear()
+                await self.ready_changed.wait()
+                continue
+            for msg in await self.intake.fetch(batch=32, timeout=1.0):
+                data = await self.intake.resolve(msg)
+                await self._intake_one(data)
+                await msg.ack()
+
+    async def _intake_one(self, data: bytes) -> None:
+        try:
+            traj = Trajectory.from_bytes(data)
+        except ContractError as exc:
+            self._quarantine_bytes(data, "not_a_trajectory", str(exc))
+            return
+        raw = await self.redis.hget(self.keys.tasks, traj.task_id) if traj.task_id else None
+        if raw is None:
+            self._archive(traj, "quarantined", "unknown_task_id")
+            return
+        task = json.loads(raw)
+        if not await self.redis.sadd(self.keys.seen_trajectories, traj.trajectory_id):
+            self._archive(traj, "duplicate", "duplicate_trajectory_id")
+            return
+        group = self.groups.get(traj.group_id)
+        if group is None:
+            group = self.groups[traj.group_id] = _Group(traj.group_id, int(task["group_size"]))
+        group.received += 1
+        version = await self.gate.version()
+        violations = traj.validate(vocab_size=self.vocab_size, learner_version=version)
+        if traj.pb.group_id != task["group_id"]:
+            self._archive(traj, "quarantined", "group_mismatch")
+        elif violations:
+            self._archive(traj, "quarantined", ",".join(sorted({v.name for v in violations})))
+        elif traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
+            self._archive(traj, "failed_infra", "infra_failure")
+        elif not traj.graded or not math.isfinite(traj.reward):
+            self._archive(traj, "quarantined", "not_graded")
+        else:
+            group.members.append(traj)
+        if group.received >= group.expected:
+            del self.groups[traj.group_id]
+            await self._complete(group)
+
+    async def _complete(self, group: _Group) -> None:
+        rewards = [t.reward for t in group.members]
+        reason = ""
+        if len(group.members) < 2:
+            reason = "group_too_small"
+        elif self.cfg.store.drop_zero_variance_groups and max(rewards) == min(rewards):
+            reason = "zero_variance"
+        n_valid = len(group.members)
+        if reason:
+            GROUPS_FILTERED.labels(reason=reason).inc()
+            log.info("group %s filtered: %s (rewards %s)", group.group_id, reason, rewards)
+            for t in group.members:
+                self._archive(t, "filtered", reason)
+            await self.gate.finish(group.expected, accepted=False)
+        else:
+            for t in group.members:
+                self._archive(t, "accepted", "")
+            await self.gate.finish(n_valid, accepted=True)
+            if group.expected > n_valid:
+                await self.gate.finish(group.expected - n_valid, accepted=False)
+            self.ready.append(group)
+            GROUPS_READY.set(len(self.ready))
+            self.ready_changed.set()
+        self.capacity_changed.set()
+
+    async def flush_loop(self) -> None:
+        """Flushes the archive every couple of seconds so readers see recent records."""
+        while True:
+            await asyncio.sleep(self.archive.flush_seconds)
+            self.archive.flush()
+
+    # ------------------------------------------------------------------ archive helpers
+    def _archive(self, traj: Trajectory, outcome: str, reason: str, learner_version: int = -1) -> None:
+        OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
+        pb = traj.pb
+        self.archive.append(
+            trajectory_id=pb.trajectory_id, task_id=pb.task_id, group_id=pb.group_id,
+            task_source=pb.task_source, manifest_id=pb.manifest_id, outcome=outcome, reason=reason,
+            reward=pb.reward, terminal_reason=trajectory_pb2.TerminalReason.Name(pb.terminal_reason)
+            if pb.terminal_reason in trajectory_pb2.TerminalReason.values() else str(pb.terminal_reason),
+            learner_version=learner_version, num_tokens=len(pb.token_ids),
+            num_action_tokens=int(sum(pb.loss_mask)) if len(pb.loss_mask) < 1_000_000 else -1,
+            token_ids=list(pb.token_ids), loss_mask=[min(int(m), 255) for m in pb.loss_mask],
+            behavior_versions=list(pb.behavior_versions), behavior_logprobs=list(pb.behavior_logprobs),
+        )
+
+    def _quarantine_bytes(self, data: bytes, reason: str, detail: str) -> None:
+        OUTCOMES.labels(outcome="quarantined", reason=reason).inc()
+        log.warning("quarantined %d bytes: %s", len(data), detail)
+        self.archive.append(outcome="quarantined", reason=reason, payload_sha256=hashlib.sha256(data).hexdigest())
+
+    # ------------------------------------------------------------------ serving the learner
+    async def next_batch(self, learner_version: int, max_trajectories: int, timeout_s: float) -> list[Trajectory]:
+        """Whole groups, oldest first, up to `max_trajectories`; waits up to `timeout_s` for a full batch."""
+        await self._note_version(learner_version)
+        want_groups = self.cfg.learner.batch_groups
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while len(self.ready) < want_groups:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return []
+            self.ready_changed.clear()
+            try:
+                await asyncio.wait_for(self.ready_changed.wait(), timeout=remaining)
+            except TimeoutError:
+                return []
+        out: list[Trajectory] = []
+        while self.ready and len(out) + len(self.ready[0].members) <= max_trajectories and want_groups > 0:
+            out.extend(self.ready.popleft().members)
+            want_groups -= 1
+        GROUPS_READY.set(len(self.ready))
+        self.ready_changed.set()
+        return out
+
+    async def report(self, req: services_pb2.ReportRequest) -> None:
+        for tid in req.trained_ids:
+            self.archive.append(trajectory_id=tid, outcome="trained", reason="", learner_version=req.learner_version)
+            OUTCOMES.labels(outcome="trained", reason="none").inc()
+        for tid, reason in zip(req.quarantined_ids, req.quarantine_reasons, strict=True):
+            self.archive.append(trajectory_id=tid, outcome="quarantined", reason=reason,
+                                learner_version=req.learner_version)
+            OUTCOMES.labels(outcome="quarantined", reason=reason).inc()
+        self.archive.flush()
+        await self._note_version(req.learner_version)
+
+    async def _note_version(self, version: int) -> None:
+        LEARNER_VERSION.set(version)
+        self.capacity_changed.set()
+
+
+class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
+    def __init__(self, store: TrajectoryStore) -> None:
+        self.store = store
+
+    async def NextBatch(self, request: Any, context: Any) -> services_pb2.NextBatchResponse:  # noqa: N802
+        trajs = await self.store.next_batch(
+            request.learner_version, request.max_trajectories or 1 << 30, request.timeout_seconds or 5.0
+        )
+        return services_pb2.NextBatchResponse(trajectories=[t.pb for t in trajs])
+
+    async def Report(self, request: Any, context: Any) -> services_pb2.ReportResponse:  # noqa: N802
+        await self.store.report(request)
+        return services_pb2.ReportResponse()

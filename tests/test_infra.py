@@ -1,0 +1,133 @@
+"""Real server processes: start, health, restart with state kept, nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import redis
+
+from trajmesh import bus as busmod
+from trajmesh.infra import (
+    NatsServer,
+    RedisServer,
+    ServerStartError,
+    free_port,
+    nats_server_binary,
+    redis_server_binary,
+)
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def test_binaries_are_found() -> None:
+    assert os.access(nats_server_binary(), os.X_OK)
+    assert os.access(redis_server_binary(), os.X_OK)
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_nats_start_stop_leaves_no_process(tmp_path: Path) -> None:
+    with NatsServer(tmp_path) as server:
+        pid = server.pid
+        assert pid is not None and server.url == f"nats://127.0.0.1:{server.port}"
+        assert _accepts(server.port)
+    assert server.pid is None
+    assert _pid_gone(pid)
+    assert not _accepts(server.port)
+    server.stop()  # idempotent
+
+
+def test_nats_kill_leaves_no_process(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path)
+    server.start()
+    pid = server.pid
+    assert pid is not None
+    server.kill()
+    assert _pid_gone(pid)
+
+
+def test_nats_restart_keeps_jetstream_data(tmp_path: Path) -> None:
+    async def publish(url: str) -> None:
+        bus = await busmod.connect(url, name="test-publisher", max_reconnect_attempts=0)
+        await bus.ensure_streams()
+        await bus.publish(busmod.SUBJECT_TASKS, b"task-1", msg_id="task-1")
+        await bus.close()
+
+    async def read_back(url: str) -> bytes:
+        bus = await busmod.connect(url, name="test-reader", max_reconnect_attempts=0)
+        consumer = await bus.pull_subscribe(busmod.STREAM_TASKS, "rollout")
+        msgs = await consumer.fetch(1, timeout=2.0)
+        assert len(msgs) == 1
+        await msgs[0].ack()
+        await bus.close()
+        return bytes(msgs[0].data)
+
+    with NatsServer(tmp_path) as server:
+        asyncio.run(publish(server.url))
+        old_pid, port = server.pid, server.port
+        server.restart()
+        assert server.port == port and server.pid != old_pid
+        assert old_pid is not None and _pid_gone(old_pid)
+        assert asyncio.run(read_back(server.url)) == b"task-1"
+
+
+def test_nats_start_failure_quotes_log(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        server = NatsServer(tmp_path, port=busy.getsockname()[1])
+        with pytest.raises(ServerStartError, match="nats-server"):
+            server.start(timeout_s=5)
+    assert server.pid is None
+
+
+def test_redis_restart_keeps_aof_data_and_password(tmp_path: Path) -> None:
+    with RedisServer(tmp_path, password="s3cret") as server:
+        assert server.url == f"redis://:s3cret@127.0.0.1:{server.port}/0"
+        client = redis.Redis.from_url(server.url)
+        client.incrby("counter", 7)
+        client.close()
+        old_pid = server.pid
+        server.restart()
+        assert old_pid is not None and _pid_gone(old_pid)
+        client = redis.Redis.from_url(server.url)
+        assert int(client.get("counter") or 0) == 7
+        client.close()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2.0) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            assert sock.recv(256).startswith(b"-NOAUTH")
+        pid = server.pid
+    assert pid is not None and _pid_gone(pid)
+    assert (tmp_path / "appendonlydir").is_dir()
+
+
+def test_redis_kill_leaves_no_process(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    pid = server.pid
+    assert pid is not None
+    server.kill()
+    assert _pid_gone(pid)
+    assert server.pid is None

@@ -1,0 +1,108 @@
+"""Append-only Parquet archive of every trajectory record the store sees.
+
+Parquet files are immutable, so "append" means: rows are buffered and written as a new part file
+(`part-<worker>-<seq>.parquet`, written to a temp name then renamed) every `flush_rows` rows, every
+`flush_seconds`, and on close. A record is one row; a trajectory may have several rows over its
+life (``accepted`` at intake, then ``trained`` or ``quarantined`` once the learner reports) and its
+final outcome is its last row by `seq`. Readers use `read_archive` / `final_outcomes`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+OUTCOMES = ("accepted", "trained", "filtered", "quarantined", "failed_infra", "duplicate")
+"""accepted is intermediate; the others are final (duplicate rows are not admissions)."""
+
+SCHEMA = pa.schema(
+    [
+        ("seq", pa.int64()),
+        ("written_unix_seconds", pa.float64()),
+        ("writer", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),
+        ("task_source", pa.string()),
+        ("manifest_id", pa.string()),
+        ("outcome", pa.string()),
+        ("reason", pa.string()),
+        ("reward", pa.float64()),
+        ("terminal_reason", pa.string()),
+        ("learner_version", pa.int64()),
+        ("num_tokens", pa.int64()),
+        ("num_action_tokens", pa.int64()),
+        ("token_ids", pa.list_(pa.uint32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("behavior_versions", pa.list_(pa.int64())),
+        ("behavior_logprobs", pa.list_(pa.float32())),
+        ("payload_sha256", pa.string()),
+    ]
+)
+
+
+class ArchiveWriter:
+    """Buffers rows and writes them as Parquet part files under `directory`."""
+
+    def __init__(self, directory: str | Path, writer: str, *, flush_rows: int = 256, flush_seconds: float = 2.0):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.writer = writer
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self._rows: list[dict[str, Any]] = []
+        self._part = 0
+        self._seq = time.time_ns()  # monotone across restarts of the writer
+        self._last_flush = time.monotonic()
+
+    def append(self, **row: Any) -> None:
+        self._seq += 1
+        full = {name: None for name in SCHEMA.names}
+        full.update(row)
+        full["seq"] = self._seq
+        full["written_unix_seconds"] = time.time()
+        full["writer"] = self.writer
+        if full["outcome"] not in OUTCOMES:
+            raise ValueError(f"unknown archive outcome {full['outcome']!r}")
+        self._rows.append(full)
+        if len(self._rows) >= self.flush_rows or time.monotonic() - self._last_flush > self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._rows:
+            return
+        table = pa.Table.from_pylist(self._rows, schema=SCHEMA)
+        name = f"part-{self.writer}-{self._part:06d}.parquet"
+        tmp = self.directory / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.directory / name)
+        self._part += 1
+        self._rows = []
+
+    def close(self) -> None:
+        self.flush()
+
+
+def read_archive(directory: str | Path) -> pa.Table:
+    """All rows of all part files, sorted by seq."""
+    files = sorted(Path(directory).glob("part-*.parquet"))
+    if not files:
+        return SCHEMA.empty_table()
+    table = pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files])
+    return table.sort_by("seq")
+
+
+def final_outcomes(table: pa.Table) -> dict[str, dict[str, Any]]:
+    """trajectory_id → its last non-duplicate row (as a dict)."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in table.to_pylist():
+        if row["outcome"] == "duplicate" or not row["trajectory_id"]:
+            continue
+        out[row["trajectory_id"]] = row
+    return out

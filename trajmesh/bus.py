@@ -1,0 +1,519 @@
+"""JetStream layout of the mesh and a thin typed wrapper over nats-py (DESIGN.md §1, §5).
+
+::
+
+             TASKS (work queue)        TRAJ_RAW (work queue)     TRAJ_GRADED (work queue)
+   store ───────────────────▶ rollout ──────────────────▶ grader ──────────────────▶ store
+                                                                                       │
+   rollout ◀── KV trajmesh_weights["latest"] + WEIGHTS (limits, last N) ◀── learner ◀──┘
+
+   any message above the server's max_payload: bytes ─▶ object store `trajmesh_blobs`,
+   the stream carries an empty message with header `Trajmesh-Blob: <name>`.
+
+Work-queue streams delete a message once it is acked, and admit one durable consumer per
+subject; services scale by binding several pull subscribers to that one durable, which share the
+work. Delivery is at-least-once: an unacked message comes back after ``ack_wait`` until
+``max_deliver`` deliveries, so every consumer dedupes by id. Publishers set ``msg_id`` so a retried
+publish within the stream's duplicate window is stored once.
+
+A ``namespace`` lets two runs share one NATS server: it prefixes every stream (``run1_TASKS``),
+subject (``run1.trajmesh.tasks``), KV bucket and object-store bucket. Callers always speak in the
+unprefixed constants below; the :class:`Bus` applies the namespace.
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+__all__ = [
+    "BLOB_HEADER",
+    "KV_WEIGHTS",
+    "KV_WEIGHTS_KEY",
+    "OBJ_BLOBS",
+    "STREAM_TASKS",
+    "STREAM_TRAJ_GRADED",
+    "STREAM_TRAJ_RAW",
+    "STREAM_WEIGHTS",
+    "SUBJECT_TASKS",
+    "SUBJECT_TRAJ_GRADED",
+    "SUBJECT_TRAJ_RAW",
+    "SUBJECT_WEIGHTS",
+    "WEIGHTS_VERSION_HEADER",
+    "Bus",
+    "Consumer",
+    "ConsumerPending",
+    "Layout",
+    "StreamSpec",
+    "connect",
+]
+
+# Streams and their subjects (unprefixed; see Layout for namespacing).
+STREAM_TASKS = "TASKS"
+SUBJECT_TASKS = "trajmesh.tasks"
+STREAM_TRAJ_RAW = "TRAJ_RAW"
+SUBJECT_TRAJ_RAW = "trajmesh.traj.raw"
+STREAM_TRAJ_GRADED = "TRAJ_GRADED"
+SUBJECT_TRAJ_GRADED = "trajmesh.traj.graded"
+STREAM_WEIGHTS = "WEIGHTS"
+SUBJECT_WEIGHTS = "trajmesh.weights"
+
+# Weight announcements for late joiners: KV bucket and its single key.
+KV_WEIGHTS = "trajmesh_weights"
+KV_WEIGHTS_KEY = "latest"
+# Object store for payloads above the server's max_payload.
+OBJ_BLOBS = "trajmesh_blobs"
+
+# Header naming the object-store blob that holds a message's real payload.
+BLOB_HEADER = "Trajmesh-Blob"
+# Header carrying the policy version on messages of the WEIGHTS stream.
+WEIGHTS_VERSION_HEADER = "Trajmesh-Weights-Version"
+
+# Bytes kept free under max_payload for headers before a payload goes to the object store.
+_HEADER_HEADROOM_BYTES = 4096
+# Object-store chunk size cap (nats-py's default chunk size).
+_MAX_CHUNK_BYTES = 128 * 1024
+# JetStream API error code: "stream name already in use with a different configuration".
+_ERR_STREAM_NAME_IN_USE = 10058
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One stream of the mesh, unprefixed."""
+
+    name: str
+    subject: str
+    retention: api.RetentionPolicy
+    # Messages kept per subject; -1 = unlimited (work queues drop a message once acked).
+    max_msgs_per_subject: int = -1
+
+
+_SPECS: tuple[StreamSpec, ...] = (
+    StreamSpec(STREAM_TASKS, SUBJECT_TASKS, api.RetentionPolicy.WORK_QUEUE),
+    StreamSpec(STREAM_TRAJ_RAW, SUBJECT_TRAJ_RAW, api.RetentionPolicy.WORK_QUEUE),
+    StreamSpec(STREAM_TRAJ_GRADED, SUBJECT_TRAJ_GRADED, api.RetentionPolicy.WORK_QUEUE),
+    StreamSpec(STREAM_WEIGHTS, SUBJECT_WEIGHTS, api.RetentionPolicy.LIMITS),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Maps the unprefixed names above to the names used on the server for one namespace."""
+
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE_RE.match(self.namespace):
+            raise ValueError(f"namespace must match [A-Za-z0-9_-]*, got {self.namespace!r}")
+
+    def stream(self, name: str) -> str:
+        return f"{self.namespace}_{name}" if self.namespace else name
+
+    def subject(self, subject: str) -> str:
+        return f"{self.namespace}.{subject}" if self.namespace else subject
+
+    def bucket(self, name: str) -> str:
+        return f"{self.namespace}_{name}" if self.namespace else name
+
+    def spec(self, stream: str) -> StreamSpec:
+        """The spec of an unprefixed stream name (KeyError for an unknown stream)."""
+        for spec in _SPECS:
+            if spec.name == stream:
+                return spec
+        raise KeyError(f"unknown stream {stream!r}; known: {[s.name for s in _SPECS]}")
+
+    @property
+    def specs(self) -> tuple[StreamSpec, ...]:
+        return _SPECS
+
+
+@dataclass(frozen=True)
+class ConsumerPending:
+    """Backlog of one durable consumer, for lag metrics and autoscaling."""
+
+    # Messages in the stream not yet delivered to this consumer.
+    num_pending: int
+    # Messages delivered and awaiting an ack.
+    num_ack_pending: int
+    # Messages delivered more than once and still unacked.
+    num_redelivered: int
+    # Pull requests currently waiting on the server.
+    num_waiting: int
+
+    @property
+    def backlog(self) -> int:
+        """Work not yet finished: undelivered plus unacked."""
+        return self.num_pending + self.num_ack_pending
+
+
+def _blob_name(msg: Msg) -> str | None:
+    headers = msg.headers
+    return headers.get(BLOB_HEADER) if headers else None
+
+
+class _Blobs:
+    """Object-store side of large payloads, shared by the Bus and its consumers."""
+
+    def __init__(self, js: JetStreamContext, bucket: str) -> None:
+        self._js = js
+        self._bucket = bucket
+        self._store: ObjectStore | None = None
+
+    async def store(self) -> ObjectStore:
+        if self._store is None:
+            self._store = await self._js.object_store(self._bucket)
+        return self._store
+
+    async def resolve(self, msg: Msg) -> bytes:
+        name = _blob_name(msg)
+        if name is None:
+            return bytes(msg.data)
+        result = await (await self.store()).get(name)
+        return bytes(result.data or b"")
+
+    async def discard(self, msg: Msg) -> None:
+        name = _blob_name(msg)
+        if name is None:
+            return
+        try:
+            await (await self.store()).delete(name)
+        except nats.js.errors.NotFoundError:
+            pass  # already discarded by an earlier delivery of the same message
+
+
+class Consumer:
+    """Pull subscriber bound to one durable consumer with explicit acks.
+
+    Several Consumers bound to the same durable share its messages (each message goes to one of
+    them). Messages come back as nats-py ``Msg``: call ``await msg.ack()`` when done,
+    ``msg.nak(delay=...)`` to retry, ``msg.in_progress()`` to extend ``ack_wait`` on long work,
+    ``msg.term()`` to give up on a poison message; ``msg.metadata.num_delivered`` counts deliveries.
+    """
+
+    def __init__(
+        self,
+        sub: JetStreamContext.PullSubscription,
+        *,
+        js: JetStreamContext,
+        stream: str,
+        durable: str,
+        blobs: _Blobs,
+    ) -> None:
+        self._sub = sub
+        self._js = js
+        self.stream = stream
+        self.durable = durable
+        self._blobs = blobs
+
+    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
+        """Up to ``batch`` messages, waiting at most ``timeout`` seconds; [] when none arrived."""
+        try:
+            return await self._sub.fetch(batch, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return []
+
+    async def resolve(self, msg: Msg) -> bytes:
+        """The message's payload, fetched from the object store when it travelled by reference."""
+        return await self._blobs.resolve(msg)
+
+    async def discard_blob(self, msg: Msg) -> None:
+        """Delete the object-store blob behind ``msg`` (if any); call after ``msg.ack()``."""
+        await self._blobs.discard(msg)
+
+    async def pending(self) -> ConsumerPending:
+        return _pending(await self._js.consumer_info(self.stream, self.durable))
+
+    async def close(self) -> None:
+        """Unsubscribe this subscriber; the durable consumer and its unacked messages remain."""
+        await self._sub.unsubscribe()
+
+
+def _pending(info: api.ConsumerInfo) -> ConsumerPending:
+    return ConsumerPending(
+        num_pending=int(info.num_pending or 0),
+        num_ack_pending=int(info.num_ack_pending or 0),
+        num_redelivered=int(info.num_redelivered or 0),
+        num_waiting=int(info.num_waiting or 0),
+    )
+
+
+class Bus:
+    """A NATS connection with its JetStream context, speaking the mesh's layout.
+
+    Create with :func:`connect`; call :meth:`ensure_streams` once per process (idempotent) before
+    publishing or subscribing.
+    """
+
+    def __init__(self, nc: NATS, *, layout: Layout) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.layout = layout
+        self._blobs = _Blobs(self.js, layout.bucket(OBJ_BLOBS))
+        self._kv: KeyValue | None = None
+
+    # -- layout ---------------------------------------------------------------------------
+    async def ensure_streams(
+        self,
+        *,
+        duplicate_window_s: float = 120.0,
+        max_queue_msgs: int = 1_000_000,
+        weights_history: int = 8,
+        blob_ttl_s: float = 24 * 3600.0,
+    ) -> None:
+        """Create or update every stream, the weights KV bucket and the blob object store.
+
+        ``max_queue_msgs`` bounds each work queue; a publish beyond it fails loudly (discard NEW)
+        instead of silently dropping work. ``weights_history`` is how many announcements the
+        WEIGHTS stream keeps. ``blob_ttl_s`` expires blobs whose consumer never discarded them.
+        """
+        for spec in self.layout.specs:
+            work_queue = spec.retention == api.RetentionPolicy.WORK_QUEUE
+            config = api.StreamConfig(
+                name=self.layout.stream(spec.name),
+                subjects=[self.layout.subject(spec.subject)],
+                retention=spec.retention,
+                storage=api.StorageType.FILE,
+                duplicate_window=duplicate_window_s,
+                max_msgs=max_queue_msgs if work_queue else -1,
+                max_msgs_per_subject=-1 if work_queue else weights_history,
+                discard=api.DiscardPolicy.NEW if work_queue else api.DiscardPolicy.OLD,
+            )
+            await self._create_or_update_stream(config)
+        await self._ensure_kv()
+        await self._ensure_object_store(blob_ttl_s)
+
+    async def _create_or_update_stream(self, config: api.StreamConfig) -> None:
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError as err:
+            if err.err_code != _ERR_STREAM_NAME_IN_USE:
+                raise
+            await self.js.update_stream(config)
+
+    async def _ensure_kv(self) -> KeyValue:
+        if self._kv is None:
+            bucket = self.layout.bucket(KV_WEIGHTS)
+            try:
+                self._kv = await self.js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await self.js.create_key_value(
+                    api.KeyValueConfig(bucket=bucket, history=1, storage=api.StorageType.FILE)
+                )
+        return self._kv
+
+    async def _ensure_object_store(self, ttl_s: float) -> None:
+        bucket = self.layout.bucket(OBJ_BLOBS)
+        try:
+            await self.js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            await self.js.create_object_store(
+                bucket, config=api.ObjectStoreConfig(ttl=ttl_s, storage=api.StorageType.FILE)
+            )
+
+    # -- publish --------------------------------------------------------------------------
+    @property
+    def max_inline_bytes(self) -> int:
+        """Largest payload sent inline; bigger ones travel through the object store."""
+        return int(self.nc.max_payload) - _HEADER_HEADROOM_BYTES
+
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> api.PubAck:
+        """Publish to a stream subject (unprefixed) and wait for the stream's ack.
+
+        ``msg_id`` sets ``Nats-Msg-Id``: a second publish with the same id inside the duplicate
+        window is not stored again (``PubAck.duplicate`` is True). Payloads above
+        :attr:`max_inline_bytes` go through :meth:`publish_large`.
+        """
+        if len(data) > self.max_inline_bytes:
+            return await self.publish_large(subject, data, msg_id=msg_id, headers=headers)
+        hdrs = dict(headers or {})
+        if msg_id is not None:
+            hdrs[api.Header.MSG_ID.value] = msg_id
+        return await self.js.publish(self.layout.subject(subject), data, headers=hdrs or None)
+
+    async def publish_large(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> api.PubAck:
+        """Store ``data`` in the blob object store and publish an empty reference message.
+
+        The blob is named after ``msg_id`` (a fresh uuid without one), so a retried publish
+        rewrites the same blob and the stream dedupes the reference.
+        """
+        name = msg_id if msg_id is not None else uuid.uuid4().hex
+        store = await self._blobs.store()
+        chunk = max(1024, min(_MAX_CHUNK_BYTES, self.max_inline_bytes))
+        meta = api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=chunk))
+        await store.put(name, data, meta=meta)
+        hdrs = dict(headers or {})
+        hdrs[BLOB_HEADER] = name
+        if msg_id is not None:
+            hdrs[api.Header.MSG_ID.value] = msg_id
+        try:
+            return await self.js.publish(self.layout.subject(subject), b"", headers=hdrs)
+        except BaseException:
+            await store.delete(name)
+            raise
+
+    async def resolve(self, msg: Msg) -> bytes:
+        """The message's payload, fetched from the object store when it travelled by reference."""
+        return await self._blobs.resolve(msg)
+
+    # -- consume --------------------------------------------------------------------------
+    async def pull_subscribe(
+        self,
+        stream: str,
+        durable: str,
+        *,
+        ack_wait_s: float = 30.0,
+        max_deliver: int = 8,
+        max_ack_pending: int = 1000,
+    ) -> Consumer:
+        """Create or update the durable pull consumer on ``stream`` (unprefixed) and bind to it.
+
+        ``ack_wait_s``: seconds before an unacked message is redelivered (extend it with
+        ``msg.in_progress()``). ``max_deliver``: deliveries before the server gives up on a
+        message (it stays in the stream and an advisory is emitted); -1 = unlimited.
+        ``max_ack_pending`` bounds the messages in flight across all bound subscribers.
+        """
+        spec = self.layout.spec(stream)
+        stream_name = self.layout.stream(spec.name)
+        config = api.ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            filter_subject=self.layout.subject(spec.subject),
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+            max_ack_pending=max_ack_pending,
+        )
+        # CONSUMER.CREATE with a name creates the consumer or updates its mutable fields.
+        await self.js.add_consumer(stream_name, config=config)
+        sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream_name)
+        return Consumer(sub, js=self.js, stream=stream_name, durable=durable, blobs=self._blobs)
+
+    # -- weights --------------------------------------------------------------------------
+    async def publish_weights(self, version: int, announcement: bytes) -> None:
+        """Announce policy ``version``: ``announcement`` is the caller's serialized message
+        (version, path, sha256). Written to KV ``latest`` first, so anyone who hears the stream
+        message and reads the KV sees it, then published on WEIGHTS (deduped per version)."""
+        kv = await self._ensure_kv()
+        await kv.put(KV_WEIGHTS_KEY, announcement)
+        await self.publish(
+            SUBJECT_WEIGHTS,
+            announcement,
+            msg_id=f"weights-v{version}",
+            headers={WEIGHTS_VERSION_HEADER: str(version)},
+        )
+
+    async def latest_weights(self) -> bytes | None:
+        """The latest announcement from the KV bucket, None if no version was published yet."""
+        kv = await self._ensure_kv()
+        try:
+            entry = await kv.get(KV_WEIGHTS_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return bytes(entry.value) if entry.value is not None else None
+
+    async def watch_weights(self, *, include_current: bool = True) -> AsyncIterator[bytes]:
+        """Yield each new announcement as it is written (KV watch on ``latest``).
+
+        With ``include_current`` the latest existing announcement (if any) comes first. Stops
+        the watcher when the iterator is closed.
+        """
+        kv = await self._ensure_kv()
+        watcher = await kv.watch(KV_WEIGHTS_KEY)
+        caught_up = False  # the watcher sends None once the existing value has been delivered
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    caught_up = True
+                    continue
+                if not (caught_up or include_current):
+                    continue
+                if entry.operation in ("DEL", "PURGE") or entry.value is None:
+                    continue
+                yield bytes(entry.value)
+        finally:
+            await watcher.stop()
+
+    # -- introspection --------------------------------------------------------------------
+    async def stream_info(self, stream: str) -> api.StreamInfo:
+        """Server-side info of an (unprefixed) stream: ``.state.messages``, ``.config``..."""
+        return await self.js.stream_info(self.layout.stream(stream))
+
+    async def pending(self, stream: str, durable: str) -> ConsumerPending:
+        """Backlog of a durable consumer on an (unprefixed) stream."""
+        return _pending(await self.js.consumer_info(self.layout.stream(stream), durable))
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    user: str | None = None,
+    password: str | None = None,
+    tls: ssl.SSLContext | None = None,
+    namespace: str = "",
+    connect_timeout_s: float = 5.0,
+    max_reconnect_attempts: int = -1,
+) -> Bus:
+    """Connect to NATS as client ``name`` and return a :class:`Bus` for ``namespace``.
+
+    Reconnects forever by default (``max_reconnect_attempts=-1``): a service rides out a NATS
+    restart; JetStream state survives it on disk.
+    """
+    layout = Layout(namespace)
+    nc = await nats.connect(
+        servers=[url],
+        name=name,
+        user=user,
+        password=password,
+        tls=tls,
+        connect_timeout=connect_timeout_s,
+        max_reconnect_attempts=max_reconnect_attempts,
+        reconnect_time_wait=0.5,
+    )
+    return Bus(nc, layout=layout)

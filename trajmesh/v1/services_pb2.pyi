@@ -1,0 +1,96 @@
+from trajmesh.v1 import trajectory_pb2 as _trajectory_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NextBatchRequest(_message.Message):
+    __slots__ = ("learner_version", "max_trajectories", "timeout_seconds")
+    LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    learner_version: int
+    max_trajectories: int
+    timeout_seconds: float
+    def __init__(self, learner_version: _Optional[int] = ..., max_trajectories: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class NextBatchResponse(_message.Message):
+    __slots__ = ("trajectories", "batch_index", "exhausted")
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    batch_index: int
+    exhausted: bool
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., batch_index: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("learner_version", "trained_ids", "quarantined_ids", "quarantine_reasons", "batch_index")
+    LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    learner_version: int
+    trained_ids: _containers.RepeatedScalarFieldContainer[str]
+    quarantined_ids: _containers.RepeatedScalarFieldContainer[str]
+    quarantine_reasons: _containers.RepeatedScalarFieldContainer[str]
+    batch_index: int
+    def __init__(self, learner_version: _Optional[int] = ..., trained_ids: _Optional[_Iterable[str]] = ..., quarantined_ids: _Optional[_Iterable[str]] = ..., quarantine_reasons: _Optional[_Iterable[str]] = ..., batch_index: _Optional[int] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("session_id", "task", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    task: _trajectory_pb2.Task
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[_Union[_trajectory_pb2.Task, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("observation", "state_hash")
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    observation: str
+    state_hash: str
+    def __init__(self, observation: _Optional[str] = ..., state_hash: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "action")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    action: str
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("observation", "done", "state_hash", "info_json", "reward")
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    observation: str
+    done: bool
+    state_hash: str
+    info_json: str
+    reward: float
+    def __init__(self, observation: _Optional[str] = ..., done: _Optional[bool] = ..., state_hash: _Optional[str] = ..., info_json: _Optional[str] = ..., reward: _Optional[float] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
