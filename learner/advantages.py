@@ -46,8 +46,8 @@ def _group_stats(reward_B: Tensor, group_index_B: Tensor) -> tuple[Tensor, Tenso
     centered_B = reward_B - mean_G[inverse_B]
     sq_G = zeros_G.index_add(0, inverse_B, centered_B * centered_B)
     std_G = (sq_G / (count_G - 1).clamp_min(1)).sqrt()
-    max_G = zeros_G.index_reduce(0, inverse_B, reward_B, "amax", include_self=False)
-    min_G = zeros_G.index_reduce(0, inverse_B, reward_B, "amin", include_self=False)
+    max_G = zeros_G.scatter_reduce(0, inverse_B, reward_B, "amax", include_self=False)
+    min_G = zeros_G.scatter_reduce(0, inverse_B, reward_B, "amin", include_self=False)
     all_equal_B = (max_G == min_G)[inverse_B]  # also true for every group of one
     return mean_G[inverse_B], count_G[inverse_B], std_G[inverse_B], all_equal_B
 

@@ -13,6 +13,7 @@ distribution at the sampling temperature (SGLang's default). For a greedy row (T
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,11 @@ from typing import Any
 import torch
 
 GREEDY_EPS = 1e-5
+
+
+def _cache_kwarg(model: Any) -> str:
+    """``cache`` on transformers >= 5.2x, ``past_key_values`` before (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -91,7 +97,8 @@ def sample_batch(
             out[i].finish_reason = {"type": "length", "length": 0}
 
     result = model(input_ids=input_ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=True)
-    cache, next_pos_B = result.past_key_values, pos_BT[:, -1] + 1
+    cache_kw = _cache_kwarg(model)
+    cache, next_pos_B = _returned_cache(result), pos_BT[:, -1] + 1
     logits_BV = result.logits[:, -1].float()
     while any(live):
         if should_abort is not None and should_abort():
@@ -122,10 +129,15 @@ def sample_batch(
             break
         mask_BT = torch.cat([mask_BT, torch.ones((B, 1), dtype=torch.long)], dim=1)
         result = model(input_ids=token_B.unsqueeze(1), attention_mask=mask_BT,
-                       position_ids=next_pos_B.unsqueeze(1), past_key_values=cache, use_cache=True)
-        cache, next_pos_B = result.past_key_values, next_pos_B + 1
+                       position_ids=next_pos_B.unsqueeze(1), use_cache=True, **{cache_kw: cache})
+        cache, next_pos_B = _returned_cache(result), next_pos_B + 1
         logits_BV = result.logits[:, -1].float()
     return out
+
+
+def _returned_cache(result: Any) -> Any:
+    cache = getattr(result, "cache", None)
+    return cache if cache is not None else result.past_key_values
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -102,7 +102,11 @@ def build_tiny_model(
 
 def load_model(model_dir: str | os.PathLike) -> tuple[LlamaForCausalLM, Any]:
     """(model in eval mode, float32, CPU; tokenizer) from an HF directory, offline."""
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    # Eager attention: on CPU, SDPA with a padding mask is ~10x slower for these tiny shapes
+    # (measured: 0.65 s vs 0.06 s per SFT step of 64x14 tokens).
+    model = LlamaForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return model, tokenizer
 

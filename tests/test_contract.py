@@ -116,7 +116,7 @@ def test_any_float32_logprobs_round_trip_bit_exact(traj: Trajectory) -> None:
 def test_spans_tile_the_tokens_and_agree_with_the_mask(traj: Trajectory) -> None:
     spans = list(traj.spans)
     assert spans[0].token_start == 0 and spans[-1].token_end == len(traj)
-    assert all(a.token_end == b.token_start for a, b in zip(spans, spans[1:]))
+    assert all(a.token_end == b.token_start for a, b in zip(spans[:-1], spans[1:], strict=True))
     assert len({s.span_id for s in spans}) == len(spans)
     mask_T = traj.loss_mask_T
     for s in spans:
@@ -325,5 +325,5 @@ def test_non_finite_reward_component_is_reported() -> None:
 
 def test_unknown_terminal_reason_is_reported() -> None:
     traj = _build_valid()
-    traj.pb.MergeFromString(bytes([20 << 3, 42]))  # an enum value this build does not know
+    traj.pb.MergeFromString(bytes([0xA0, 0x01, 42]))  # field 20 (varint tag 160) = 42, an unknown enum value
     assert "terminal_reason_unspecified" in _names(traj.validate())

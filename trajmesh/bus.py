@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import ssl
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -441,7 +441,7 @@ class Bus:
             return None
         return bytes(entry.value) if entry.value is not None else None
 
-    async def watch_weights(self, *, include_current: bool = True) -> AsyncIterator[bytes]:
+    async def watch_weights(self, *, include_current: bool = True) -> AsyncGenerator[bytes, None]:
         """Yield each new announcement as it is written (KV watch on ``latest``).
 
         With ``include_current`` the latest existing announcement (if any) comes first. Stops

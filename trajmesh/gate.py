@@ -20,7 +20,7 @@ with AOF on (see ``trajmesh.infra.RedisServer``) they survive a Redis restart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
@@ -81,6 +81,9 @@ class GateCounters:
     running: int
     # (η + version + 1)·B − (accepted + running), before the max_concurrent cap.
     capacity: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class _GateSpec:

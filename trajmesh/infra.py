@@ -173,7 +173,8 @@ class _ServerProcess:
     @property
     def pid(self) -> int | None:
         """Process id of the running server, None when not running."""
-        return self._proc.pid if self.running else None
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     @property
     def running(self) -> bool:

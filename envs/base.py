@@ -1,0 +1,62 @@
+"""The environment interface (DESIGN.md §6) and the registry keyed by `type`. No torch.
+
+An environment is deterministic given (task, seed, action log): replaying the actions on a fresh
+instance reproduces every observation and state hash, so a session can move to another pod.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str
+    done: bool
+    state_hash: str
+    reward: float = 0.0
+    info: dict[str, Any] | None = None
+
+
+class Environment(Protocol):
+    revision: str
+
+    def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
+        """Start an episode; returns (observation, state hash)."""
+        ...
+
+    def step(self, action: str) -> StepResult: ...
+
+
+def state_hash(*parts: object) -> str:
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+class SingleAnswerEnv:
+    """One turn: the observation is the prompt, the action is the answer, then the episode ends.
+
+    Serves any task with a `prompt` (reasoning-gym families such as chain_sum); the grader scores.
+    """
+
+    revision = "single_answer-v1"
+
+    def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
+        self.prompt = str(task["prompt"])
+        self.actions: list[str] = []
+        return self.prompt, state_hash(self.prompt, seed)
+
+    def step(self, action: str) -> StepResult:
+        self.actions.append(action)
+        return StepResult("", True, state_hash(self.prompt, *self.actions))
+
+
+ENVIRONMENTS: dict[str, type] = {"chain_sum": SingleAnswerEnv, "single_answer": SingleAnswerEnv}
+
+
+def make_environment(kind: str) -> Environment:
+    try:
+        return ENVIRONMENTS[kind]()  # type: ignore[no-any-return]
+    except KeyError:
+        raise ValueError(f"unknown environment {kind!r}; available: {sorted(ENVIRONMENTS)}") from None

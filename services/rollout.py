@@ -1,0 +1,263 @@
+"""Rollout service: TASKS → agent loop on an inference engine → TRAJ_RAW (DESIGN.md §1.2, §5).
+
+::
+
+    WEIGHTS KV ──▶ weights_loop ── pause engine ── /update_weights_from_disk ── continue
+                                        │ in-flight requests return partial output (abort)
+                                        ▼                       and are resubmitted after the load
+    TASKS ──▶ task_loop ──▶ run_task (G samples) ──▶ run_episode ── env Reset/Step (gRPC, sticky)
+                 ▲ bounded by concurrent_tasks          │ engine /generate (input_ids, log-probs)
+                 │                                      ▼
+               ack after all G published ◀── TRAJ_RAW (msg_id = trajectory id)
+
+The engine is SGLang's HTTP server on GPUs or the built-in torch engine (started here as a child
+process when `rollout.engine.url` is unset); one client speaks the shared subset of SGLang's API.
+Every sampled token records its behavior log-prob and the version of the weights that produced it;
+a trajectory interrupted by a weight update continues under the new version (per-token versions).
+Trajectory ids are derived from the task id, so a redelivered task re-creates the same ids and the
+store deduplicates them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from trajmesh import bus as busmod
+from trajmesh.contract import Trajectory
+from trajmesh.infra import free_port
+from trajmesh.rollout.engine_client import EngineClient
+from trajmesh.service import Service, supervise
+from trajmesh.tokenizer import load_tokenizer
+from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+
+log = logging.getLogger("trajmesh.rollout")
+
+TRAJECTORIES = Counter("trajmesh_rollout_trajectories_total", "Trajectories published", ["terminal_reason"])
+TOKENS = Counter("trajmesh_rollout_generated_tokens_total", "Tokens sampled by the engine")
+INTERRUPTIONS = Counter("trajmesh_rollout_interrupted_requests_total", "Generations resumed after a weight update")
+WEIGHT_UPDATES = Counter("trajmesh_rollout_weight_updates_total", "Weight versions loaded")
+WEIGHT_SYNC_SECONDS = Histogram("trajmesh_rollout_weight_sync_seconds", "Pause + load + continue time")
+POLICY_VERSION = Gauge("trajmesh_rollout_policy_version", "Weights version loaded in the engine")
+BUSY_SECONDS = Counter("trajmesh_rollout_busy_seconds_total", "Seconds with at least one task in flight")
+IDLE_SECONDS = Counter("trajmesh_rollout_idle_seconds_total", "Seconds with no task in flight")
+INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
+EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
+
+
+class RolloutService(Service):
+    name = "rollout"
+
+    async def setup(self) -> None:
+        cfg = self.cfg
+        assert cfg.infra.nats_url and cfg.model.path
+        ns = cfg.infra.namespace
+        self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=ns)
+        await self.bus.ensure_streams()
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.version = 0
+        model_path = cfg.model.path
+        latest = await self.bus.latest_weights()
+        if latest is not None:  # a late joiner starts from the newest published weights
+            ann = trajectory_pb2.WeightsAnnouncement.FromString(latest)
+            self.version, model_path = int(ann.version), ann.path
+        self.engine_proc: subprocess.Popen[bytes] | None = None
+        url = cfg.rollout.engine.url
+        if url is None:
+            url = self._start_torch_engine(model_path, self.version)
+        self.engine = EngineClient(url)
+        await self._wait_engine()
+        self.engine_ready = asyncio.Event()
+        self.engine_ready.set()
+        self.channels = [grpc.aio.insecure_channel(a) for a in cfg.infra.environment_addresses]
+        self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
+        self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=60.0)
+        self.slots = asyncio.Semaphore(cfg.rollout.concurrent_tasks)
+        self.inflight: set[asyncio.Task[None]] = set()
+        POLICY_VERSION.set(self.version)
+
+    def _start_torch_engine(self, model_path: str, version: int) -> str:
+        port = free_port()
+        log_path = Path(self.cfg.run_dir) / "logs" / f"engine-{self.replica}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", model_path,
+               "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
+               "--seed", str(self.cfg.seed * 101 + self.replica)]
+        with open(log_path, "ab") as fh:
+            self.engine_proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy())
+        return f"http://127.0.0.1:{port}"
+
+    async def _wait_engine(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.engine_proc is not None and self.engine_proc.poll() is not None:
+                raise RuntimeError(f"torch engine exited with {self.engine_proc.returncode}; see logs/engine-*.log")
+            if await self.engine.health():
+                return
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"engine at {self.engine.base_url} not healthy after {timeout_s}s")
+
+    async def run(self) -> None:
+        await supervise(self.weights_loop(), self.task_loop(), self.utilization_loop())
+
+    async def stop(self) -> None:
+        for t in list(getattr(self, "inflight", ())):
+            t.cancel()
+        if hasattr(self, "engine"):
+            await self.engine.close()
+        for c in getattr(self, "channels", []):
+            await c.close()
+        if hasattr(self, "bus"):
+            await self.bus.close()
+        if self.__dict__.get("engine_proc") is not None:
+            proc = self.engine_proc
+            assert proc is not None
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # ------------------------------------------------------------------ weights
+    async def weights_loop(self) -> None:
+        """Consumes weight announcements (KV watch); for each newer version: pause, load, continue.
+
+        Pausing aborts in-flight generations; `engine_ready` is cleared so they wait here and
+        resubmit prompt + partial output once the new weights are loaded.
+        """
+        async for raw in self.bus.watch_weights(include_current=True):
+            ann = trajectory_pb2.WeightsAnnouncement.FromString(raw)
+            if ann.version <= self.version:
+                continue
+            start = time.perf_counter()
+            self.engine_ready.clear()
+            await self.engine.pause()
+            ok = await self.engine.update_weights_from_disk(ann.path, int(ann.version))
+            if not ok:
+                raise RuntimeError(f"engine failed to load weights v{ann.version} from {ann.path}")
+            self.version = int(ann.version)
+            await self.engine.resume()
+            self.engine_ready.set()
+            WEIGHT_UPDATES.inc()
+            WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - start)
+            POLICY_VERSION.set(self.version)
+            log.info("loaded weights v%d", self.version)
+
+    # ------------------------------------------------------------------ tasks
+    async def task_loop(self) -> None:
+        """Pulls tasks from TASKS (shared durable `rollout`) while a slot is free; waits on slots."""
+        while True:
+            await self.slots.acquire()
+            msgs = await self.consumer.fetch(batch=1, timeout=1.0)
+            if not msgs:
+                self.slots.release()
+                continue
+            task = asyncio.ensure_future(self._handle(msgs[0]))
+            self.inflight.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.inflight.discard(task)
+        self.slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout task crashed: %r", task.exception())
+            self.stopping.set()  # fail loudly: the launcher sees the exit and the task is redelivered
+
+    async def _handle(self, msg: Any) -> None:
+        INFLIGHT.inc()
+        try:
+            data = await self.consumer.resolve(msg)
+            task = trajectory_pb2.Task.FromString(data)
+            trajs = await asyncio.gather(*(self.run_episode(task, i) for i in range(task.group_size)))
+            for traj in trajs:
+                await self.bus.publish(busmod.SUBJECT_TRAJ_RAW, traj.to_bytes(), msg_id=traj.trajectory_id)
+                TRAJECTORIES.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
+            await msg.ack()
+        finally:
+            INFLIGHT.dec()
+
+    async def utilization_loop(self) -> None:
+        """Exports busy/idle seconds once a second (the async-overlap evidence)."""
+        while True:
+            await asyncio.sleep(1.0)
+            (BUSY_SECONDS if self.inflight else IDLE_SECONDS).inc(1.0)
+
+    # ------------------------------------------------------------------ the agent loop
+    async def run_episode(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
+        start = time.perf_counter()
+        tid = f"{task.task_id}-{index}"
+        traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id,
+                              created_unix_seconds=time.time())
+        env = self.envs[int(hashlib.sha256(tid.encode()).hexdigest(), 16) % len(self.envs)]
+        sp = task.sampling
+        reset = await env.Reset(services_pb2.ResetRequest(session_id=tid, task=task, seed=task.seed + index))
+        traj.pb.initial_state_hash = reset.state_hash
+        traj.pb.state_hashes.append(reset.state_hash)
+        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+        context = bos + self.tokenizer.encode(reset.observation)
+        traj.append_prompt(context, turn_index=0)
+        reason = trajectory_pb2.MAX_TURNS
+        env_seconds = 0.0
+        try:
+            for turn in range(max(1, sp.max_turns)):
+                ids, logps, versions, finish = await self._generate(context, sp)
+                if ids:
+                    traj.append_sampled(ids, logps, versions, turn_index=turn)
+                context = context + ids
+                if finish == "length":
+                    reason = trajectory_pb2.MAX_TOKENS
+                    break
+                t0 = time.perf_counter()
+                step = await env.Step(services_pb2.StepRequest(session_id=tid, action=self.tokenizer.decode(ids)))
+                env_seconds += time.perf_counter() - t0
+                traj.pb.state_hashes.append(step.state_hash)
+                if step.done:
+                    reason = trajectory_pb2.EOS if ids and ids[-1] == self.tokenizer.eos_token_id else trajectory_pb2.ENV_DONE
+                    break
+                obs = self.tokenizer.encode(step.observation)
+                traj.append_observation(obs, turn_index=turn)
+                context = context + obs
+        finally:
+            await env.Close(services_pb2.CloseRequest(session_id=tid))
+        traj.finish(reason)
+        traj.pb.timing.rollout_seconds = time.perf_counter() - start
+        traj.pb.timing.environment_seconds = env_seconds
+        EPISODE_SECONDS.observe(time.perf_counter() - start)
+        return traj
+
+    async def _generate(
+        self, context: list[int], sp: trajectory_pb2.SamplingParams
+    ) -> tuple[list[int], list[float], list[int], str]:
+        """One turn of sampling; resumes across weight updates (interruptible generation)."""
+        ids: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        budget = int(sp.max_new_tokens)
+        while True:
+            await self.engine_ready.wait()
+            sampling = {"temperature": sp.temperature, "top_p": sp.top_p or 1.0, "top_k": sp.top_k or -1,
+                        "max_new_tokens": budget - len(ids),
+                        "stop_token_ids": [self.tokenizer.eos_token_id]}
+            res = await self.engine.generate(context + ids, sampling)
+            version = res.weight_version if res.weight_version is not None else self.version
+            ids.extend(res.output_ids)
+            logps.extend(res.logprobs)
+            versions.extend([version] * len(res.output_ids))
+            TOKENS.inc(len(res.output_ids))
+            if res.finish_reason == "abort" and len(ids) < budget:
+                INTERRUPTIONS.inc()
+                continue
+            if res.finish_reason == "abort":
+                return ids, logps, versions, "length"
+            return ids, logps, versions, res.finish_reason
