@@ -57,7 +57,13 @@ def make_tasks(seed: int, n: int, *, exclude_prompts: set[str] | None = None, **
                     "prompt": prompt,
                     "answer": str(entry["answer"]),
                     "task_id": _task_id(seed, index, knobs),
-                    "metadata": {"source": SOURCE, "seed": seed, "index": index, "knobs": knobs, "entry": entry},
+                    "metadata": {
+                        "source": SOURCE,
+                        "seed": seed,
+                        "index": index,
+                        "knobs": knobs,
+                        "entry": entry,
+                    },
                 }
             )
             if len(tasks) == n:
@@ -68,7 +74,12 @@ def make_tasks(seed: int, n: int, *, exclude_prompts: set[str] | None = None, **
 
 
 def make_split(
-    n_train: int, n_heldout: int, *, train_seed: int = TRAIN_SEED, heldout_seed: int = HELDOUT_SEED, **knobs: Any
+    n_train: int,
+    n_heldout: int,
+    *,
+    train_seed: int = TRAIN_SEED,
+    heldout_seed: int = HELDOUT_SEED,
+    **knobs: Any,
 ) -> tuple[list[dict], list[dict]]:
     """(train, held-out) with different seeds and disjoint prompts (asserted).
 

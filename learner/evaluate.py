@@ -81,8 +81,8 @@ def sample_batch(
     input_ids_BT = torch.full((B, width), pad_id, dtype=torch.long)
     mask_BT = torch.zeros((B, width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        input_ids_BT[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask_BT[i, width - len(p):] = 1
+        input_ids_BT[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask_BT[i, width - len(p) :] = 1
     pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
     temp_B = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     greedy_B = temp_B <= GREEDY_EPS
@@ -109,8 +109,9 @@ def sample_batch(
             break
         logp_BV = torch.log_softmax(logits_BV / scale_B.unsqueeze(1), dim=-1)
         probs_BV = _filter_top_k_top_p(logp_BV.exp(), top_k_B, top_p_B)
-        sampled_B = torch.multinomial(probs_BV.clamp(min=0) + 1e-30 * (probs_BV.sum(-1, keepdim=True) == 0),
-                                      1, generator=generator).squeeze(1)
+        sampled_B = torch.multinomial(
+            probs_BV.clamp(min=0) + 1e-30 * (probs_BV.sum(-1, keepdim=True) == 0), 1, generator=generator
+        ).squeeze(1)
         token_B = torch.where(greedy_B, logits_BV.argmax(-1), sampled_B)
         token_logp_B = logp_BV.gather(1, token_B.unsqueeze(1)).squeeze(1)
         tokens, token_logps = token_B.tolist(), token_logp_B.tolist()
@@ -128,8 +129,13 @@ def sample_batch(
         if not any(live):
             break
         mask_BT = torch.cat([mask_BT, torch.ones((B, 1), dtype=torch.long)], dim=1)
-        result = model(input_ids=token_B.unsqueeze(1), attention_mask=mask_BT,
-                       position_ids=next_pos_B.unsqueeze(1), use_cache=True, **{cache_kw: cache})
+        result = model(
+            input_ids=token_B.unsqueeze(1),
+            attention_mask=mask_BT,
+            position_ids=next_pos_B.unsqueeze(1),
+            use_cache=True,
+            **{cache_kw: cache},
+        )
         cache, next_pos_B = _returned_cache(result), next_pos_B + 1
         logits_BV = result.logits[:, -1].float()
     return out
@@ -176,9 +182,15 @@ def evaluate(
     total_score, total_tokens = 0.0, 0
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        outs = sample_batch(model, [ids for _, ids in chunk], [params] * len(chunk),
-                            pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, generator=generator)
+        chunk = rows[start : start + batch_size]
+        outs = sample_batch(
+            model,
+            [ids for _, ids in chunk],
+            [params] * len(chunk),
+            pad_id=tokenizer.pad_token_id,
+            eos_id=tokenizer.eos_token_id,
+            generator=generator,
+        )
         for (task, _), o in zip(chunk, outs, strict=True):
             text = tokenizer.decode(o.output_ids, skip_special_tokens=True)
             s = score_fn(text, task)

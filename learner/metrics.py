@@ -12,7 +12,6 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-
 from trajmesh.learner.objective import ObjectiveConfig
 
 __all__ = [
@@ -96,10 +95,11 @@ def weight_fractions(
 
 
 def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
-    """Entropy (nats) of the softmax over the last dim: ``logsumexp(z) − Σ softmax(z)·z`` → _BT."""
-    with torch.no_grad():
-        p_BTV = torch.softmax(logits_BTV, dim=-1)
-        return torch.logsumexp(logits_BTV, dim=-1) - (p_BTV * logits_BTV).sum(-1)
+    """Entropy (nats) of the softmax over the last dim: ``logsumexp(z) − Σ softmax(z)·z`` → _BT.
+
+    Differentiable (the MAGIC entropy term needs the gradient); detach it for metrics."""
+    p_BTV = torch.softmax(logits_BTV, dim=-1)
+    return torch.logsumexp(logits_BTV, dim=-1) - (p_BTV * logits_BTV).sum(-1)
 
 
 def entropy_by_advantage_sign(entropy_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:

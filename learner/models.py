@@ -46,8 +46,13 @@ def build_char_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
-        padding_side="left", model_max_length=256,
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+        model_max_length=256,
     )
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
@@ -226,11 +231,22 @@ def prepare_demo_model(out_dir: str | os.PathLike, seed: int = 0, **overrides: A
     model = build_tiny_model(out / "init", out / "tokenizer", seed=seed, **dims)
     train, _ = chain_sum.make_split(cfg["n_train"], 256, **knobs)
     stats = sft(
-        out / "init", train, steps=cfg["steps"], batch_size=cfg["batch_size"], lr=cfg["lr"],
-        out_dir=out / "sft", seed=seed,
+        out / "init",
+        train,
+        steps=cfg["steps"],
+        batch_size=cfg["batch_size"],
+        lr=cfg["lr"],
+        out_dir=out / "sft",
+        seed=seed,
     )
     stats.update(
-        {"model_dir": str(out / "sft"), "init_dir": str(out / "init"), "params": num_parameters(model),
-         "dims": dims, "sft": cfg, "knobs": knobs}
+        {
+            "model_dir": str(out / "sft"),
+            "init_dir": str(out / "init"),
+            "params": num_parameters(model),
+            "dims": dims,
+            "sft": cfg,
+            "knobs": knobs,
+        }
     )
     return stats

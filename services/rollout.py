@@ -36,7 +36,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from trajmesh import bus as busmod
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
-from trajmesh.rollout.engine_client import EngineClient
+from trajmesh.rollout.engine_client import EngineClient, GenerateResult
 from trajmesh.service import Service, supervise
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
@@ -92,7 +92,7 @@ class RolloutService(Service):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", model_path,
                "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
-               "--seed", str(self.cfg.seed * 101 + self.replica)]
+               "--seed", str(self.cfg.seed * 101 + self.replica), "--threads", "1"]
         with open(log_path, "ab") as fh:
             self.engine_proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy())
         return f"http://127.0.0.1:{port}"
@@ -143,9 +143,7 @@ class RolloutService(Service):
             start = time.perf_counter()
             self.engine_ready.clear()
             await self.engine.pause()
-            ok = await self.engine.update_weights_from_disk(ann.path, int(ann.version))
-            if not ok:
-                raise RuntimeError(f"engine failed to load weights v{ann.version} from {ann.path}")
+            await self.engine.update_weights_from_disk(ann.path, int(ann.version))  # raises on failure
             self.version = int(ann.version)
             await self.engine.resume()
             self.engine_ready.set()
@@ -250,14 +248,14 @@ class RolloutService(Service):
                         "max_new_tokens": budget - len(ids),
                         "stop_token_ids": [self.tokenizer.eos_token_id]}
             res = await self.engine.generate(context + ids, sampling)
-            version = res.weight_version if res.weight_version is not None else self.version
+            assert isinstance(res, GenerateResult) and res.logprobs is not None
+            version = int(res.weight_version) if res.weight_version is not None else self.version
             ids.extend(res.output_ids)
             logps.extend(res.logprobs)
             versions.extend([version] * len(res.output_ids))
             TOKENS.inc(len(res.output_ids))
-            if res.finish_reason == "abort" and len(ids) < budget:
+            finish = str(res.finish_reason.get("type", "abort"))
+            if finish == "abort" and len(ids) < budget:
                 INTERRUPTIONS.inc()
                 continue
-            if res.finish_reason == "abort":
-                return ids, logps, versions, "length"
-            return ids, logps, versions, res.finish_reason
+            return ids, logps, versions, "length" if finish == "abort" else finish

@@ -93,7 +93,7 @@ class TrajectoryStore(Service):
         self.archive = ArchiveWriter(Path(cfg.run_dir) / "archive", writer=f"store{self.replica}")
         self.manifest_id = (await self.redis.get(self.keys.manifest_id) or b"").decode()
         self.groups: dict[str, _Group] = {}
-        self.ready: deque[_Group] = deque()
+        self.ready_groups: deque[_Group] = deque()
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
         self.grpc_server = grpc.aio.server()
@@ -177,7 +177,7 @@ class TrajectoryStore(Service):
         ready buffer is full (the gate keeps that rare).
         """
         while True:
-            if len(self.ready) >= self.cfg.store.max_buffered_groups:
+            if len(self.ready_groups) >= self.cfg.store.max_buffered_groups:
                 self.ready_changed.clear()
                 await self.ready_changed.wait()
                 continue
@@ -240,8 +240,8 @@ class TrajectoryStore(Service):
             await self.gate.finish(n_valid, accepted=True)
             if group.expected > n_valid:
                 await self.gate.finish(group.expected - n_valid, accepted=False)
-            self.ready.append(group)
-            GROUPS_READY.set(len(self.ready))
+            self.ready_groups.append(group)
+            GROUPS_READY.set(len(self.ready_groups))
             self.ready_changed.set()
         self.capacity_changed.set()
 
@@ -277,7 +277,7 @@ class TrajectoryStore(Service):
         await self._note_version(learner_version)
         want_groups = self.cfg.learner.batch_groups
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while len(self.ready) < want_groups:
+        while len(self.ready_groups) < want_groups:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return []
@@ -287,10 +287,10 @@ class TrajectoryStore(Service):
             except TimeoutError:
                 return []
         out: list[Trajectory] = []
-        while self.ready and len(out) + len(self.ready[0].members) <= max_trajectories and want_groups > 0:
-            out.extend(self.ready.popleft().members)
+        while self.ready_groups and len(out) + len(self.ready_groups[0].members) <= max_trajectories and want_groups > 0:
+            out.extend(self.ready_groups.popleft().members)
             want_groups -= 1
-        GROUPS_READY.set(len(self.ready))
+        GROUPS_READY.set(len(self.ready_groups))
         self.ready_changed.set()
         return out
 

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss, ppo_clip_loss
 
 F64 = torch.float64

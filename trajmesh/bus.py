@@ -23,6 +23,7 @@ unprefixed constants below; the :class:`Bus` applies the namespace.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import ssl
 import uuid
@@ -224,7 +225,9 @@ class Consumer:
         """Up to ``batch`` messages, waiting at most ``timeout`` seconds; [] when none arrived."""
         try:
             return await self._sub.fetch(batch, timeout=timeout)
-        except nats.errors.TimeoutError:
+        except asyncio.TimeoutError:
+            # nats-py raises nats.errors.TimeoutError (a subclass) on most paths, but a bare
+            # asyncio.TimeoutError when the deadline runs out between its two pull requests.
             return []
 
     async def resolve(self, msg: Msg) -> bytes:

@@ -1,0 +1,379 @@
+"""The built-in CPU torch engine, served over the subset of SGLang's native HTTP API that
+trajmesh's rollout client uses, so one client (``engine_client.EngineClient``) drives both.
+
+```
+ HTTP /generate ──▶ _Request ──▶ asyncio.Queue (bounded) ──▶ _generation_loop ──▶ worker thread
+   (one future per prompt;                                    (drains up to         sample_batch():
+    a batch body fans out)                                     max_batch, one        left-padded batch,
+        ▲                                                      round at a time,      KV cache, token by
+        └──────────── futures resolved with output ids, ◀──── holding _round_lock)  token, polls abort
+                      logprobs, finish_reason, version
+ /pause_generation: stop taking rounds, abort the running round (rows return partial output with
+                    finish_reason abort) and the queued requests; new requests wait for /continue.
+ /update_weights_from_disk: take _round_lock (waits for the running round, or aborts it when
+                    abort_all_requests), load the checkpoint in the worker thread, swap, set version.
+```
+
+Endpoints and shapes follow SGLang (``python/sglang/srt/entrypoints/http_server.py`` and
+``managers/io_struct.py``: ``GenerateReqInput``, ``UpdateWeightFromDiskReqInput``,
+``PauseGenerationReqInput``; ``meta_info`` as built in ``tokenizer_manager.py``):
+``POST /generate`` {input_ids | text, sampling_params, return_logprob} →
+{text, output_ids, meta_info: {id, finish_reason: {type: stop|length|abort, ...}, prompt_tokens,
+completion_tokens, cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null]]}}
+(a list of those for a batch body). ``weight_version`` is a string, as in SGLang.
+
+Log-probs are those of the distribution actually sampled from: ``log_softmax(logits / T)`` before
+top-k/top-p truncation (greedy: T = 1); see ``trajmesh.learner.evaluate``. The demo samples at
+T = 1, where they equal the learner's ``log π_θ``. All tokens of one request come from one weight
+version: weights are only swapped between rounds.
+
+Run: ``python -m trajmesh.rollout.engine_server --model PATH --port P --host 127.0.0.1 --version V``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+from trajmesh.learner.evaluate import Sampled, SamplingParams, sample_batch
+from trajmesh.learner.models import load_model
+
+log = logging.getLogger("trajmesh.rollout.engine_server")
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+QUEUE_LIMIT = 4096
+
+
+@dataclass
+class _Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    future: asyncio.Future = field(repr=False)
+
+
+def _aborted() -> Sampled:
+    return Sampled(finish_reason={"type": "abort", "message": "generation paused"})
+
+
+def _parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
+    raw = dict(raw or {})
+    if raw.get("stop"):
+        raise ValueError("string stop sequences are not supported by the torch engine; use stop_token_ids")
+    if int(raw.get("n", 1)) != 1:
+        raise ValueError("n > 1 is not supported; send a batch of input_ids instead")
+    max_new = raw.get("max_new_tokens")
+    top_k = int(raw.get("top_k", -1) if raw.get("top_k") is not None else -1)
+    return SamplingParams(
+        temperature=float(raw.get("temperature", 1.0) if raw.get("temperature") is not None else 1.0),
+        top_p=float(raw.get("top_p", 1.0) if raw.get("top_p") is not None else 1.0),
+        top_k=top_k if top_k > 0 else -1,
+        max_new_tokens=int(max_new) if max_new is not None else DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids=tuple(int(t) for t in (raw.get("stop_token_ids") or ())),
+        ignore_eos=bool(raw.get("ignore_eos", False)),
+    )
+
+
+class TorchEngineServer:
+    """Lifecycle: ``setup()`` loads the model and builds the app; ``run()`` serves until ``stop()``."""
+
+    def __init__(
+        self, model_path: str, *, host: str, port: int, version: str, max_batch: int = 256, seed: int = 0
+    ) -> None:
+        self.model_path, self.host, self.port = model_path, host, port
+        self.weight_version = str(version)
+        self.max_batch, self.seed = max_batch, seed
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
+        self._abort_round = threading.Event()  # polled by the worker thread between tokens
+        self._stopped = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def setup(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.model, self.tokenizer = await loop.run_in_executor(self._executor, load_model, self.model_path)
+        self._generator = torch.Generator().manual_seed(self.seed)
+        self._queue: asyncio.Queue[_Request] = asyncio.Queue(maxsize=QUEUE_LIMIT)
+        self._not_paused = asyncio.Event()
+        self._not_paused.set()
+        self._round_lock = asyncio.Lock()
+        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.app.add_routes(
+            [
+                web.post("/generate", self._generate),
+                web.post("/update_weights_from_disk", self._update_weights_from_disk),
+                web.post("/pause_generation", self._pause_generation),
+                web.post("/continue_generation", self._continue_generation),
+                web.route("*", "/flush_cache", self._flush_cache),
+                web.get("/health", self._health),
+                web.get("/health_generate", self._health_generate),
+                web.get("/get_model_info", self._get_model_info),
+            ]
+        )
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+
+    async def run(self) -> None:
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        log.info(
+            "torch engine serving %s (version %s) on %s:%d",
+            self.model_path,
+            self.weight_version,
+            self.host,
+            self.port,
+        )
+        loop_task = asyncio.create_task(self._generation_loop(), name="generation-loop")
+        stop_task = asyncio.create_task(self._stopped.wait())
+        done, _ = await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if loop_task in done:  # a producer that returns is a crash
+            stop_task.cancel()
+            await self._runner.cleanup()
+            loop_task.result()
+            raise RuntimeError("generation loop exited")
+        self._abort_round.set()
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)
+        await self._runner.cleanup()
+        self._executor.shutdown(wait=True)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generation_loop(self) -> None:
+        """Consumes ``_queue``; waits for a first request and for ``_not_paused``; drains up to
+        ``max_batch`` more and runs them as one round in the worker thread under ``_round_lock``.
+        Unblocked by new requests and by /continue_generation."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._not_paused.wait()
+            first = await self._queue.get()
+            batch = [first]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            batch = [r for r in batch if not r.future.done()]
+            if not batch:
+                continue
+            async with self._round_lock:
+                version, model = self.weight_version, self.model
+                if not self._not_paused.is_set():  # paused between dequeue and the round: abort them
+                    for r in batch:
+                        r.future.set_result(self._response(r, _aborted(), version))
+                    continue
+                try:
+                    outs = await loop.run_in_executor(self._executor, self._run_round, model, batch)
+                except Exception as exc:  # the round fails as a whole; report it to every caller
+                    log.exception("generation round failed")
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(exc)
+                    continue
+            for r, o in zip(batch, outs, strict=True):
+                if not r.future.done():
+                    r.future.set_result(self._response(r, o, version))
+
+    def _run_round(self, model: Any, batch: list[_Request]) -> list[Sampled]:
+        return sample_batch(
+            model,
+            [r.input_ids for r in batch],
+            [r.params for r in batch],
+            pad_id=self.tokenizer.pad_token_id,
+            eos_id=self.tokenizer.eos_token_id,
+            generator=self._generator,
+            should_abort=self._abort_round.is_set,
+        )
+
+    def _response(self, r: _Request, o: Sampled, version: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": o.finish_reason,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(o.output_ids),
+            "cached_tokens": 0,
+            "weight_version": version,
+        }
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tid, None] for lp, tid in zip(o.logprobs, o.output_ids, strict=True)
+            ]
+        text = self.tokenizer.decode(o.output_ids, skip_special_tokens=True)
+        return {"text": text, "output_ids": list(o.output_ids), "meta_info": meta}
+
+    async def _abort_running_and_queued(self) -> int:
+        """Abort the running round (partial outputs) and every queued request; returns how many were queued."""
+        aborted = 0
+        while not self._queue.empty():
+            r = self._queue.get_nowait()
+            if not r.future.done():
+                r.future.set_result(self._response(r, _aborted(), self.weight_version))
+                aborted += 1
+        self._abort_round.set()
+        async with self._round_lock:  # the running round (if any) has returned its partial outputs
+            self._abort_round.clear()
+        return aborted
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("stream"):
+            return web.json_response({"error": "stream is not supported by the torch engine"}, status=400)
+        input_ids, text = body.get("input_ids"), body.get("text")
+        if (input_ids is None) == (text is None):
+            return web.json_response({"error": "give exactly one of input_ids or text"}, status=400)
+        if text is not None:
+            single = isinstance(text, str)
+            texts = [text] if single else list(text)
+            prompts = [list(self.tokenizer(t)["input_ids"]) for t in texts]
+        else:
+            single = not (len(input_ids) > 0 and isinstance(input_ids[0], list))
+            prompts = [list(map(int, input_ids))] if single else [list(map(int, p)) for p in input_ids]
+        n = len(prompts)
+        if n == 0 or any(len(p) == 0 for p in prompts):
+            return web.json_response({"error": "empty prompt"}, status=400)
+        if any(t < 0 or t >= len(self.tokenizer) for p in prompts for t in p):
+            return web.json_response({"error": "token id outside the vocabulary"}, status=400)
+        raw_sp = body.get("sampling_params")
+        raw_lp = body.get("return_logprob", False)
+        rids = body.get("rid")
+        try:
+            sps = [
+                _parse_sampling_params(raw_sp[i] if isinstance(raw_sp, list) else raw_sp) for i in range(n)
+            ]
+        except (ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        loop = asyncio.get_running_loop()
+        reqs = []
+        for i in range(n):
+            rid = (
+                rids[i] if isinstance(rids, list) else rids if single and rids else None
+            ) or uuid.uuid4().hex
+            rl = bool(raw_lp[i] if isinstance(raw_lp, list) else raw_lp)
+            reqs.append(_Request(rid, prompts[i], sps[i], rl, loop.create_future()))
+        for r in reqs:
+            await self._queue.put(r)
+        outs = await asyncio.gather(*(r.future for r in reqs))
+        return web.json_response(outs[0] if single else outs)
+
+    async def _update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        model_path = body.get("model_path")
+        if not model_path:
+            return web.json_response({"success": False, "message": "model_path is required"}, status=400)
+        if body.get("abort_all_requests"):
+            await self._abort_running_and_queued()
+        loop = asyncio.get_running_loop()
+        async with self._round_lock:
+            try:
+                model, _ = await loop.run_in_executor(self._executor, load_model, model_path)
+            except (OSError, ValueError) as exc:
+                return web.json_response(
+                    {"success": False, "message": f"Failed to load weights from {model_path}: {exc}"},
+                    status=400,
+                )
+            self.model, self.model_path = model, model_path
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        log.info("loaded weights from %s (version %s)", model_path, self.weight_version)
+        return web.json_response(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
+
+    async def _pause_generation(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        mode = body.get("mode", "abort")
+        if mode != "abort":
+            return web.json_response(
+                {"error": f"pause mode {mode!r} is not supported; use 'abort'"}, status=400
+            )
+        self._not_paused.clear()
+        await self._abort_running_and_queued()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue_generation(self, request: web.Request) -> web.Response:
+        self._not_paused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        # No KV cache outlives a round, so there is nothing to flush.
+        return web.Response(text="Cache flushed.\n")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _health_generate(self, request: web.Request) -> web.Response:
+        if not self._not_paused.is_set():
+            return web.Response(status=200)  # paused on purpose; the engine itself is alive
+        loop = asyncio.get_running_loop()
+        r = _Request(
+            "health-" + uuid.uuid4().hex,
+            [self.tokenizer.bos_token_id],
+            SamplingParams(temperature=0.0, max_new_tokens=1),
+            False,
+            loop.create_future(),
+        )
+        await self._queue.put(r)
+        await asyncio.wait_for(r.future, timeout=30)
+        return web.Response(status=200)
+
+    async def _get_model_info(self, request: web.Request) -> web.Response:
+        cfg = self.model.config
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "weight_version": self.weight_version,
+                "model_type": getattr(cfg, "model_type", None),
+                "architectures": getattr(cfg, "architectures", None),
+            }
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="HF model directory (safetensors + tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--version", default="0", help="policy version of --model (meta_info.weight_version)")
+    parser.add_argument("--max-batch", type=int, default=256, help="most requests sharing one round")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    async def _serve() -> None:
+        server = TorchEngineServer(
+            args.model,
+            host=args.host,
+            port=args.port,
+            version=args.version,
+            max_batch=args.max_batch,
+            seed=args.seed,
+        )
+        await server.setup()
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.stop)
+        await server.run()
+
+    asyncio.run(_serve())
+
+
+if __name__ == "__main__":
+    main()

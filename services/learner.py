@@ -1,0 +1,258 @@
+"""Learner service: batches from the store → decoupled PPO step → weights v+1 (DESIGN.md §1.5, §3–5).
+
+::
+
+    store ── gRPC NextBatch(v) ──▶ split_stale (per token: v − u ≤ η, else quarantine `stale`)
+                                      │
+                                      ▼
+         proximal log-probs (no grad, pre-update weights) ─ advantages ─ decoupled loss ─ step
+                                      │
+       weights/v{v+1} (safetensors, atomic rename) ── KV + WEIGHTS announcement ── gate.set_version
+                                      │
+    store ◀── gRPC Report(trained, quarantined) ;  metrics.jsonl ; checkpoint every N steps and on stop
+
+The learner owns the version: it increases by exactly one per step. It stops after
+`learner.max_steps` steps or `learner.max_seconds` of RL, writing a final checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis.asyncio
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from trajmesh import bus as busmod
+from trajmesh.contract import Trajectory
+from trajmesh.gate import AsyncStalenessGate
+from trajmesh.keys import RedisKeys
+from trajmesh.learner.objective import ObjectiveConfig
+from trajmesh.learner.step import advantages_B, build_batch, compute_loss, split_stale
+from trajmesh.learner.train_engine import build_train_engine
+from trajmesh.service import Service
+from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+
+log = logging.getLogger("trajmesh.learner")
+
+STEPS = Counter("trajmesh_learner_steps_total", "Optimizer steps taken")
+VERSION = Gauge("trajmesh_learner_policy_version", "Current policy version")
+TRAINED = Counter("trajmesh_learner_trajectories_trained_total", "Trajectories trained on")
+QUARANTINED = Counter("trajmesh_learner_trajectories_quarantined_total", "Trajectories refused at consume time",
+                      ["reason"])
+LAG = Histogram("trajmesh_learner_policy_lag_versions", "Per-token policy lag v − u of trained tokens",
+                buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+STEP_SECONDS = Histogram("trajmesh_learner_step_seconds", "Compute time of one learner step")
+WAIT_SECONDS = Counter("trajmesh_learner_idle_seconds_total", "Seconds waiting for a batch")
+BUSY_SECONDS = Counter("trajmesh_learner_busy_seconds_total", "Seconds computing steps")
+WEIGHT_SYNC_SECONDS = Histogram("trajmesh_learner_weight_publish_seconds", "Save + announce time")
+STEP_GAUGES: dict[str, Gauge] = {}
+
+
+def _gauge(name: str) -> Gauge:
+    if name not in STEP_GAUGES:
+        STEP_GAUGES[name] = Gauge(name, f"Value at the last learner step: {name}")
+    return STEP_GAUGES[name]
+
+
+class LearnerService(Service):
+    name = "learner"
+
+    async def setup(self) -> None:
+        cfg = self.cfg
+        assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
+        torch.manual_seed(cfg.learner.seed)
+        self.run_dir = Path(cfg.run_dir)
+        self.keys = RedisKeys(cfg.infra.namespace)
+        self.redis = redis.asyncio.Redis.from_url(cfg.infra.redis_url)
+        self.gate = AsyncStalenessGate(self.redis, key_prefix=self.keys.gate_prefix, eta=cfg.effective_eta,
+                                       batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
+        self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=cfg.infra.namespace)
+        await self.bus.ensure_streams()
+        self.channel = grpc.aio.insecure_channel(cfg.infra.store_address)
+        self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)
+
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
+                                                     attn_implementation="eager")
+        self.pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+        lc = cfg.learner
+        self.engine = build_train_engine(
+            model, type=lc.engine.type, lr=lc.lr, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
+            grad_clip=lc.grad_clip, zero_stage=lc.engine.zero_stage, seed=lc.seed,
+        )
+        o = lc.objective
+        self.objective = ObjectiveConfig(
+            eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip, behavior_correction=o.behavior_correction,
+            tis_cap=o.tis_cap, mis_low=o.mis_low, mis_high=o.mis_high, denominator=o.denominator,
+            constant_denominator=o.constant_denominator,
+        )
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.version = 0
+        self.steps_done = 0
+        self.rl_seconds = 0.0
+        self.trajectories_trained = 0
+        if (self.ckpt_dir / "latest").exists():
+            state = self.engine.load_checkpoint(str(self.ckpt_dir / "latest"))
+            self.version = int(state["version"])
+            self.steps_done = int(state["steps_done"])
+            self.rl_seconds = float(state["rl_seconds"])
+            self.trajectories_trained = int(state["trajectories_trained"])
+            log.info("resumed from checkpoint at version %d", self.version)
+            await self.gate.rebase_after_recovery(self.version)
+            await self._publish_weights()
+        elif await self.bus.latest_weights() is None:
+            await self._announce(self.version, cfg.model.path)
+        await self.gate.set_version(self.version)
+        VERSION.set(self.version)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    async def run(self) -> None:
+        """Steps until the step or time budget is spent. Waits on NextBatch (the store blocks until
+        a batch is ready); what unblocks it is rollout + grading of admitted groups."""
+        lc = self.cfg.learner
+        eta = self.cfg.effective_eta
+        temperature = self.cfg.tasks.sampling.temperature or 1.0
+        loop_start = time.monotonic() - self.rl_seconds
+        while self.steps_done < lc.max_steps and time.monotonic() - loop_start < lc.max_seconds:
+            wait_start = time.perf_counter()
+            resp = await self.store.NextBatch(services_pb2.NextBatchRequest(
+                learner_version=self.version, max_trajectories=self.cfg.batch_trajectories, timeout_seconds=5.0))
+            waited = time.perf_counter() - wait_start
+            WAIT_SECONDS.inc(waited)
+            if not resp.trajectories:
+                continue
+            trajs = [Trajectory(pb) for pb in resp.trajectories]
+            start = time.perf_counter()
+            metrics = await asyncio.to_thread(self._train_step, trajs, eta, temperature)
+            step_s = time.perf_counter() - start
+            BUSY_SECONDS.inc(step_s)
+            STEP_SECONDS.observe(step_s)
+            pub_start = time.perf_counter()
+            await self._publish_weights()
+            WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - pub_start)
+            await self.store.Report(services_pb2.ReportRequest(
+                learner_version=self.version, trained_ids=metrics.pop("_trained_ids"),
+                quarantined_ids=metrics.pop("_stale_ids"),
+                quarantine_reasons=["stale"] * int(metrics["trajectories_stale"])))
+            self.rl_seconds = time.monotonic() - loop_start
+            metrics.update(step=self.steps_done, version=self.version, rl_seconds=self.rl_seconds,
+                           wait_seconds=waited, step_seconds=step_s, time=time.time())
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
+            if self.steps_done % lc.checkpoint_every == 0:
+                await asyncio.to_thread(self._checkpoint)
+        log.info("learner done: %d steps, version %d", self.steps_done, self.version)
+
+    def _train_step(self, trajs: list[Trajectory], eta: int, temperature: float) -> dict[str, Any]:
+        lc = self.cfg.learner
+        keep, stale = split_stale(trajs, self.version, eta)
+        for _ in stale:
+            QUARANTINED.labels(reason="stale").inc()
+        metrics: dict[str, Any] = {"trajectories_in_batch": len(trajs), "trajectories_stale": len(stale),
+                                   "_stale_ids": [t.trajectory_id for t in stale], "_trained_ids": []}
+        if keep:
+            batch = build_batch(keep, self.pad_id)
+            adv_B = advantages_B(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
+                                 eps=lc.advantage.eps)
+            model = self.engine.module
+            model.train()
+            loss, step_metrics = compute_loss(model, batch, adv_B, self.objective, temperature=temperature,
+                                              version=self.version, max_lag=max(eta, 1) + 1)
+            self.engine.backward(loss)
+            opt = self.engine.step()
+            self.engine.zero_grad()
+            mask = batch.mask_BT > 0
+            lags = (self.version - batch.versions_BT[mask]).tolist()
+            for lag in lags:
+                LAG.observe(lag)
+            metrics.update(step_metrics)
+            metrics.update(opt)
+            metrics.update(
+                reward_mean=float(batch.reward_B.mean()), max_token_lag=int(max(lags)) if lags else 0,
+                tokens_trained=int(mask.sum()), trajectories_trained=len(keep),
+            )
+            metrics["_trained_ids"] = batch.trajectory_ids
+            TRAINED.inc(len(keep))
+            self.trajectories_trained += len(keep)
+        # The version advances by exactly one per step, even if every trajectory was stale.
+        self.version += 1
+        self.steps_done += 1
+        STEPS.inc()
+        VERSION.set(self.version)
+        for k, v in metrics.items():
+            if k.startswith("trajmesh_") and isinstance(v, (int, float)):
+                _gauge(k).set(v)
+        return metrics
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    async def _publish_weights(self) -> None:
+        path = await asyncio.to_thread(self._save_weights, self.version)
+        await self._announce(self.version, str(path))
+        await self.gate.set_version(self.version)
+
+    def _save_weights(self, version: int) -> Path:
+        """HF safetensors dir for `version`, written to a temp dir and renamed (atomic)."""
+        root = self.run_dir / "weights"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"v{version:06d}"
+        if final.exists():
+            return final
+        tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.engine.module.save_pretrained(str(tmp), safe_serialization=True)
+        base = Path(self.cfg.model.path)  # type: ignore[arg-type]
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (base / name).exists():
+                shutil.copy(base / name, tmp / name)
+        os.replace(tmp, final)
+        keep = 2 * (self.cfg.effective_eta + 2)  # rollout may still be loading recent versions
+        for old in sorted(root.glob("v*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    async def _announce(self, version: int, path: str) -> None:
+        sha = hashlib.sha256()
+        st = Path(path) / "model.safetensors"
+        if st.exists():
+            sha.update(st.read_bytes())
+        ann = trajectory_pb2.WeightsAnnouncement(version=version, path=str(Path(path).resolve()),
+                                                 sha256=sha.hexdigest(), published_unix_seconds=time.time())
+        await self.bus.publish_weights(version, ann.SerializeToString())
+
+    def _checkpoint(self) -> None:
+        tmp = self.ckpt_dir / f".tmp-{self.version}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.engine.save_checkpoint(str(tmp), client_state={
+            "version": self.version, "steps_done": self.steps_done, "rl_seconds": self.rl_seconds,
+            "trajectories_trained": self.trajectories_trained, "objective": asdict(self.objective)})
+        latest = self.ckpt_dir / "latest"
+        old = self.ckpt_dir / ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if latest.exists():
+            os.replace(latest, old)
+        os.replace(tmp, latest)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint at version %d", self.version)
+
+    async def stop(self) -> None:
+        if hasattr(self, "engine") and getattr(self, "steps_done", 0) > 0:
+            await asyncio.to_thread(self._checkpoint)
+        if hasattr(self, "channel"):
+            await self.channel.close()
+        if hasattr(self, "bus"):
+            await self.bus.close()
+        if hasattr(self, "redis"):
+            await self.redis.aclose()

@@ -1,0 +1,170 @@
+"""The CPU torch engine over SGLang's native HTTP API, driven by the rollout client."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trajmesh.learner.models import build_char_tokenizer, build_tiny_model, encode_prompt, load_model  # noqa: E402
+from trajmesh.rollout.engine_client import EngineClient  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build_models(root: Path) -> tuple[Path, Path]:
+    build_char_tokenizer(root / "tok")
+    dims = {"hidden": 32, "layers": 2, "heads": 2, "max_positions": 4096}
+    build_tiny_model(root / "a", root / "tok", seed=0, **dims)
+    build_tiny_model(root / "b", root / "tok", seed=1, **dims)
+    return root / "a", root / "b"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    model_a, model_b = _build_models(root)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trajmesh.rollout.engine_server",
+            "--model",
+            str(model_a),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--version",
+            "0",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "w"),  # noqa: SIM115
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    async def _wait_healthy() -> bool:
+        async with EngineClient(url) as client:
+            for _ in range(300):
+                if proc.poll() is not None:
+                    return False
+                if await client.health():
+                    return True
+                await asyncio.sleep(0.1)
+        return False
+
+    try:
+        assert asyncio.run(_wait_healthy()), (root / "server.log").read_text()
+        yield {"url": url, "a": model_a, "b": model_b}
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _direct_logprobs(model, prompt_ids, output_ids):
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    n = len(prompt_ids)
+    return [logp[n - 1 + i, t].item() for i, t in enumerate(output_ids)]
+
+
+def test_generate_logprobs_match_direct_forward(engine):
+    model, tok = load_model(engine["a"])
+    prompt = encode_prompt(tok, "12+7-3=")
+
+    async def go():
+        async with EngineClient(engine["url"]) as client:
+            return await client.generate(prompt, {"temperature": 1.0, "max_new_tokens": 12})
+
+    res = asyncio.run(go())
+    assert res.finish_reason["type"] in ("stop", "length") and res.weight_version == "0"
+    assert 0 < len(res.output_ids) <= 12 and len(res.logprobs) == len(res.output_ids)
+    assert all(lp <= 0 for lp in res.logprobs)
+    direct = _direct_logprobs(model, prompt, res.output_ids)
+    assert max(abs(a - b) for a, b in zip(res.logprobs, direct, strict=True)) < 1e-4
+    if res.finish_reason["type"] == "stop":
+        assert res.output_ids[-1] == tok.eos_token_id
+
+
+def test_concurrent_and_batched_requests(engine):
+    _, tok = load_model(engine["a"])
+    prompts = [encode_prompt(tok, p) for p in ["1+2=", "34-5=", "7+8-90=", "5="]]
+
+    async def go():
+        async with EngineClient(engine["url"]) as client:
+            sp = {"temperature": 0, "max_new_tokens": 6}
+            singles = await asyncio.gather(*(client.generate(p, sp) for p in prompts * 4))
+            batched = await client.generate(prompts, sp)
+            return singles, batched
+
+    singles, batched = asyncio.run(go())
+    assert len(singles) == 16 and len(batched) == 4
+    for i, b in enumerate(batched):  # greedy: the same continuation however requests were grouped
+        assert b.output_ids == singles[i].output_ids == singles[i + 4].output_ids
+
+
+def test_update_weights_changes_outputs_and_version(engine):
+    _, tok = load_model(engine["a"])
+    prompt = encode_prompt(tok, "12+7-3=")
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+    async def go():
+        async with EngineClient(engine["url"]) as client:
+            before = await client.generate(prompt, sp)
+            await client.update_weights_from_disk(str(engine["b"]), version=1)
+            after = await client.generate(prompt, sp)
+            info = await client.model_info()
+            await client.update_weights_from_disk(str(engine["a"]), version=2)
+            back = await client.generate(prompt, sp)
+            return before, after, info, back
+
+    before, after, info, back = asyncio.run(go())
+    assert (before.weight_version, after.weight_version, back.weight_version) == ("0", "1", "2")
+    assert info["weight_version"] == "1"
+    assert before.logprobs != after.logprobs
+    assert back.output_ids == before.output_ids
+
+
+def test_pause_aborts_in_flight_and_continue_resumes(engine):
+    _, tok = load_model(engine["a"])
+    prompt = encode_prompt(tok, "1+1=")
+
+    async def go():
+        async with EngineClient(engine["url"]) as client:
+            long = asyncio.create_task(client.generate(prompt, {"max_new_tokens": 3000, "ignore_eos": True}))
+            await asyncio.sleep(1.0)
+            t0 = time.perf_counter()
+            await client.pause()
+            partial = await asyncio.wait_for(long, timeout=10)
+            pause_s = time.perf_counter() - t0
+            waiting = asyncio.create_task(client.generate(prompt, {"max_new_tokens": 4, "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # paused: new requests wait
+            await client.resume()
+            resumed = await asyncio.wait_for(waiting, timeout=10)
+            return partial, pause_s, resumed
+
+    partial, pause_s, resumed = asyncio.run(go())
+    assert partial.finish_reason["type"] == "abort"
+    assert 0 < len(partial.output_ids) < 3000 and len(partial.logprobs) == len(partial.output_ids)
+    assert pause_s < 5
+    assert resumed.finish_reason["type"] == "length" and len(resumed.output_ids) == 4

@@ -1,0 +1,104 @@
+"""Command line: `trajmesh train|up|serve|inspect`. Thin: parse, load config, hand off."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+import yaml
+
+from trajmesh.config import ConfigError, load_config
+
+SERVICES = ("store", "rollout", "environment", "grader", "learner")
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
+        key, value = pair.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _build_service(name: str, args: argparse.Namespace) -> Any:
+    cfg = load_config(args.config)
+    kw = {"replica": args.replica, "metrics_port": args.metrics_port}
+    if name == "store":
+        from trajmesh.services.store import TrajectoryStore
+
+        return TrajectoryStore(cfg, **kw)
+    if name == "grader":
+        from trajmesh.services.grader import GraderService
+
+        return GraderService(cfg, **kw)
+    if name == "environment":
+        from trajmesh.services.environment import EnvironmentService
+
+        return EnvironmentService(cfg, grpc_port=args.grpc_port, **kw)
+    if name == "rollout":
+        from trajmesh.services.rollout import RolloutService
+
+        return RolloutService(cfg, **kw)
+    from trajmesh.services.learner import LearnerService
+
+    return LearnerService(cfg, **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trajmesh", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_train = sub.add_parser("train", help="train end to end with every service as a local process")
+    p_train.add_argument("config")
+    p_train.add_argument("--resume", action="store_true", help="continue the run in run_dir from its checkpoint")
+    p_train.add_argument("--fresh", action="store_true", help="delete run_dir first")
+    p_train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config key, e.g. --set gate.eta=0")
+    p_train.add_argument("--eval-every", type=float, default=60.0, help="seconds between held-out evaluations")
+
+    p_serve = sub.add_parser("serve", help="run one service (the container entry point)")
+    p_serve.add_argument("service", choices=SERVICES)
+    p_serve.add_argument("--config", required=True)
+    p_serve.add_argument("--replica", type=int, default=0)
+    p_serve.add_argument("--metrics-port", type=int, default=9400)
+    p_serve.add_argument("--grpc-port", type=int, default=50061, help="environment only")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        if args.command == "serve":
+            from trajmesh.service import serve
+
+            asyncio.run(serve(_build_service(args.service, args)))
+            return 0
+        if args.command == "train":
+            from trajmesh.train import RunDirExists, train
+
+            cfg = load_config(args.config, _overrides(args.set))
+            try:
+                summary = train(cfg, resume=args.resume, fresh=args.fresh, eval_every_s=args.eval_every)
+            except RunDirExists as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            except KeyboardInterrupt:
+                print(f"\ninterrupted: services stopped, state saved; continue with "
+                      f"`trajmesh train {args.config} --resume`", file=sys.stderr)
+                return 130
+            print(json.dumps(summary, indent=1))
+            return 0
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

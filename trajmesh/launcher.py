@@ -1,0 +1,224 @@
+"""The local launcher behind `trajmesh train` / `trajmesh up`: the whole mesh as local processes.
+
+::
+
+    train CONFIG
+      ├─ model: config path, or the embedded demo model (tiny Llama + SFT warm start, cached)
+      ├─ held-out accuracy before RL (greedy and T=1)
+      ├─ nats-server -js and redis-server on free loopback ports, data under RUN_DIR/infra
+      ├─ trajmesh serve environment|store|grader|rollout|learner  (one process each replica)
+      ├─ watch: progress from metrics.jsonl; any service dying stops the run
+      ├─ learner exits after its budget → stop services (SIGTERM by pid) → stop NATS/Redis
+      └─ held-out accuracy after RL, summary.json, metrics.png
+
+Ctrl-C stops everything cleanly (the learner checkpoints on stop); `train --resume` continues.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trajmesh.config import RunConfig, dump_config
+from trajmesh.infra import NatsServer, RedisServer, free_port
+
+log = logging.getLogger("trajmesh.launcher")
+
+SERVICE_ORDER = ("environment", "store", "grader", "rollout", "learner")
+
+
+@dataclass
+class Proc:
+    name: str
+    replica: int
+    popen: subprocess.Popen[bytes]
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.replica}"
+
+
+@dataclass
+class Mesh:
+    """The processes of one local run, stopped by pid in reverse start order."""
+
+    cfg: RunConfig
+    config_path: Path
+    procs: list[Proc] = field(default_factory=list)
+    nats: NatsServer | None = None
+    redis: RedisServer | None = None
+
+    def start_service(self, name: str, replica: int, extra: list[str] | None = None) -> Proc:
+        run_dir = Path(self.cfg.run_dir)
+        port = free_port()
+        log_path = run_dir / "logs" / f"{name}-{replica}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "trajmesh.cli", "serve", name, "--config", str(self.config_path),
+               "--replica", str(replica), "--metrics-port", str(port), *(extra or [])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as fh:
+            popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = Proc(name, replica, popen, port, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def wait_healthy(self, procs: list[Proc], timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.label} exited with {p.popen.returncode} during start:\n{tail(p.log_path)}")
+                if healthy(p.metrics_port):
+                    pending.remove(p)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {timeout_s}s: {[p.label for p in pending]}")
+            time.sleep(0.2)
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen.poll() is not None]
+
+    def stop_services(self, grace_s: float = 30.0) -> None:
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing pid %d", p.label, grace_s, p.popen.pid)
+                os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
+
+    def stop_infra(self) -> None:
+        if self.nats is not None:
+            self.nats.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1.0) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start_mesh(cfg: RunConfig, *, fresh_infra_dir: bool = True) -> Mesh:
+    """Start NATS/Redis (unless URLs are given) and every service; returns once all are healthy."""
+    run_dir = Path(cfg.run_dir)
+    infra = cfg.infra
+    mesh = Mesh(cfg, run_dir / "config.resolved.yaml")
+    try:
+        if infra.nats_url is None:
+            mesh.nats = NatsServer(run_dir / "infra" / "nats")
+            mesh.nats.start()
+        if infra.redis_url is None:
+            mesh.redis = RedisServer(run_dir / "infra" / "redis")
+            mesh.redis.start()
+        env_ports = [free_port() for _ in range(cfg.environment.replicas)]
+        resolved = cfg.model_copy(update={"infra": infra.model_copy(update={
+            "nats_url": infra.nats_url or (mesh.nats.url if mesh.nats else None),
+            "redis_url": infra.redis_url or (mesh.redis.url if mesh.redis else None),
+            "store_address": f"127.0.0.1:{free_port()}",
+            "environment_addresses": [f"127.0.0.1:{p}" for p in env_ports],
+        })})
+        mesh.cfg = resolved
+        dump_config(resolved, mesh.config_path)
+        _store_manifest_id(resolved)
+        envs = [mesh.start_service("environment", i, ["--grpc-port", str(p)]) for i, p in enumerate(env_ports)]
+        store = [mesh.start_service("store", 0)]
+        mesh.wait_healthy(envs + store)
+        graders = [mesh.start_service("grader", i) for i in range(cfg.grader.replicas)]
+        rollouts = [mesh.start_service("rollout", i) for i in range(cfg.rollout.replicas)]
+        mesh.wait_healthy(graders + rollouts)
+        learner = [mesh.start_service("learner", 0)]
+        mesh.wait_healthy(learner)
+    except BaseException:
+        mesh.stop_services(grace_s=10)
+        mesh.stop_infra()
+        raise
+    return mesh
+
+
+def _store_manifest_id(cfg: RunConfig) -> None:
+    import redis
+
+    from trajmesh.keys import RedisKeys
+
+    manifest = json.loads((Path(cfg.run_dir) / "manifest.json").read_text())
+    assert cfg.infra.redis_url
+    r = redis.Redis.from_url(cfg.infra.redis_url)
+    r.set(RedisKeys(cfg.infra.namespace).manifest_id, manifest["manifest_id"])
+    r.close()
+
+
+def accounting(cfg: RunConfig) -> dict[str, Any]:
+    """Admitted trajectories (Redis) against final outcomes in the archive."""
+    import redis
+
+    from trajmesh.archive import final_outcomes, read_archive
+    from trajmesh.keys import RedisKeys
+
+    assert cfg.infra.redis_url
+    r = redis.Redis.from_url(cfg.infra.redis_url)
+    admitted = int(r.get(RedisKeys(cfg.infra.namespace).admitted_trajectories) or 0)
+    r.close()
+    table = read_archive(Path(cfg.run_dir) / "archive")
+    finals = final_outcomes(table)
+    counts: dict[str, int] = {}
+    for row in finals.values():
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    unparseable = sum(1 for row in table.to_pylist() if not row["trajectory_id"])
+    return {"admitted": admitted, "outcomes": counts, "unparseable_quarantined": unparseable}
+
+
+def prepare_model(cfg: RunConfig) -> RunConfig:
+    """The model dir to train: config's `model.path`, or the embedded demo model (built once, cached)."""
+    if cfg.model.path is not None:
+        if not (Path(cfg.model.path) / "config.json").exists():
+            raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model dir (no config.json)")
+        return cfg
+    import hashlib
+
+    from trajmesh.learner.models import prepare_demo_model
+
+    d = cfg.model.demo
+    src = cfg.tasks.sources[0]
+    key = json.dumps({"demo": d.model_dump(), "knobs": src.knobs, "seed": cfg.seed}, sort_keys=True)
+    cache = Path(cfg.run_dir).parent / ".cache" / f"demo-model-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    sft_dir = cache / "sft"
+    if not (sft_dir / "config.json").exists():
+        log.info("building the demo model (tiny Llama + SFT) in %s", cache)
+        tmp = cache.with_name(cache.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        stats = prepare_demo_model(
+            tmp, seed=cfg.seed, hidden=d.hidden_size, layers=d.layers, heads=d.heads, steps=d.sft_steps,
+            batch_size=d.sft_batch_size, lr=d.sft_lr, n_train=d.sft_size, **({"knobs": src.knobs} if src.knobs else {}),
+        )
+        (tmp / "sft_stats.json").write_text(json.dumps({k: v for k, v in stats.items() if k != "losses"},
+                                                       default=str, indent=1))
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(sft_dir.resolve())})})
