@@ -445,6 +445,23 @@ def shutdown_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+def _zero_config(stage: int, model: nn.Module) -> dict[str, Any]:
+    """ZeRO section with bucket sizes fitted to the model.
+
+    DeepSpeed's default buckets are 5e8 elements (2 GB in fp32); ZeRO-2 allocates its reduce bucket
+    on every backward, which on CPU costs ~0.8 s per step for any model size. Buckets no larger than
+    the model (at least 2**20 elements, at most the default) remove that cost.
+    """
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    bucket = int(min(max(numel, 2**20), 500_000_000))
+    zero: dict[str, Any] = {"stage": stage}
+    if stage in (1, 2):
+        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    elif stage == 3:
+        zero.update(reduce_bucket_size=bucket, stage3_prefetch_bucket_size=bucket)
+    return zero
+
+
 @register_train_engine("deepspeed")
 class DeepSpeedTrainEngine(TrainEngine):
     """``deepspeed.initialize`` around the same AdamW + LambdaLR as the torch engine.
@@ -453,7 +470,8 @@ class DeepSpeedTrainEngine(TrainEngine):
     matter for DeepSpeed's bookkeeping, the caller decides what a batch is)::
 
         {"train_batch_size": W, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-         "gradient_clipping": grad_clip, "zero_optimization": {"stage": zero_stage},
+         "gradient_clipping": grad_clip,
+         "zero_optimization": {"stage": zero_stage, <bucket sizes fitted to the model, see _zero_config>},
          "zero_allow_untested_optimizer": True, "fp16": {"enabled": False}, "bf16": {"enabled": False},
          "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     """
@@ -470,7 +488,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": float(config.grad_clip) if config.grad_clip > 0 else 0.0,
-            "zero_optimization": {"stage": int(config.zero_stage)},
+            "zero_optimization": _zero_config(int(config.zero_stage), model),
             "zero_allow_untested_optimizer": True,
             "fp16": {"enabled": False},
             "bf16": {"enabled": False},

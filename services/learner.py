@@ -143,7 +143,8 @@ class LearnerService(Service):
             await self._publish_weights()
             WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - pub_start)
             await self.store.Report(services_pb2.ReportRequest(
-                learner_version=self.version, trained_ids=metrics.pop("_trained_ids"),
+                learner_version=self.version - 1,  # the version the batch was trained at
+                trained_ids=metrics.pop("_trained_ids"),
                 quarantined_ids=metrics.pop("_stale_ids"),
                 quarantine_reasons=["stale"] * int(metrics["trajectories_stale"])))
             self.rl_seconds = time.monotonic() - loop_start

@@ -109,6 +109,12 @@ class TrajectoryStore(Service):
         if hasattr(self, "grpc_server"):
             await self.grpc_server.stop(grace=1.0)
         if hasattr(self, "archive"):
+            # Buffered groups live in memory only: record that they end unused, so nothing is
+            # silently lost from the accounting.
+            for group in self.ready_groups:
+                for t in group.members:
+                    self._archive(t, "filtered", "unused_at_stop")
+            self.ready_groups.clear()
             self.archive.close()
         if hasattr(self, "bus"):
             await self.bus.close()
@@ -200,21 +206,25 @@ class TrajectoryStore(Service):
         if not await self.redis.sadd(self.keys.seen_trajectories, traj.trajectory_id):
             self._archive(traj, "duplicate", "duplicate_trajectory_id")
             return
-        group = self.groups.get(traj.group_id)
-        if group is None:
-            group = self.groups[traj.group_id] = _Group(traj.group_id, int(task["group_size"]))
-        group.received += 1
         version = await self.gate.version()
         violations = traj.validate(vocab_size=self.vocab_size, learner_version=version)
-        if traj.pb.group_id != task["group_id"]:
-            self._archive(traj, "quarantined", "group_mismatch")
-        elif violations:
+        member = traj.pb.group_id == task["group_id"]
+        if violations:
             self._archive(traj, "quarantined", ",".join(sorted({v.name for v in violations})))
+        elif not member:
+            self._archive(traj, "quarantined", "group_mismatch")
         elif traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
             self._archive(traj, "failed_infra", "infra_failure")
         elif not traj.graded or not math.isfinite(traj.reward):
             self._archive(traj, "quarantined", "not_graded")
-        else:
+        if not member:
+            return  # not one of the task's G samples: it must not complete (or block) a real group
+        group = self.groups.get(traj.group_id)
+        if group is None:
+            group = self.groups[traj.group_id] = _Group(traj.group_id, int(task["group_size"]))
+        group.received += 1
+        if not violations and traj.graded and math.isfinite(traj.reward) and \
+                traj.terminal_reason != trajectory_pb2.INFRA_FAILURE:
             group.members.append(traj)
         if group.received >= group.expected:
             del self.groups[traj.group_id]

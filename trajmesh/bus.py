@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import nats
-import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg

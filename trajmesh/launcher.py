@@ -174,6 +174,27 @@ def _store_manifest_id(cfg: RunConfig) -> None:
     r.close()
 
 
+def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
+    """After the learner stopped: wait until no admitted trajectory is still in flight
+    (the gate's `running` is 0), so every admission has reached the store. Returns what is left."""
+    import redis
+
+    from trajmesh.keys import RedisKeys
+
+    assert cfg.infra.redis_url
+    r = redis.Redis.from_url(cfg.infra.redis_url)
+    key = RedisKeys(cfg.infra.namespace).gate_prefix + ":running"
+    deadline = time.monotonic() + timeout_s
+    running = int(r.get(key) or 0)
+    while running > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        running = int(r.get(key) or 0)
+    r.close()
+    if running:
+        log.warning("%d trajectories still in flight after %.0fs of draining", running, timeout_s)
+    return running
+
+
 def accounting(cfg: RunConfig) -> dict[str, Any]:
     """Admitted trajectories (Redis) against final outcomes in the archive."""
     import redis
@@ -190,8 +211,12 @@ def accounting(cfg: RunConfig) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for row in finals.values():
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    reasons: dict[str, int] = {}
+    for row in finals.values():
+        key = f"{row['outcome']}:{row['reason'] or '-'}"
+        reasons[key] = reasons.get(key, 0) + 1
     unparseable = sum(1 for row in table.to_pylist() if not row["trajectory_id"])
-    return {"admitted": admitted, "outcomes": counts, "unparseable_quarantined": unparseable}
+    return {"admitted": admitted, "outcomes": counts, "by_reason": reasons, "unparseable_quarantined": unparseable}
 
 
 def prepare_model(cfg: RunConfig) -> RunConfig:

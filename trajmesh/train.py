@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from trajmesh.config import RunConfig, dump_config
-from trajmesh.launcher import Mesh, accounting, prepare_model, start_mesh, tail
+from trajmesh.launcher import Mesh, accounting, drain, prepare_model, start_mesh, tail
 
 log = logging.getLogger("trajmesh.train")
 console = Console()
@@ -116,6 +116,8 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     mesh = start_mesh(cfg)
     try:
         _watch(mesh, held, eval_every_s)
+        drain(mesh.cfg)
+        mesh.stop_services()
         acct = accounting(mesh.cfg)
     finally:
         mesh.stop_services()
@@ -214,6 +216,8 @@ def _summarize(cfg: RunConfig, held: list[dict[str, Any]], acct: dict[str, Any])
         "trajectories_quarantined": outcomes.get("quarantined", 0),
         "trajectories_failed_infra": outcomes.get("failed_infra", 0),
         "trajectories_in_flight_at_stop": outcomes.get("accepted", 0),
+        "trajectories_by_outcome_reason": acct["by_reason"],
+        "unparseable_messages_quarantined": acct["unparseable_quarantined"],
         "final_version": steps[-1]["version"] if steps else 0,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,148 @@
+"""The mesh end to end: every service a real process, real NATS JetStream and Redis, gRPC between.
+
+A short asynchronous run (a few learner steps, two rollout and two grader processes) with bad
+messages injected onto TRAJ_GRADED mid-run. Checks: versions advance and rollout reloads weights
+mid-run; every trained token's lag ≤ η; no trajectory trained twice; every admitted trajectory ends
+as exactly one archived outcome; each bad message is quarantined with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from trajmesh import bus as busmod
+from trajmesh.archive import read_archive
+from trajmesh.config import load_config
+from trajmesh.contract import Trajectory
+from trajmesh.keys import RedisKeys
+from trajmesh.launcher import accounting, drain, start_mesh
+from trajmesh.train import _write_manifest, read_metrics
+from trajmesh.v1 import trajectory_pb2
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+ETA = 1
+STEPS = 6
+
+
+def _build_config(run_dir: Path, model_dir: str, **over: object):  # type: ignore[no-untyped-def]
+    overrides = {
+        "run_dir": str(run_dir), "model.path": model_dir, "gate.eta": ETA,
+        "tasks.group_size": 4, "tasks.heldout_size": 20, "tasks.train_size": 300,
+        "tasks.sampling.max_new_tokens": 6,
+        "rollout.replicas": 2, "rollout.concurrent_tasks": 2, "grader.replicas": 2,
+        "learner.engine.type": "torch", "learner.batch_groups": 3, "learner.max_steps": STEPS,
+        "learner.checkpoint_every": 3, **over,
+    }
+    return load_config(None, overrides)
+
+
+def _bad_messages(task_id: str, future_version: int) -> dict[str, bytes]:
+    """Each malformed input and the quarantine reason the store must give it."""
+    def base(tid: str) -> Trajectory:
+        t = Trajectory.new(trajectory_id=tid)
+        t.pb.task_id, t.pb.group_id = task_id, "injected-group"
+        t.append_prompt([1, 5, 6])
+        t.append_sampled([7, 2], [-0.5, -0.1], 0)
+        t.finish(trajectory_pb2.EOS)
+        t.set_reward(1.0)
+        return t
+
+    mismatched = base("bad-lengths")
+    mismatched.pb.behavior_logprobs.append(-1.0)
+    nan = base("bad-nan")
+    nan.pb.behavior_logprobs[3] = math.nan
+    future = base("bad-future")
+    future.pb.behavior_versions[3] = future_version
+    unknown = base("bad-unknown-task")
+    unknown.pb.task_id = "no-such-task"
+    return {
+        "length_mismatch": mismatched.to_bytes(),
+        "logprob_not_finite": nan.to_bytes(),
+        "version_from_future": future.to_bytes(),
+        "unknown_task_id": unknown.to_bytes(),
+        "not_a_trajectory": b"\xff\x00 definitely not a protobuf trajectory \x07",
+    }
+
+
+async def _inject(url: str, messages: dict[str, bytes]) -> None:
+    bus = await busmod.connect(url, name="test-injector")
+    try:
+        for data in messages.values():
+            await bus.publish(busmod.SUBJECT_TRAJ_GRADED, data)
+    finally:
+        await bus.close()
+
+
+def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, tiny_model_dir: str) -> None:
+    cfg = _build_config(tmp_path / "run", tiny_model_dir)
+    Path(cfg.run_dir).mkdir(parents=True)
+    _write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        cfg = mesh.cfg
+        r = redis.Redis.from_url(cfg.infra.redis_url or "")
+        keys = RedisKeys(cfg.infra.namespace)
+        deadline = time.monotonic() + 60
+        while not r.hlen(keys.tasks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        task_id = r.hkeys(keys.tasks)[0].decode()
+        r.close()
+        bad = _bad_messages(task_id, future_version=10_000)
+        asyncio.run(_inject(cfg.infra.nats_url or "", bad))
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
+        assert not [p.label for p in mesh.dead() if p is not learner and p.popen.returncode != 0]
+        assert drain(cfg) == 0
+        mesh.stop_services()
+        acct = accounting(cfg)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+
+    run_dir = Path(cfg.run_dir)
+    steps = [m for m in read_metrics(run_dir) if m.get("kind") == "learner_step"]
+    assert [m["version"] for m in steps] == list(range(1, STEPS + 1))  # +1 per step
+
+    rows = read_archive(run_dir / "archive").to_pylist()
+    # Bad input: each quarantined with its reason; the run went on.
+    by_id = {r["trajectory_id"]: r for r in rows if (r["trajectory_id"] or "").startswith("bad-")}
+    assert by_id["bad-lengths"]["reason"] == "length_mismatch"
+    assert "logprob_not_finite" in by_id["bad-nan"]["reason"]
+    assert "version_from_future" in by_id["bad-future"]["reason"]
+    assert by_id["bad-unknown-task"]["reason"] == "unknown_task_id"
+    assert all(r["outcome"] == "quarantined" for r in by_id.values())
+    assert [r["reason"] for r in rows if not r["trajectory_id"]] == ["not_a_trajectory"]
+
+    # No trajectory trained twice; every trained token's lag ≤ η; weights reloaded mid-run.
+    trained = Counter(r["trajectory_id"] for r in rows if r["outcome"] == "trained")
+    assert trained and max(trained.values()) == 1
+    intake = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
+    max_lag, versions_seen = 0, set()
+    for r in rows:
+        if r["outcome"] != "trained":
+            continue
+        acc = intake[r["trajectory_id"]]
+        for v, m in zip(acc["behavior_versions"], acc["loss_mask"], strict=True):
+            if m:
+                versions_seen.add(v)
+                max_lag = max(max_lag, r["learner_version"] - v)
+    assert max_lag <= ETA
+    assert max(versions_seen) >= 2, "rollout never sampled with reloaded weights"
+
+    # Accounting: admitted = trained + filtered + quarantined + failed_infra (injected ones aside).
+    outcomes = acct["outcomes"]
+    injected = {"bad-lengths", "bad-nan", "bad-future", "bad-unknown-task"}
+    injected_quarantined = sum(1 for t in injected if t in by_id)
+    assert outcomes.get("accepted", 0) == 0, "an accepted trajectory has no final outcome"
+    total = sum(outcomes.get(k, 0) for k in ("trained", "filtered", "quarantined", "failed_infra"))
+    assert acct["admitted"] > 0
+    assert total - injected_quarantined == acct["admitted"], json.dumps(acct)
