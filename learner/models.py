@@ -211,7 +211,7 @@ def sft(
 # --------------------------------------------------------------------------- the demo warm start
 
 DEMO_MODEL_DIMS: dict[str, int] = {"hidden": 128, "layers": 4, "heads": 4}
-DEMO_SFT: dict[str, Any] = {"steps": 600, "batch_size": 64, "lr": 3e-3, "n_train": 20000}
+DEMO_SFT: dict[str, Any] = {"steps": 800, "batch_size": 64, "lr": 3e-3, "n_train": 20000}
 
 
 def prepare_demo_model(out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> dict[str, Any]:

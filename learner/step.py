@@ -11,16 +11,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-from trajmesh.contract import Trajectory
 from trajmesh.learner import advantages as adv
 from trajmesh.learner.metrics import entropy_from_logits, step_metrics
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
 
+from trajmesh.contract import Trajectory
+
 
 def split_stale(trajs: list[Trajectory], version: int, eta: int) -> tuple[list[Trajectory], list[Trajectory]]:
     """(trainable, stale): a trajectory is stale if any action token has lag v − u > η (DESIGN.md §3)."""
-    keep, stale = [], []
+    keep: list[Trajectory] = []
+    stale: list[Trajectory] = []
     for t in trajs:
         v_T, m_T = t.behavior_versions_T, t.loss_mask_T
         lag = (version - v_T[m_T == 1]) if len(v_T) else v_T
@@ -97,8 +98,12 @@ def compute_loss(
     temperature: float,
     version: int,
     max_lag: int,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Proximal log-probs with the pre-update weights (no grad), then the decoupled loss."""
+    """Proximal log-probs with the pre-update weights (no grad), then the decoupled loss.
+
+    `entropy_coef` α adds −α·H (token-mean entropy over action tokens) to the loss.
+    """
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -108,6 +113,8 @@ def compute_loss(
     mask_BT = batch.mask_BT
     adv_BT = adv.expand_to_tokens(adv_B, mask_BT)
     loss, stats = decoupled_ppo_loss(logp_BT, prox_logp_BT, batch.behavior_logp_BT, adv_BT, mask_BT, cfg)
+    if entropy_coef:
+        loss = loss - entropy_coef * (entropy_BT * mask_BT).sum() / mask_BT.sum().clamp_min(1)
     _, w_raw_BT, kept_BT = behavior_weight(prox_logp_BT, batch.behavior_logp_BT, mask_BT, cfg)
     metrics = step_metrics(
         logp_BT=logp_BT.detach(), prox_logp_BT=prox_logp_BT, behavior_logp_BT=batch.behavior_logp_BT,

@@ -119,7 +119,11 @@ def seed_everything(seed: int, *, deterministic: bool = True) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-    if deterministic:
+    # The first call imports torch._inductor (~2-4 s once per process in torch 2.13); skip it when
+    # already on.
+    if deterministic and not (
+        torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    ):
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
@@ -151,7 +155,7 @@ def _make_optimizer(model: nn.Module, cfg: EngineConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
-        betas=tuple(cfg.betas),
+        betas=(cfg.betas[0], cfg.betas[1]),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         foreach=False,
@@ -387,12 +391,12 @@ def _no_shm_comm_op() -> Iterator[None]:
     if mod is None or not hasattr(mod, "build_shm_op"):
         yield
         return
-    original = mod.build_shm_op
-    mod.build_shm_op = lambda: None
+    original = getattr(mod, "build_shm_op")  # noqa: B009
+    setattr(mod, "build_shm_op", lambda: None)  # noqa: B010
     try:
         yield
     finally:
-        mod.build_shm_op = original
+        setattr(mod, "build_shm_op", original)  # noqa: B010
 
 
 def ensure_distributed(backend: str = "gloo") -> bool:

@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge
-
 from trajmesh.envs.base import Environment, make_environment
+
 from trajmesh.service import Service
 from trajmesh.v1 import services_pb2, services_pb2_grpc
 

@@ -17,10 +17,10 @@ import time
 
 import redis.asyncio
 from prometheus_client import Counter, Histogram
+from trajmesh.graders.reasoning_gym import ReasoningGymGrader
 
 from trajmesh import bus as busmod
 from trajmesh.contract import ContractError, Trajectory
-from trajmesh.graders.reasoning_gym import ReasoningGymGrader
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
 from trajmesh.tokenizer import load_tokenizer

@@ -32,14 +32,15 @@ import grpc
 import redis.asyncio
 import torch
 from prometheus_client import Counter, Gauge, Histogram
+from trajmesh.learner.objective import ObjectiveConfig
+from trajmesh.learner.shaping import MagicEntropyController
+from trajmesh.learner.step import advantages_B, build_batch, compute_loss, split_stale
+from trajmesh.learner.train_engine import build_train_engine
 
 from trajmesh import bus as busmod
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
-from trajmesh.learner.objective import ObjectiveConfig
-from trajmesh.learner.step import advantages_B, build_batch, compute_loss, split_stale
-from trajmesh.learner.train_engine import build_train_engine
 from trajmesh.service import Service
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
@@ -98,6 +99,9 @@ class LearnerService(Service):
             tis_cap=o.tis_cap, mis_low=o.mis_low, mis_high=o.mis_high, denominator=o.denominator,
             constant_denominator=o.constant_denominator,
         )
+        ec = lc.entropy
+        self.entropy_ctl = (MagicEntropyController(target_entropy=ec.target_entropy, delta=ec.delta,
+                                                   max_coef=ec.max_coef) if ec.type == "magic" else None)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.version = 0
         self.steps_done = 0
@@ -109,6 +113,12 @@ class LearnerService(Service):
             self.steps_done = int(state["steps_done"])
             self.rl_seconds = float(state["rl_seconds"])
             self.trajectories_trained = int(state["trajectories_trained"])
+            if self.entropy_ctl is not None and state.get("entropy_controller"):
+                self.entropy_ctl.load_state_dict(state["entropy_controller"])
+            # The data cursor lives in Redis; a wiped Redis must not replay already-drawn tasks.
+            await self.redis.set(self.keys.sampler_cursor,
+                                 max(int(await self.redis.get(self.keys.sampler_cursor) or 0),
+                                     int(state.get("sampler_cursor", 0))))
             log.info("resumed from checkpoint at version %d", self.version)
             await self.gate.rebase_after_recovery(self.version)
             await self._publish_weights()
@@ -153,7 +163,7 @@ class LearnerService(Service):
             with open(self.metrics_path, "a") as fh:
                 fh.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
             if self.steps_done % lc.checkpoint_every == 0:
-                await asyncio.to_thread(self._checkpoint)
+                await self._checkpoint_async()
         log.info("learner done: %d steps, version %d", self.steps_done, self.version)
 
     def _train_step(self, trajs: list[Trajectory], eta: int, temperature: float) -> dict[str, Any]:
@@ -169,8 +179,13 @@ class LearnerService(Service):
                                  eps=lc.advantage.eps)
             model = self.engine.module
             model.train()
+            alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
             loss, step_metrics = compute_loss(model, batch, adv_B, self.objective, temperature=temperature,
-                                              version=self.version, max_lag=max(eta, 1) + 1)
+                                              version=self.version, max_lag=max(eta, 1) + 1,
+                                              entropy_coef=alpha)
+            if self.entropy_ctl is not None:
+                self.entropy_ctl.update(step_metrics["trajmesh_learner_entropy_nats"])
+                step_metrics["trajmesh_learner_entropy_coef"] = alpha
             self.engine.backward(loss)
             opt = self.engine.step()
             self.engine.zero_grad()
@@ -212,7 +227,8 @@ class LearnerService(Service):
             return final
         tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.engine.module.save_pretrained(str(tmp), safe_serialization=True)
+        # full_state_dict gathers ZeRO-3 partitions; the unwrapped model writes the HF layout.
+        self.engine.model.save_pretrained(str(tmp), safe_serialization=True, state_dict=self.engine.full_state_dict())
         base = Path(self.cfg.model.path)  # type: ignore[arg-type]
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (base / name).exists():
@@ -232,13 +248,17 @@ class LearnerService(Service):
                                                  sha256=sha.hexdigest(), published_unix_seconds=time.time())
         await self.bus.publish_weights(version, ann.SerializeToString())
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, gate: dict[str, int] | None = None, cursor: int = 0) -> None:
+        """Model, optimizer, scheduler and RNG (engine), plus version, entropy controller, gate
+        counters and data cursor (client state); written to a temp dir, then renamed."""
         tmp = self.ckpt_dir / f".tmp-{self.version}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.engine.save_checkpoint(str(tmp), client_state={
             "version": self.version, "steps_done": self.steps_done, "rl_seconds": self.rl_seconds,
-            "trajectories_trained": self.trajectories_trained, "objective": asdict(self.objective)})
+            "trajectories_trained": self.trajectories_trained, "objective": asdict(self.objective),
+            "entropy_controller": self.entropy_ctl.state_dict() if self.entropy_ctl is not None else None,
+            "gate_counters": gate or {}, "sampler_cursor": cursor})
         latest = self.ckpt_dir / "latest"
         old = self.ckpt_dir / ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -248,9 +268,15 @@ class LearnerService(Service):
         shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint at version %d", self.version)
 
+    async def _checkpoint_async(self) -> None:
+        c = await self.gate.counters()
+        cursor = int(await self.redis.get(self.keys.sampler_cursor) or 0)
+        gate = {"version": c.version, "accepted": c.accepted, "running": c.running}
+        await asyncio.to_thread(self._checkpoint, gate, cursor)
+
     async def stop(self) -> None:
         if hasattr(self, "engine") and getattr(self, "steps_done", 0) > 0:
-            await asyncio.to_thread(self._checkpoint)
+            await self._checkpoint_async()
         if hasattr(self, "channel"):
             await self.channel.close()
         if hasattr(self, "bus"):

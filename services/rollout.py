@@ -32,11 +32,11 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
+from trajmesh.rollout.engine_client import EngineClient, GenerateResult
 
 from trajmesh import bus as busmod
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
-from trajmesh.rollout.engine_client import EngineClient, GenerateResult
 from trajmesh.service import Service, supervise
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2

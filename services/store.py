@@ -37,7 +37,6 @@ from prometheus_client import Counter, Gauge
 
 from trajmesh import bus as busmod
 from trajmesh.archive import ArchiveWriter
-from trajmesh.config import RunConfig
 from trajmesh.contract import ContractError, Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys

@@ -62,7 +62,7 @@ class ArchiveWriter:
 
     def append(self, **row: Any) -> None:
         self._seq += 1
-        full = {name: None for name in SCHEMA.names}
+        full: dict[str, Any] = {name: None for name in SCHEMA.names}
         full.update(row)
         full["seq"] = self._seq
         full["written_unix_seconds"] = time.time()

@@ -131,6 +131,17 @@ class ObjectiveSettings(_Strict):
     constant_denominator: float = Field(1024.0, gt=0)
 
 
+class EntropyConfig(_Strict):
+    type: Literal["none", "magic"] = "none"
+    """none: no entropy term. magic: Skywork-OR1's adaptive coefficient (survey §7.5), checkpointed."""
+    target_entropy: float = Field(0.2, ge=0)
+    """H*: the controller raises the entropy bonus while entropy is at or below this (nats)."""
+    delta: float = Field(0.005, gt=0)
+    """Step of the coefficient per learner step."""
+    max_coef: float | None = Field(0.05, gt=0)
+    """Upper clamp of the coefficient (None: unclamped)."""
+
+
 class TrainEngineConfig(_Strict):
     type: Literal["deepspeed", "torch"] = "deepspeed"
     """deepspeed (ZeRO, gloo on CPU) or plain torch AdamW."""
@@ -153,6 +164,7 @@ class LearnerConfig(_Strict):
     """Checkpoint every N learner steps (and always on stop)."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
+    entropy: EntropyConfig = Field(default_factory=EntropyConfig)
     seed: int = 0
 
 

@@ -20,6 +20,7 @@ import os
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -48,7 +49,7 @@ class Service(ABC):
     @abstractmethod
     async def run(self) -> None: ...
 
-    async def stop(self) -> None:
+    async def stop(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; must be safe to call after a partial setup."""
 
 
@@ -83,9 +84,8 @@ async def _start_http(service: Service) -> web.AppRunner:
     site = web.TCPSite(runner, "0.0.0.0", service.metrics_port)
     await site.start()
     if service.metrics_port == 0:
-        server = site._server
-        assert server is not None and server.sockets  # type: ignore[union-attr]
-        service.metrics_port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server: Any = site._server
+        service.metrics_port = server.sockets[0].getsockname()[1]
     return runner
 
 
