@@ -68,6 +68,7 @@ def _gauge(name: str) -> Gauge:
 
 class LearnerService(Service):
     name = "learner"
+    graceful_stop_s = 120.0  # finish the step in progress: train, publish, report, then checkpoint
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -135,7 +136,8 @@ class LearnerService(Service):
         eta = self.cfg.effective_eta
         temperature = self.cfg.tasks.sampling.temperature or 1.0
         loop_start = time.monotonic() - self.rl_seconds
-        while self.steps_done < lc.max_steps and time.monotonic() - loop_start < lc.max_seconds:
+        while (self.steps_done < lc.max_steps and time.monotonic() - loop_start < lc.max_seconds
+               and not self.stopping.is_set()):
             wait_start = time.perf_counter()
             resp = await self.store.NextBatch(services_pb2.NextBatchRequest(
                 learner_version=self.version, max_trajectories=self.cfg.batch_trajectories, timeout_seconds=5.0))

@@ -148,6 +148,35 @@ class TrainEngineConfig(_Strict):
     zero_stage: int = Field(0, ge=0, le=3)
 
 
+class StopGatesConfig(_Strict):
+    """Predeclared bounds checked after every learner step (survey §11.4); a breach stops the run.
+
+    Every bound is off (None) by default. On a breach the learner writes RUN_DIR/stop_reason.json and
+    a `{"kind": "stop"}` record to metrics.jsonl, checkpoints, and exits 0. See docs/WATCHING.md.
+    """
+
+    entropy_min: float | None = Field(None, ge=0)
+    """Stop when the mean token entropy (trajmesh_learner_entropy_nats) falls below this (nats)."""
+    kl_max: float | None = Field(None, ge=0)
+    """Stop when KL(π_beh ‖ π_θ), k3 estimator (trajmesh_learner_kl_k3), exceeds this (nats)."""
+    ess_ratio_min: float | None = Field(None, ge=0)
+    """Stop when the ESS fraction of the behavior weight (trajmesh_learner_effective_sample_size_ratio)
+    falls below this (0–1; a value above 1 can never hold and forces a stop, used by tests)."""
+    verifier_disagreement_max: float | None = Field(None, ge=0, le=1)
+    """Stop when the fraction of graded batch trajectories whose pass/fail components (see
+    `verifier_components`) disagree with the scalar reward exceeds this (0–1)."""
+    verifier_components: list[str] = Field(default_factory=lambda: ["correct", "format_eos"])
+    """Pass/fail reward components for verifier disagreement: a trajectory disagrees when
+    (reward > 0) differs from (every listed component present on it is > 0)."""
+    truncation_ratio_max: float | None = Field(None, ge=0, le=1)
+    """Stop when the fraction of batch trajectories marked truncated (MAX_TOKENS/MAX_TURNS) exceeds this."""
+    engine_consistency_max_abs_logprob_diff_max: float | None = Field(None, ge=0)
+    """Stop when the engine-consistency probe's max |log π_learner − log π_engine| over
+    version-matched tokens exceeds this (nats); see trajmesh.learner.consistency."""
+    start_after_steps: int = Field(0, ge=0)
+    """Check the gates only from this learner step on (1 = from the first step)."""
+
+
 class LearnerConfig(_Strict):
     engine: TrainEngineConfig = Field(default_factory=TrainEngineConfig)
     lr: float = Field(1e-4, gt=0)
@@ -165,6 +194,10 @@ class LearnerConfig(_Strict):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
     entropy: EntropyConfig = Field(default_factory=EntropyConfig)
+    stop_gates: StopGatesConfig = Field(default_factory=StopGatesConfig)
+    """Bounds on entropy, KL, ESS, verifier disagreement, truncation and engine consistency (all off by default)."""
+    consistency_probe_trajectories: int = Field(8, ge=0)
+    """Trajectories per step the engine-consistency probe re-scores (0 disables the probe)."""
     seed: int = 0
 
 

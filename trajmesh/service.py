@@ -34,6 +34,9 @@ class Service(ABC):
     """One trajmesh process. Subclasses wire their components in `setup()` and loop in `run()`."""
 
     name: str = "service"
+    graceful_stop_s: float = 0.0
+    """On SIGTERM, how long `run()` may take to finish its current unit of work before it is
+    cancelled (it should watch `self.stopping`)."""
 
     def __init__(self, cfg: RunConfig, *, replica: int = 0, metrics_port: int = 0) -> None:
         self.cfg = cfg
@@ -106,8 +109,12 @@ async def serve(service: Service) -> None:
         if run_task in done:
             run_task.result()
         else:
+            if service.graceful_stop_s > 0:
+                await asyncio.wait({run_task}, timeout=service.graceful_stop_s)
             run_task.cancel()
-            await asyncio.gather(run_task, return_exceptions=True)
+            results = await asyncio.gather(run_task, return_exceptions=True)
+            if isinstance(results[0], Exception):
+                raise results[0]
     finally:
         service.stopping.set()
         try:

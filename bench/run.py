@@ -1,0 +1,45 @@
+"""`make bench`: every benchmark, each printing a ratio measured side by side in one run.
+
+Run one with `python bench/run.py NAME` (names: the keys of BENCHES).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+BENCHES = {
+    "math": "bench_math.py",            # learner math vs one forward+backward (goal ≤ 0.03)
+    "mesh": "bench_mesh.py",            # mesh throughput vs raw JetStream (goal ≥ 0.5)
+    "async": "bench_async.py",          # async (η=2) vs sync wall time to the same accuracy (goal ≥ 2×)
+    "verify": "bench_verify.py",        # math / sandboxed-code verifications per second
+}
+
+
+def _load(path: Path):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(BENCHES)
+    for name in names:
+        path = HERE / BENCHES[name]
+        if not path.exists():
+            print(f"== {name}: {path.name} not present, skipped")
+            continue
+        print(f"== {name} ({path.name})", flush=True)
+        start = time.perf_counter()
+        _load(path).main([])
+        print(f"== {name} done in {time.perf_counter() - start:.0f}s\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

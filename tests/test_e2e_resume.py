@@ -1,0 +1,85 @@
+"""Ctrl-C stops a `trajmesh train` run cleanly (no process left) and `--resume` continues it:
+the version keeps counting from the checkpoint, and the run reaches its step budget."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+STEPS = 8
+
+
+def _learner_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "learner_step":
+            out.append(rec)
+    return out
+
+
+def _leftover(pattern: str) -> list[str]:
+    res = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True)
+    return [line for line in res.stdout.splitlines() if "pgrep" not in line]
+
+
+def _write_config(tmp_path: Path, model_dir: str) -> Path:
+    cfg = {
+        "run_dir": str(tmp_path / "run"), "model": {"path": model_dir}, "gate": {"eta": 1},
+        "tasks": {"group_size": 4, "heldout_size": 20, "train_size": 300, "sampling": {"max_new_tokens": 6}},
+        "rollout": {"replicas": 1, "concurrent_tasks": 2}, "grader": {"replicas": 1},
+        "store": {"drop_zero_variance_groups": False},
+        "learner": {"engine": {"type": "torch"}, "batch_groups": 2, "max_steps": STEPS, "checkpoint_every": 2},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
+    cfg_path = _write_config(tmp_path, tiny_model_dir)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trajmesh.cli", "train", str(cfg_path), "--eval-every", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while len(_learner_steps(run_dir)) < 3:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        assert time.monotonic() < deadline, "no learner progress"
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=180)[0].decode()
+    assert proc.returncode == 130, out[-3000:]
+    assert "--resume" in out
+    assert _leftover(str(run_dir)) == [], "a service or server outlived Ctrl-C"
+    assert (run_dir / "checkpoints" / "latest").exists()
+    steps_before = _learner_steps(run_dir)
+    assert steps_before[-1]["step"] < STEPS
+
+    # Without --resume the existing run dir is refused with the fix in the message.
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    done = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = _learner_steps(run_dir)
+    versions = [s["version"] for s in steps]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions), versions
+    assert versions[-1] == STEPS
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl_steps"] == STEPS and summary["final_version"] == STEPS
+    assert _leftover(str(run_dir)) == []
