@@ -32,6 +32,7 @@ import grpc
 import redis.asyncio
 import torch
 from prometheus_client import Counter, Gauge, Histogram
+from trajmesh.learner import consistency
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.step import advantages_B, build_batch, compute_loss, split_stale
@@ -42,6 +43,15 @@ from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
+from trajmesh.stopgates import (
+    GATES,
+    TRUNCATED_RATIO,
+    VERIFIER_DISAGREEMENT_RATIO,
+    batch_health,
+    check_gates,
+    stop_record,
+    write_stop_reason,
+)
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
 log = logging.getLogger("trajmesh.learner")
@@ -57,6 +67,14 @@ STEP_SECONDS = Histogram("trajmesh_learner_step_seconds", "Compute time of one l
 WAIT_SECONDS = Counter("trajmesh_learner_idle_seconds_total", "Seconds waiting for a batch")
 BUSY_SECONDS = Counter("trajmesh_learner_busy_seconds_total", "Seconds computing steps")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_learner_weight_publish_seconds", "Save + announce time")
+TOKENS_TRAINED = Counter("trajmesh_learner_tokens_trained_total", "Loss-masked (action) tokens trained on")
+TRAJECTORY_AGE = Histogram("trajmesh_learner_trajectory_age_seconds",
+                           "Seconds from a trajectory's creation (rollout start) to the step that trains it",
+                           buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
+GATE_BREACHES = Counter("trajmesh_learner_stop_gate_breaches_total", "Stop-gate breaches (each stops the run)",
+                        ["gate"])
+for _g in GATES:
+    GATE_BREACHES.labels(gate=_g.name)
 STEP_GAUGES: dict[str, Gauge] = {}
 
 
@@ -64,6 +82,11 @@ def _gauge(name: str) -> Gauge:
     if name not in STEP_GAUGES:
         STEP_GAUGES[name] = Gauge(name, f"Value at the last learner step: {name}")
     return STEP_GAUGES[name]
+
+
+# Exported from the start (0 until the first step measures them): dashboards and stop gates read them.
+for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO):
+    _gauge(_name)
 
 
 class LearnerService(Service):
@@ -166,7 +189,22 @@ class LearnerService(Service):
                 fh.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
             if self.steps_done % lc.checkpoint_every == 0:
                 await self._checkpoint_async()
+            if await self._stop_gates_breached(metrics):
+                return
         log.info("learner done: %d steps, version %d", self.steps_done, self.version)
+
+    async def _stop_gates_breached(self, metrics: dict[str, Any]) -> bool:
+        """Survey §11.4: on a breach, write the reason, checkpoint, and end run() (exit 0)."""
+        breaches = check_gates(metrics, self.cfg.learner.stop_gates, self.steps_done)
+        if not breaches:
+            return False
+        for b in breaches:
+            GATE_BREACHES.labels(gate=b.gate).inc()
+            log.error("stop gate breached at step %d: %s", self.steps_done, b.message)
+        write_stop_reason(self.run_dir, stop_record(breaches, step=self.steps_done, version=self.version))
+        await self._checkpoint_async()
+        self.checkpointed_version = self.version
+        return True
 
     def _train_step(self, trajs: list[Trajectory], eta: int, temperature: float) -> dict[str, Any]:
         lc = self.cfg.learner
@@ -175,6 +213,7 @@ class LearnerService(Service):
             QUARANTINED.labels(reason="stale").inc()
         metrics: dict[str, Any] = {"trajectories_in_batch": len(trajs), "trajectories_stale": len(stale),
                                    "_stale_ids": [t.trajectory_id for t in stale], "_trained_ids": []}
+        metrics.update(batch_health(trajs, lc.stop_gates.verifier_components))
         if keep:
             batch = build_batch(keep, self.pad_id)
             adv_B = advantages_B(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
@@ -182,6 +221,10 @@ class LearnerService(Service):
             model = self.engine.module
             model.train()
             alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
+            if lc.consistency_probe_trajectories > 0:  # pre-update weights = version self.version
+                metrics.update(consistency.probe(model, keep, version=self.version, pad_id=self.pad_id,
+                                                 temperature=temperature,
+                                                 max_trajectories=lc.consistency_probe_trajectories))
             loss, step_metrics = compute_loss(model, batch, adv_B, self.objective, temperature=temperature,
                                               version=self.version, max_lag=max(eta, 1) + 1,
                                               entropy_coef=alpha)
@@ -203,6 +246,11 @@ class LearnerService(Service):
             )
             metrics["_trained_ids"] = batch.trajectory_ids
             TRAINED.inc(len(keep))
+            TOKENS_TRAINED.inc(int(mask.sum()))
+            now = time.time()
+            for t in keep:
+                if t.pb.timing.created_unix_seconds > 0:
+                    TRAJECTORY_AGE.observe(max(0.0, now - t.pb.timing.created_unix_seconds))
             self.trajectories_trained += len(keep)
         # The version advances by exactly one per step, even if every trajectory was stale.
         self.version += 1
@@ -277,7 +325,8 @@ class LearnerService(Service):
         await asyncio.to_thread(self._checkpoint, gate, cursor)
 
     async def stop(self) -> None:
-        if hasattr(self, "engine") and getattr(self, "steps_done", 0) > 0:
+        if hasattr(self, "engine") and getattr(self, "steps_done", 0) > 0 and \
+                getattr(self, "checkpointed_version", -1) != self.version:  # a stop gate already saved it
             await self._checkpoint_async()
         if hasattr(self, "channel"):
             await self.channel.close()

@@ -53,6 +53,14 @@ BUSY_SECONDS = Counter("trajmesh_rollout_busy_seconds_total", "Seconds with at l
 IDLE_SECONDS = Counter("trajmesh_rollout_idle_seconds_total", "Seconds with no task in flight")
 INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
+GENERATE_SECONDS = Histogram("trajmesh_rollout_generate_seconds", "Latency of one engine /generate request",
+                             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+ENGINE_REQUESTS = Counter("trajmesh_rollout_engine_requests_total", "Engine /generate requests by finish reason",
+                          ["finish_reason"])
+for _reason in trajectory_pb2.TerminalReason.keys():  # exported at 0 so rates exist before the first one
+    TRAJECTORIES.labels(terminal_reason=_reason)
+for _finish in ("stop", "length", "abort"):
+    ENGINE_REQUESTS.labels(finish_reason=_finish)
 
 
 class RolloutService(Service):
@@ -79,6 +87,7 @@ class RolloutService(Service):
         await self._wait_engine()
         self.engine_ready = asyncio.Event()
         self.engine_ready.set()
+        self.version_changed = asyncio.Condition()
         self.channels = [grpc.aio.insecure_channel(a) for a in cfg.infra.environment_addresses]
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=60.0)
@@ -145,6 +154,8 @@ class RolloutService(Service):
             await self.engine.pause()
             await self.engine.update_weights_from_disk(ann.path, int(ann.version))  # raises on failure
             self.version = int(ann.version)
+            async with self.version_changed:
+                self.version_changed.notify_all()
             await self.engine.resume()
             self.engine_ready.set()
             WEIGHT_UPDATES.inc()
@@ -177,6 +188,7 @@ class RolloutService(Service):
         try:
             data = await self.consumer.resolve(msg)
             task = trajectory_pb2.Task.FromString(data)
+            await self._wait_for_version(int(task.admitted_at_version))
             trajs = await asyncio.gather(*(self.run_episode(task, i) for i in range(task.group_size)))
             for traj in trajs:
                 await self.bus.publish(busmod.SUBJECT_TRAJ_RAW, traj.to_bytes(), msg_id=traj.trajectory_id)
@@ -184,6 +196,19 @@ class RolloutService(Service):
             await msg.ack()
         finally:
             INFLIGHT.dec()
+
+    async def _wait_for_version(self, version: int, timeout_s: float = 30.0) -> None:
+        """A task admitted at learner version v is not sampled with weights older than v (the
+        announcement may reach this process after the task does). Gives up after `timeout_s`:
+        the learner's per-token check still bounds the lag."""
+        if self.version >= version:
+            return
+        async with self.version_changed:
+            try:
+                await asyncio.wait_for(self.version_changed.wait_for(lambda: self.version >= version), timeout_s)
+            except TimeoutError:
+                log.warning("weights v%d not announced after %.0fs; sampling with v%d", version, timeout_s,
+                            self.version)
 
     async def utilization_loop(self) -> None:
         """Exports busy/idle seconds once a second (the async-overlap evidence)."""
@@ -247,7 +272,9 @@ class RolloutService(Service):
             sampling = {"temperature": sp.temperature, "top_p": sp.top_p or 1.0, "top_k": sp.top_k or -1,
                         "max_new_tokens": budget - len(ids),
                         "stop_token_ids": [self.tokenizer.eos_token_id]}
+            t0 = time.perf_counter()
             res = await self.engine.generate(context + ids, sampling)
+            GENERATE_SECONDS.observe(time.perf_counter() - t0)
             assert isinstance(res, GenerateResult) and res.logprobs is not None
             version = int(res.weight_version) if res.weight_version is not None else self.version
             ids.extend(res.output_ids)
@@ -255,6 +282,7 @@ class RolloutService(Service):
             versions.extend([version] * len(res.output_ids))
             TOKENS.inc(len(res.output_ids))
             finish = str(res.finish_reason.get("type", "abort"))
+            ENGINE_REQUESTS.labels(finish_reason=finish).inc()
             if finish == "abort" and len(ids) < budget:
                 INTERRUPTIONS.inc()
                 continue

@@ -26,12 +26,14 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import nats.js.errors
 import redis.asyncio
 from prometheus_client import Counter, Gauge
 
@@ -57,6 +59,34 @@ GROUPS_FILTERED = Counter("trajmesh_store_groups_filtered_total", "Groups droppe
 GATE_CAPACITY = Gauge("trajmesh_store_gate_capacity_trajectories", "Staleness gate capacity")
 GATE_RUNNING = Gauge("trajmesh_store_gate_running_trajectories", "Trajectories admitted and not yet back")
 LEARNER_VERSION = Gauge("trajmesh_store_learner_version", "Policy version the learner reported")
+TASKS_DONE = Counter("trajmesh_store_tasks_total",
+                     "Tasks (groups) completed, by source, outcome (accepted|filtered) and filter reason",
+                     ["source", "outcome", "reason"])
+ZERO_VARIANCE = Counter("trajmesh_store_zero_variance_groups_total",
+                        "Completed groups whose rewards are all equal (counted whether or not they are dropped)",
+                        ["source"])
+ZERO_VARIANCE_RATIO = Gauge("trajmesh_store_zero_variance_groups_ratio",
+                            "Fraction of the last 100 completed groups whose rewards are all equal")
+DISTINCT_ANSWERS_RATIO = Gauge("trajmesh_store_group_distinct_answers_ratio",
+                               "Mean over the last 100 groups of distinct answers (sampled token sequences) / members")
+TRUNCATED = Counter("trajmesh_store_trajectories_truncated_total",
+                    "Trajectories received truncated (MAX_TOKENS / MAX_TURNS)", ["source"])
+RETRIED = Counter("trajmesh_store_trajectories_retried_total",
+                  "Trajectories received again (a task or message was redelivered and retried)", ["source"])
+QUEUE_PENDING = Gauge("trajmesh_store_queue_pending_messages",
+                      "JetStream messages not yet delivered to the stream's durable consumer", ["stream"])
+QUEUE_ACK_PENDING = Gauge("trajmesh_store_queue_ack_pending_messages",
+                          "JetStream messages delivered and awaiting an ack", ["stream"])
+QUEUE_AGE = Gauge("trajmesh_store_queue_oldest_age_seconds",
+                  "Age of the oldest message still in a work-queue stream (not yet acked); 0 when empty",
+                  ["stream"])
+READY_AGE = Gauge("trajmesh_store_ready_group_oldest_age_seconds",
+                  "Age of the oldest assembled group waiting for the learner; 0 when none")
+QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
+"""(stream, durable consumer) pairs whose backlog the store exports."""
+for _stream, _ in QUEUES:
+    for _g in (QUEUE_PENDING, QUEUE_ACK_PENDING, QUEUE_AGE):
+        _g.labels(stream=_stream)
 
 
 @dataclass
@@ -65,6 +95,9 @@ class _Group:
     expected: int
     received: int = 0
     members: list[Trajectory] = field(default_factory=list)
+    source: str = ""
+    ready_at: float = 0.0
+    """time.time() when the group became ready for the learner."""
 
 
 class TrajectoryStore(Service):
@@ -95,6 +128,15 @@ class TrajectoryStore(Service):
         self.ready_groups: deque[_Group] = deque()
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
+        self.recent_zero_variance: deque[bool] = deque(maxlen=100)
+        self.recent_distinct_ratio: deque[float] = deque(maxlen=100)
+        for src in cfg.tasks.sources:  # exported at 0 so the data-mixture panels have every source
+            TASKS_ADMITTED.labels(source=src.name)
+            for outcome, reason in (("accepted", "none"), ("filtered", "zero_variance"),
+                                    ("filtered", "group_too_small")):
+                TASKS_DONE.labels(source=src.name, outcome=outcome, reason=reason)
+            for c in (ZERO_VARIANCE, TRUNCATED, RETRIED):
+                c.labels(source=src.name)
         self.grpc_server = grpc.aio.server()
         services_pb2_grpc.add_TrajectoryStoreServicer_to_server(_StoreServicer(self), self.grpc_server)
         port = cfg.infra.store_address.rsplit(":", 1)[1]
@@ -102,7 +144,7 @@ class TrajectoryStore(Service):
         await self.grpc_server.start()
 
     async def run(self) -> None:
-        await supervise(self.admission_loop(), self.intake_loop(), self.flush_loop())
+        await supervise(self.admission_loop(), self.intake_loop(), self.flush_loop(), self.queue_loop())
 
     async def stop(self) -> None:
         if hasattr(self, "grpc_server"):
@@ -203,8 +245,11 @@ class TrajectoryStore(Service):
             return
         task = json.loads(raw)
         if not await self.redis.sadd(self.keys.seen_trajectories, traj.trajectory_id):
+            RETRIED.labels(source=traj.pb.task_source).inc()
             self._archive(traj, "duplicate", "duplicate_trajectory_id")
             return
+        if traj.truncated:
+            TRUNCATED.labels(source=traj.pb.task_source).inc()
         version = await self.gate.version()
         violations = traj.validate(vocab_size=self.vocab_size, learner_version=version)
         member = traj.pb.group_id == task["group_id"]
@@ -220,7 +265,8 @@ class TrajectoryStore(Service):
             return  # not one of the task's G samples: it must not complete (or block) a real group
         group = self.groups.get(traj.group_id)
         if group is None:
-            group = self.groups[traj.group_id] = _Group(traj.group_id, int(task["group_size"]))
+            group = self.groups[traj.group_id] = _Group(traj.group_id, int(task["group_size"]),
+                                                        source=str(task.get("source", "")))
         group.received += 1
         if not violations and traj.graded and math.isfinite(traj.reward) and \
                 traj.terminal_reason != trajectory_pb2.INFRA_FAILURE:
@@ -237,6 +283,9 @@ class TrajectoryStore(Service):
         elif self.cfg.store.drop_zero_variance_groups and max(rewards) == min(rewards):
             reason = "zero_variance"
         n_valid = len(group.members)
+        self._note_group_health(group, rewards)
+        TASKS_DONE.labels(source=group.source, outcome="filtered" if reason else "accepted",
+                          reason=reason or "none").inc()
         if reason:
             GROUPS_FILTERED.labels(reason=reason).inc()
             log.info("group %s filtered: %s (rewards %s)", group.group_id, reason, rewards)
@@ -249,10 +298,53 @@ class TrajectoryStore(Service):
             await self.gate.finish(n_valid, accepted=True)
             if group.expected > n_valid:
                 await self.gate.finish(group.expected - n_valid, accepted=False)
+            group.ready_at = time.time()
             self.ready_groups.append(group)
             GROUPS_READY.set(len(self.ready_groups))
             self.ready_changed.set()
         self.capacity_changed.set()
+
+    def _note_group_health(self, group: _Group, rewards: list[float]) -> None:
+        """Zero-variance and answer-diversity statistics of a completed group (survey §11.3)."""
+        if len(rewards) >= 2:
+            zero = max(rewards) == min(rewards)
+            if zero:
+                ZERO_VARIANCE.labels(source=group.source).inc()
+            self.recent_zero_variance.append(zero)
+            ZERO_VARIANCE_RATIO.set(sum(self.recent_zero_variance) / len(self.recent_zero_variance))
+        if group.members:
+            answers = {t.token_ids_T[t.loss_mask_T == 1].tobytes() for t in group.members}
+            self.recent_distinct_ratio.append(len(answers) / len(group.members))
+            DISTINCT_ANSWERS_RATIO.set(sum(self.recent_distinct_ratio) / len(self.recent_distinct_ratio))
+
+    async def queue_loop(self, every_s: float = 2.0) -> None:
+        """Exports JetStream backlog (pending, ack-pending, oldest message age) of every work queue and
+        the age of the oldest ready group, every `every_s` seconds. JetStream has no subscription
+        for consumer state, so this one loop polls; KEDA and the consumer-lag alert read it."""
+        while True:
+            for stream, durable in QUEUES:
+                try:
+                    p = await self.bus.pending(stream, durable)
+                    QUEUE_PENDING.labels(stream=stream).set(p.num_pending)
+                    QUEUE_ACK_PENDING.labels(stream=stream).set(p.num_ack_pending)
+                except nats.js.errors.NotFoundError:
+                    pass  # the consumer's service has not started yet: its backlog stays 0
+                QUEUE_AGE.labels(stream=stream).set(await self._oldest_age(stream))
+            READY_AGE.set(time.time() - self.ready_groups[0].ready_at if self.ready_groups else 0.0)
+            await asyncio.sleep(every_s)
+
+    async def _oldest_age(self, stream: str) -> float:
+        """Seconds since the first message still stored in `stream` was published (0 when empty)."""
+        info = await self.bus.stream_info(stream)
+        if not info.state.messages:
+            return 0.0
+        try:
+            msg = await self.bus.js.get_msg(self.bus.layout.stream(stream), seq=info.state.first_seq)
+        except nats.js.errors.NotFoundError:
+            return 0.0  # acked (deleted) between the two calls: the queue just moved
+        if msg.time is None:
+            return 0.0
+        return max(0.0, time.time() - msg.time.timestamp())
 
     async def flush_loop(self) -> None:
         """Flushes the archive every couple of seconds so readers see recent records."""

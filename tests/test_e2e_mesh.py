@@ -146,3 +146,24 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
     total = sum(outcomes.get(k, 0) for k in ("trained", "filtered", "quarantined", "failed_infra"))
     assert acct["admitted"] > 0
     assert total - injected_quarantined == acct["admitted"], json.dumps(acct)
+
+
+def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model_dir: str) -> None:
+    """mode: sync forces η = 0: every trained token was sampled by the version it trains."""
+    cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"mode": "sync", "learner.max_steps": 3,
+                                                           "store.drop_zero_variance_groups": False})
+    Path(cfg.run_dir).mkdir(parents=True)
+    _write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
+        assert drain(mesh.cfg) == 0
+        mesh.stop_services()
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    assert [m["version"] for m in steps] == [1, 2, 3]
+    assert all(m["max_token_lag"] == 0 for m in steps)
+    assert all(m["trajectories_trained"] > 0 for m in steps)

@@ -1,0 +1,329 @@
+{{/* Chart name, truncated to 63 characters (DNS label). */}}
+{{- define "trajmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Release-scoped base name. Component names append "-<component>", so keep it ≤ 40. */}}
+{{- define "trajmesh.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of one component's objects: (dict "root" $ "component" "rollout"). */}}
+{{- define "trajmesh.componentName" -}}
+{{- printf "%s-%s" (include "trajmesh.fullname" .root) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "trajmesh.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "trajmesh.labels" -}}
+helm.sh/chart: {{ include "trajmesh.chart" . }}
+app.kubernetes.io/name: {{ include "trajmesh.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: trajmesh
+{{- end -}}
+
+{{/* Labels of one component: (dict "root" $ "component" "rollout"). */}}
+{{- define "trajmesh.componentLabels" -}}
+{{ include "trajmesh.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Stable selector labels of one component. */}}
+{{- define "trajmesh.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "trajmesh.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Selector matching every trajmesh mesh pod of this release (NetworkPolicy peers). */}}
+{{- define "trajmesh.meshPodSelector" -}}
+matchLabels:
+  app.kubernetes.io/instance: {{ .Release.Name }}
+  trajmesh.io/mesh: "true"
+{{- end -}}
+
+{{/* A pinned image reference; refuses `latest` and empty tags. */}}
+{{- define "trajmesh.image" -}}
+{{- if or (not .tag) (eq (toString .tag) "latest") -}}
+{{- fail (printf "image %s needs a pinned tag (got %q)" .repository (toString .tag)) -}}
+{{- end -}}
+{{- printf "%s:%s" .repository (toString .tag) -}}
+{{- end -}}
+
+{{/* ServiceAccount name of a component. */}}
+{{- define "trajmesh.serviceAccountName" -}}
+{{- $c := index .root.Values .component -}}
+{{- if $c.serviceAccount.create -}}
+{{- default (include "trajmesh.componentName" .) $c.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" $c.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Is an API group/version available (cluster discovery or capabilities.apiVersions)? */}}
+{{- define "trajmesh.hasAPI" -}}
+{{- if or (.root.Capabilities.APIVersions.Has .api) (has .api .root.Values.capabilities.apiVersions) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Is a component autoscaled by KEDA (its Deployment then omits spec.replicas)? */}}
+{{- define "trajmesh.autoscaled" -}}
+{{- $c := index .root.Values .component -}}
+{{- if and .root.Values.keda.enabled $c.enabled $c.autoscaling.enabled -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* In-cluster NATS service names. */}}
+{{- define "trajmesh.natsName" -}}{{ include "trajmesh.componentName" (dict "root" . "component" "nats") }}{{- end -}}
+{{- define "trajmesh.natsHeadless" -}}{{ include "trajmesh.natsName" . }}-headless{{- end -}}
+
+{{- define "trajmesh.natsUrl" -}}
+{{- if .Values.nats.enabled -}}
+{{- printf "nats://%s.%s.svc:4222" (include "trajmesh.natsName" .) .Release.Namespace -}}
+{{- else -}}
+{{- .Values.nats.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* host:port that KEDA polls for JetStream consumer state (headless: finds the consumer leader). */}}
+{{- define "trajmesh.natsMonitoringEndpoint" -}}
+{{- if .Values.nats.enabled -}}
+{{- printf "%s.%s.svc.cluster.local:8222" (include "trajmesh.natsHeadless" .) .Release.Namespace -}}
+{{- else -}}
+{{- required "nats.external.monitoringEndpoint is required for KEDA scaling with an external NATS" .Values.nats.external.monitoringEndpoint -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trajmesh.redisName" -}}{{ include "trajmesh.componentName" (dict "root" . "component" "redis") }}{{- end -}}
+
+{{- define "trajmesh.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s.%s.svc:6379/0" (include "trajmesh.redisName" .) .Release.Namespace -}}
+{{- else -}}
+{{- required "redis.external.url is required when redis.enabled=false" .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Secret holding the Redis password, "" when auth is off. */}}
+{{- define "trajmesh.redisSecretName" -}}
+{{- if .Values.redis.auth.enabled -}}
+{{- if .Values.redis.auth.create -}}
+{{- printf "%s-auth" (include "trajmesh.redisName" .) -}}
+{{- else -}}
+{{- required "redis.auth.existingSecret is required when redis.auth.enabled and not redis.auth.create" .Values.redis.auth.existingSecret -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trajmesh.hfTokenSecretName" -}}
+{{- if .Values.model.hfToken.create -}}
+{{- printf "%s-hf-token" (include "trajmesh.fullname" .) -}}
+{{- else -}}
+{{- .Values.model.hfToken.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Stream names as the mesh creates them (infra.namespace prefixes them). */}}
+{{- define "trajmesh.stream" -}}
+{{- if .root.Values.trajmesh.namespace -}}
+{{- printf "%s_%s" .root.Values.trajmesh.namespace .stream -}}
+{{- else -}}
+{{- .stream -}}
+{{- end -}}
+{{- end -}}
+
+{{/* model.path inside pods, from model.source. */}}
+{{- define "trajmesh.modelPath" -}}
+{{- $src := .Values.model.source -}}
+{{- if hasPrefix "hf://" $src -}}
+{{- printf "/models/hf/%s" (trimPrefix "hf://" $src) -}}
+{{- else if hasPrefix "pvc://" $src -}}
+{{- $parts := splitList "/" (trimPrefix "pvc://" $src) -}}
+{{- printf "/models/pvc/%s" (join "/" (rest $parts)) | trimSuffix "/" -}}
+{{- else if hasPrefix "/" $src -}}
+{{- $src -}}
+{{- else -}}
+{{- fail (printf "model.source must be hf://ORG/NAME, pvc://CLAIM/PATH or an absolute path; got %q" $src) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trajmesh.sharedClaim" -}}
+{{- default (include "trajmesh.componentName" (dict "root" . "component" "shared")) .Values.sharedVolume.existingClaim -}}
+{{- end -}}
+
+{{/*
+Pod-level volumes for a mesh pod: config, the writable runtime dir and, when asked, the shared
+volume and the model. (dict "root" $ "shared" true "model" true)
+*/}}
+{{- define "trajmesh.meshVolumes" -}}
+{{- $root := .root -}}
+- name: config
+  configMap:
+    name: {{ include "trajmesh.fullname" $root }}-config
+- name: runtime
+  emptyDir:
+    sizeLimit: 64Mi
+{{- if .shared }}
+- name: shared
+  persistentVolumeClaim:
+    claimName: {{ include "trajmesh.sharedClaim" $root }}
+{{- end }}
+{{- if .model }}
+{{- if hasPrefix "hf://" $root.Values.model.source }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ $root.Values.model.cacheSizeLimit }}
+{{- else if hasPrefix "pvc://" $root.Values.model.source }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ first (splitList "/" (trimPrefix "pvc://" $root.Values.model.source)) }}
+    readOnly: true
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Mounts matching trajmesh.meshVolumes. */}}
+{{- define "trajmesh.meshVolumeMounts" -}}
+{{- $root := .root -}}
+- name: config
+  mountPath: /etc/trajmesh
+  readOnly: true
+- name: runtime
+  mountPath: /run/trajmesh
+{{- if .shared }}
+- name: shared
+  mountPath: {{ $root.Values.sharedVolume.mountPath }}
+{{- end }}
+{{- if .model }}
+{{- if hasPrefix "hf://" $root.Values.model.source }}
+- name: model
+  mountPath: /models/hf
+  readOnly: true
+{{- else if hasPrefix "pvc://" $root.Values.model.source }}
+- name: model
+  mountPath: /models/pvc
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Init container fetching an hf:// model into the pod-local cache (nothing for other sources).
+(dict "root" $ "image" <image values> "tokenizerOnly" bool)
+*/}}
+{{- define "trajmesh.fetchModelInit" -}}
+{{- $root := .root -}}
+{{- if hasPrefix "hf://" $root.Values.model.source }}
+- name: fetch-model
+  image: {{ include "trajmesh.image" .image }}
+  imagePullPolicy: {{ .image.pullPolicy }}
+  command: ["python", "-c"]
+  args:
+    - |
+      import os
+      from huggingface_hub import snapshot_download
+      patterns = ["*.json", "tokenizer*", "*.txt", "*.model"] if os.environ["TOKENIZER_ONLY"] == "1" else None
+      snapshot_download(repo_id=os.environ["REPO_ID"], revision=os.environ["REVISION"],
+                        local_dir=os.environ["TARGET"], allow_patterns=patterns)
+  env:
+    - {name: REPO_ID, value: {{ trimPrefix "hf://" $root.Values.model.source | quote }}}
+    - {name: REVISION, value: {{ $root.Values.model.revision | quote }}}
+    - {name: TARGET, value: {{ include "trajmesh.modelPath" $root | quote }}}
+    - {name: TOKENIZER_ONLY, value: {{ ternary "1" "0" (default false .tokenizerOnly) | quote }}}
+    - {name: HF_HOME, value: /models/hf/.cache}
+    {{- if (include "trajmesh.hfTokenSecretName" $root) }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "trajmesh.hfTokenSecretName" $root }}
+          key: {{ $root.Values.model.hfToken.key }}
+    {{- end }}
+  securityContext:
+    allowPrivilegeEscalation: false
+  resources:
+    requests: {cpu: 500m, memory: 1Gi}
+    limits: {memory: 4Gi}
+  volumeMounts:
+    - name: model
+      mountPath: /models/hf
+{{- end }}
+{{- end -}}
+
+{{/* Env shared by mesh containers: secrets the entrypoint injects into the config. */}}
+{{- define "trajmesh.meshEnv" -}}
+{{- $root := . -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- if and (not $root.Values.nats.enabled) $root.Values.nats.external.urlSecret.name }}
+- name: TRAJMESH_NATS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $root.Values.nats.external.urlSecret.name }}
+      key: {{ $root.Values.nats.external.urlSecret.key }}
+{{- end }}
+{{- if (include "trajmesh.redisSecretName" $root) }}
+- name: TRAJMESH_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "trajmesh.redisSecretName" $root }}
+      key: {{ $root.Values.redis.auth.key }}
+{{- end }}
+{{- end -}}
+
+{{/* HTTP /healthz probes on the named metrics port: (dict "probes" .Values.x.probes). */}}
+{{- define "trajmesh.probes" -}}
+startupProbe:
+  httpGet: {path: /healthz, port: metrics}
+  {{- toYaml .probes.startup | nindent 2 }}
+readinessProbe:
+  httpGet: {path: /healthz, port: metrics}
+  {{- toYaml .probes.readiness | nindent 2 }}
+livenessProbe:
+  httpGet: {path: /healthz, port: metrics}
+  {{- toYaml .probes.liveness | nindent 2 }}
+{{- end -}}
+
+{{/* Pod scheduling fields shared by all components: (component values). */}}
+{{- define "trajmesh.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "trajmesh.containerSecurityContext" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  capabilities:
+    drop: ["ALL"]
+{{- end -}}
