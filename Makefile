@@ -30,7 +30,7 @@ bench: setup
 	$(PY) bench/run.py
 
 demo: setup
-	$(PY) -m trajmesh.cli train examples/demo.yaml
+	$(PY) -m trajmesh.cli train examples/demo.yaml --fresh
 
 clean:
 	rm -rf runs .pytest_cache

@@ -75,6 +75,7 @@ GATE_BREACHES = Counter("trajmesh_learner_stop_gate_breaches_total", "Stop-gate 
                         ["gate"])
 for _g in GATES:
     GATE_BREACHES.labels(gate=_g.name)
+QUARANTINED.labels(reason="stale")  # exported at 0: the stale-rate panel and alert read it
 STEP_GAUGES: dict[str, Gauge] = {}
 
 
