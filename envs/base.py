@@ -2,11 +2,16 @@
 
 An environment is deterministic given (task, seed, action log): replaying the actions on a fresh
 instance reproduces every observation and state hash, so a session can move to another pod.
+`StepResult.info` tells rollout what the action was (`action_type`: TEXT, CODE or TOOL_CALL), the
+tool call it made (`tool_call`: name, request, response, status, latency_s), and, when the
+environment ended the episode for a reason other than the policy's answer, `terminal_reason`
+(e.g. SANDBOX_ERROR with `sandbox_error`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +39,17 @@ def state_hash(*parts: object) -> str:
     return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
+def last_tag(text: str, tag: str) -> str | None:
+    """Content of the last ``<tag>...</tag>`` in ``text`` (None when absent)."""
+    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+def first_tag(text: str, tag: str) -> str | None:
+    m = re.search(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+    return m.group(1) if m else None
+
+
 class SingleAnswerEnv:
     """One turn: the observation is the prompt, the action is the answer, then the episode ends.
 
@@ -41,6 +57,7 @@ class SingleAnswerEnv:
     """
 
     revision = "single_answer-v1"
+    config_keys: tuple[str, ...] = ()
 
     def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
         self.prompt = str(task["prompt"])
@@ -52,10 +69,10 @@ class SingleAnswerEnv:
         return StepResult("", True, state_hash(self.prompt, *self.actions))
 
 
-ENVIRONMENTS: dict[str, type] = {"chain_sum": SingleAnswerEnv, "single_answer": SingleAnswerEnv}
-
-
 def make_environment(kind: str) -> Environment:
+    """An environment by registry key (`trajmesh.envs.registry.ENVIRONMENTS`)."""
+    from trajmesh.envs.registry import ENVIRONMENTS
+
     try:
         return ENVIRONMENTS[kind]()  # type: ignore[no-any-return]
     except KeyError:

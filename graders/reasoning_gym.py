@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Grade:
-    reward: float
-    components: dict[str, float]
-    verifier_output: str
-    revision: str
+from trajmesh.graders.base import Grade, Sample
 
 
 class ReasoningGymGrader:
     """Scores the decoded response with the task family's scorer; reward = correctness."""
 
-    revision = "reasoning_gym-score_answer-v1"
+    revision = "reasoning_gym-score_answer-v2"
+    components = ("correct", "format_eos")
 
-    def grade(self, response_text: str, task: dict[str, Any], *, ended_with_eos: bool) -> Grade:
-        family = task.get("metadata", {}).get("source", "")
-        if family.endswith("chain_sum"):
+    def grade(self, sample: Sample | str, task: dict[str, Any], *, ended_with_eos: bool | None = None) -> Grade:
+        if isinstance(sample, str):
+            sample = Sample(sample, [sample], bool(ended_with_eos))
+        meta = task.get("metadata", {})
+        if str(meta.get("source", "")).endswith("chain_sum"):
             from trajmesh.envs import chain_sum
 
-            correct = chain_sum.score(response_text, task)
+            correct = chain_sum.score(sample.text, task)
+        elif "family" in meta:
+            from trajmesh.envs import reasoning_gym
+
+            correct = reasoning_gym.score(sample.text, task)
         else:
-            raise ValueError(f"no grader for task source {family!r}")
-        components = {"correct": float(correct), "format_eos": 1.0 if ended_with_eos else 0.0}
-        return Grade(float(correct), components, f"answer={response_text.strip()!r} expected={task['answer']!r}",
-                     self.revision)
+            raise ValueError(f"no reasoning-gym family on task source {meta.get('source')!r}")
+        components = {"correct": float(correct), "format_eos": 1.0 if sample.ended_with_eos else 0.0}
+        return Grade(float(correct), components,
+                     f"answer={sample.text.strip()!r} expected={task['answer']!r}", self.revision)

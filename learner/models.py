@@ -30,14 +30,18 @@ CHARS = "0123456789+-*/=()., abcdefghijklmnopqrstuvwxyz"
 # --------------------------------------------------------------------------- tokenizer
 
 
-def build_char_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
-    """One token per character of ``CHARS`` plus ``<pad> <bos> <eos> <unk>`` (ids 0..3).
+PRINTABLE_CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
+"""Printable ASCII and newline: the charset for text environments (tags, JSON, code)."""
+
+
+def build_char_tokenizer(out_dir: str | os.PathLike, charset: str = CHARS) -> PreTrainedTokenizerFast:
+    """One token per character of ``charset`` (default ``CHARS``) plus ``<pad> <bos> <eos> <unk>`` (ids 0..3).
 
     Encoding prepends ``<bos>`` (post-processor); decoding concatenates characters without
     separators. Saved with ``save_pretrained`` so ``AutoTokenizer.from_pretrained(out_dir)`` works.
     """
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in CHARS:
+    for ch in charset:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

@@ -7,19 +7,24 @@
     rollout ── Close(session) ──────────────▶ forget
 
 Sessions idle longer than `SESSION_TTL_S` are dropped (a rollout that died never closes).
+Steps run in a worker thread (a sandboxed code run blocks for up to its deadline), so one slow
+or abusive session never stalls the others.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from typing import Any
 
 import grpc
-from prometheus_client import Counter, Gauge
-from trajmesh.envs.base import Environment, make_environment
+from prometheus_client import Counter, Gauge, Histogram
+from trajmesh.envs.base import Environment, StepResult, make_environment
+from trajmesh.envs.registry import ENVIRONMENTS
 
+from trajmesh import sandbox
 from trajmesh.service import Service
 from trajmesh.v1 import services_pb2, services_pb2_grpc
 
@@ -28,6 +33,37 @@ log = logging.getLogger("trajmesh.environment")
 SESSION_TTL_S = 600.0
 SESSIONS = Gauge("trajmesh_environment_sessions", "Open environment sessions")
 CALLS = Counter("trajmesh_environment_calls_total", "Environment RPCs", ["method", "status"])
+STEP_SECONDS = Histogram("trajmesh_environment_step_seconds", "Step latency (tool/sandbox time included)", ["environment"])
+TOOL_CALLS = Counter("trajmesh_environment_tool_calls_total", "Tool calls by outcome", ["environment", "tool", "status"])
+INVALID_ACTIONS = Counter("trajmesh_environment_invalid_actions_total", "Invalid actions (schema, budget)",
+                          ["environment", "reason"])
+PARSER_ERRORS = Counter("trajmesh_environment_parser_errors_total", "Unparseable tool calls", ["environment"])
+TOOL_TIMEOUTS = Counter("trajmesh_environment_tool_timeouts_total", "Tool calls past their deadline", ["environment"])
+SANDBOX_VIOLATIONS = Counter("trajmesh_environment_sandbox_violations_total", "Sandbox errors by subclass",
+                             ["environment", "subclass"])
+for _env in ENVIRONMENTS:  # initial zeros so dashboards see every known series
+    PARSER_ERRORS.labels(_env)
+    TOOL_TIMEOUTS.labels(_env)
+for _sub in sandbox.SUBCLASSES:
+    SANDBOX_VIOLATIONS.labels("math_tool", _sub)
+for _reason in ("schema", "tool_budget", "search_budget"):
+    INVALID_ACTIONS.labels("workplace" if _reason == "schema" else ("math_tool" if _reason == "tool_budget" else "search"), _reason)
+
+
+def record_step(kind: str, res: StepResult) -> None:
+    """Counts the step's tool call, invalid action, parser error, timeout or sandbox violation."""
+    info = res.info or {}
+    call = info.get("tool_call")
+    if call:
+        TOOL_CALLS.labels(kind, call.get("name", ""), call.get("status", "")).inc()
+        if call.get("status") == "timeout":
+            TOOL_TIMEOUTS.labels(kind).inc()
+        if call.get("sandbox_error"):
+            SANDBOX_VIOLATIONS.labels(kind, call["sandbox_error"]).inc()
+    if info.get("invalid_action"):
+        INVALID_ACTIONS.labels(kind, info["invalid_action"]).inc()
+    if info.get("parser_error"):
+        PARSER_ERRORS.labels(kind).inc()
 
 
 class EnvironmentService(Service):
@@ -37,6 +73,7 @@ class EnvironmentService(Service):
         super().__init__(*args, **kwargs)
         self.grpc_port = grpc_port
         self.sessions: dict[str, tuple[Environment, float]] = {}
+        self.kinds: dict[str, str] = {}
 
     async def setup(self) -> None:
         self.server = grpc.aio.server()
@@ -56,6 +93,7 @@ class EnvironmentService(Service):
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.sessions.items() if now - t > SESSION_TTL_S]:
             del self.sessions[sid]
+            self.kinds.pop(sid, None)
         SESSIONS.set(len(self.sessions))
 
 
@@ -67,13 +105,15 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         self.svc.expire()
         task = {"prompt": request.task.prompt, "answer": request.task.answer,
                 "metadata": json.loads(request.task.metadata_json or "{}")}
+        kind = request.task.environment or "single_answer"
         try:
-            env = make_environment(request.task.environment or "single_answer")
+            env = make_environment(kind)
         except ValueError as exc:
             CALLS.labels("reset", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        obs, h = env.reset(task, int(request.seed))
+        obs, h = await asyncio.to_thread(env.reset, task, int(request.seed))
         self.svc.sessions[request.session_id] = (env, time.monotonic())
+        self.svc.kinds[request.session_id] = kind
         SESSIONS.set(len(self.svc.sessions))
         CALLS.labels("reset", "ok").inc()
         return services_pb2.ResetResponse(observation=obs, state_hash=h)
@@ -83,15 +123,21 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         if entry is None:
             CALLS.labels("step", "unknown_session").inc()
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id}")
+        assert entry is not None  # abort raises
         env, _ = entry
         self.svc.sessions[request.session_id] = (env, time.monotonic())
-        res = env.step(request.action)
+        kind = self.svc.kinds.get(request.session_id, "single_answer")
+        start = time.perf_counter()
+        res = await asyncio.to_thread(env.step, request.action)
+        STEP_SECONDS.labels(kind).observe(time.perf_counter() - start)
+        record_step(kind, res)
         CALLS.labels("step", "ok").inc()
         return services_pb2.StepResponse(observation=res.observation, done=res.done, state_hash=res.state_hash,
                                          reward=res.reward, info_json=json.dumps(res.info or {}))
 
     async def Close(self, request: Any, context: Any) -> services_pb2.CloseResponse:  # noqa: N802
         self.svc.sessions.pop(request.session_id, None)
+        self.svc.kinds.pop(request.session_id, None)
         SESSIONS.set(len(self.svc.sessions))
         CALLS.labels("close", "ok").inc()
         return services_pb2.CloseResponse()

@@ -17,7 +17,7 @@ import time
 
 import redis.asyncio
 from prometheus_client import Counter, Histogram
-from trajmesh.graders.reasoning_gym import ReasoningGymGrader
+from trajmesh.graders import GRADERS, Grader, Sample, grader_kind, make_grader
 
 from trajmesh import bus as busmod
 from trajmesh.contract import ContractError, Trajectory
@@ -33,6 +33,23 @@ REWARD_COMPONENT = Counter(
     "trajmesh_grader_reward_component_sum", "Sum of each raw reward component", ["component"]
 )
 VERIFY_SECONDS = Histogram("trajmesh_grader_verify_seconds", "Verifier latency per trajectory")
+RAW_COMPONENT = Counter("trajmesh_grader_raw_reward_component_total",
+                        "Sum of each raw reward component by grader", ["grader", "component"])
+VERIFIER_SECONDS = Histogram("trajmesh_grader_verifier_seconds", "Verifier latency by grader", ["grader"])
+VERIFIER_ERRORS = Counter("trajmesh_grader_verifier_errors_total", "Verifier crashes (INFRA_FAILURE)",
+                          ["grader", "error"])
+AUDITS = Counter("trajmesh_grader_metamorphic_audits_total", "Metamorphic audits (never reward)",
+                 ["audit", "result"])
+TERMINAL = Counter("trajmesh_grader_terminal_reasons_total", "Trajectories graded by terminal reason", ["reason"])
+for _kind, _cls in GRADERS.items():  # initial zeros for every known series
+    VERIFIER_ERRORS.labels(_kind, "exception")
+    for _comp in getattr(_cls, "components", ()):
+        RAW_COMPONENT.labels(_kind, _comp)
+for _audit in ("math_rename_invariant", "search_rename_invariant"):
+    for _result in ("agree", "disagree"):
+        AUDITS.labels(_audit, _result)
+for _reason in trajectory_pb2.TerminalReason.keys():
+    TERMINAL.labels(_reason)
 
 
 class GraderService(Service):
@@ -47,7 +64,7 @@ class GraderService(Service):
         await self.bus.ensure_streams()
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=30.0)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.grader = ReasoningGymGrader()
+        self.graders: dict[str, Grader] = {}
 
     async def run(self) -> None:
         await self.grade_loop()
@@ -79,14 +96,14 @@ class GraderService(Service):
             return data, f"graded-{traj.trajectory_id}"
         task = json.loads(raw)
         start = time.perf_counter()
-        mask_T = traj.loss_mask_T
-        ids = [int(t) for t, m in zip(traj.token_ids_T, mask_T, strict=False) if m == 1]
-        ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+        kind = grader_kind(task)
         try:
-            grade = self.grader.grade(self.tokenizer.decode(ids), task, ended_with_eos=ended_with_eos)
+            grader = self.graders.get(kind) or self.graders.setdefault(kind, make_grader(kind))
+            grade = grader.grade(self._sample(traj), task)
         except Exception as exc:  # a verifier crash is infrastructure, never policy reward
             log.warning("verifier failed on %s: %s", traj.trajectory_id, exc)
             GRADED.labels(result="verifier_error").inc()
+            VERIFIER_ERRORS.labels(kind, type(exc).__name__).inc()
             traj.finish(trajectory_pb2.INFRA_FAILURE, truncated=traj.truncated)
             traj.pb.verifier_output = f"verifier error: {exc}"
             return traj.to_bytes(), f"graded-{traj.trajectory_id}"
@@ -95,7 +112,27 @@ class GraderService(Service):
         traj.set_reward(grade.reward, components=grade.components, grader_revision=grade.revision,
                         verifier_output=grade.verifier_output)
         traj.pb.timing.grading_seconds = elapsed
+        VERIFIER_SECONDS.labels(kind).observe(elapsed)
+        TERMINAL.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
         for name, value in grade.components.items():
             REWARD_COMPONENT.labels(component=name).inc(value)
+            RAW_COMPONENT.labels(kind, name).inc(value)
+        for name, value in grade.audit.items():
+            AUDITS.labels(name, "agree" if value >= 1.0 else "disagree").inc()
+        if grade.audit:
+            traj.pb.verifier_output += " audit=" + json.dumps(grade.audit, sort_keys=True)
         GRADED.labels(result="graded").inc()
         return traj.to_bytes(), f"graded-{traj.trajectory_id}"
+
+    def _sample(self, traj: Trajectory) -> Sample:
+        """The sampled tokens decoded, whole and per turn (spans with mask 1, grouped by turn)."""
+        ids_T = traj.token_ids_T
+        turns: dict[int, list[int]] = {}
+        for span in traj.spans:
+            if span.action_type in (trajectory_pb2.TEXT, trajectory_pb2.TOOL_CALL, trajectory_pb2.CODE):
+                turns.setdefault(int(span.turn_index), []).extend(int(t) for t in ids_T[span.token_start:span.token_end])
+        ids = [t for k in sorted(turns) for t in turns[k]]
+        ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+        return Sample(self.tokenizer.decode(ids), [self.tokenizer.decode(turns[k]) for k in sorted(turns)],
+                      ended_with_eos, list(traj.pb.state_hashes),
+                      trajectory_pb2.TerminalReason.Name(traj.terminal_reason))

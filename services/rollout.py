@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -33,6 +34,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.rollout.engine_client import EngineClient, GenerateResult
+from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
 from trajmesh import bus as busmod
 from trajmesh.contract import Trajectory
@@ -53,6 +55,23 @@ BUSY_SECONDS = Counter("trajmesh_rollout_busy_seconds_total", "Seconds with at l
 IDLE_SECONDS = Counter("trajmesh_rollout_idle_seconds_total", "Seconds with no task in flight")
 INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
+ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
+                       "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
+ENV_STEP_TIMEOUT_S = 120.0
+"""gRPC deadline of one Reset/Step (a sandboxed tool call is bounded well below it)."""
+_ACTION_TYPES = {"TEXT": trajectory_pb2.TEXT, "CODE": trajectory_pb2.CODE, "TOOL_CALL": trajectory_pb2.TOOL_CALL}
+_TOOL_STATUS = {"ok": trajectory_pb2.TOOL_OK, "error": trajectory_pb2.TOOL_ERROR, "timeout": trajectory_pb2.TOOL_TIMEOUT,
+                "sandbox_violation": trajectory_pb2.TOOL_SANDBOX_VIOLATION, "invalid": trajectory_pb2.TOOL_INVALID}
+
+
+def _record_tool_call(traj: Trajectory, span_id: str, info: dict[str, Any]) -> None:
+    """Records the tool call the environment reports in the Step's info_json (if any)."""
+    call = info.get("tool_call")
+    if not call:
+        return
+    traj.add_tool_call(str(call.get("name", "")), str(call.get("request", "")), str(call.get("response", "")),
+                       status=_TOOL_STATUS.get(str(call.get("status")), trajectory_pb2.TOOL_ERROR),
+                       latency_seconds=float(call.get("latency_s", 0.0)), span_id=span_id)
 GENERATE_SECONDS = Histogram("trajmesh_rollout_generate_seconds", "Latency of one engine /generate request",
                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 ENGINE_REQUESTS = Counter("trajmesh_rollout_engine_requests_total", "Engine /generate requests by finish reason",
@@ -80,11 +99,16 @@ class RolloutService(Service):
             ann = trajectory_pb2.WeightsAnnouncement.FromString(latest)
             self.version, model_path = int(ann.version), ann.path
         self.engine_proc: subprocess.Popen[bytes] | None = None
-        url = cfg.rollout.engine.url
-        if url is None:
-            url = self._start_torch_engine(model_path, self.version)
-        self.engine = EngineClient(url)
-        await self._wait_engine()
+        self.engine: EngineClient | SyntheticEngine
+        if cfg.rollout.engine.type == "synthetic":
+            self.engine = SyntheticEngine(self.tokenizer.vocab_size, self.tokenizer.eos_token_id,
+                                          seed=cfg.seed * 101 + self.replica, version=self.version)
+        else:
+            url = cfg.rollout.engine.url
+            if url is None:
+                url = self._start_torch_engine(model_path, self.version)
+            self.engine = EngineClient(url)
+            await self._wait_engine()
         self.engine_ready = asyncio.Event()
         self.engine_ready.set()
         self.version_changed = asyncio.Condition()
@@ -222,9 +246,12 @@ class RolloutService(Service):
         tid = f"{task.task_id}-{index}"
         traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id,
                               created_unix_seconds=time.time())
-        env = self.envs[int(hashlib.sha256(tid.encode()).hexdigest(), 16) % len(self.envs)]
         sp = task.sampling
-        reset = await env.Reset(services_pb2.ResetRequest(session_id=tid, task=task, seed=task.seed + index))
+        reset = await self._reset(task, tid, task.seed + index)
+        if reset is None:  # every environment replica failed: excluded as INFRA_FAILURE
+            traj.finish(trajectory_pb2.INFRA_FAILURE)
+            return traj
+        env, reset = reset
         traj.pb.initial_state_hash = reset.state_hash
         traj.pb.state_hashes.append(reset.state_hash)
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
@@ -235,29 +262,60 @@ class RolloutService(Service):
         try:
             for turn in range(max(1, sp.max_turns)):
                 ids, logps, versions, finish = await self._generate(context, sp)
-                if ids:
-                    traj.append_sampled(ids, logps, versions, turn_index=turn)
                 context = context + ids
                 if finish == "length":
+                    if ids:
+                        traj.append_sampled(ids, logps, versions, turn_index=turn)
                     reason = trajectory_pb2.MAX_TOKENS
                     break
                 t0 = time.perf_counter()
-                step = await env.Step(services_pb2.StepRequest(session_id=tid, action=self.tokenizer.decode(ids)))
+                step = await env.Step(services_pb2.StepRequest(session_id=tid, action=self.tokenizer.decode(ids)),
+                                      timeout=ENV_STEP_TIMEOUT_S)
                 env_seconds += time.perf_counter() - t0
+                info = json.loads(step.info_json or "{}")
+                if ids:  # the span is typed by what the environment saw (TEXT, CODE, TOOL_CALL)
+                    kind = _ACTION_TYPES.get(str(info.get("action_type", "TEXT")), trajectory_pb2.TEXT)
+                    span = traj.append_sampled(ids, logps, versions, action_type=kind, turn_index=turn)
+                    _record_tool_call(traj, span.span_id, info)
                 traj.pb.state_hashes.append(step.state_hash)
                 if step.done:
                     reason = trajectory_pb2.EOS if ids and ids[-1] == self.tokenizer.eos_token_id else trajectory_pb2.ENV_DONE
+                    if info.get("terminal_reason") in trajectory_pb2.TerminalReason.keys():
+                        reason = trajectory_pb2.TerminalReason.Value(info["terminal_reason"])
                     break
                 obs = self.tokenizer.encode(step.observation)
                 traj.append_observation(obs, turn_index=turn)
                 context = context + obs
+        except grpc.aio.AioRpcError as exc:  # environment pod gone, deadline: excluded, never rewarded
+            ENV_FAILURES.labels(exc.code().name.lower()).inc()
+            log.warning("environment failure on %s: %s", tid, exc.code().name)
+            reason = trajectory_pb2.INFRA_FAILURE
         finally:
-            await env.Close(services_pb2.CloseRequest(session_id=tid))
+            try:
+                await env.Close(services_pb2.CloseRequest(session_id=tid), timeout=5.0)
+            except grpc.aio.AioRpcError:
+                ENV_FAILURES.labels("close").inc()
         traj.finish(reason)
         traj.pb.timing.rollout_seconds = time.perf_counter() - start
         traj.pb.timing.environment_seconds = env_seconds
         EPISODE_SECONDS.observe(time.perf_counter() - start)
         return traj
+
+    async def _reset(
+        self, task: trajectory_pb2.Task, tid: str, seed: int
+    ) -> tuple[Any, Any] | None:
+        """Reset on the session's sticky replica; on an infrastructure error retry the next replicas."""
+        first = int(hashlib.sha256(tid.encode()).hexdigest(), 16) % len(self.envs)
+        for k in range(len(self.envs)):
+            env = self.envs[(first + k) % len(self.envs)]
+            try:
+                req = services_pb2.ResetRequest(session_id=tid, task=task, seed=seed)
+                return env, await env.Reset(req, timeout=ENV_STEP_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise  # a config error (unknown environment), not infrastructure: fail loudly
+                ENV_FAILURES.labels(exc.code().name.lower()).inc()
+        return None
 
     async def _generate(
         self, context: list[int], sp: trajectory_pb2.SamplingParams

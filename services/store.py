@@ -59,6 +59,7 @@ GROUPS_FILTERED = Counter("trajmesh_store_groups_filtered_total", "Groups droppe
 GATE_CAPACITY = Gauge("trajmesh_store_gate_capacity_trajectories", "Staleness gate capacity")
 GATE_RUNNING = Gauge("trajmesh_store_gate_running_trajectories", "Trajectories admitted and not yet back")
 LEARNER_VERSION = Gauge("trajmesh_store_learner_version", "Policy version the learner reported")
+GATE_ETA = Gauge("trajmesh_store_gate_max_lag_versions", "The staleness bound η the gate enforces (versions)")
 TASKS_DONE = Counter("trajmesh_store_tasks_total",
                      "Tasks (groups) completed, by source, outcome (accepted|filtered) and filter reason",
                      ["source", "outcome", "reason"])
@@ -84,6 +85,9 @@ READY_AGE = Gauge("trajmesh_store_ready_group_oldest_age_seconds",
                   "Age of the oldest assembled group waiting for the learner; 0 when none")
 QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
 """(stream, durable consumer) pairs whose backlog the store exports."""
+for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too_small"),
+                          ("quarantined", "stale"), ("failed_infra", "infra_failure")):
+    OUTCOMES.labels(outcome=_outcome, reason=_reason)  # exported at 0 so rates exist before the first one
 for _stream, _ in QUEUES:
     for _g in (QUEUE_PENDING, QUEUE_ACK_PENDING, QUEUE_AGE):
         _g.labels(stream=_stream)
@@ -128,6 +132,7 @@ class TrajectoryStore(Service):
         self.ready_groups: deque[_Group] = deque()
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
+        GATE_ETA.set(cfg.effective_eta)
         self.recent_zero_variance: deque[bool] = deque(maxlen=100)
         self.recent_distinct_ratio: deque[float] = deque(maxlen=100)
         for src in cfg.tasks.sources:  # exported at 0 so the data-mixture panels have every source

@@ -50,6 +50,24 @@ def _build_service(name: str, args: argparse.Namespace) -> Any:
     return LearnerService(cfg, **kw)
 
 
+def _list_envs() -> int:
+    """Prints every environment and grader with its revision and config keys (docs/ENVIRONMENTS.md)."""
+    from trajmesh.config import MathToolSource, ReasoningGymSource, SearchSource, WorkplaceSource
+    from trajmesh.envs.registry import ENVIRONMENTS
+    from trajmesh.graders import GRADERS
+
+    sources: dict[str, Any] = {"reasoning_gym": ReasoningGymSource, "math_tool": MathToolSource, "workplace": WorkplaceSource,
+               "search": SearchSource}
+    print("environments (tasks.sources[].type -> config keys):")
+    for name, cls in sorted(ENVIRONMENTS.items()):
+        keys = [k for k in sources[name].model_fields if k != "type"] if name in sources else []
+        print(f"  {name:14s} {cls.__name__:16s} {cls.revision:20s} {', '.join(keys)}")
+    print("graders (task metadata.grader -> raw reward components):")
+    for name, gcls in sorted(GRADERS.items()):
+        print(f"  {name:14s} {gcls.__name__:18s} {gcls.revision:26s} {', '.join(getattr(gcls, 'components', ()))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trajmesh", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -70,10 +88,28 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--metrics-port", type=int, default=9400)
     p_serve.add_argument("--grpc-port", type=int, default=50061, help="environment only")
 
+    p_inspect = sub.add_parser("inspect", help="print a run's manifest, outcome counts and per-version summaries")
+    p_inspect.add_argument("run_dir")
+    p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sub.add_parser("envs", help="list environments and graders with their config keys")
+
     args = parser.parse_args(argv)
+    if args.command == "envs":
+        return _list_envs()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
+        if args.command == "inspect":
+            from trajmesh.inspect import format_report, inspect_run
+
+            try:
+                info = inspect_run(args.run_dir)
+            except FileNotFoundError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            print(json.dumps(info, indent=1, default=str) if args.json else format_report(info))
+            return 0
         if args.command == "serve":
             from trajmesh.service import serve
 

@@ -41,7 +41,8 @@ class ReasoningGymSource(_Strict):
     name: str = "chain_sum"
     """Source name recorded on every task and trajectory."""
     family: str = "chain_sum"
-    """reasoning-gym task family (e.g. chain_sum)."""
+    """reasoning-gym task family by name (e.g. chain_sum, gcd, basic_arithmetic); chain_sum keeps its
+    compact demo format, every other family is served as single-answer with its own score_answer."""
     weight: float = Field(1.0, gt=0)
     """Mixture weight of this source."""
     knobs: dict[str, Any] = Field(default_factory=dict)
@@ -50,7 +51,54 @@ class ReasoningGymSource(_Strict):
     """Task revision recorded on every trajectory."""
 
 
-TaskSource = Annotated[ReasoningGymSource, Field(discriminator="type")]
+class MathToolSource(_Strict):
+    """Math problems solved with a sandboxed Python tool (envs/math_tool.py, graded by math-verify)."""
+
+    type: Literal["math_tool"] = "math_tool"
+    name: str = "math_tool"
+    weight: float = Field(1.0, gt=0)
+    revision: str = "v1"
+    difficulty: int = Field(1, ge=1, le=4)
+    """Operand size: about 10**(1+difficulty)."""
+    max_tool_calls: int = Field(3, ge=0)
+    """Sandboxed code runs per episode; more are answered 'tool budget exhausted'."""
+    call_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock deadline of one code run (CPU limit 0.8x)."""
+    max_output_bytes: int = Field(1024, gt=0)
+    """Tool output returned to the policy per call."""
+
+
+class WorkplaceSource(_Strict):
+    """The SQLite workplace assistant (envs/workplace.py), verified by final state."""
+
+    type: Literal["workplace"] = "workplace"
+    name: str = "workplace"
+    weight: float = Field(1.0, gt=0)
+    revision: str = "v1"
+    n_employees: int = Field(6, ge=2, le=12)
+    n_tasks: int = Field(8, ge=1)
+    pool_size: int = Field(2000, gt=0)
+    """Training tasks generated at most (each builds a database); the sampler cycles through them."""
+
+
+class SearchSource(_Strict):
+    """Search-R1 style QA over a generated corpus with BM25 (envs/search.py)."""
+
+    type: Literal["search"] = "search"
+    name: str = "search"
+    weight: float = Field(1.0, gt=0)
+    revision: str = "v1"
+    top_k: int = Field(3, ge=1)
+    """Passages returned per search."""
+    max_searches: int = Field(3, ge=0)
+    """Searches per episode; more are answered 'search budget exhausted'."""
+    corpus_size: int = Field(200, ge=10)
+    """Towns in the generated corpus (4 questions each)."""
+    corpus_seed: int = 7
+
+
+TaskSource = Annotated[ReasoningGymSource | MathToolSource | WorkplaceSource | SearchSource,
+                       Field(discriminator="type")]
 
 
 class SamplingConfig(_Strict):
@@ -66,7 +114,7 @@ class SamplingConfig(_Strict):
 
 
 class TasksConfig(_Strict):
-    sources: list[TaskSource] = Field(default_factory=lambda: [ReasoningGymSource()])
+    sources: list[TaskSource] = Field(default_factory=lambda: list[TaskSource]([ReasoningGymSource()]))
     """Task sources and their mixture weights."""
     group_size: int = Field(8, ge=1)
     """G: samples per prompt; one task on TASKS is one prompt x G."""
@@ -85,8 +133,9 @@ class GateConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    type: Literal["torch", "sglang"] = "torch"
-    """torch: the built-in CPU engine, started by each rollout process. sglang: an external server at url."""
+    type: Literal["torch", "sglang", "synthetic"] = "torch"
+    """torch: the built-in CPU engine, started by each rollout process. sglang: an external server at
+    url. synthetic: instant uniform tokens, for load tests and benchmarks (no model)."""
     url: str | None = None
     """Base URL of an already running engine (required for sglang)."""
     batch_window_ms: float = Field(2.0, ge=0)
@@ -209,10 +258,10 @@ class StoreConfig(_Strict):
 
 
 class DemoModelConfig(_Strict):
-    hidden_size: int = 64
-    layers: int = 2
+    hidden_size: int = 128
+    layers: int = 4
     heads: int = 4
-    sft_steps: int = 600
+    sft_steps: int = 800
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     sft_size: int = 20000

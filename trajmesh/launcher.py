@@ -125,8 +125,9 @@ def tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def start_mesh(cfg: RunConfig, *, fresh_infra_dir: bool = True) -> Mesh:
-    """Start NATS/Redis (unless URLs are given) and every service; returns once all are healthy."""
+def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> Mesh:
+    """Start NATS/Redis (unless URLs are given) and the services (all by default; a benchmark may
+    leave out the learner and play it itself); returns once all are healthy."""
     run_dir = Path(cfg.run_dir)
     infra = cfg.infra
     mesh = Mesh(cfg, run_dir / "config.resolved.yaml")
@@ -147,14 +148,17 @@ def start_mesh(cfg: RunConfig, *, fresh_infra_dir: bool = True) -> Mesh:
         mesh.cfg = resolved
         dump_config(resolved, mesh.config_path)
         _store_manifest_id(resolved)
-        envs = [mesh.start_service("environment", i, ["--grpc-port", str(p)]) for i, p in enumerate(env_ports)]
-        store = [mesh.start_service("store", 0)]
-        mesh.wait_healthy(envs + store)
-        graders = [mesh.start_service("grader", i) for i in range(cfg.grader.replicas)]
-        rollouts = [mesh.start_service("rollout", i) for i in range(cfg.rollout.replicas)]
-        mesh.wait_healthy(graders + rollouts)
-        learner = [mesh.start_service("learner", 0)]
-        mesh.wait_healthy(learner)
+        replicas = {"environment": cfg.environment.replicas, "store": 1, "grader": cfg.grader.replicas,
+                    "rollout": cfg.rollout.replicas, "learner": 1}
+        for wave in (("environment", "store"), ("grader", "rollout"), ("learner",)):
+            started = []
+            for name in wave:
+                if name not in services:
+                    continue
+                for i in range(replicas[name]):
+                    extra = ["--grpc-port", str(env_ports[i])] if name == "environment" else []
+                    started.append(mesh.start_service(name, i, extra))
+            mesh.wait_healthy(started)
     except BaseException:
         mesh.stop_services(grace_s=10)
         mesh.stop_infra()

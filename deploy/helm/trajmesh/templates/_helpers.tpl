@@ -84,7 +84,7 @@ true
 {{/* Is a component autoscaled by KEDA (its Deployment then omits spec.replicas)? */}}
 {{- define "trajmesh.autoscaled" -}}
 {{- $c := index .root.Values .component -}}
-{{- if and .root.Values.keda.enabled $c.enabled $c.autoscaling.enabled -}}
+{{- if and .root.Values.keda.enabled $c.enabled (dig "autoscaling" "enabled" false $c) -}}
 true
 {{- end -}}
 {{- end -}}

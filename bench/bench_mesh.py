@@ -1,0 +1,147 @@
+"""Mesh throughput vs raw JetStream, measured side by side in one run (issue: mesh benchmark (b)).
+
+(a) raw: one process publishes N messages of the size of a synthetic 4,096-token trajectory to a
+    JetStream stream while a pull consumer consumes them; messages per second.
+(b) mesh: synthetic 4,096-token trajectories flow store → TASKS → rollout (synthetic engine, 2
+    processes) → TRAJ_RAW → grader (2 processes; chain_sum's verifier on the random text, which
+    fails fast) → TRAJ_GRADED → store → gRPC NextBatch; this script plays the learner (NextBatch,
+    Report, version + 1), so the gate keeps admitting. Trajectories per second reaching the learner.
+
+Prints `mesh_vs_raw_jetstream_ratio` (goal ≥ 0.5). Both sides run on the same NATS server build,
+on this machine, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import redis.asyncio
+
+from trajmesh import bus as busmod
+from trajmesh.config import load_config
+from trajmesh.contract import Trajectory
+from trajmesh.gate import AsyncStalenessGate
+from trajmesh.infra import NatsServer, RedisServer
+from trajmesh.keys import RedisKeys
+from trajmesh.launcher import Mesh, start_mesh
+from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+
+TOKENS = 4096
+
+
+def _sample_bytes() -> bytes:
+    t = Trajectory.new(trajectory_id="x" * 40)
+    t.pb.task_id, t.pb.group_id = "t" * 24, "g" * 30
+    t.append_prompt(list(range(8)))
+    t.append_sampled([i % 20 for i in range(TOKENS - 8)], [-2.9] * (TOKENS - 8), 3)
+    t.finish(trajectory_pb2.MAX_TOKENS)
+    t.set_reward(0.0, components={"correct": 0.0, "format_eos": 0.0})
+    return t.to_bytes()
+
+
+async def raw_jetstream(url: str, n: int, payload: bytes) -> float:
+    bus = await busmod.connect(url, name="bench-raw", namespace="rawbench")
+    await bus.ensure_streams()
+    consumer = await bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "bench")
+    start = time.perf_counter()
+
+    async def produce() -> None:
+        for i in range(n):
+            await bus.publish(busmod.SUBJECT_TRAJ_RAW, payload, msg_id=f"m{i}")
+
+    async def consume() -> None:
+        got = 0
+        while got < n:
+            for msg in await consumer.fetch(batch=64, timeout=1.0):
+                await consumer.resolve(msg)
+                await msg.ack()
+                got += 1
+
+    await asyncio.gather(produce(), consume())
+    elapsed = time.perf_counter() - start
+    await bus.close()
+    return n / elapsed
+
+
+def _model_dir(root: Path) -> str:
+    """Only the tokenizer matters here (the engine is synthetic); the demo's char tokenizer."""
+    from trajmesh.learner.models import build_char_tokenizer
+
+    build_char_tokenizer(root)
+    (root / "config.json").write_text("{}")
+    return str(root)
+
+
+async def play_learner(cfg, seconds: float, warmup: float) -> float:  # type: ignore[no-untyped-def]
+    r = redis.asyncio.Redis.from_url(cfg.infra.redis_url)
+    gate = AsyncStalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
+                              batch_size=cfg.batch_trajectories)
+    bus = await busmod.connect(cfg.infra.nats_url, name="bench-learner", namespace=cfg.infra.namespace)
+    channel = grpc.aio.insecure_channel(cfg.infra.store_address)
+    store = services_pb2_grpc.TrajectoryStoreStub(channel)
+    version, counted, t0 = 0, 0, None
+    start = time.perf_counter()
+    while True:
+        now = time.perf_counter()
+        if t0 is None and now - start > warmup:
+            t0, counted = now, 0
+        if t0 is not None and now - t0 > seconds:
+            break
+        resp = await store.NextBatch(services_pb2.NextBatchRequest(
+            learner_version=version, max_trajectories=cfg.batch_trajectories, timeout_seconds=10.0))
+        ids = [t.trajectory_id for t in resp.trajectories]
+        counted += len(ids)
+        await store.Report(services_pb2.ReportRequest(learner_version=version, trained_ids=ids))
+        version += 1
+        # What a learner does after a step: announce the version (the synthetic engine loads nothing).
+        ann = trajectory_pb2.WeightsAnnouncement(version=version, path="synthetic", sha256="")
+        await bus.publish_weights(version, ann.SerializeToString())
+        await gate.set_version(version)
+    elapsed = time.perf_counter() - (t0 or start)
+    await bus.close()
+    await channel.close()
+    await r.aclose()
+    return counted / elapsed
+
+
+def main(argv: list[str] | None = None) -> float:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--raw-messages", type=int, default=3000)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    payload = _sample_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        with NatsServer(root / "nats-raw") as nats:
+            raw = asyncio.run(raw_jetstream(nats.url, args.raw_messages, payload))
+        cfg = load_config(None, {
+            "run_dir": str(root / "run"), "model.path": _model_dir(root / "model"), "gate.eta": 2,
+            "tasks.group_size": 4, "tasks.train_size": 500, "tasks.heldout_size": 10,
+            "tasks.sampling.max_new_tokens": TOKENS - 8, "rollout.engine.type": "synthetic",
+            "rollout.replicas": 2, "rollout.concurrent_tasks": 4, "grader.replicas": 2,
+            "store.drop_zero_variance_groups": False, "learner.batch_groups": 4,
+        })
+        Path(cfg.run_dir).mkdir(parents=True)
+        (Path(cfg.run_dir) / "manifest.json").write_text('{"manifest_id": "bench"}')
+        mesh: Mesh = start_mesh(cfg, services=("environment", "store", "grader", "rollout"))
+        try:
+            mesh_rate = asyncio.run(play_learner(mesh.cfg, args.seconds, args.warmup))
+        finally:
+            mesh.stop_services()
+            mesh.stop_infra()
+    print(f"trajectory size: {len(payload)} bytes ({TOKENS} tokens)")
+    print(f"raw JetStream publish+consume: {raw:.1f} msg/s")
+    print(f"mesh rollout→grader→store→learner batch: {mesh_rate:.1f} trajectories/s")
+    ratio = mesh_rate / raw
+    print(f"mesh_vs_raw_jetstream_ratio={ratio:.3f} (goal >= 0.5)")
+    return ratio
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Math with a Python tool (ReTool / rStar2-Agent style, survey §3.8, §5.2). No torch.
+
+The policy writes ``<code>...</code>``; the environment runs it in the sandbox
+(`trajmesh.sandbox`) and answers ``<output>...</output>`` (an observation: loss mask 0). A turn
+without a code block is the final answer (``<answer>...</answer>``), which the math grader scores;
+tool use itself earns nothing. Budgets come from the task (`tool`): calls per episode, per-call
+timeout and output bytes. Resource limits (timeout, memory, output) come back as an error
+observation; containment violations (network, writes outside /tmp, secrets, signals, fork bombs,
+orphans) end the episode as SANDBOX_ERROR.
+
+Tasks are generated here from a seed (`make_tasks`): integer / fraction problems whose answers
+`math-verify` can check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from fractions import Fraction
+from typing import Any
+
+from trajmesh.envs.base import StepResult, first_tag, state_hash
+
+from trajmesh import sandbox
+
+CONTAINMENT = ("network", "fs_write", "secret_access", "signal", "process_limit", "orphan_process", "setup")
+"""Sandbox subclasses that end the episode (the rest are returned to the policy as tool errors)."""
+DEFAULT_TOOL = {"max_tool_calls": 3, "call_timeout_s": 5.0, "max_output_bytes": 1024}
+INSTRUCTION = "Run python with <code>...</code>; reply <answer>x</answer>.\n"
+
+
+class MathToolEnv:
+    revision = "math_tool-v1"
+    config_keys = ("max_tool_calls", "call_timeout_s", "max_output_bytes")
+
+    def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
+        self.task = task
+        self.tool = {**DEFAULT_TOOL, **task.get("metadata", {}).get("tool", {})}
+        self.prompt = str(task["prompt"])
+        self.calls = 0
+        self.actions: list[str] = []
+        return self.prompt, state_hash(self.prompt)
+
+    def step(self, action: str) -> StepResult:
+        self.actions.append(action)
+        h = state_hash(self.prompt, *self.actions)
+        code = first_tag(action, "code")
+        if code is None:
+            return StepResult("", True, h, info={"action_type": "TEXT"})
+        if self.calls >= int(self.tool["max_tool_calls"]):
+            return StepResult("<output>tool budget exhausted</output>\n", False, h,
+                              info={"action_type": "CODE", "invalid_action": "tool_budget"})
+        self.calls += 1
+        wall = float(self.tool["call_timeout_s"])
+        limits = sandbox.SandboxLimits(wall_s=wall, cpu_s=max(1, int(wall * 0.8)),
+                                       output_bytes=int(self.tool["max_output_bytes"]) * 4)
+        t0 = time.perf_counter()
+        res = sandbox.run_code(code, limits=limits)
+        latency = time.perf_counter() - t0
+        cap = int(self.tool["max_output_bytes"])
+        body = res.stdout if res.status == sandbox.OK else (res.stdout + res.stderr[-cap:])
+        if res.subclass:
+            body += f"\n[sandbox: {res.subclass}]"
+        obs = f"<output>\n{body[:cap]}\n</output>\n"
+        status = {"": "ok" if res.ok else "error", "wall_timeout": "timeout", "cpu_time": "timeout"}.get(
+            res.subclass, "sandbox_violation" if res.subclass else "error")
+        info: dict[str, Any] = {
+            "action_type": "CODE",
+            "tool_call": {"name": "python", "request": code, "response": obs, "status": status,
+                          "latency_s": latency, "sandbox_error": res.subclass},
+        }
+        if res.subclass in CONTAINMENT:
+            info.update(terminal_reason="SANDBOX_ERROR", sandbox_error=res.subclass)
+            return StepResult(obs, True, h, info=info)
+        return StepResult(obs, False, h, info=info)
+
+
+# --------------------------------------------------------------------------- tasks
+
+def _count_primes_below(n: int) -> int:
+    sieve = bytearray([1]) * max(n, 2)
+    sieve[0:2] = b"\x00\x00"
+    for k in range(2, int(n**0.5) + 1):
+        if sieve[k]:
+            sieve[k * k :: k] = bytearray(len(sieve[k * k :: k]))
+    return sum(sieve)
+
+
+def _problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    kind = rng.randrange(4)
+    big = 10 ** (1 + difficulty)
+    if kind == 0:
+        a = rng.randrange(1, big)
+        b = a + rng.randrange(1, big)
+        return f"Sum of the integers from {a} to {b}?", str((a + b) * (b - a + 1) // 2)
+    if kind == 1:
+        a, e, m = rng.randrange(2, 50), rng.randrange(5, 20 * difficulty + 10), rng.randrange(7, big + 8)
+        return f"{a}^{e} mod {m}?", str(pow(a, e, m))
+    if kind == 2:
+        n = rng.randrange(10, 20 * big)
+        return f"How many primes are below {n}?", str(_count_primes_below(n))
+    a, b, c, d = (rng.randrange(1, 12 * difficulty) for _ in range(4))
+    f = Fraction(a, b + 1) + Fraction(c, d + 1)
+    return f"{a}/{b + 1} + {c}/{d + 1} in lowest terms?", f"{f.numerator}/{f.denominator}" if f.denominator != 1 else str(f.numerator)
+
+
+def make_tasks(seed: int, n: int, *, difficulty: int = 1, tool: dict[str, Any] | None = None,
+               source: str = "math_tool", exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """``n`` distinct problems; each ``{prompt, answer, task_id, metadata}`` (metadata carries the budgets)."""
+    rng = random.Random(f"math_tool|{seed}|{difficulty}")
+    out: list[dict[str, Any]] = []
+    seen = set(exclude or ())
+    while len(out) < n:
+        question, answer = _problem(rng, difficulty)
+        if question in seen:
+            if len(seen) > 50 * (n + 10):
+                raise ValueError(f"cannot draw {n} distinct math_tool problems at difficulty {difficulty}")
+            continue
+        seen.add(question)
+        prompt = INSTRUCTION + question
+        tid = hashlib.sha256(f"{source}|{seed}|{prompt}".encode()).hexdigest()[:16]
+        out.append({"prompt": prompt, "answer": answer, "task_id": tid,
+                    "metadata": {"source": source, "grader": "math", "environment": "math_tool",
+                                 "tool": {**DEFAULT_TOOL, **(tool or {})}, "question": question}})
+    return out

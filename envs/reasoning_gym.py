@@ -1,0 +1,61 @@
+"""Any reasoning-gym task family by name, with its own config and its own ``score_answer``. No torch.
+
+A task is entry ``index`` of ``reasoning_gym.create_dataset(family, seed=seed, size=..., **knobs)``;
+the grader regenerates that entry from (family, seed, index, knobs) rather than trusting a JSON
+round trip of its metadata, and checks the question matches. Difficulty knobs are the family's
+config fields (e.g. ``min_terms`` for chain_sum, ``max_n`` for gcd); a mixture across families is
+several sources with weights (`tasks.sources`). chain_sum keeps its compact demo format
+(`trajmesh.envs.chain_sum`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from typing import Any
+
+import reasoning_gym
+
+ANSWER_SUFFIX = "\nAnswer only."
+
+
+@functools.cache
+def _dataset(family: str, seed: int, size: int, knobs_json: str) -> Any:
+    return reasoning_gym.create_dataset(family, seed=seed, size=size, **json.loads(knobs_json))
+
+
+def entry(family: str, seed: int, index: int, size: int, knobs: dict[str, Any]) -> dict[str, Any]:
+    return dict(_dataset(family, seed, size, json.dumps(knobs, sort_keys=True))[index])
+
+
+def make_tasks(family: str, seed: int, n: int, knobs: dict[str, Any], *, source: str,
+               exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """``n`` tasks ``{prompt, answer, task_id, metadata}`` (prompts in ``exclude`` skipped)."""
+    skip = exclude or set()
+    size = max(8, 2 * n)
+    ds = _dataset(family, seed, size, json.dumps(knobs, sort_keys=True))
+    out = []
+    for i in range(size):
+        e = ds[i]
+        prompt = str(e["question"]) + ANSWER_SUFFIX
+        if prompt in skip:
+            continue
+        key = f"{source}|{family}|{seed}|{i}|{json.dumps(knobs, sort_keys=True)}"
+        out.append({"prompt": prompt, "answer": str(e["answer"]),
+                    "task_id": hashlib.sha256(key.encode()).hexdigest()[:16],
+                    "metadata": {"source": source, "grader": "reasoning_gym", "environment": "reasoning_gym",
+                                 "family": family, "seed": seed, "index": i, "size": size, "knobs": knobs}})
+        if len(out) == n:
+            break
+    return out
+
+
+def score(response_text: str, task: dict[str, Any]) -> float:
+    """The family's own ``score_answer`` on the regenerated entry."""
+    m = task["metadata"]
+    e = entry(m["family"], int(m["seed"]), int(m["index"]), int(m["size"]), m.get("knobs", {}))
+    if str(e["question"]) + ANSWER_SUFFIX != task["prompt"]:
+        raise ValueError(f"task {m['family']}#{m['index']} no longer matches its generator (revision drift)")
+    ds = _dataset(m["family"], int(m["seed"]), int(m["size"]), json.dumps(m.get("knobs", {}), sort_keys=True))
+    return float(ds.score_answer(response_text.strip(), e))

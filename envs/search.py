@@ -1,0 +1,151 @@
+"""Local search (Search-R1 style, survey §7.6): a BM25 index over a corpus generated here. No torch.
+
+The corpus is a seeded gazetteer of fictional towns (one passage each: country, river, founder,
+year) plus people passages as distractors, so answers cannot come from pretraining. Each turn the
+policy either searches, ``<search>query</search>``, and gets the top-k passages back as
+``<information>...</information>`` (an observation: loss mask 0), or answers,
+``<answer>...</answer>``, which ends the episode; the grader scores normalized exact match.
+Searches beyond the budget are answered with an error and counted as invalid actions.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import random
+import re
+from collections import Counter
+from typing import Any
+
+from trajmesh.envs.base import StepResult, first_tag, state_hash
+
+SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "vel", "sa", "dun", "bri", "hol", "quen", "zor", "ath", "ix", "mor"]
+PEOPLE = ["Ilsa", "Oren", "Maro", "Tessa", "Ulric", "Wren", "Yara", "Piet", "Nadia", "Soren"]
+DEFAULT_SEARCH = {"top_k": 3, "max_searches": 3, "corpus_size": 200, "corpus_seed": 7}
+
+
+def tokenize(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class BM25:
+    """Okapi BM25 (k1, b) over whitespace/alphanumeric tokens; ties break by passage index."""
+
+    def __init__(self, passages: list[str], k1: float = 1.2, b: float = 0.75) -> None:
+        self.passages = passages
+        self.k1, self.b = k1, b
+        self.tf = [Counter(tokenize(p)) for p in passages]
+        self.len = [sum(c.values()) for c in self.tf]
+        self.avg = sum(self.len) / max(1, len(self.len))
+        df: Counter[str] = Counter()
+        for c in self.tf:
+            df.update(c.keys())
+        n = len(passages)
+        self.idf = {t: math.log(1 + (n - f + 0.5) / (f + 0.5)) for t, f in df.items()}
+
+    def scores(self, query: str) -> list[float]:
+        q = tokenize(query)
+        out = []
+        for tf, dl in zip(self.tf, self.len, strict=True):
+            s = 0.0
+            for t in q:
+                f = tf.get(t, 0)
+                if f:
+                    s += self.idf[t] * f * (self.k1 + 1) / (f + self.k1 * (1 - self.b + self.b * dl / self.avg))
+            out.append(s)
+        return out
+
+    def search(self, query: str, k: int) -> list[int]:
+        scores = self.scores(query)
+        ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+        return [i for i in ranked[:k] if scores[i] > 0]
+
+
+def _name(rng: random.Random, parts: int) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(parts)).capitalize()
+
+
+@functools.cache
+def corpus(size: int = 200, seed: int = 7) -> tuple[tuple[dict[str, str], ...], tuple[str, ...]]:
+    """(facts per town, passages): deterministic in (size, seed)."""
+    rng = random.Random(f"search-corpus|{seed}")
+    countries = sorted({_name(rng, 2) + "ia" for _ in range(12)})
+    rivers = sorted({_name(rng, 2) for _ in range(20)})
+    towns: dict[str, dict[str, str]] = {}
+    while len(towns) < size:
+        name = _name(rng, 3)
+        if name in towns:
+            continue
+        towns[name] = {"town": name, "country": rng.choice(countries), "river": rng.choice(rivers),
+                       "founder": f"{rng.choice(PEOPLE)} {_name(rng, 2)}", "year": str(rng.randrange(900, 1900))}
+    facts = tuple(towns.values())
+    passages = [f"{f['town']} is a town in {f['country']} on the {f['river']} river. "
+                f"It was founded in {f['year']} by {f['founder']}." for f in facts]
+    passages += [f"{f['founder']} was a traveller who lived near the {f['river']} river." for f in facts[: size // 2]]
+    return facts, tuple(passages)
+
+
+@functools.cache
+def index(size: int = 200, seed: int = 7) -> BM25:
+    return BM25(list(corpus(size, seed)[1]))
+
+
+QUESTIONS = {"year": "In which year was {town} founded?", "founder": "Who founded {town}?",
+             "river": "On which river is {town}?", "country": "In which country is {town}?"}
+INSTRUCTION = "Search with <search>q</search>; reply <answer>x</answer>.\n"
+
+
+class SearchEnv:
+    revision = "search-bm25-v1"
+    config_keys = ("top_k", "max_searches", "corpus_size", "corpus_seed")
+
+    def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
+        self.cfg = {**DEFAULT_SEARCH, **task.get("metadata", {}).get("search", {})}
+        self.index = index(int(self.cfg["corpus_size"]), int(self.cfg["corpus_seed"]))
+        self.prompt = str(task["prompt"])
+        self.searches = 0
+        self.actions: list[str] = []
+        return self.prompt, state_hash(self.prompt)
+
+    def step(self, action: str) -> StepResult:
+        self.actions.append(action)
+        h = state_hash(self.prompt, *self.actions)
+        query = first_tag(action, "search")
+        if query is None:
+            return StepResult("", True, h, info={"action_type": "TEXT"})
+        if self.searches >= int(self.cfg["max_searches"]):
+            return StepResult("<information>search budget exhausted</information>\n", False, h,
+                              info={"action_type": "TOOL_CALL", "invalid_action": "search_budget"})
+        self.searches += 1
+        hits = self.index.search(query, int(self.cfg["top_k"]))
+        body = "\n".join(f"[{n + 1}] {self.index.passages[i]}" for n, i in enumerate(hits)) or "no results"
+        obs = f"<information>\n{body}\n</information>\n"
+        return StepResult(obs, False, h, info={
+            "action_type": "TOOL_CALL",
+            "tool_call": {"name": "search", "request": query, "response": obs, "status": "ok", "latency_s": 0.0}})
+
+
+def make_tasks(seed: int, n: int, *, search: dict[str, Any] | None = None, source: str = "search",
+               exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    cfg = {**DEFAULT_SEARCH, **(search or {})}
+    facts, _ = corpus(int(cfg["corpus_size"]), int(cfg["corpus_seed"]))
+    rng = random.Random(f"search-tasks|{seed}")
+    pairs = [(f, k) for f in facts for k in sorted(QUESTIONS)]
+    rng.shuffle(pairs)
+    out = []
+    seen = set(exclude or ())
+    for f, k in pairs:
+        q = QUESTIONS[k].format(town=f["town"])
+        if q in seen:
+            continue
+        seen.add(q)
+        out.append({"prompt": INSTRUCTION + q, "answer": f[k],
+                    "task_id": hashlib.sha256(f"{source}|{q}".encode()).hexdigest()[:16],
+                    "metadata": {"source": source, "grader": "search", "environment": "search", "search": cfg,
+                                 "question": q}})
+        if len(out) == n:
+            return out
+    if not out:  # fewer than n: the sampler cycles through what the corpus holds
+        raise ValueError("the search corpus holds no question outside the excluded ones; raise corpus_size")
+    return out

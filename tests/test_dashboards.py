@@ -1,0 +1,160 @@
+"""Grafana dashboards and alert rules: structure, and every metric they name is exported by the code.
+
+Metric names exported by the code are read from prometheus_client's REGISTRY after importing every
+service module, plus the learner's per-step gauges (`STEP_METRIC_NAMES`, created at the first step).
+`sglang:*` metrics come from the SGLang server itself and are allowed as external.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = sorted((ROOT / "deploy" / "helm" / "trajmesh" / "dashboards").glob("*.json"))
+RULES = ROOT / "deploy" / "helm" / "trajmesh" / "files" / "prometheus-rules.yaml"
+EXTERNAL_PREFIXES = ("sglang:",)
+REQUIRED_UIDS = {"trajmesh-overview", "trajmesh-staleness", "trajmesh-rollout", "trajmesh-env-graders",
+                 "trajmesh-data-mixture"}
+
+# PromQL words that may precede "(" or stand alone and are not metric names.
+_PROMQL_WORDS = {
+    "sum", "min", "max", "avg", "count", "rate", "increase", "irate", "histogram_quantile", "clamp_min", "clamp_max",
+    "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "vector", "le",
+    "offset", "abs", "delta", "deriv", "topk", "bottomk", "quantile", "stddev", "absent", "scalar", "time",
+}
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def _panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for p in dash["panels"]:
+        if p["type"] == "row":
+            out.extend(p.get("panels", []))
+        else:
+            out.append(p)
+    return out
+
+
+def dashboard_exprs(dash: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expr) for every query target of a dashboard."""
+    return [(p["title"], t["expr"]) for p in _panels(dash) for t in p.get("targets", [])]
+
+
+def rule_exprs() -> list[tuple[str, str]]:
+    data = yaml.safe_load(RULES.read_text())
+    return [(r["alert"], r["expr"]) for g in data["groups"] for r in g["rules"]]
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (identifiers followed by a `{` selector)."""
+    stripped = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # label values may contain anything
+    names = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", stripped))
+    names |= set(re.findall(r"\b((?:trajmesh_|sglang:)[a-zA-Z0-9_:]*)", stripped))  # bare selectors
+    return names - _PROMQL_WORDS
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name the services can export (by metric type), plus the learner's step gauges."""
+    import trajmesh.services.environment  # noqa: F401
+    import trajmesh.services.grader  # noqa: F401
+    import trajmesh.services.learner  # noqa: F401
+    import trajmesh.services.rollout  # noqa: F401
+    import trajmesh.services.store  # noqa: F401
+    from prometheus_client import REGISTRY
+    from trajmesh.learner.metrics import STEP_METRIC_NAMES
+
+    names: set[str] = set(STEP_METRIC_NAMES)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
+                "summary": ("_sum", "_count", "")}
+    for family in REGISTRY.collect():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+        names.update(s.name for s in family.samples)
+    return names
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_dashboard_structure(path: Path) -> None:
+    dash = _load(path)
+    assert "__inputs" not in dash and "__requires" not in dash, "export for sharing, not with __inputs"
+    assert dash["id"] is None
+    assert isinstance(dash["uid"], str) and dash["uid"].startswith("trajmesh-") and len(dash["uid"]) <= 40
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    for name in ("namespace", "run"):
+        assert variables[name]["type"] == "query" and variables[name]["includeAll"]
+        assert variables[name]["allValue"] == ".*"
+    panels = _panels(dash)
+    assert panels
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in panels:
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p["fieldConfig"]["defaults"].get("unit"), f"{p['title']}: unit not set"
+        assert p.get("targets"), f"{p['title']}: no query"
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}"
+    exprs = dashboard_exprs(dash)
+    assert any("$__rate_interval" in e for _, e in exprs)
+    for title, expr in exprs:
+        assert not re.search(r"\[\d+[smhd]\]", expr), f"{title}: use [$__rate_interval], not a fixed range"
+        for sel in re.findall(r"\{([^}]*)\}", expr):
+            if sel.strip() in ("le", "") or "{{" in sel:
+                continue
+            assert 'namespace=~"$namespace"' in sel and 'run=~"$run"' in sel, f"{title}: {expr}"
+
+
+def test_the_five_dashboards_exist_with_distinct_uids() -> None:
+    uids = [_load(p)["uid"] for p in DASHBOARDS]
+    assert len(uids) == len(set(uids))
+    assert REQUIRED_UIDS <= set(uids)
+
+
+def test_every_metric_a_dashboard_or_rule_names_is_exported() -> None:
+    exported = exported_metric_names()
+    missing: dict[str, set[str]] = {}
+    sources = [(f"{p.stem}: {t}", e) for p in DASHBOARDS for t, e in dashboard_exprs(_load(p))]
+    sources += [(f"rule {a}", e) for a, e in rule_exprs()]
+    for where, expr in sources:
+        names = metric_names(expr)
+        assert names, f"{where}: no metric found in {expr!r}"
+        bad = {n for n in names if n not in exported and not n.startswith(EXTERNAL_PREFIXES)}
+        if bad:
+            missing[where] = bad
+    assert not missing, f"metrics not exported by any service: {missing}"
+
+
+def test_metric_names_follow_the_house_convention() -> None:
+    """trajmesh_<subsystem>_<name>[_<unit>]; counters end in _total (STYLE.md, Prometheus naming)."""
+    from prometheus_client import REGISTRY
+
+    exported_metric_names()
+    for family in REGISTRY.collect():
+        if not family.name.startswith("trajmesh_"):
+            continue
+        subsystem = family.name.split("_")[1]
+        assert subsystem in {"store", "rollout", "learner", "environment", "grader"}, family.name
+        if family.type == "counter":
+            assert any(s.name.endswith("_total") for s in family.samples) or not family.samples, family.name
+
+
+def test_alert_rules_have_for_severity_and_summary() -> None:
+    data = yaml.safe_load(RULES.read_text())
+    alerts = {r["alert"]: r for g in data["groups"] for r in g["rules"]}
+    for name in ("TrajmeshLearnerStalled", "TrajmeshPolicyLagNearEta", "TrajmeshEssFractionLow",
+                 "TrajmeshEntropyCollapse", "TrajmeshJetStreamConsumerLag", "TrajmeshVerifierErrorRate"):
+        assert name in alerts
+    for name, rule in alerts.items():
+        assert "for" in rule, name
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert rule["annotations"]["summary"], name

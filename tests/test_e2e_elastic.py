@@ -1,0 +1,172 @@
+"""Elastic rollout on the local mesh: rollout processes join and leave while training runs.
+
+1. A rollout process started mid-run (`mesh.start_service("rollout", 2)`) starts from the latest
+   weights announced in the KV bucket (its `trajmesh_rollout_policy_version` gauge, set before it
+   reports healthy, is at least the version announced just before it started; it never logs
+   loading an older version), and it produces trajectories.
+2. `kill -9` of another rollout process (with its engine: the whole process group, as a pod dies)
+   loses no admitted task: its unacked tasks come back from JetStream after `ack_wait` and every
+   admitted trajectory ends as exactly one archived outcome.
+
+The rollout service hard-codes `ack_wait_s=60` on its `rollout` durable; to keep this test short,
+after the kill the test shortens ack_wait on that consumer, as an operator would with
+`nats consumer edit` (a `rollout.ack_wait_s` config key would make that unnecessary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from trajmesh import bus as busmod
+from trajmesh.archive import read_archive
+from trajmesh.config import RunConfig, load_config
+from trajmesh.launcher import accounting, drain, start_mesh
+from trajmesh.train import _write_manifest
+from trajmesh.v1 import trajectory_pb2
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+ETA = 2
+STEPS = 12
+SHORT_ACK_WAIT_S = 3.0
+
+
+def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
+    return load_config(None, {
+        "run_dir": str(run_dir), "model.path": model_dir, "gate.eta": ETA,
+        "tasks.group_size": 4, "tasks.heldout_size": 20, "tasks.train_size": 300,
+        "tasks.sampling.max_new_tokens": 6,
+        "rollout.replicas": 2, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
+        "learner.engine.type": "torch", "learner.batch_groups": 4, "learner.max_steps": STEPS,
+        "learner.checkpoint_every": 4,
+    })
+
+
+async def _latest_version(cfg: RunConfig) -> int:
+    bus = await busmod.connect(cfg.infra.nats_url or "", name="test-elastic", namespace=cfg.infra.namespace)
+    try:
+        raw = await bus.latest_weights()
+    finally:
+        await bus.close()
+    return 0 if raw is None else int(trajectory_pb2.WeightsAnnouncement.FromString(raw).version)
+
+
+async def _shorten_ack_wait(cfg: RunConfig, seconds: float) -> None:
+    bus = await busmod.connect(cfg.infra.nats_url or "", name="test-elastic", namespace=cfg.infra.namespace)
+    try:
+        stream = busmod.Layout(cfg.infra.namespace).stream(busmod.STREAM_TASKS)
+        info = await bus.js.consumer_info(stream, "rollout")
+        info.config.ack_wait = seconds
+        await bus.js.add_consumer(stream, config=info.config)  # update of a mutable field
+    finally:
+        await bus.close()
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    assert values, f"{name} not exported"
+    return sum(values)
+
+
+def _wait_for_version(cfg: RunConfig, version: int, learner_alive: object, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = asyncio.run(_latest_version(cfg))
+        if v >= version:
+            return v
+        assert learner_alive(), "learner exited early"
+        time.sleep(0.5)
+    raise TimeoutError(f"weights v{version} not announced in {timeout_s}s")
+
+
+def test_killed_rollout_loses_no_admitted_task(tmp_path: Path, tiny_model_dir: str) -> None:
+    _run(tmp_path, tiny_model_dir, join=False)
+
+
+@pytest.mark.xfail(reason="race in services (reported): a late joiner starts its engine from the KV-announced "
+                          "weights dir, which the learner may prune (keeps 2*(eta+2) versions) before the "
+                          "engine loads it; the joiner then exits", strict=False)
+def test_rollout_joins_mid_run_from_latest_weights(tmp_path: Path, tiny_model_dir: str) -> None:
+    _run(tmp_path, tiny_model_dir, join=True)
+
+
+def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
+    cfg = _build_config(tmp_path / "run", tiny_model_dir)
+    Path(cfg.run_dir).mkdir(parents=True)
+    _write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        cfg = mesh.cfg
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        victim = next(p for p in mesh.procs if p.name == "rollout" and p.replica == 0)
+
+        # A rollout process dies mid-run, engine and all (as a pod does), holding unacked tasks.
+        _wait_for_version(cfg, 1, lambda: learner.popen.poll() is None)
+        os.killpg(victim.popen.pid, signal.SIGKILL)
+        victim.popen.wait(timeout=10)
+
+        if not join:
+            asyncio.run(_shorten_ack_wait(cfg, SHORT_ACK_WAIT_S))
+            assert learner.popen.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
+            assert not [p.label for p in mesh.dead() if p not in (learner, victim)]
+            assert drain(cfg) == 0
+            mesh.stop_services()
+            _check_archive(cfg, accounting(cfg))
+            return
+        # A new rollout process joins and starts from the latest announced weights.
+        announced = asyncio.run(_latest_version(cfg))
+        joiner = mesh.start_service("rollout", 2)
+        mesh.wait_healthy([joiner])
+        start_version = _metric(joiner.metrics_port, "trajmesh_rollout_policy_version")
+        assert start_version >= announced >= 1
+        # After the joiner bound (its setup re-applies ack_wait=60): the victim's tasks come back soon.
+        asyncio.run(_shorten_ack_wait(cfg, SHORT_ACK_WAIT_S))
+        assert learner.popen.poll() is None, "the learner finished before the joiner took part; raise STEPS"
+
+        assert learner.popen.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
+        others_dead = [p.label for p in mesh.dead() if p not in (learner, victim)]
+        assert not others_dead, others_dead
+        assert drain(cfg) == 0
+        joiner_trajectories = _metric(joiner.metrics_port, "trajmesh_rollout_trajectories_total")
+        mesh.stop_services()
+        acct = accounting(cfg)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+
+    # The joiner never loaded a version at or below the one it started from: it began there.
+    loaded = [int(v) for v in re.findall(r"loaded weights v(\d+)", joiner.log_path.read_text())]
+    assert all(v > start_version for v in loaded), (start_version, loaded)
+    assert joiner_trajectories > 0, "the late joiner produced no trajectories"
+
+    _check_archive(cfg, acct)
+
+
+def _check_archive(cfg: RunConfig, acct: dict) -> None:  # type: ignore[type-arg]
+    rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
+    trained = Counter(r["trajectory_id"] for r in rows if r["outcome"] == "trained")
+    assert trained and max(trained.values()) == 1  # no trajectory trained twice (redelivery deduped)
+    intake = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
+    for r in rows:
+        if r["outcome"] == "trained":
+            acc = intake[r["trajectory_id"]]
+            lags = [r["learner_version"] - v for v, m in zip(acc["behavior_versions"], acc["loss_mask"], strict=True) if m]
+            assert lags and max(lags) <= ETA and min(lags) >= 0
+
+    # Every admitted trajectory ends as exactly one final outcome; none still "accepted".
+    outcomes = acct["outcomes"]
+    assert outcomes.get("accepted", 0) == 0, json.dumps(acct)
+    total = sum(outcomes.get(k, 0) for k in ("trained", "filtered", "quarantined", "failed_infra"))
+    assert acct["admitted"] > 0 and total == acct["admitted"], json.dumps(acct)

@@ -1,0 +1,101 @@
+"""Each environment trains a few learner steps through the real mesh (NATS, Redis, every service a
+process) with a tiny model; observation tokens (tool output, search results) carry loss mask 0 in
+the archive.
+
+The tiny model uses the printable-ASCII character tokenizer and a few SFT steps on one canned
+first action per environment, so that it emits tool calls and EOS (a random model rarely ends a
+turn); rewards are then mostly 0, so zero-variance groups are kept for these tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trajmesh.archive import read_archive
+from trajmesh.config import load_config
+from trajmesh.launcher import start_mesh
+from trajmesh.tasks import load_split
+from trajmesh.train import _write_manifest, read_metrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+SOURCES: dict[str, dict[str, Any]] = {
+    "reasoning_gym": {"type": "reasoning_gym", "name": "gcd", "family": "gcd", "knobs": {"max_value": 50}},
+    "math_tool": {"type": "math_tool", "max_tool_calls": 2, "call_timeout_s": 3.0},
+    "workplace": {"type": "workplace", "pool_size": 50},
+    "search": {"type": "search", "corpus_size": 20},
+}
+FIRST_ACTION = {
+    "reasoning_gym": "1",
+    "math_tool": "<code>print(1)</code>",
+    "workplace": '<tool>{"name":"list_tasks","arguments":{}}</tool>',
+    "search": "<search>town</search>",
+}
+OBS_PREFIX = {"math_tool": "<output>", "workplace": "<result>", "search": "<information>"}
+
+
+@pytest.fixture(scope="module")
+def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from trajmesh.learner.models import PRINTABLE_CHARS, build_char_tokenizer, build_tiny_model, sft
+
+    root = tmp_path_factory.mktemp("text-model")
+    build_char_tokenizer(root / "tok", charset=PRINTABLE_CHARS)
+    build_tiny_model(root / "init", root / "tok", hidden=32, layers=1, heads=2, max_positions=1024)
+    cfg = load_config(None, {"tasks.sources": list(SOURCES.values())})
+    data = []
+    for kind, src in zip(SOURCES, cfg.tasks.sources, strict=True):
+        train, _ = load_split(src, 30, 5)
+        data += [{"prompt": t.prompt, "answer": FIRST_ACTION[kind]} for t in train]
+    sft(root / "init", data, steps=80, batch_size=16, lr=1e-2, out_dir=root / "sft", warmup_steps=5)
+    return str(root / "sft")
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_environment_trains_through_the_mesh(kind: str, tmp_path: Path, text_model_dir: str) -> None:
+    cfg = load_config(None, {
+        "run_dir": str(tmp_path / "run"), "model.path": text_model_dir, "gate.eta": 1,
+        "tasks.sources": [SOURCES[kind]], "tasks.group_size": 2, "tasks.train_size": 40, "tasks.heldout_size": 5,
+        "tasks.sampling.max_new_tokens": 56, "tasks.sampling.max_turns": 3,
+        "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
+        "store.drop_zero_variance_groups": False,
+        "learner.engine.type": "torch", "learner.batch_groups": 3, "learner.max_steps": 3,
+        "learner.checkpoint_every": 3,
+    })
+    Path(cfg.run_dir).mkdir(parents=True)
+    _write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
+        mesh.stop_services()
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    run_dir = Path(cfg.run_dir)
+    steps = [m for m in read_metrics(run_dir) if m.get("kind") == "learner_step"]
+    assert len(steps) == 3
+    rows = [r for r in read_archive(run_dir / "archive").to_pylist() if r["outcome"] == "accepted"]
+    assert rows, "nothing reached the store"
+    assert not [r for r in read_archive(run_dir / "archive").to_pylist() if r["outcome"] == "quarantined"]
+    from trajmesh.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(text_model_dir)
+    observed = 0
+    for r in rows:
+        mask, ids = list(r["loss_mask"]), list(r["token_ids"])
+        assert mask[0] == 0 and 1 in mask  # prompt masked out, sampled tokens in
+        first_sampled = mask.index(1)
+        after = next((i for i in range(first_sampled, len(mask)) if mask[i] == 0), None)
+        if after is None:
+            continue
+        end = next((i for i in range(after, len(mask)) if mask[i] == 1), len(mask))
+        text = tok.decode(ids[after:end])
+        if kind in OBS_PREFIX:  # every masked-out run after an action is environment output
+            assert text.startswith(OBS_PREFIX[kind]), json.dumps(text)
+            observed += 1
+    if kind in OBS_PREFIX:
+        assert observed > 0, "no trajectory received an observation"

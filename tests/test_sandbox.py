@@ -1,0 +1,108 @@
+"""The sandbox abuse suite: each attack is contained, classified SANDBOX_ERROR/<subclass>, the host is
+untouched, nothing is left running, and the next call still works."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from trajmesh import sandbox
+
+pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox needs root and util-linux unshare"),
+              pytest.mark.timeout(120)]
+
+LIMITS = sandbox.SandboxLimits(wall_s=3.0, cpu_s=1, memory_bytes=512 << 20, max_processes=16, output_bytes=8192)
+
+
+def _sandbox_processes() -> list[int]:
+    """Live processes running as a sandbox uid."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                st = os.stat(f"/proc/{name}")
+            except OSError:
+                continue
+            if sandbox.UID_BASE <= st.st_uid < sandbox.UID_BASE + sandbox.UID_COUNT:
+                out.append(int(name))
+    return out
+
+
+def _run(code: str) -> sandbox.SandboxResult:
+    res = sandbox.run_code(code, limits=LIMITS)
+    assert _sandbox_processes() == [], "a sandboxed process outlived the call"
+    healthy = sandbox.run_code("print(6 * 7)", limits=LIMITS)
+    assert healthy.ok and healthy.stdout.strip() == "42"
+    return res
+
+
+def test_normal_code_runs_with_stdin_and_scratch_files() -> None:
+    res = sandbox.run_code("import sys, json\nopen('x.txt','w').write(sys.stdin.read())\nprint(open('x.txt').read()[::-1])",
+                           stdin="abc", limits=LIMITS)
+    assert res.status == sandbox.OK and res.stdout.strip() == "cba"
+    err = sandbox.run_code("raise ValueError('boom')", limits=LIMITS)
+    assert err.status == sandbox.ERROR and "boom" in err.stderr
+
+
+@pytest.mark.parametrize("code,subclass", [
+    ("import os\nwhile True:\n    os.fork()", "process_limit"),
+    ("x = bytearray(8 << 30)", "memory"),
+    ("while True:\n    pass", "cpu_time"),
+    ("import time\ntime.sleep(60)", "wall_timeout"),
+    ("while True:\n    print('x' * 1000)", "output_limit"),
+    ("import subprocess\nsubprocess.Popen(['sleep', '60'], start_new_session=True)\nprint('bye')", "orphan_process"),
+])
+def test_resource_abuse_is_contained(code: str, subclass: str) -> None:
+    start = time.monotonic()
+    res = _run(code)
+    assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, subclass), res
+    assert time.monotonic() - start < LIMITS.wall_s + 5
+
+
+def test_local_nats_and_redis_ports_are_unreachable() -> None:
+    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # stand-ins for NATS and Redis
+    try:
+        ports = [s.getsockname()[1] for s in servers]
+        code = f"import socket\nfor p in {ports!r}:\n    socket.create_connection(('127.0.0.1', p), timeout=1)"
+        res = _run(code)
+        assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "network")
+        for s in servers:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.accept()
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_writes_outside_the_temp_dir_are_blocked(tmp_path: Path) -> None:
+    target = tmp_path / "escaped"
+    code = ("import os\n"
+            f"try:\n    os.makedirs({str(tmp_path)!r}, exist_ok=True); open({str(target)!r}, 'w').write('x')\n"
+            "except OSError:\n    pass\n"
+            "open('/etc/trajmesh-pwned', 'w').write('x')")
+    res = _run(code)  # the first write lands in the sandbox's own /tmp, the second is refused
+    assert not target.exists() and not Path("/etc/trajmesh-pwned").exists()
+    assert res.status == sandbox.SANDBOX_ERROR and res.subclass == "fs_write"
+
+
+def test_service_env_and_secret_files_are_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAJMESH_TEST_SECRET", "s3cr3t-value")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cr3t-file")
+    secret.chmod(0o600)
+    code = ("import os\nprint(dict(os.environ))\n"
+            f"for p in ['/proc/1/environ', '/proc/{os.getpid()}/environ', {str(secret)!r}, '/root/.bashrc']:\n"
+            "    try:\n        print(open(p).read())\n    except OSError as e:\n        print('denied', e)\n")
+    res = _run(code)
+    assert "s3cr3t" not in res.stdout + res.stderr
+    assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "secret_access")
+
+
+def test_signalling_the_parent_fails() -> None:
+    res = _run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)")
+    assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "signal")
