@@ -77,6 +77,7 @@ for _g in GATES:
     GATE_BREACHES.labels(gate=_g.name)
 QUARANTINED.labels(reason="stale")  # exported at 0: the stale-rate panel and alert read it
 STEP_GAUGES: dict[str, Gauge] = {}
+WEIGHTS_GRACE_S = 120.0
 
 
 def _gauge(name: str) -> Gauge:
@@ -285,9 +286,13 @@ class LearnerService(Service):
             if (base / name).exists():
                 shutil.copy(base / name, tmp / name)
         os.replace(tmp, final)
-        keep = 2 * (self.cfg.effective_eta + 2)  # rollout may still be loading recent versions
+        # Rollout may still be loading recent versions: keep the newest few, and anything younger
+        # than a grace period (a late joiner may be loading the announced one on a busy machine).
+        keep = 2 * (self.cfg.effective_eta + 2)
+        now = time.time()
         for old in sorted(root.glob("v*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if now - old.stat().st_mtime > WEIGHTS_GRACE_S:
+                shutil.rmtree(old, ignore_errors=True)
         return final
 
     async def _announce(self, version: int, path: str) -> None:

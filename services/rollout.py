@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
-from trajmesh.rollout.engine_client import EngineClient, GenerateResult
+from trajmesh.rollout.engine_client import EngineClient, EngineError, GenerateResult
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
 from trajmesh import bus as busmod
@@ -49,6 +49,7 @@ TRAJECTORIES = Counter("trajmesh_rollout_trajectories_total", "Trajectories publ
 TOKENS = Counter("trajmesh_rollout_generated_tokens_total", "Tokens sampled by the engine")
 INTERRUPTIONS = Counter("trajmesh_rollout_interrupted_requests_total", "Generations resumed after a weight update")
 WEIGHT_UPDATES = Counter("trajmesh_rollout_weight_updates_total", "Weight versions loaded")
+WEIGHT_UPDATE_FAILURES = Counter("trajmesh_rollout_weight_update_failures_total", "Weight versions that failed to load")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_rollout_weight_sync_seconds", "Pause + load + continue time")
 POLICY_VERSION = Gauge("trajmesh_rollout_policy_version", "Weights version loaded in the engine")
 BUSY_SECONDS = Counter("trajmesh_rollout_busy_seconds_total", "Seconds with at least one task in flight")
@@ -92,12 +93,11 @@ class RolloutService(Service):
         self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=ns)
         await self.bus.ensure_streams()
         self.tokenizer = load_tokenizer(cfg.model.path)
+        # The engine starts from the base model (always present) as version 0; a late joiner then
+        # loads the newest announced weights in weights_loop before it samples any task admitted
+        # at that version (_wait_for_version).
         self.version = 0
         model_path = cfg.model.path
-        latest = await self.bus.latest_weights()
-        if latest is not None:  # a late joiner starts from the newest published weights
-            ann = trajectory_pb2.WeightsAnnouncement.FromString(latest)
-            self.version, model_path = int(ann.version), ann.path
         self.engine_proc: subprocess.Popen[bytes] | None = None
         self.engine: EngineClient | SyntheticEngine
         if cfg.rollout.engine.type == "synthetic":
@@ -114,7 +114,7 @@ class RolloutService(Service):
         self.version_changed = asyncio.Condition()
         self.channels = [grpc.aio.insecure_channel(a) for a in cfg.infra.environment_addresses]
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
-        self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=60.0)
+        self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
         self.slots = asyncio.Semaphore(cfg.rollout.concurrent_tasks)
         self.inflight: set[asyncio.Task[None]] = set()
         POLICY_VERSION.set(self.version)
@@ -130,7 +130,8 @@ class RolloutService(Service):
             self.engine_proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy())
         return f"http://127.0.0.1:{port}"
 
-    async def _wait_engine(self, timeout_s: float = 120.0) -> None:
+    async def _wait_engine(self) -> None:
+        timeout_s = self.cfg.rollout.engine.startup_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.engine_proc is not None and self.engine_proc.poll() is not None:
@@ -176,7 +177,16 @@ class RolloutService(Service):
             start = time.perf_counter()
             self.engine_ready.clear()
             await self.engine.pause()
-            await self.engine.update_weights_from_disk(ann.path, int(ann.version))  # raises on failure
+            try:
+                await self.engine.update_weights_from_disk(ann.path, int(ann.version))
+            except EngineError as exc:
+                # E.g. the learner pruned that version before we got to it: a newer announcement
+                # follows; the per-token lag check bounds what the old weights sample meanwhile.
+                WEIGHT_UPDATE_FAILURES.inc()
+                log.warning("could not load weights v%d (%s); waiting for the next version", ann.version, exc)
+                await self.engine.resume()
+                self.engine_ready.set()
+                continue
             self.version = int(ann.version)
             async with self.version_changed:
                 self.version_changed.notify_all()
@@ -212,14 +222,25 @@ class RolloutService(Service):
         try:
             data = await self.consumer.resolve(msg)
             task = trajectory_pb2.Task.FromString(data)
-            await self._wait_for_version(int(task.admitted_at_version))
-            trajs = await asyncio.gather(*(self.run_episode(task, i) for i in range(task.group_size)))
+            heartbeat = asyncio.ensure_future(self._heartbeat(msg))
+            try:
+                await self._wait_for_version(int(task.admitted_at_version))
+                trajs = await asyncio.gather(*(self.run_episode(task, i) for i in range(task.group_size)))
+            finally:
+                heartbeat.cancel()
             for traj in trajs:
                 await self.bus.publish(busmod.SUBJECT_TRAJ_RAW, traj.to_bytes(), msg_id=traj.trajectory_id)
                 TRAJECTORIES.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
             await msg.ack()
         finally:
             INFLIGHT.dec()
+
+    async def _heartbeat(self, msg: Any) -> None:
+        """Tells JetStream the task is still being worked on (a dead rollout stops doing so, and
+        its task is redelivered after task_ack_wait_s)."""
+        while True:
+            await asyncio.sleep(self.cfg.rollout.task_ack_wait_s / 3)
+            await msg.in_progress()
 
     async def _wait_for_version(self, version: int, timeout_s: float = 30.0) -> None:
         """A task admitted at learner version v is not sampled with weights older than v (the

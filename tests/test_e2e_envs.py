@@ -35,7 +35,7 @@ FIRST_ACTION = {
     "workplace": '<tool>{"name":"list_tasks","arguments":{}}</tool>',
     "search": "<search>town</search>",
 }
-OBS_PREFIX = {"math_tool": "<output>", "workplace": "<result>", "search": "<information>"}
+OBS_PREFIX = {"math_tool": ("<output>",), "workplace": ("<result>", "<error>"), "search": ("<information>",)}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     for kind, src in zip(SOURCES, cfg.tasks.sources, strict=True):
         train, _ = load_split(src, 30, 5)
         data += [{"prompt": t.prompt, "answer": FIRST_ACTION[kind]} for t in train]
-    sft(root / "init", data, steps=80, batch_size=16, lr=1e-2, out_dir=root / "sft", warmup_steps=5)
+    sft(root / "init", data, steps=120, batch_size=16, lr=1e-2, out_dir=root / "sft", warmup_steps=5)
     return str(root / "sft")
 
 

@@ -140,6 +140,8 @@ class EngineConfig(_Strict):
     """Base URL of an already running engine (required for sglang)."""
     batch_window_ms: float = Field(2.0, ge=0)
     """How long the torch engine waits to batch concurrent requests."""
+    startup_timeout_s: float = Field(120.0, gt=0)
+    """How long rollout waits for the engine's /health at start (SGLang loading weights: minutes)."""
 
     @model_validator(mode="after")
     def _sglang_needs_url(self) -> EngineConfig:
@@ -154,6 +156,8 @@ class RolloutConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     concurrent_tasks: int = Field(4, ge=1)
     """Tasks one rollout process works on at once."""
+    task_ack_wait_s: float = Field(60.0, gt=0)
+    """Seconds before a task taken by a rollout that died (never acked) is redelivered to another."""
 
 
 class ServiceReplicas(_Strict):

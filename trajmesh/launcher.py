@@ -79,6 +79,9 @@ class Mesh:
         pending = list(procs)
         while pending:
             for p in list(pending):
+                if p.name == "learner" and p.popen.poll() == 0:
+                    pending.remove(p)  # finished already (e.g. a stop gate fired on its first step)
+                    continue
                 if p.popen.poll() is not None:
                     raise RuntimeError(f"{p.label} exited with {p.popen.returncode} during start:\n{tail(p.log_path)}")
                 if healthy(p.metrics_port):

@@ -220,6 +220,8 @@ def _summarize(cfg: RunConfig, held: list[dict[str, Any]], acct: dict[str, Any])
         "unparseable_messages_quarantined": acct["unparseable_quarantined"],
         "final_version": steps[-1]["version"] if steps else 0,
     }
+    stop_reason = run_dir / "stop_reason.json"
+    summary["stop_reason"] = json.loads(stop_reason.read_text()) if stop_reason.exists() else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     try:
         from trajmesh.plot import plot_run
