@@ -28,6 +28,11 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 def _build_service(name: str, args: argparse.Namespace) -> Any:
     cfg = load_config(args.config)
+    missing = [k for k, v in (("infra.nats_url", cfg.infra.nats_url), ("infra.redis_url", cfg.infra.redis_url),
+                              ("model.path", cfg.model.path)) if v is None and name != "environment"]
+    if missing:
+        raise ConfigError(f"trajmesh serve {name} needs {', '.join(missing)} in {args.config} "
+                          "(`trajmesh train` fills them in; on a cluster the chart's config does)")
     kw = {"replica": args.replica, "metrics_port": args.metrics_port}
     if name == "store":
         from trajmesh.services.store import TrajectoryStore

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trajmesh.config import RunConfig, dump_config
+from trajmesh.config import ConfigError, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, free_port
 
 log = logging.getLogger("trajmesh.launcher")
@@ -226,11 +226,35 @@ def accounting(cfg: RunConfig) -> dict[str, Any]:
     return {"admitted": admitted, "outcomes": counts, "by_reason": reasons, "unparseable_quarantined": unparseable}
 
 
+def _reachable(url: str, default_port: int) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or default_port), timeout=3.0):
+            return True
+    except OSError:
+        return False
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Fail fast, naming the key and the fix, on what validation alone cannot see."""
+    if cfg.infra.nats_url is not None and not _reachable(cfg.infra.nats_url, 4222):
+        raise ConfigError(f"infra.nats_url: cannot reach {cfg.infra.nats_url} (start that server, or remove "
+                          "infra.nats_url to let trajmesh start its own)")
+    if cfg.infra.redis_url is not None and not _reachable(cfg.infra.redis_url, 6379):
+        raise ConfigError(f"infra.redis_url: cannot reach {cfg.infra.redis_url} (start that server, or remove "
+                          "infra.redis_url to let trajmesh start its own)")
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").exists():
+        raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json); "
+                          "point it at one, or remove model.path to build the embedded demo model")
+
+
 def prepare_model(cfg: RunConfig) -> RunConfig:
     """The model dir to train: config's `model.path`, or the embedded demo model (built once, cached)."""
     if cfg.model.path is not None:
-        if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model dir (no config.json)")
+        preflight(cfg)
         return cfg
     import hashlib
 

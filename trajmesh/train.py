@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from trajmesh.config import RunConfig, dump_config
-from trajmesh.launcher import Mesh, accounting, drain, prepare_model, start_mesh, tail
+from trajmesh.launcher import Mesh, accounting, drain, preflight, prepare_model, start_mesh, tail
 
 log = logging.getLogger("trajmesh.train")
 console = Console()
@@ -96,6 +96,7 @@ def latest_weights_dir(run_dir: Path) -> Path | None:
 
 
 def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_every_s: float = 60.0) -> dict[str, Any]:
+    preflight(cfg)
     run_dir = Path(cfg.run_dir)
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
