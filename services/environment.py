@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.envs.base import Environment, StepResult, make_environment
 from trajmesh.envs.registry import ENVIRONMENTS
 
-from trajmesh import sandbox
+from trajmesh import sandbox, security
 from trajmesh.service import Service
 from trajmesh.v1 import services_pb2, services_pb2_grpc
 
@@ -78,7 +78,7 @@ class EnvironmentService(Service):
     async def setup(self) -> None:
         self.server = grpc.aio.server()
         services_pb2_grpc.add_EnvironmentServicer_to_server(_EnvServicer(self), self.server)
-        self.grpc_port = self.server.add_insecure_port(f"0.0.0.0:{self.grpc_port}")
+        self.grpc_port = security.add_grpc_port(self.server, f"0.0.0.0:{self.grpc_port}", self.cfg.infra.security.grpc_tls)
         await self.server.start()
         log.info("environment gRPC on :%d", self.grpc_port)
 

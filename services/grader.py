@@ -15,11 +15,11 @@ import json
 import logging
 import time
 
-import redis.asyncio
 from prometheus_client import Counter, Histogram
 from trajmesh.graders import GRADERS, Grader, Sample, grader_kind, make_grader
 
 from trajmesh import bus as busmod
+from trajmesh import security
 from trajmesh.contract import ContractError, Trajectory
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
@@ -59,9 +59,8 @@ class GraderService(Service):
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
         self.keys = RedisKeys(cfg.infra.namespace)
-        self.redis = redis.asyncio.Redis.from_url(cfg.infra.redis_url)
-        self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=cfg.infra.namespace)
-        await self.bus.ensure_streams()
+        self.redis = security.redis_client(cfg)
+        self.bus = await security.connect_bus(cfg, "grader", name=self.worker_id)
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=30.0)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.graders: dict[str, Grader] = {}

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import redis.asyncio
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.learner import consistency
@@ -38,7 +37,7 @@ from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.step import advantages_B, build_batch, compute_loss, split_stale
 from trajmesh.learner.train_engine import build_train_engine
 
-from trajmesh import bus as busmod
+from trajmesh import security
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
@@ -101,12 +100,11 @@ class LearnerService(Service):
         torch.manual_seed(cfg.learner.seed)
         self.run_dir = Path(cfg.run_dir)
         self.keys = RedisKeys(cfg.infra.namespace)
-        self.redis = redis.asyncio.Redis.from_url(cfg.infra.redis_url)
+        self.redis = security.redis_client(cfg)
         self.gate = AsyncStalenessGate(self.redis, key_prefix=self.keys.gate_prefix, eta=cfg.effective_eta,
                                        batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
-        self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=cfg.infra.namespace)
-        await self.bus.ensure_streams()
-        self.channel = grpc.aio.insecure_channel(cfg.infra.store_address)
+        self.bus = await security.connect_bus(cfg, "learner", name=self.worker_id)
+        self.channel = security.grpc_channel(cfg.infra.store_address, cfg.infra.security.grpc_tls)
         self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)
 
         from transformers import AutoModelForCausalLM
@@ -161,15 +159,22 @@ class LearnerService(Service):
         eta = self.cfg.effective_eta
         temperature = self.cfg.tasks.sampling.temperature or 1.0
         loop_start = time.monotonic() - self.rl_seconds
+        replay = self._batches_to_replay()
         while (self.steps_done < lc.max_steps and time.monotonic() - loop_start < lc.max_seconds
                and not self.stopping.is_set()):
             wait_start = time.perf_counter()
-            resp = await self.store.NextBatch(services_pb2.NextBatchRequest(
-                learner_version=self.version, max_trajectories=self.cfg.batch_trajectories, timeout_seconds=5.0))
+            if replay:  # batches trained after the last checkpoint, before a crash: same data order
+                resp = replay.pop(0)
+                log.info("replaying step %d's batch from %s", self.steps_done, self.batches_dir)
+            else:
+                resp = await self._rpc(self.store.NextBatch, services_pb2.NextBatchRequest(
+                    learner_version=self.version, max_trajectories=self.cfg.batch_trajectories,
+                    timeout_seconds=5.0))
             waited = time.perf_counter() - wait_start
             WAIT_SECONDS.inc(waited)
             if not resp.trajectories:
                 continue
+            self._save_batch(resp)
             trajs = [Trajectory(pb) for pb in resp.trajectories]
             start = time.perf_counter()
             metrics = await asyncio.to_thread(self._train_step, trajs, eta, temperature)
@@ -179,7 +184,7 @@ class LearnerService(Service):
             pub_start = time.perf_counter()
             await self._publish_weights()
             WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - pub_start)
-            await self.store.Report(services_pb2.ReportRequest(
+            await self._rpc(self.store.Report, services_pb2.ReportRequest(
                 learner_version=self.version - 1,  # the version the batch was trained at
                 trained_ids=metrics.pop("_trained_ids"),
                 quarantined_ids=metrics.pop("_stale_ids"),
@@ -192,8 +197,51 @@ class LearnerService(Service):
             if self.steps_done % lc.checkpoint_every == 0:
                 await self._checkpoint_async()
             if await self._stop_gates_breached(metrics):
+                await self.redis.set(self.keys.run_finished, "stop_gate")
                 return
+        if not self.stopping.is_set():  # budget spent: the run is over, the store stops admitting
+            await self.redis.set(self.keys.run_finished, "budget")
         log.info("learner done: %d steps, version %d", self.steps_done, self.version)
+
+    async def _rpc(self, call: Any, request: Any) -> Any:
+        """A store call that rides out a store restart (UNAVAILABLE) until this learner stops."""
+        delay = 0.2
+        while True:
+            try:
+                return await call(request, timeout=60.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or self.stopping.is_set():
+                    raise
+                log.warning("store unavailable (%s); retrying in %.1fs", exc.code().name, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # ------------------------------------------------------------------ batches since the checkpoint
+    @property
+    def batches_dir(self) -> Path:
+        return self.run_dir / "learner_batches"
+
+    def _save_batch(self, resp: Any) -> None:
+        """Each step's batch goes to disk before it is trained (atomic rename). After a crash, the
+        batches since the last checkpoint are replayed in order, so the resumed learner reaches the
+        same weights as an uninterrupted run; a checkpoint deletes the older ones."""
+        self.batches_dir.mkdir(parents=True, exist_ok=True)
+        path = self.batches_dir / f"step-{self.steps_done:08d}.pb"
+        if path.exists():
+            return
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(resp.SerializeToString())
+        os.replace(tmp, path)
+
+    def _batches_to_replay(self) -> list[Any]:
+        if not self.batches_dir.exists():
+            return []
+        out = []
+        for path in sorted(self.batches_dir.glob("step-*.pb")):
+            if int(path.stem.split("-")[1]) >= self.steps_done:
+                out.append(services_pb2.NextBatchResponse.FromString(path.read_bytes()))
+        return out
 
     async def _stop_gates_breached(self, metrics: dict[str, Any]) -> bool:
         """Survey §11.4: on a breach, write the reason, checkpoint, and end run() (exit 0)."""
@@ -274,9 +322,9 @@ class LearnerService(Service):
         """HF safetensors dir for `version`, written to a temp dir and renamed (atomic)."""
         root = self.run_dir / "weights"
         root.mkdir(parents=True, exist_ok=True)
-        final = root / f"v{version:06d}"
-        if final.exists():
-            return final
+        # A fresh name per save: a learner replaying after a crash never rewrites a directory a
+        # rollout engine may be reading.
+        final = root / f"v{version:06d}-{time.time_ns()}"
         tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         # full_state_dict gathers ZeRO-3 partitions; the unwrapped model writes the HF layout.
@@ -322,6 +370,9 @@ class LearnerService(Service):
             os.replace(latest, old)
         os.replace(tmp, latest)
         shutil.rmtree(old, ignore_errors=True)
+        for path in self.batches_dir.glob("step-*.pb") if self.batches_dir.exists() else []:
+            if int(path.stem.split("-")[1]) < self.steps_done:
+                path.unlink()
         log.info("checkpoint at version %d", self.version)
 
     async def _checkpoint_async(self) -> None:

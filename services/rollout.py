@@ -37,6 +37,7 @@ from trajmesh.rollout.engine_client import EngineClient, EngineError, GenerateRe
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
 from trajmesh import bus as busmod
+from trajmesh import security
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
 from trajmesh.service import Service, supervise
@@ -89,9 +90,7 @@ class RolloutService(Service):
     async def setup(self) -> None:
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.model.path
-        ns = cfg.infra.namespace
-        self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=ns)
-        await self.bus.ensure_streams()
+        self.bus = await security.connect_bus(cfg, "rollout", name=self.worker_id)
         self.tokenizer = load_tokenizer(cfg.model.path)
         # The engine starts from the base model (always present) as version 0; a late joiner then
         # loads the newest announced weights in weights_loop before it samples any task admitted
@@ -112,7 +111,7 @@ class RolloutService(Service):
         self.engine_ready = asyncio.Event()
         self.engine_ready.set()
         self.version_changed = asyncio.Condition()
-        self.channels = [grpc.aio.insecure_channel(a) for a in cfg.infra.environment_addresses]
+        self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
         self.slots = asyncio.Semaphore(cfg.rollout.concurrent_tasks)
@@ -172,8 +171,8 @@ class RolloutService(Service):
         """
         async for raw in self.bus.watch_weights(include_current=True):
             ann = trajectory_pb2.WeightsAnnouncement.FromString(raw)
-            if ann.version <= self.version:
-                continue
+            if ann.version == self.version:
+                continue  # a lower version is a learner that resumed from a checkpoint: follow it
             start = time.perf_counter()
             self.engine_ready.clear()
             await self.engine.pause()

@@ -34,10 +34,10 @@ from typing import Any
 
 import grpc
 import nats.js.errors
-import redis.asyncio
 from prometheus_client import Counter, Gauge
 
 from trajmesh import bus as busmod
+from trajmesh import security
 from trajmesh.archive import ArchiveWriter
 from trajmesh.contract import ContractError, Trajectory
 from trajmesh.gate import AsyncStalenessGate
@@ -112,7 +112,7 @@ class TrajectoryStore(Service):
         ns = cfg.infra.namespace
         self.keys = RedisKeys(ns)
         assert cfg.infra.nats_url and cfg.infra.redis_url, "store needs infra.nats_url and infra.redis_url"
-        self.redis = redis.asyncio.Redis.from_url(cfg.infra.redis_url)
+        self.redis = security.redis_client(cfg)
         self.gate = AsyncStalenessGate(
             self.redis,
             key_prefix=self.keys.gate_prefix,
@@ -120,15 +120,22 @@ class TrajectoryStore(Service):
             batch_size=cfg.batch_trajectories,
             max_concurrent=cfg.gate.max_concurrent,
         )
-        self.bus = await busmod.connect(cfg.infra.nats_url, name=self.worker_id, namespace=ns)
-        await self.bus.ensure_streams()
-        self.intake = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=30.0)
+        self.bus = await security.connect_bus(cfg, "store", name=self.worker_id)
+        self.intake = await self.bus.pull_subscribe(
+            busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000)
+        # Trajectory id → its unacked TRAJ_GRADED message: held until the trajectory's outcome is
+        # final and archived, so a store that dies loses nothing (JetStream redelivers).
+        self.held: dict[str, Any] = {}
+        self.handed_out: dict[str, Any] = {}
+        self.handed_group: dict[str, str] = {}
+        self.pending_final: list[tuple[str, Any]] = []
         assert cfg.model.path, "store needs model.path (for the tokenizer's vocabulary)"
         self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
         self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed)
         self.archive = ArchiveWriter(Path(cfg.run_dir) / "archive", writer=f"store{self.replica}")
         self.manifest_id = (await self.redis.get(self.keys.manifest_id) or b"").decode()
         self.groups: dict[str, _Group] = {}
+        self.pending_group_cleanup: list[str] = []
         self.ready_groups: deque[_Group] = deque()
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
@@ -145,22 +152,27 @@ class TrajectoryStore(Service):
         self.grpc_server = grpc.aio.server()
         services_pb2_grpc.add_TrajectoryStoreServicer_to_server(_StoreServicer(self), self.grpc_server)
         port = cfg.infra.store_address.rsplit(":", 1)[1]
-        self.grpc_server.add_insecure_port(f"0.0.0.0:{port}")
+        security.add_grpc_port(self.grpc_server, f"0.0.0.0:{port}", cfg.infra.security.grpc_tls)
         await self.grpc_server.start()
 
     async def run(self) -> None:
-        await supervise(self.admission_loop(), self.intake_loop(), self.flush_loop(), self.queue_loop())
+        await self._republish_unpublished()
+        await supervise(self.admission_loop(), self.intake_loop(), self.flush_loop(), self.queue_loop(),
+                        self.heartbeat_loop())
 
     async def stop(self) -> None:
         if hasattr(self, "grpc_server"):
             await self.grpc_server.stop(grace=1.0)
         if hasattr(self, "archive"):
-            # Buffered groups live in memory only: record that they end unused, so nothing is
-            # silently lost from the accounting.
-            for group in self.ready_groups:
-                for t in group.members:
-                    self._archive(t, "filtered", "unused_at_stop")
-            self.ready_groups.clear()
+            # At the end of a finished run, groups still buffered end as filtered/unused. Otherwise
+            # (a crash, a restart, Ctrl-C before --resume) their messages stay unacked and come
+            # back to the next store.
+            if await self._run_finished():
+                for group in self.ready_groups:
+                    for t in group.members:
+                        self._finalize(t, "filtered", "unused_at_end_of_run", self.held.pop(t.trajectory_id, None))
+                self.ready_groups.clear()
+            await self._commit_final()
             self.archive.close()
         if hasattr(self, "bus"):
             await self.bus.close()
@@ -177,6 +189,9 @@ class TrajectoryStore(Service):
         """
         g = self.cfg.tasks.group_size
         while True:
+            if await self._run_finished():  # the learner is done: admit nothing more, let it drain
+                await asyncio.sleep(1.0)
+                continue
             counters = await self.gate.counters()
             GATE_CAPACITY.set(counters.capacity)
             GATE_RUNNING.set(counters.running)
@@ -215,15 +230,32 @@ class TrajectoryStore(Service):
         )
         record = {"group_id": pb.group_id, "group_size": pb.group_size, "source": pb.source,
                   "answer": pb.answer, "prompt": pb.prompt, "metadata": task.metadata}
-        await self.redis.hset(self.keys.tasks, pb.task_id, json.dumps(record, default=str))
-        await self.bus.publish(busmod.SUBJECT_TASKS, pb.SerializeToString(), msg_id=pb.task_id)
+        data = pb.SerializeToString()
+        # Record, count and mark unpublished in one transaction; a store that dies before the
+        # publish republishes on start (same msg id: JetStream stores it once).
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.tasks, pb.task_id, json.dumps(record, default=str))
+        pipe.hset(self.keys.unpublished_tasks, pb.task_id, data)
+        pipe.incrby(self.keys.admitted_trajectories, pb.group_size)
+        await pipe.execute()
+        await self.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=pb.task_id)
+        await self.redis.hdel(self.keys.unpublished_tasks, pb.task_id)
         TASKS_ADMITTED.labels(source=pb.source).inc()
         TRAJ_ADMITTED.inc(pb.group_size)
-        await self.redis.incrby(self.keys.admitted_trajectories, pb.group_size)
+
+    async def _republish_unpublished(self) -> None:
+        for task_id, data in (await self.redis.hgetall(self.keys.unpublished_tasks)).items():
+            await self.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=task_id.decode())
+            await self.redis.hdel(self.keys.unpublished_tasks, task_id)
+            log.info("republished task %s admitted by an earlier store", task_id.decode())
+
+    async def _run_finished(self) -> bool:
+        return bool(await self.redis.exists(self.keys.run_finished))
 
     # ------------------------------------------------------------------ intake
     async def intake_loop(self) -> None:
-        """Consumes TRAJ_GRADED; every message ends archived under exactly one outcome, then acked.
+        """Consumes TRAJ_GRADED. A message is acked only once its trajectory's outcome is final and
+        archived (quarantined, failed_infra, filtered, trained); group members wait unacked.
 
         Waits for messages (pull fetch with timeout); backpressure: stops fetching while the
         ready buffer is full (the gate keeps that rare).
@@ -235,49 +267,60 @@ class TrajectoryStore(Service):
                 continue
             for msg in await self.intake.fetch(batch=32, timeout=1.0):
                 data = await self.intake.resolve(msg)
-                await self._intake_one(data)
-                await msg.ack()
+                await self._intake_one(data, msg)
 
-    async def _intake_one(self, data: bytes) -> None:
+    async def _intake_one(self, data: bytes, msg: Any) -> None:
         try:
             traj = Trajectory.from_bytes(data)
         except ContractError as exc:
             self._quarantine_bytes(data, "not_a_trajectory", str(exc))
+            self.pending_final.append(("", msg))
             return
         raw = await self.redis.hget(self.keys.tasks, traj.task_id) if traj.task_id else None
         if raw is None:
-            self._archive(traj, "quarantined", "unknown_task_id")
+            self._finalize(traj, "quarantined", "unknown_task_id", msg, mark=False)
             return
         task = json.loads(raw)
-        if not await self.redis.sadd(self.keys.seen_trajectories, traj.trajectory_id):
+        tid = traj.trajectory_id
+        for holder in (self.held, self.handed_out):
+            if tid in holder:  # redelivered while we still hold it: keep the newest handle
+                holder[tid] = msg
+                return
+        if await self.redis.sismember(self.keys.final_trajectories, tid):
             RETRIED.labels(source=traj.pb.task_source).inc()
-            self._archive(traj, "duplicate", "duplicate_trajectory_id")
+            self._finalize(traj, "duplicate", "duplicate_trajectory_id", msg, mark=False)
             return
         if traj.truncated:
             TRUNCATED.labels(source=traj.pb.task_source).inc()
         version = await self.gate.version()
         violations = traj.validate(vocab_size=self.vocab_size, learner_version=version)
-        member = traj.pb.group_id == task["group_id"]
+        if traj.pb.group_id != task["group_id"]:
+            # Not one of the task's G samples: it must not complete (or block) a real group.
+            reason = ",".join(sorted({v.name for v in violations})) if violations else "group_mismatch"
+            self._finalize(traj, "quarantined", reason, msg, mark=False)
+            return
+        gid = traj.group_id
+        await self.redis.sadd(self.keys.group_received(gid), tid)
         if violations:
-            self._archive(traj, "quarantined", ",".join(sorted({v.name for v in violations})))
-        elif not member:
-            self._archive(traj, "quarantined", "group_mismatch")
+            self._finalize(traj, "quarantined", ",".join(sorted({v.name for v in violations})), msg)
         elif traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
-            self._archive(traj, "failed_infra", "infra_failure")
+            self._finalize(traj, "failed_infra", "infra_failure", msg)
         elif not traj.graded or not math.isfinite(traj.reward):
-            self._archive(traj, "quarantined", "not_graded")
-        if not member:
-            return  # not one of the task's G samples: it must not complete (or block) a real group
-        group = self.groups.get(traj.group_id)
+            self._finalize(traj, "quarantined", "not_graded", msg)
+        else:
+            await self.redis.sadd(self.keys.group_valid(gid), tid)
+            self.held[tid] = msg
+        group = self.groups.get(gid)
         if group is None:
-            group = self.groups[traj.group_id] = _Group(traj.group_id, int(task["group_size"]),
-                                                        source=str(task.get("source", "")))
-        group.received += 1
-        if not violations and traj.graded and math.isfinite(traj.reward) and \
-                traj.terminal_reason != trajectory_pb2.INFRA_FAILURE:
+            group = self.groups[gid] = _Group(gid, int(task["group_size"]), source=str(task.get("source", "")))
+        if tid in self.held and all(m.trajectory_id != tid for m in group.members):
             group.members.append(traj)
-        if group.received >= group.expected:
-            del self.groups[traj.group_id]
+        received = await self.redis.scard(self.keys.group_received(gid))
+        valid = await self.redis.scard(self.keys.group_valid(gid))
+        # Complete once all G came back and every valid member is here (after a store restart the
+        # valid members arrive again by redelivery; the quarantined ones were final already).
+        if received >= group.expected and len(group.members) >= valid:
+            del self.groups[gid]
             await self._complete(group)
 
     async def _complete(self, group: _Group) -> None:
@@ -288,26 +331,61 @@ class TrajectoryStore(Service):
         elif self.cfg.store.drop_zero_variance_groups and max(rewards) == min(rewards):
             reason = "zero_variance"
         n_valid = len(group.members)
-        self._note_group_health(group, rewards)
-        TASKS_DONE.labels(source=group.source, outcome="filtered" if reason else "accepted",
-                          reason=reason or "none").inc()
+        first_time = bool(await self.redis.sadd(self.keys.groups_done, group.group_id))
+        if first_time:  # a group rebuilt after a store restart was counted already
+            self._note_group_health(group, rewards)
+            TASKS_DONE.labels(source=group.source, outcome="filtered" if reason else "accepted",
+                              reason=reason or "none").inc()
         if reason:
             GROUPS_FILTERED.labels(reason=reason).inc()
             log.info("group %s filtered: %s (rewards %s)", group.group_id, reason, rewards)
             for t in group.members:
-                self._archive(t, "filtered", reason)
-            await self.gate.finish(group.expected, accepted=False)
+                self._finalize(t, "filtered", reason, self.held.pop(t.trajectory_id, None))
+            self.pending_group_cleanup.append(group.group_id)
+            if first_time:
+                await self.gate.finish(group.expected, accepted=False)
         else:
             for t in group.members:
                 self._archive(t, "accepted", "")
-            await self.gate.finish(n_valid, accepted=True)
-            if group.expected > n_valid:
-                await self.gate.finish(group.expected - n_valid, accepted=False)
+            if first_time:
+                await self.gate.finish(n_valid, accepted=True)
+                if group.expected > n_valid:
+                    await self.gate.finish(group.expected - n_valid, accepted=False)
             group.ready_at = time.time()
             self.ready_groups.append(group)
             GROUPS_READY.set(len(self.ready_groups))
             self.ready_changed.set()
         self.capacity_changed.set()
+
+    def _finalize(self, traj: Trajectory, outcome: str, reason: str, msg: Any, *, mark: bool = True,
+                  learner_version: int = -1) -> None:
+        """Archive a final outcome; the message is acked (and the id marked final, for dedupe) at
+        the next commit, after the archive rows are on disk."""
+        self._archive(traj, outcome, reason, learner_version)
+        self.pending_final.append((traj.trajectory_id if mark else "", msg))
+
+    async def _commit_final(self) -> None:
+        """Flush the archive, then mark ids final and ack their messages (in that order: a crash in
+        between re-delivers a message whose row exists; the reader keeps the last row)."""
+        self.archive.flush()
+        pending, self.pending_final = self.pending_final, []
+        ids = [tid for tid, _ in pending if tid]
+        if ids:
+            await self.redis.sadd(self.keys.final_trajectories, *ids)
+        for _, msg in pending:
+            if msg is not None:
+                await msg.ack()
+        groups, self.pending_group_cleanup = self.pending_group_cleanup, []
+        for gid in groups:
+            await self.redis.delete(self.keys.group_received(gid), self.keys.group_valid(gid))
+
+    async def heartbeat_loop(self) -> None:
+        """Keeps held messages from being redelivered while this store lives (in-progress acks)."""
+        while True:
+            await asyncio.sleep(self.cfg.store.intake_ack_wait_s / 3)
+            for msg in list(self.held.values()) + list(self.handed_out.values()):
+                if msg is not None:
+                    await msg.in_progress()
 
     def _note_group_health(self, group: _Group, rewards: list[float]) -> None:
         """Zero-variance and answer-diversity statistics of a completed group (survey §11.3)."""
@@ -352,10 +430,10 @@ class TrajectoryStore(Service):
         return max(0.0, time.time() - msg.time.timestamp())
 
     async def flush_loop(self) -> None:
-        """Flushes the archive every couple of seconds so readers see recent records."""
+        """Commits final outcomes (archive flush, then acks) every second."""
         while True:
-            await asyncio.sleep(self.archive.flush_seconds)
-            self.archive.flush()
+            await asyncio.sleep(1.0)
+            await self._commit_final()
 
     # ------------------------------------------------------------------ archive helpers
     def _archive(self, traj: Trajectory, outcome: str, reason: str, learner_version: int = -1) -> None:
@@ -396,20 +474,47 @@ class TrajectoryStore(Service):
         while self.ready_groups and len(out) + len(self.ready_groups[0].members) <= max_trajectories and want_groups > 0:
             out.extend(self.ready_groups.popleft().members)
             want_groups -= 1
+        for t in out:
+            self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
+            self.handed_group[t.trajectory_id] = t.group_id
         GROUPS_READY.set(len(self.ready_groups))
         self.ready_changed.set()
         return out
 
     async def report(self, req: services_pb2.ReportRequest) -> None:
-        for tid in req.trained_ids:
-            self.archive.append(trajectory_id=tid, outcome="trained", reason="", learner_version=req.learner_version)
-            OUTCOMES.labels(outcome="trained", reason="none").inc()
-        for tid, reason in zip(req.quarantined_ids, req.quarantine_reasons, strict=True):
-            self.archive.append(trajectory_id=tid, outcome="quarantined", reason=reason,
+        """The learner's verdict on a batch: final outcomes, committed before the reply.
+
+        Idempotent: a learner replaying batches after its own restart reports ids again (skipped),
+        and a store restarted since NextBatch may hold the ids again from redelivery (dropped from
+        its groups and acked)."""
+        outcomes = [(tid, "trained", "") for tid in req.trained_ids]
+        outcomes += [(tid, "quarantined", r) for tid, r in zip(req.quarantined_ids, req.quarantine_reasons, strict=True)]
+        finals = await self.redis.smismember(self.keys.final_trajectories, [t for t, _, _ in outcomes]) \
+            if outcomes else []
+        groups: set[str] = set()
+        for (tid, outcome, reason), done in zip(outcomes, finals, strict=True):
+            msg = self.handed_out.pop(tid, None) or self.held.pop(tid, None)
+            self._drop_from_buffers(tid)
+            if done:
+                if msg is not None:
+                    self.pending_final.append(("", msg))
+                continue
+            self.archive.append(trajectory_id=tid, outcome=outcome, reason=reason,
                                 learner_version=req.learner_version)
-            OUTCOMES.labels(outcome="quarantined", reason=reason).inc()
-        self.archive.flush()
+            OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
+            self.pending_final.append((tid, msg))
+        for tid, _, _ in outcomes:
+            gid = self.handed_group.pop(tid, None)
+            if gid is not None:
+                groups.add(gid)
+        self.pending_group_cleanup.extend(groups)
+        await self._commit_final()
         await self._note_version(req.learner_version)
+
+    def _drop_from_buffers(self, tid: str) -> None:
+        for group in list(self.ready_groups) + list(self.groups.values()):
+            group.members = [t for t in group.members if t.trajectory_id != tid]
+        self.ready_groups = deque(g for g in self.ready_groups if g.members)
 
     async def _note_version(self, version: int) -> None:
         LEARNER_VERSION.set(version)

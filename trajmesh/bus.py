@@ -24,6 +24,7 @@ unprefixed constants below; the :class:`Bus` applies the namespace.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import ssl
 import uuid
@@ -88,6 +89,8 @@ _HEADER_HEADROOM_BYTES = 4096
 _MAX_CHUNK_BYTES = 128 * 1024
 # JetStream API error code: "stream name already in use with a different configuration".
 _ERR_STREAM_NAME_IN_USE = 10058
+
+_log = logging.getLogger("trajmesh.bus")
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 
@@ -491,6 +494,10 @@ class Bus:
         await self.close()
 
 
+async def _log_error(err: Exception) -> None:
+    _log.error("nats: %s", err)
+
+
 async def connect(
     url: str,
     *,
@@ -501,11 +508,14 @@ async def connect(
     namespace: str = "",
     connect_timeout_s: float = 5.0,
     max_reconnect_attempts: int = -1,
+    inbox_prefix: str = "_INBOX",
 ) -> Bus:
     """Connect to NATS as client ``name`` and return a :class:`Bus` for ``namespace``.
 
     Reconnects forever by default (``max_reconnect_attempts=-1``): a service rides out a NATS
-    restart; JetStream state survives it on disk.
+    restart; JetStream state survives it on disk. ``user``/``password``/``tls``/``inbox_prefix``
+    come from :func:`trajmesh.security.connect_bus` (a user may subscribe only to its own inboxes).
+    Errors the server reports asynchronously (a permissions violation) are logged.
     """
     layout = Layout(namespace)
     nc = await nats.connect(
@@ -514,6 +524,8 @@ async def connect(
         user=user,
         password=password,
         tls=tls,
+        inbox_prefix=inbox_prefix,
+        error_cb=_log_error,
         connect_timeout=connect_timeout_s,
         max_reconnect_attempts=max_reconnect_attempts,
         reconnect_time_wait=0.5,

@@ -23,6 +23,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TlsConfig(_Strict):
+    """Paths of PEM files (mounted secrets); the files, never their contents, go in the config."""
+
+    ca_file: str | None = None
+    """CA bundle that verifies the peer (None: the system roots; a gRPC server then asks no client cert)."""
+    cert_file: str | None = None
+    """This side's certificate chain: the server's own, or the client certificate for mutual TLS."""
+    key_file: str | None = None
+    """Private key of cert_file."""
+    server_name: str | None = None
+    """gRPC clients: expected name on the server certificate when it differs from the address host."""
+
+
+class SecurityConfig(_Strict):
+    """Authentication and TLS (docs/SECURITY.md). Secrets are never config values: services read
+    TRAJMESH_NATS_USER, TRAJMESH_NATS_PASSWORD, TRAJMESH_REDIS_PASSWORD (or each NAME_FILE, a path)."""
+
+    nats_auth: bool = True
+    """Local launcher: start nats-server with one user per service and subject allow lists, random
+    passwords in RUN_DIR/infra/credentials.json (0600), passed to services by environment."""
+    redis_auth: bool = True
+    """Local launcher: start redis-server with a random password (passed by environment)."""
+    nats_tls: TlsConfig | None = None
+    """TLS to NATS (clients verify with ca_file; cert_file/key_file for mutual TLS). None: plain."""
+    grpc_tls: TlsConfig | None = None
+    """TLS on the store and environment gRPC servers and their clients. None: insecure (local default)."""
+
+
 class InfraConfig(_Strict):
     nats_url: str | None = None
     """NATS server URL. None: `trajmesh train` starts a nats-server with JetStream under the run dir."""
@@ -34,6 +62,8 @@ class InfraConfig(_Strict):
     """host:port of the trajectory store's gRPC server (the launcher fills in a free port)."""
     environment_addresses: list[str] = Field(default_factory=lambda: ["127.0.0.1:50061"])
     """host:port of each environment service; rollout picks one per session (sticky)."""
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    """NATS users and permissions, Redis AUTH, TLS for NATS and gRPC."""
 
 
 class ReasoningGymSource(_Strict):
@@ -259,6 +289,9 @@ class StoreConfig(_Strict):
     """Dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal)."""
     max_buffered_groups: int = Field(256, ge=1)
     """Bound on assembled groups waiting for the learner."""
+    intake_ack_wait_s: float = Field(30.0, gt=0)
+    """Seconds before an unacked graded trajectory is redelivered (the store heartbeats the ones it
+    holds; a dead store's come back to its successor)."""
 
 
 class DemoModelConfig(_Strict):

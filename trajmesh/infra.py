@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import os
 import shutil
 import signal
@@ -157,6 +158,8 @@ class _ServerProcess:
         self.data_dir = Path(data_dir)
         self.die_with_parent = die_with_parent
         self._proc: subprocess.Popen[bytes] | None = None
+        # Extra environment of the server process (e.g. passwords its config file refers to).
+        self.env: dict[str, str] = {}
 
     # -- subclass hooks -------------------------------------------------------------------
     def _command(self) -> list[str]:
@@ -197,6 +200,7 @@ class _ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.data_dir,
+                env={**os.environ, **self.env} if self.env else None,
                 start_new_session=True,
                 preexec_fn=preexec,
             )
@@ -279,7 +283,10 @@ class NatsServer(_ServerProcess):
     """A nats-server with JetStream, storing under ``data_dir/jetstream``, bound to 127.0.0.1.
 
     ``max_payload`` (bytes) lowers the server's message size limit (default 1 MiB); it is written
-    to ``data_dir/nats.conf`` because nats-server has no command-line flag for it.
+    to ``data_dir/nats.conf`` because nats-server has no command-line flag for it, as are
+    ``authorization`` (users and permissions, see trajmesh.security.nats_authorization; passwords
+    as ``$VARS`` resolved from ``env``, the server's extra environment) and ``tls`` (a ``tls {...}``
+    block, see trajmesh.security.nats_tls_block).
     """
 
     name = "nats-server"
@@ -291,12 +298,18 @@ class NatsServer(_ServerProcess):
         monitor_port: int | None = None,
         *,
         max_payload: int | None = None,
+        authorization: str | None = None,
+        tls: str | None = None,
+        env: dict[str, str] | None = None,
         die_with_parent: bool = True,
     ) -> None:
         super().__init__(data_dir, die_with_parent=die_with_parent)
         self.port = port if port is not None else free_port()
         self.monitor_port = monitor_port if monitor_port is not None else free_port()
         self.max_payload = max_payload
+        self.authorization = authorization
+        self.tls = tls
+        self.env = dict(env or {})
         self.binary = nats_server_binary()
 
     @property
@@ -313,9 +326,11 @@ class NatsServer(_ServerProcess):
 
     def _command(self) -> list[str]:
         cmd = [self.binary]
-        if self.max_payload is not None:
+        lines = [f"max_payload: {int(self.max_payload)}\n"] if self.max_payload is not None else []
+        lines += [block for block in (self.authorization, self.tls) if block]
+        if lines:
             conf = self.data_dir / "nats.conf"
-            conf.write_text(f"max_payload: {int(self.max_payload)}\n")
+            conf.write_text("".join(lines))
             cmd += ["-c", str(conf)]
         cmd += [
             "-js",
@@ -365,8 +380,14 @@ class RedisServer(_ServerProcess):
 
     @property
     def url(self) -> str:
+        """URL with the password in it: for in-process clients only, never for a file or a log."""
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{_HOST}:{self.port}/0"
+
+    @property
+    def public_url(self) -> str:
+        """URL without the password (clients inject it at connect time, trajmesh.security)."""
+        return f"redis://{_HOST}:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -379,13 +400,16 @@ class RedisServer(_ServerProcess):
             "--bind", _HOST,
             "--dir", str(self.data_dir),
             "--appendonly", "yes",
-            "--appendfsync", "everysec",
+            "--appendfsync", "always",
             "--save", "",
             "--daemonize", "no",
             "--logfile", str(self.log_path),
         ]  # fmt: skip
         if self.password:
-            cmd += ["--requirepass", self.password]
+            # The default user's password as a SHA-256 hash (what requirepass sets), so the
+            # plaintext is neither in argv (ps) nor on disk.
+            digest = hashlib.sha256(self.password.encode()).hexdigest()
+            cmd += ["--user", "default", "on", f"#{digest}", "~*", "&*", "+@all"]
         return cmd
 
     def _healthy(self) -> bool:

@@ -23,9 +23,28 @@ class RedisKeys:
         return self._k("tasks")
 
     @property
-    def seen_trajectories(self) -> str:
-        """Set of trajectory ids the store has taken in (dedupe)."""
-        return self._k("seen")
+    def final_trajectories(self) -> str:
+        """Set of trajectory ids with a final outcome (dedupe: a redelivery of one is a duplicate)."""
+        return self._k("final")
+
+    def group_received(self, group_id: str) -> str:
+        """Set of member trajectory ids of a group the store has taken in (survives a store restart)."""
+        return self._k(f"group:{group_id}:received")
+
+    def group_valid(self, group_id: str) -> str:
+        """Set of member ids that passed intake and wait, unacked, for the group to complete."""
+        return self._k(f"group:{group_id}:valid")
+
+    @property
+    def groups_done(self) -> str:
+        """Set of group ids whose gate accounting is done (finish() runs once per group)."""
+        return self._k("groups_done")
+
+    @property
+    def unpublished_tasks(self) -> str:
+        """Hash task_id → Task bytes: admitted and recorded but maybe not yet on TASKS (republished
+        by a restarted store; the msg id makes that idempotent)."""
+        return self._k("unpublished")
 
     @property
     def sampler_cursor(self) -> str:
@@ -36,6 +55,11 @@ class RedisKeys:
     def admitted_trajectories(self) -> str:
         """Integer: trajectories admitted (tasks × G) — the left side of the accounting."""
         return self._k("admitted")
+
+    @property
+    def run_finished(self) -> str:
+        """Set by the learner when it ends its budget: the store admits no more tasks."""
+        return self._k("run_finished")
 
     @property
     def manifest_id(self) -> str:

@@ -16,6 +16,7 @@ Ctrl-C stops everything cleanly (the learner checkpoints on stop); `train --resu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trajmesh import security
 from trajmesh.config import ConfigError, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, free_port
 
@@ -44,6 +46,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     metrics_port: int
     log_path: Path
+    extra: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -59,6 +62,9 @@ class Mesh:
     procs: list[Proc] = field(default_factory=list)
     nats: NatsServer | None = None
     redis: RedisServer | None = None
+    restarts: dict[tuple[str, int], int] = field(default_factory=dict)
+    credentials: security.LocalCredentials | None = None
+    """Generated passwords of this run (auth on); each service gets its own by environment."""
 
     def start_service(self, name: str, replica: int, extra: list[str] | None = None) -> Proc:
         run_dir = Path(self.cfg.run_dir)
@@ -68,9 +74,13 @@ class Mesh:
         cmd = [sys.executable, "-m", "trajmesh.cli", "serve", name, "--config", str(self.config_path),
                "--replica", str(replica), "--metrics-port", str(port), *(extra or [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if self.credentials is not None:
+            sec = self.cfg.infra.security
+            env.update(self.credentials.service_env(name, nats=self.nats is not None and sec.nats_auth,
+                                                    redis=self.redis is not None and sec.redis_auth))
         with open(log_path, "ab") as fh:
             popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        proc = Proc(name, replica, popen, port, log_path)
+        proc = Proc(name, replica, popen, port, log_path, list(extra or []))
         self.procs.append(proc)
         return proc
 
@@ -92,6 +102,28 @@ class Mesh:
 
     def dead(self) -> list[Proc]:
         return [p for p in self.procs if p.popen.poll() is not None]
+
+    def restart_dead(self, max_restarts: int = 5) -> list[Proc]:
+        """Restart every service process that died (a learner only if it failed: exit 0 is done),
+        as Kubernetes would restart a pod. Returns the new processes; raises after `max_restarts`
+        restarts of one service."""
+        started = []
+        for server in (self.nats, self.redis):  # same ports and data dir: state survives on disk
+            if server is not None and not server.running:
+                log.warning("%s died; restarting it", type(server).__name__)
+                server.restart()
+        for p in self.dead():
+            if p.name == "learner" and p.popen.returncode == 0:
+                continue
+            key = (p.name, p.replica)
+            self.restarts[key] = self.restarts.get(key, 0) + 1
+            if self.restarts[key] > max_restarts:
+                raise RuntimeError(f"{p.label} died {max_restarts + 1} times; last exit {p.popen.returncode}:\n"
+                                   f"{tail(p.log_path)}")
+            log.warning("%s exited with %s; restarting (%d)", p.label, p.popen.returncode, self.restarts[key])
+            self.procs.remove(p)
+            started.append(self.start_service(p.name, p.replica, p.extra))
+        return started
 
     def stop_services(self, grace_s: float = 30.0) -> None:
         for p in reversed(self.procs):
@@ -134,23 +166,34 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
     run_dir = Path(cfg.run_dir)
     infra = cfg.infra
     mesh = Mesh(cfg, run_dir / "config.resolved.yaml")
+    sec = infra.security
     try:
-        if infra.nats_url is None:
-            mesh.nats = NatsServer(run_dir / "infra" / "nats")
+        local_nats, local_redis = infra.nats_url is None, infra.redis_url is None
+        if (local_nats and sec.nats_auth) or (local_redis and sec.redis_auth):
+            mesh.credentials = security.LocalCredentials.load_or_create(run_dir)  # reused on --resume
+        creds = mesh.credentials
+        if local_nats:
+            auth = creds is not None and sec.nats_auth
+            mesh.nats = NatsServer(run_dir / "infra" / "nats",
+                                   authorization=security.nats_authorization(infra.namespace) if auth else None,
+                                   env=creds.nats_server_env() if auth and creds else None)
             mesh.nats.start()
-        if infra.redis_url is None:
-            mesh.redis = RedisServer(run_dir / "infra" / "redis")
+        if local_redis:
+            mesh.redis = RedisServer(run_dir / "infra" / "redis",
+                                     password=creds.redis_password if creds and sec.redis_auth else None)
             mesh.redis.start()
         env_ports = [free_port() for _ in range(cfg.environment.replicas)]
         resolved = cfg.model_copy(update={"infra": infra.model_copy(update={
             "nats_url": infra.nats_url or (mesh.nats.url if mesh.nats else None),
-            "redis_url": infra.redis_url or (mesh.redis.url if mesh.redis else None),
+            "redis_url": infra.redis_url or (mesh.redis.public_url if mesh.redis else None),
             "store_address": f"127.0.0.1:{free_port()}",
             "environment_addresses": [f"127.0.0.1:{p}" for p in env_ports],
         })})
         mesh.cfg = resolved
         dump_config(resolved, mesh.config_path)
         _store_manifest_id(resolved)
+        if mesh.nats is not None and creds is not None and sec.nats_auth:
+            asyncio.run(security.provision(resolved))  # services may only bind, not create
         replicas = {"environment": cfg.environment.replicas, "store": 1, "grader": cfg.grader.replicas,
                     "rollout": cfg.rollout.replicas, "learner": 1}
         for wave in (("environment", "store"), ("grader", "rollout"), ("learner",)):
@@ -170,13 +213,11 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
 
 
 def _store_manifest_id(cfg: RunConfig) -> None:
-    import redis
-
     from trajmesh.keys import RedisKeys
 
     manifest = json.loads((Path(cfg.run_dir) / "manifest.json").read_text())
     assert cfg.infra.redis_url
-    r = redis.Redis.from_url(cfg.infra.redis_url)
+    r = security.redis_sync_client(cfg)
     r.set(RedisKeys(cfg.infra.namespace).manifest_id, manifest["manifest_id"])
     r.close()
 
@@ -184,12 +225,10 @@ def _store_manifest_id(cfg: RunConfig) -> None:
 def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
     """After the learner stopped: wait until no admitted trajectory is still in flight
     (the gate's `running` is 0), so every admission has reached the store. Returns what is left."""
-    import redis
-
     from trajmesh.keys import RedisKeys
 
     assert cfg.infra.redis_url
-    r = redis.Redis.from_url(cfg.infra.redis_url)
+    r = security.redis_sync_client(cfg)
     key = RedisKeys(cfg.infra.namespace).gate_prefix + ":running"
     deadline = time.monotonic() + timeout_s
     running = int(r.get(key) or 0)
@@ -204,13 +243,11 @@ def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
 
 def accounting(cfg: RunConfig) -> dict[str, Any]:
     """Admitted trajectories (Redis) against final outcomes in the archive."""
-    import redis
-
     from trajmesh.archive import final_outcomes, read_archive
     from trajmesh.keys import RedisKeys
 
     assert cfg.infra.redis_url
-    r = redis.Redis.from_url(cfg.infra.redis_url)
+    r = security.redis_sync_client(cfg)
     admitted = int(r.get(RedisKeys(cfg.infra.namespace).admitted_trajectories) or 0)
     r.close()
     table = read_archive(Path(cfg.run_dir) / "archive")
@@ -262,7 +299,8 @@ def prepare_model(cfg: RunConfig) -> RunConfig:
 
     d = cfg.model.demo
     src = cfg.tasks.sources[0]
-    key = json.dumps({"demo": d.model_dump(), "knobs": src.knobs, "seed": cfg.seed}, sort_keys=True)
+    knobs = getattr(src, "knobs", {})
+    key = json.dumps({"demo": d.model_dump(), "knobs": knobs, "seed": cfg.seed}, sort_keys=True)
     cache = Path(cfg.run_dir).parent / ".cache" / f"demo-model-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     sft_dir = cache / "sft"
     if not (sft_dir / "config.json").exists():
@@ -271,7 +309,7 @@ def prepare_model(cfg: RunConfig) -> RunConfig:
         shutil.rmtree(tmp, ignore_errors=True)
         stats = prepare_demo_model(
             tmp, seed=cfg.seed, hidden=d.hidden_size, layers=d.layers, heads=d.heads, steps=d.sft_steps,
-            batch_size=d.sft_batch_size, lr=d.sft_lr, n_train=d.sft_size, **({"knobs": src.knobs} if src.knobs else {}),
+            batch_size=d.sft_batch_size, lr=d.sft_lr, n_train=d.sft_size, **({"knobs": knobs} if knobs else {}),
         )
         (tmp / "sft_stats.json").write_text(json.dumps({k: v for k, v in stats.items() if k != "losses"},
                                                        default=str, indent=1))

@@ -311,7 +311,31 @@ def run_code(code: str, *, stdin: str = "", limits: SandboxLimits | None = None)
                 except OSError:
                     pass
         shutil.rmtree(host_dir, ignore_errors=True)
+        _reap(lease.uid)
         lease.release()
+
+
+def _reap(uid: int, timeout_s: float = 5.0) -> None:
+    """Kills and waits out every process of a sandbox uid (after a kill, the pid namespace's
+    teardown is asynchronous), so the uid is empty before it is leased again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if os.stat(f"/proc/{name}").st_uid == uid:
+                        left.append(int(name))
+                except OSError:
+                    continue
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
 
 
 def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: str,

@@ -136,13 +136,12 @@ def _watch(mesh: Mesh, held: list[dict[str, Any]], eval_every_s: float) -> None:
     last_eval_version = -1
     with Live(console=console, refresh_per_second=1, transient=False) as live:
         while True:
-            dead = [p for p in mesh.dead() if p is not learner]
-            if dead:
-                p = dead[0]
-                raise RuntimeError(f"{p.label} died with exit code {p.popen.returncode}:\n{tail(p.log_path)}")
-            if learner.popen.poll() is not None:
-                if learner.popen.returncode != 0:
-                    raise RuntimeError(f"learner failed ({learner.popen.returncode}):\n{tail(learner.log_path)}")
+            # A dead service is restarted (as Kubernetes would); a failed learner resumes from its
+            # checkpoint and replays the batches since. Learner exit 0 means the run is done.
+            for p in mesh.restart_dead():
+                if p.name == "learner":
+                    learner = p
+            if learner.popen.poll() == 0:
                 break
             records = read_metrics(run_dir)
             steps = [r for r in records if r.get("kind") == "learner_step"]
