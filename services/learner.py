@@ -107,25 +107,7 @@ class LearnerService(Service):
         self.channel = security.grpc_channel(cfg.infra.store_address, cfg.infra.security.grpc_tls)
         self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)
 
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
-                                                     attn_implementation="eager")
-        self.pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
-        lc = cfg.learner
-        self.engine = build_train_engine(
-            model, type=lc.engine.type, lr=lc.lr, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
-            grad_clip=lc.grad_clip, zero_stage=lc.engine.zero_stage, seed=lc.seed,
-        )
-        o = lc.objective
-        self.objective = ObjectiveConfig(
-            eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip, behavior_correction=o.behavior_correction,
-            tis_cap=o.tis_cap, mis_low=o.mis_low, mis_high=o.mis_high, denominator=o.denominator,
-            constant_denominator=o.constant_denominator,
-        )
-        ec = lc.entropy
-        self.entropy_ctl = (MagicEntropyController(target_entropy=ec.target_entropy, delta=ec.delta,
-                                                   max_coef=ec.max_coef) if ec.type == "magic" else None)
+        self._build_trainer()
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.version = 0
         self.steps_done = 0
@@ -152,6 +134,31 @@ class LearnerService(Service):
         VERSION.set(self.version)
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
+    def _build_trainer(self) -> None:
+        """Model, train engine, objective and entropy controller from config (no network: the
+        offline replay in the tests builds the same learner)."""
+        cfg = self.cfg
+        assert cfg.model.path
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
+                                                     attn_implementation="eager")
+        self.pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+        lc = cfg.learner
+        self.engine = build_train_engine(
+            model, type=lc.engine.type, lr=lc.lr, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
+            grad_clip=lc.grad_clip, zero_stage=lc.engine.zero_stage, seed=lc.seed,
+        )
+        o = lc.objective
+        self.objective = ObjectiveConfig(
+            eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip, behavior_correction=o.behavior_correction,
+            tis_cap=o.tis_cap, mis_low=o.mis_low, mis_high=o.mis_high, denominator=o.denominator,
+            constant_denominator=o.constant_denominator,
+        )
+        ec = lc.entropy
+        self.entropy_ctl = (MagicEntropyController(target_entropy=ec.target_entropy, delta=ec.delta,
+                                                   max_coef=ec.max_coef) if ec.type == "magic" else None)
+
     async def run(self) -> None:
         """Steps until the step or time budget is spent. Waits on NextBatch (the store blocks until
         a batch is ready); what unblocks it is rollout + grading of admitted groups."""
@@ -160,6 +167,7 @@ class LearnerService(Service):
         temperature = self.cfg.tasks.sampling.temperature or 1.0
         loop_start = time.monotonic() - self.rl_seconds
         replay = self._batches_to_replay()
+        first_call = True
         while (self.steps_done < lc.max_steps and time.monotonic() - loop_start < lc.max_seconds
                and not self.stopping.is_set()):
             wait_start = time.perf_counter()
@@ -169,7 +177,8 @@ class LearnerService(Service):
             else:
                 resp = await self._rpc(self.store.NextBatch, services_pb2.NextBatchRequest(
                     learner_version=self.version, max_trajectories=self.cfg.batch_trajectories,
-                    timeout_seconds=5.0))
+                    timeout_seconds=5.0, learner_restarted=first_call))
+                first_call = False
             waited = time.perf_counter() - wait_start
             WAIT_SECONDS.inc(waited)
             if not resp.trajectories:
@@ -371,7 +380,7 @@ class LearnerService(Service):
         os.replace(tmp, latest)
         shutil.rmtree(old, ignore_errors=True)
         for path in self.batches_dir.glob("step-*.pb") if self.batches_dir.exists() else []:
-            if int(path.stem.split("-")[1]) < self.steps_done:
+            if int(path.stem.split("-")[1]) < self.steps_done and not self.cfg.learner.keep_batches:
                 path.unlink()
         log.info("checkpoint at version %d", self.version)
 

@@ -128,6 +128,7 @@ class TrajectoryStore(Service):
         self.held: dict[str, Any] = {}
         self.handed_out: dict[str, Any] = {}
         self.handed_group: dict[str, str] = {}
+        self.handed_traj: dict[str, Trajectory] = {}
         self.pending_final: list[tuple[str, Any]] = []
         assert cfg.model.path, "store needs model.path (for the tokenizer's vocabulary)"
         self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
@@ -477,6 +478,7 @@ class TrajectoryStore(Service):
         for t in out:
             self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
             self.handed_group[t.trajectory_id] = t.group_id
+            self.handed_traj[t.trajectory_id] = t
         GROUPS_READY.set(len(self.ready_groups))
         self.ready_changed.set()
         return out
@@ -504,12 +506,32 @@ class TrajectoryStore(Service):
             OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
             self.pending_final.append((tid, msg))
         for tid, _, _ in outcomes:
+            self.handed_traj.pop(tid, None)
             gid = self.handed_group.pop(tid, None)
             if gid is not None:
                 groups.add(gid)
         self.pending_group_cleanup.extend(groups)
         await self._commit_final()
         await self._note_version(req.learner_version)
+
+    def recycle_handed_out(self) -> None:
+        """A new learner process: what the previous one took and never reported (it died before it
+        saved the batch) goes back to the front of the queue, whole groups in order."""
+        if not self.handed_out:
+            return
+        by_group: dict[str, list[Trajectory]] = {}
+        for traj in self.handed_traj.values():
+            by_group.setdefault(traj.group_id, []).append(traj)
+        for gid, members in reversed(list(by_group.items())):
+            group = _Group(gid, len(members), received=len(members), members=members, ready_at=time.time())
+            self.ready_groups.appendleft(group)
+            for t in members:
+                self.held[t.trajectory_id] = self.handed_out.pop(t.trajectory_id)
+                self.handed_group.pop(t.trajectory_id, None)
+        self.handed_traj.clear()
+        log.warning("recycled %d unreported groups of a previous learner process", len(by_group))
+        GROUPS_READY.set(len(self.ready_groups))
+        self.ready_changed.set()
 
     def _drop_from_buffers(self, tid: str) -> None:
         for group in list(self.ready_groups) + list(self.groups.values()):
@@ -526,6 +548,8 @@ class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
         self.store = store
 
     async def NextBatch(self, request: Any, context: Any) -> services_pb2.NextBatchResponse:  # noqa: N802
+        if request.learner_restarted:
+            self.store.recycle_handed_out()
         trajs = await self.store.next_batch(
             request.learner_version, request.max_trajectories or 1 << 30, request.timeout_seconds or 5.0
         )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from trajmesh import bus as busmod
+from trajmesh import security
 from trajmesh.archive import read_archive
 from trajmesh.config import RunConfig, load_config
 from trajmesh.launcher import accounting, drain, start_mesh
@@ -53,7 +53,7 @@ def _build_config(run_dir: Path, model_dir: str, steps: int = STEPS) -> RunConfi
 
 
 async def _latest_version(cfg: RunConfig) -> int:
-    bus = await busmod.connect(cfg.infra.nats_url or "", name="test-elastic", namespace=cfg.infra.namespace)
+    bus = await security.connect_bus(cfg, "admin", name="test-elastic")  # the run's admin credentials
     try:
         raw = await bus.latest_weights()
     finally:

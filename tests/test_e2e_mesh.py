@@ -16,11 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import redis
 
 from trajmesh import bus as busmod
+from trajmesh import security
 from trajmesh.archive import read_archive
-from trajmesh.config import load_config
+from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.keys import RedisKeys
 from trajmesh.launcher import accounting, drain, start_mesh
@@ -73,8 +73,8 @@ def _bad_messages(task_id: str, future_version: int) -> dict[str, bytes]:
     }
 
 
-async def _inject(url: str, messages: dict[str, bytes]) -> None:
-    bus = await busmod.connect(url, name="test-injector")
+async def _inject(cfg: RunConfig, messages: dict[str, bytes]) -> None:
+    bus = await security.connect_bus(cfg, "admin", name="test-injector")  # the run's admin credentials
     try:
         for data in messages.values():
             await bus.publish(busmod.SUBJECT_TRAJ_GRADED, data)
@@ -89,7 +89,7 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
     mesh = start_mesh(cfg)
     try:
         cfg = mesh.cfg
-        r = redis.Redis.from_url(cfg.infra.redis_url or "")
+        r = security.redis_sync_client(cfg)
         keys = RedisKeys(cfg.infra.namespace)
         deadline = time.monotonic() + 60
         while not r.hlen(keys.tasks) and time.monotonic() < deadline:
@@ -97,7 +97,7 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
         task_id = r.hkeys(keys.tasks)[0].decode()
         r.close()
         bad = _bad_messages(task_id, future_version=10_000)
-        asyncio.run(_inject(cfg.infra.nats_url or "", bad))
+        asyncio.run(_inject(cfg, bad))
         learner = next(p for p in mesh.procs if p.name == "learner")
         assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
         assert not [p.label for p in mesh.dead() if p is not learner and p.popen.returncode != 0]

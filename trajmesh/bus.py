@@ -495,7 +495,7 @@ class Bus:
 
 
 async def _log_error(err: Exception) -> None:
-    _log.error("nats: %s", err)
+    _log.error("%s", err)  # e.g. "nats: permissions violation for publish to ..."
 
 
 async def connect(

@@ -274,6 +274,9 @@ class LearnerConfig(_Strict):
     """Wall-clock budget of RL in seconds."""
     checkpoint_every: int = Field(20, ge=1)
     """Checkpoint every N learner steps (and always on stop)."""
+    keep_batches: bool = False
+    """Keep every step's batch in RUN_DIR/learner_batches (normally only those since the last
+    checkpoint are kept, for replay after a crash); for audits and determinism tests."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
     entropy: EntropyConfig = Field(default_factory=EntropyConfig)

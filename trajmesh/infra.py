@@ -155,7 +155,7 @@ class _ServerProcess:
     name = "server"
 
     def __init__(self, data_dir: Path, *, die_with_parent: bool = True) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()  # servers may chdir: absolute paths only
         self.die_with_parent = die_with_parent
         self._proc: subprocess.Popen[bytes] | None = None
         # Extra environment of the server process (e.g. passwords its config file refers to).

@@ -77,10 +77,16 @@ ENV_REDIS_PASSWORD = "TRAJMESH_REDIS_PASSWORD"
 _ENV_NATS_SERVER_PASSWORD = "TRAJMESH_NATS_PASSWORD_{role}"
 # The launcher's generated credentials, relative to the run dir (mode 0600).
 CREDENTIALS_FILE = Path("infra") / "credentials.json"
-# Random bytes per generated password (URL-safe base64, ~43 characters).
+# Random bytes per generated password (64 hex digits after a letter prefix).
 _PASSWORD_BYTES = 32
 # How long a service that may not create streams waits for the admin to provision them.
 _BIND_TIMEOUT_S = 60.0
+
+
+def _new_password() -> str:
+    """A random password that nats-server reads back from ``$VAR`` as a string: it parses the
+    variable's value as a config value, so a leading digit or '-' would make it a number."""
+    return "tm" + secrets.token_hex(_PASSWORD_BYTES)
 
 
 def read_secret(name: str, env: Mapping[str, str] | None = None) -> str | None:
@@ -121,7 +127,7 @@ def _consume(stream: str, durable: str) -> list[str]:
     api = "$JS.API.CONSUMER"
     return [f"{api}.CREATE.{stream}.{durable}", f"{api}.CREATE.{stream}.{durable}.>",
             f"{api}.INFO.{stream}.{durable}", f"{api}.MSG.NEXT.{stream}.{durable}",
-            f"$JS.ACK.{stream}.{durable}.>"]
+            f"$JS.ACK.{stream}.{durable}.>", f"$JS.API.STREAM.INFO.{stream}"]
 
 
 def _read_stream(stream: str) -> list[str]:
@@ -133,7 +139,7 @@ def _read_stream(stream: str) -> list[str]:
 def _watch_stream(stream: str) -> list[str]:
     """Ephemeral ordered consumers (KV watch, object-store chunk reads) with flow control."""
     return [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.FC.{stream}.>"]
+            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.FC.{stream}.>"]
 
 
 def nats_permissions(role: Role, namespace: str = "") -> Permissions:
@@ -158,7 +164,7 @@ def nats_permissions(role: Role, namespace: str = "") -> Permissions:
     kv_bucket, obj_bucket = lay.bucket(busmod.KV_WEIGHTS), lay.bucket(busmod.OBJ_BLOBS)
     kv_stream, obj_stream = f"KV_{kv_bucket}", f"OBJ_{obj_bucket}"
     blobs = [f"$O.{obj_bucket}.>", *_read_stream(obj_stream), *_watch_stream(obj_stream),
-             f"$JS.API.STREAM.PURGE.{obj_stream}"]
+             f"$JS.API.STREAM.PURGE.{obj_stream}", "$JS.API.STREAM.NAMES"]  # get() looks the stream up by subject
     pub: list[str]
     if role == "store":
         pub = [lay.subject(busmod.SUBJECT_TASKS), *_consume(graded, "store"), *blobs]
@@ -231,8 +237,7 @@ class LocalCredentials:
 
     @classmethod
     def generate(cls) -> LocalCredentials:
-        return cls({role: secrets.token_urlsafe(_PASSWORD_BYTES) for role in NATS_ROLES},
-                   secrets.token_urlsafe(_PASSWORD_BYTES))
+        return cls({role: _new_password() for role in NATS_ROLES}, _new_password())
 
     @classmethod
     def load(cls, run_dir: str | Path) -> LocalCredentials | None:

@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from trajmesh.config import RunConfig, dump_config
-from trajmesh.launcher import Mesh, accounting, drain, preflight, prepare_model, start_mesh, tail
+from trajmesh.launcher import Mesh, accounting, drain, preflight, prepare_model, start_mesh
 
 log = logging.getLogger("trajmesh.train")
 console = Console()

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextBatchRequest(_message.Message):
-    __slots__ = ("learner_version", "max_trajectories", "timeout_seconds")
+    __slots__ = ("learner_version", "max_trajectories", "timeout_seconds", "learner_restarted")
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_RESTARTED_FIELD_NUMBER: _ClassVar[int]
     learner_version: int
     max_trajectories: int
     timeout_seconds: float
-    def __init__(self, learner_version: _Optional[int] = ..., max_trajectories: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    learner_restarted: bool
+    def __init__(self, learner_version: _Optional[int] = ..., max_trajectories: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., learner_restarted: _Optional[bool] = ...) -> None: ...
 
 class NextBatchResponse(_message.Message):
     __slots__ = ("trajectories", "batch_index", "exhausted")
