@@ -125,8 +125,11 @@ class LearnerService(Service):
             await self.redis.set(self.keys.sampler_cursor,
                                  max(int(await self.redis.get(self.keys.sampler_cursor) or 0),
                                      int(state.get("sampler_cursor", 0))))
+            # No gate rebase: the counters live in Redis (AOF, fsync always) and the store finalizes
+            # idempotently, so they stay true across a learner restart; the batches trained since
+            # the checkpoint are replayed from disk (run()), bringing the version back to where
+            # it was. (StalenessGate.rebase_after_recovery is for a Redis that lost its data.)
             log.info("resumed from checkpoint at version %d", self.version)
-            await self.gate.rebase_after_recovery(self.version)
             await self._publish_weights()
         elif await self.bus.latest_weights() is None:
             await self._announce(self.version, cfg.model.path)

@@ -475,6 +475,7 @@ class TrajectoryStore(Service):
         while self.ready_groups and len(out) + len(self.ready_groups[0].members) <= max_trajectories and want_groups > 0:
             out.extend(self.ready_groups.popleft().members)
             want_groups -= 1
+        self.archive.flush()  # the intake rows (tokens, versions) are on disk before anything trains
         for t in out:
             self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
             self.handed_group[t.trajectory_id] = t.group_id

@@ -22,7 +22,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 from safetensors.torch import load_file
 
@@ -30,6 +29,7 @@ from trajmesh.archive import read_archive
 from trajmesh.config import RunConfig, load_config
 from trajmesh.keys import RedisKeys
 from trajmesh.launcher import Mesh, accounting, drain, start_mesh
+from trajmesh.security import redis_sync_client
 from trajmesh.train import _write_manifest, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -70,7 +70,7 @@ def _kill(mesh: Mesh, name: str) -> None:
 
 
 def _gate_bound_holds(cfg: RunConfig) -> bool:
-    r = redis.Redis.from_url(cfg.infra.redis_url or "", password=os.environ.get("TRAJMESH_REDIS_PASSWORD"))
+    r = redis_sync_client(cfg)
     try:
         prefix = RedisKeys(cfg.infra.namespace).gate_prefix
         v, accepted, running = (int(x or 0) for x in r.mget(f"{prefix}:version", f"{prefix}:accepted",

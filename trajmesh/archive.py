@@ -59,6 +59,7 @@ class ArchiveWriter:
         self._rows: list[dict[str, Any]] = []
         self._part = 0
         self._seq = time.time_ns()  # monotone across restarts of the writer
+        self._started_ns = self._seq
         self._last_flush = time.monotonic()
 
     def append(self, **row: Any) -> None:
@@ -82,7 +83,8 @@ class ArchiveWriter:
         if not self._rows:
             return
         table = _to_table(self._rows)
-        name = f"part-{self.writer}-{self._part:06d}.parquet"
+        # The start stamp keeps a restarted writer (same name) from overwriting its predecessor's parts.
+        name = f"part-{self.writer}-{self._started_ns}-{self._part:06d}.parquet"
         tmp = self.directory / f".{name}.tmp"
         pq.write_table(table, tmp)
         os.replace(tmp, self.directory / name)

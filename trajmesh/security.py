@@ -29,7 +29,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import grpc
@@ -308,13 +308,26 @@ def redis_password(cfg: RunConfig) -> str | None:
     return password
 
 
+def _retrying(asyncio_client: bool) -> dict[str, Any]:
+    """Ride out a Redis restart: reconnect and retry a command for ~30 s with backoff."""
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.retry import Retry
+
+    retry_cls = AsyncRetry if asyncio_client else Retry
+    return {"retry": retry_cls(ExponentialBackoff(cap=2.0, base=0.1), 20),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError, OSError]}
+
+
 def redis_client(cfg: RunConfig) -> redis.asyncio.Redis:
     """An asyncio Redis client for ``infra.redis_url`` with the password injected at connect time
     (a password already inside the URL, e.g. from a Helm entrypoint, wins)."""
     import redis.asyncio
 
     assert cfg.infra.redis_url, "infra.redis_url is not set"
-    return redis.asyncio.Redis.from_url(cfg.infra.redis_url, password=redis_password(cfg))
+    return redis.asyncio.Redis.from_url(cfg.infra.redis_url, password=redis_password(cfg), **_retrying(True))
 
 
 def redis_sync_client(cfg: RunConfig) -> redis.Redis:
@@ -322,7 +335,7 @@ def redis_sync_client(cfg: RunConfig) -> redis.Redis:
     import redis
 
     assert cfg.infra.redis_url, "infra.redis_url is not set"
-    return redis.Redis.from_url(cfg.infra.redis_url, password=redis_password(cfg))
+    return redis.Redis.from_url(cfg.infra.redis_url, password=redis_password(cfg), **_retrying(False))
 
 
 def ssl_context(tls: TlsConfig, *, server: bool = False) -> ssl.SSLContext:
