@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 import grpc
-import redis.asyncio
 
 from trajmesh import bus as busmod
+from trajmesh import security
 from trajmesh.config import load_config
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
-from trajmesh.infra import NatsServer, RedisServer
+from trajmesh.infra import NatsServer
 from trajmesh.keys import RedisKeys
 from trajmesh.launcher import Mesh, start_mesh
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
@@ -78,10 +78,10 @@ def _model_dir(root: Path) -> str:
 
 
 async def play_learner(cfg, seconds: float, warmup: float) -> float:  # type: ignore[no-untyped-def]
-    r = redis.asyncio.Redis.from_url(cfg.infra.redis_url)
+    r = security.redis_client(cfg)
     gate = AsyncStalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
                               batch_size=cfg.batch_trajectories)
-    bus = await busmod.connect(cfg.infra.nats_url, name="bench-learner", namespace=cfg.infra.namespace)
+    bus = await security.connect_bus(cfg, "learner", name="bench-learner")
     channel = grpc.aio.insecure_channel(cfg.infra.store_address)
     store = services_pb2_grpc.TrajectoryStoreStub(channel)
     version, counted, t0 = 0, 0, None

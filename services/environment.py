@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import random
 import time
 from typing import Any
 
@@ -128,6 +130,10 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         self.svc.sessions[request.session_id] = (env, time.monotonic())
         kind = self.svc.kinds.get(request.session_id, "single_answer")
         start = time.perf_counter()
+        lat = self.svc.cfg.environment.simulated_step_latency
+        if lat.median_s > 0:  # a long-tailed slow environment, seeded by session (deterministic)
+            rng = random.Random(request.session_id)
+            await asyncio.sleep(lat.median_s * math.exp(lat.sigma * rng.gauss(0.0, 1.0)))
         res = await asyncio.to_thread(env.step, request.action)
         STEP_SECONDS.labels(kind).observe(time.perf_counter() - start)
         record_step(kind, res)

@@ -25,7 +25,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from trajmesh import security
 from trajmesh.archive import ArchiveWriter
 from trajmesh.contract import ContractError, Trajectory
 from trajmesh.gate import AsyncStalenessGate
+from trajmesh.intake import OUTCOME_VALID, judge
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
 from trajmesh.tasks import TaskSampler
@@ -271,46 +271,42 @@ class TrajectoryStore(Service):
                 await self._intake_one(data, msg)
 
     async def _intake_one(self, data: bytes, msg: Any) -> None:
+        tid = ""
         try:
-            traj = Trajectory.from_bytes(data)
-        except ContractError as exc:
-            self._quarantine_bytes(data, "not_a_trajectory", str(exc))
-            self.pending_final.append(("", msg))
-            return
-        raw = await self.redis.hget(self.keys.tasks, traj.task_id) if traj.task_id else None
-        if raw is None:
-            self._finalize(traj, "quarantined", "unknown_task_id", msg, mark=False)
-            return
-        task = json.loads(raw)
-        tid = traj.trajectory_id
+            tid = Trajectory.from_bytes(data).trajectory_id
+        except ContractError:
+            pass
         for holder in (self.held, self.handed_out):
-            if tid in holder:  # redelivered while we still hold it: keep the newest handle
+            if tid and tid in holder:  # redelivered while we still hold it: keep the newest handle
                 holder[tid] = msg
                 return
-        if await self.redis.sismember(self.keys.final_trajectories, tid):
-            RETRIED.labels(source=traj.pb.task_source).inc()
-            self._finalize(traj, "duplicate", "duplicate_trajectory_id", msg, mark=False)
+        peek = Trajectory.from_bytes(data) if tid else None
+        raw = await self.redis.hget(self.keys.tasks, peek.task_id) if peek is not None and peek.task_id else None
+        task = json.loads(raw) if raw is not None else None
+        if tid and task is not None and await self.redis.sismember(self.keys.final_trajectories, tid):
+            assert peek is not None
+            RETRIED.labels(source=peek.pb.task_source).inc()
+            self._finalize(peek, "duplicate", "duplicate_trajectory_id", msg, mark=False)
             return
+        verdict = judge(data, task, vocab_size=self.vocab_size, learner_version=await self.gate.version())
+        traj = verdict.trajectory
+        if traj is None:
+            self._quarantine_bytes(data, verdict.reason, "not a trajectory")
+            self.pending_final.append(("", msg))
+            return
+        if not verdict.member:  # unknown task, or not one of its G samples: must not touch a group
+            self._finalize(traj, verdict.outcome, verdict.reason, msg, mark=False)
+            return
+        assert task is not None
         if traj.truncated:
             TRUNCATED.labels(source=traj.pb.task_source).inc()
-        version = await self.gate.version()
-        violations = traj.validate(vocab_size=self.vocab_size, learner_version=version)
-        if traj.pb.group_id != task["group_id"]:
-            # Not one of the task's G samples: it must not complete (or block) a real group.
-            reason = ",".join(sorted({v.name for v in violations})) if violations else "group_mismatch"
-            self._finalize(traj, "quarantined", reason, msg, mark=False)
-            return
         gid = traj.group_id
         await self.redis.sadd(self.keys.group_received(gid), tid)
-        if violations:
-            self._finalize(traj, "quarantined", ",".join(sorted({v.name for v in violations})), msg)
-        elif traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
-            self._finalize(traj, "failed_infra", "infra_failure", msg)
-        elif not traj.graded or not math.isfinite(traj.reward):
-            self._finalize(traj, "quarantined", "not_graded", msg)
-        else:
+        if verdict.outcome == OUTCOME_VALID:
             await self.redis.sadd(self.keys.group_valid(gid), tid)
             self.held[tid] = msg
+        else:
+            self._finalize(traj, verdict.outcome, verdict.reason, msg)
         group = self.groups.get(gid)
         if group is None:
             group = self.groups[gid] = _Group(gid, int(task["group_size"]), source=str(task.get("source", "")))

@@ -190,6 +190,20 @@ class RolloutConfig(_Strict):
     """Seconds before a task taken by a rollout that died (never acked) is redelivered to another."""
 
 
+class SimulatedLatency(_Strict):
+    median_s: float = Field(0.0, ge=0)
+    """Median extra seconds per environment step (0: off). For latency benchmarks only."""
+    sigma: float = Field(1.0, ge=0)
+    """Log-normal shape: the tail grows fast with sigma (p99 ≈ median·e^(2.33σ))."""
+
+
+class EnvironmentServiceConfig(_Strict):
+    replicas: int = Field(1, ge=1)
+    simulated_step_latency: SimulatedLatency = Field(default_factory=lambda: SimulatedLatency())
+    """A long-tailed delay added to every Step, drawn per session deterministically: models slow
+    tools or remote environments (bench/bench_async.py)."""
+
+
 class ServiceReplicas(_Strict):
     replicas: int = Field(1, ge=1)
 
@@ -326,7 +340,7 @@ class RunConfig(_Strict):
     gate: GateConfig = Field(default_factory=GateConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     grader: ServiceReplicas = Field(default_factory=lambda: ServiceReplicas(replicas=2))
-    environment: ServiceReplicas = Field(default_factory=ServiceReplicas)
+    environment: EnvironmentServiceConfig = Field(default_factory=lambda: EnvironmentServiceConfig())
     store: StoreConfig = Field(default_factory=StoreConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,13 @@ def heldout_tasks(cfg: RunConfig) -> list[dict[str, Any]]:
     return tasks
 
 
-def evaluate_dir(model_dir: str, tasks: list[dict[str, Any]], cfg: RunConfig, samples: int = 4) -> dict[str, float]:
-    """Held-out accuracy of a model dir: greedy, and sampled at T=1 (`samples` per problem)."""
+def evaluate_dir(model_dir: str, tasks: list[dict[str, Any]], cfg: RunConfig, samples: int = 4,
+                 noise_seeds: int = 0) -> dict[str, float]:
+    """Held-out accuracy of a model dir: greedy, and sampled at T=1 (`samples` per problem).
+
+    With `noise_seeds` = k > 0, the sampled accuracy is also measured with k sampling seeds (one
+    sample per problem each): `sampled_accuracy_seed_std` is the evaluation noise of one such
+    measurement."""
     import torch
 
     from trajmesh.learner.evaluate import evaluate
@@ -50,6 +56,11 @@ def evaluate_dir(model_dir: str, tasks: list[dict[str, Any]], cfg: RunConfig, sa
     out = {"greedy_accuracy": float(greedy["accuracy"]), "sampled_accuracy": float(sampled["accuracy"])}
     for k, v in sampled["pass_at_k"].items():
         out[f"sampled_pass_at_{k}"] = float(v)
+    if noise_seeds:
+        accs = [float(evaluate(model, tok, tasks, temperature=1.0, samples=1, max_new_tokens=mnt,
+                               seed=cfg.seed + 100 + i)["accuracy"]) for i in range(noise_seeds)]
+        out["sampled_accuracy_seeds"] = accs  # type: ignore[assignment]
+        out["sampled_accuracy_seed_std"] = statistics.stdev(accs) if len(accs) > 1 else 0.0
     return out
 
 
@@ -111,7 +122,7 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     held = heldout_tasks(cfg)
     if not resume:
         console.print(f"held-out evaluation before RL ({len(held)} problems)…")
-        before = evaluate_dir(cfg.model.path or "", held, cfg)
+        before = evaluate_dir(cfg.model.path or "", held, cfg, noise_seeds=3)
         write_metric(run_dir, {"kind": "eval", "phase": "before", "version": 0, "rl_seconds": 0.0, **before})
         console.print(f"before RL: {before}")
     mesh = start_mesh(cfg)
@@ -195,7 +206,7 @@ def _summarize(cfg: RunConfig, held: list[dict[str, Any]], acct: dict[str, Any])
     steps = [r for r in records if r.get("kind") == "learner_step"]
     before = next((r for r in records if r.get("kind") == "eval" and r.get("phase") == "before"), {})
     w = latest_weights_dir(run_dir)
-    after = evaluate_dir(str(w), held, cfg) if w is not None else {}
+    after = evaluate_dir(str(w), held, cfg, noise_seeds=3) if w is not None else {}
     write_metric(run_dir, {"kind": "eval", "phase": "after", "version": steps[-1]["version"] if steps else 0,
                            "rl_seconds": steps[-1]["rl_seconds"] if steps else 0.0, **after})
     outcomes = acct["outcomes"]
@@ -205,6 +216,10 @@ def _summarize(cfg: RunConfig, held: list[dict[str, Any]], acct: dict[str, Any])
         "heldout_greedy_accuracy_before_rl": before.get("greedy_accuracy"),
         "heldout_greedy_accuracy_after_rl": after.get("greedy_accuracy"),
         "heldout_size": len(held),
+        "heldout_sampled_accuracy_seed_std_before_rl": before.get("sampled_accuracy_seed_std"),
+        "heldout_sampled_accuracy_seed_std_after_rl": after.get("sampled_accuracy_seed_std"),
+        "heldout_sampled_pass_at_4_before_rl": before.get("sampled_pass_at_4"),
+        "heldout_sampled_pass_at_4_after_rl": after.get("sampled_pass_at_4"),
         "rl_steps": steps[-1]["step"] if steps else 0,
         "rl_seconds": steps[-1]["rl_seconds"] if steps else 0.0,
         "eta": cfg.effective_eta,

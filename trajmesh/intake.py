@@ -1,0 +1,52 @@
+"""The store's intake verdict on one TRAJ_GRADED message, as a pure function (no I/O, no torch).
+
+Everything the store receives is classified here before it can touch a group or the learner:
+bytes that are not a trajectory, unknown tasks, trajectories that claim another task's group,
+contract violations (named by `Trajectory.validate`), infrastructure failures, ungraded ones.
+Only a `valid` verdict may be trained. The fuzz tests drive this function with hostile input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from trajmesh.contract import ContractError, Trajectory
+from trajmesh.v1 import trajectory_pb2
+
+OUTCOME_VALID = "valid"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    trajectory: Trajectory | None
+    """Parsed trajectory (None: the bytes are not one)."""
+    outcome: str
+    """valid, quarantined or failed_infra."""
+    reason: str
+    """Why it is not valid ('' when valid): a violation name list, or a named intake reason."""
+    member: bool
+    """Whether it belongs to its task's group (counts toward the group's G)."""
+
+
+def judge(data: bytes, task: dict[str, Any] | None, *, vocab_size: int | None, learner_version: int) -> Verdict:
+    """`task` is the store's record of the trajectory's task (None: unknown task id)."""
+    try:
+        traj = Trajectory.from_bytes(data)
+    except ContractError:
+        return Verdict(None, "quarantined", "not_a_trajectory", False)
+    if task is None:
+        return Verdict(traj, "quarantined", "unknown_task_id", False)
+    violations = traj.validate(vocab_size=vocab_size, learner_version=learner_version)
+    reason = ",".join(sorted({v.name for v in violations}))
+    member = traj.pb.group_id == task.get("group_id")
+    if not member:
+        return Verdict(traj, "quarantined", reason or "group_mismatch", False)
+    if violations:
+        return Verdict(traj, "quarantined", reason, True)
+    if traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
+        return Verdict(traj, "failed_infra", "infra_failure", True)
+    if not traj.graded or not math.isfinite(traj.reward):
+        return Verdict(traj, "quarantined", "not_graded", True)
+    return Verdict(traj, OUTCOME_VALID, "", True)
