@@ -92,8 +92,8 @@ def sample_batch(
     stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else {eos_id}) for p in params]
     out = [Sampled() for _ in range(B)]
     live = [p.max_new_tokens > 0 for p in params]
-    for i, p in enumerate(params):
-        if p.max_new_tokens <= 0:
+    for i, sp in enumerate(params):
+        if sp.max_new_tokens <= 0:
             out[i].finish_reason = {"type": "length", "length": 0}
 
     result = model(input_ids=input_ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=True)
@@ -172,7 +172,9 @@ def evaluate(
     from trajmesh.learner.models import encode_prompt
 
     if score_fn is None:
-        from trajmesh.envs.chain_sum import score as score_fn
+        from trajmesh.envs.chain_sum import score as chain_sum_score
+
+        score_fn = chain_sum_score
     if temperature <= GREEDY_EPS:
         samples = 1
     generator = torch.Generator().manual_seed(seed)
