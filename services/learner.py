@@ -134,6 +134,7 @@ class LearnerService(Service):
         elif await self.bus.latest_weights() is None:
             await self._announce(self.version, cfg.model.path)
         await self.gate.set_version(self.version)
+        await self.redis.delete(self.keys.run_finished)  # a resumed run with a larger budget admits again
         VERSION.set(self.version)
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
