@@ -35,7 +35,7 @@ def _rate(fn: Any, n: int, workers: int) -> tuple[float, int]:
     return n / (time.perf_counter() - start), ok
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     workers = os.cpu_count() or 1
     rate, ok = _rate(_math, N_MATH, workers)
     print(f"math-verify: {rate:.1f} verifications/s ({ok}/{N_MATH} equivalent, {workers} processes)")

@@ -23,6 +23,7 @@ def _load(path: Path):  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod  # so process pools can pickle its functions by module name
     spec.loader.exec_module(mod)
     return mod
 
