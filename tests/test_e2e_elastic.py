@@ -15,19 +15,17 @@ rollouts keep theirs with in-progress heartbeats).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
 import time
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import pytest
+from mesh_checks import check_archive
 
 from trajmesh import security
-from trajmesh.archive import read_archive
 from trajmesh.config import RunConfig, load_config
 from trajmesh.launcher import accounting, drain, start_mesh
 from trajmesh.train import _write_manifest
@@ -109,7 +107,7 @@ def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
             assert not [p.label for p in mesh.dead() if p not in (learner, victim)]
             assert drain(cfg) == 0
             mesh.stop_services()
-            _check_archive(cfg, accounting(cfg))
+            check_archive(cfg, accounting(cfg), ETA)
             return
         # A new rollout process joins and starts from the latest announced weights.
         announced = asyncio.run(_latest_version(cfg))
@@ -138,22 +136,4 @@ def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
     assert loaded and loaded[0] >= announced and loaded == sorted(loaded), (announced, loaded)
     assert joiner_trajectories > 0, "the late joiner produced no trajectories"
 
-    _check_archive(cfg, acct)
-
-
-def _check_archive(cfg: RunConfig, acct: dict) -> None:  # type: ignore[type-arg]
-    rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
-    trained = Counter(r["trajectory_id"] for r in rows if r["outcome"] == "trained")
-    assert trained and max(trained.values()) == 1  # no trajectory trained twice (redelivery deduped)
-    intake = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
-    for r in rows:
-        if r["outcome"] == "trained":
-            acc = intake[r["trajectory_id"]]
-            lags = [r["learner_version"] - v for v, m in zip(acc["behavior_versions"], acc["loss_mask"], strict=True) if m]
-            assert lags and max(lags) <= ETA and min(lags) >= 0
-
-    # Every admitted trajectory ends as exactly one final outcome; none still "accepted".
-    outcomes = acct["outcomes"]
-    assert outcomes.get("accepted", 0) == 0, json.dumps(acct)
-    total = sum(outcomes.get(k, 0) for k in ("trained", "filtered", "quarantined", "failed_infra"))
-    assert acct["admitted"] > 0 and total == acct["admitted"], json.dumps(acct)
+    check_archive(cfg, acct, ETA)

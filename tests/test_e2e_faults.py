@@ -14,18 +14,16 @@ must make progress again, and at the end:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from mesh_checks import check_archive
 from safetensors.torch import load_file
 
-from trajmesh.archive import read_archive
 from trajmesh.config import RunConfig, load_config
 from trajmesh.keys import RedisKeys
 from trajmesh.launcher import Mesh, accounting, drain, start_mesh
@@ -109,19 +107,7 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
         mesh.stop_services()
         mesh.stop_infra()
 
-    rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
-    trained = Counter(r["trajectory_id"] for r in rows if r["outcome"] == "trained")
-    assert trained and max(trained.values()) == 1, "a trajectory was trained twice"
-    intake = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
-    for r in rows:
-        if r["outcome"] == "trained":
-            acc = intake[r["trajectory_id"]]
-            lags = [r["learner_version"] - v for v, m in zip(acc["behavior_versions"], acc["loss_mask"], strict=True) if m]
-            assert lags and 0 <= min(lags) and max(lags) <= ETA
-    outcomes = acct["outcomes"]
-    assert outcomes.get("accepted", 0) == 0, json.dumps(acct)
-    total = sum(outcomes.get(k, 0) for k in ("trained", "filtered", "quarantined", "failed_infra"))
-    assert total == acct["admitted"], json.dumps(acct)
+    check_archive(cfg, acct, ETA)
 
     _assert_replay_is_bitwise(cfg)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from trajmesh.archive import final_outcomes, read_archive
 from trajmesh.stopgates import read_stop_reason
+from trajmesh.train import read_metrics
 
 STEP_COLUMNS = {
     "ess_ratio": "trajmesh_learner_effective_sample_size_ratio",
@@ -29,18 +30,6 @@ STEP_COLUMNS = {
     "engine_max_abs_diff": "trajmesh_learner_engine_consistency_max_abs_logprob_diff",
 }
 """Per-version columns taken from the learner's step record in metrics.jsonl."""
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written right now
-    return out
 
 
 def _per_version(rows: list[dict[str, Any]], finals: dict[str, dict[str, Any]],
@@ -101,7 +90,7 @@ def inspect_run(run_dir: str | Path) -> dict[str, Any]:
     if unparseable:
         reasons["quarantined:not_a_trajectory (no id)"] += unparseable
     manifest_ids = sorted({r["manifest_id"] for r in rows if r.get("manifest_id")})
-    records = _read_jsonl(run / "metrics.jsonl")
+    records = read_metrics(run)
     steps = [r for r in records if r.get("kind") == "learner_step"]
     return {
         "run_dir": str(run),
