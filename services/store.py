@@ -38,9 +38,9 @@ from prometheus_client import Counter, Gauge
 from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.archive import ArchiveWriter
-from trajmesh.contract import ContractError, Trajectory
+from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
-from trajmesh.intake import OUTCOME_VALID, judge
+from trajmesh.intake import OUTCOME_VALID, judge_parsed, parse
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
 from trajmesh.tasks import TaskSampler
@@ -271,24 +271,20 @@ class TrajectoryStore(Service):
                 await self._intake_one(data, msg)
 
     async def _intake_one(self, data: bytes, msg: Any) -> None:
-        tid = ""
-        try:
-            tid = Trajectory.from_bytes(data).trajectory_id
-        except ContractError:
-            pass
+        peek = parse(data)  # once: the task lookup needs the task id, the verdict the rest
+        tid = peek.trajectory_id if peek is not None else ""
         for holder in (self.held, self.handed_out):
             if tid and tid in holder:  # redelivered while we still hold it: keep the newest handle
                 holder[tid] = msg
                 return
-        peek = Trajectory.from_bytes(data) if tid else None
         raw = await self.redis.hget(self.keys.tasks, peek.task_id) if peek is not None and peek.task_id else None
         task = json.loads(raw) if raw is not None else None
-        if tid and task is not None and await self.redis.sismember(self.keys.final_trajectories, tid):
-            assert peek is not None
+        if peek is not None and tid and task is not None and \
+                await self.redis.sismember(self.keys.final_trajectories, tid):
             RETRIED.labels(source=peek.pb.task_source).inc()
             self._finalize(peek, "duplicate", "duplicate_trajectory_id", msg, mark=False)
             return
-        verdict = judge(data, task, vocab_size=self.vocab_size, learner_version=await self.gate.version())
+        verdict = judge_parsed(peek, task, vocab_size=self.vocab_size, learner_version=await self.gate.version())
         traj = verdict.trajectory
         if traj is None:
             self._quarantine_bytes(data, verdict.reason, "not a trajectory")

@@ -25,6 +25,7 @@ from mesh_checks import check_archive
 from safetensors.torch import load_file
 
 from trajmesh.config import RunConfig, load_config
+from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.launcher import Mesh, accounting, drain, start_mesh
 from trajmesh.security import redis_sync_client
@@ -70,12 +71,11 @@ def _kill(mesh: Mesh, name: str) -> None:
 def _gate_bound_holds(cfg: RunConfig) -> bool:
     r = redis_sync_client(cfg)
     try:
-        prefix = RedisKeys(cfg.infra.namespace).gate_prefix
-        v, accepted, running = (int(x or 0) for x in r.mget(f"{prefix}:version", f"{prefix}:accepted",
-                                                            f"{prefix}:running"))
+        c = StalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=ETA,
+                          batch_size=cfg.batch_trajectories).counters()
     finally:
         r.close()
-    return accepted + running <= (ETA + v + 1) * cfg.batch_trajectories
+    return c.accepted + c.running <= (ETA + c.version + 1) * cfg.batch_trajectories
 
 
 def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_dir: str) -> None:

@@ -30,11 +30,23 @@ class Verdict:
     """Whether it belongs to its task's group (counts toward the group's G)."""
 
 
+def parse(data: bytes) -> Trajectory | None:
+    """The trajectory in `data`, or None when the bytes are not one."""
+    try:
+        return Trajectory.from_bytes(data)
+    except ContractError:
+        return None
+
+
 def judge(data: bytes, task: dict[str, Any] | None, *, vocab_size: int | None, learner_version: int) -> Verdict:
     """`task` is the store's record of the trajectory's task (None: unknown task id)."""
-    try:
-        traj = Trajectory.from_bytes(data)
-    except ContractError:
+    return judge_parsed(parse(data), task, vocab_size=vocab_size, learner_version=learner_version)
+
+
+def judge_parsed(traj: Trajectory | None, task: dict[str, Any] | None, *, vocab_size: int | None,
+                 learner_version: int) -> Verdict:
+    """`judge` for a message already parsed with `parse` (the store parses once, to find the task)."""
+    if traj is None:
         return Verdict(None, "quarantined", "not_a_trajectory", False)
     if task is None:
         return Verdict(traj, "quarantined", "unknown_task_id", False)

@@ -225,16 +225,17 @@ def _store_manifest_id(cfg: RunConfig) -> None:
 def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
     """After the learner stopped: wait until no admitted trajectory is still in flight
     (the gate's `running` is 0), so every admission has reached the store. Returns what is left."""
+    from trajmesh.gate import StalenessGate
     from trajmesh.keys import RedisKeys
 
-    assert cfg.infra.redis_url
     r = security.redis_sync_client(cfg)
-    key = RedisKeys(cfg.infra.namespace).gate_prefix + ":running"
+    gate = StalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
+                         batch_size=cfg.batch_trajectories)
     deadline = time.monotonic() + timeout_s
-    running = int(r.get(key) or 0)
+    running = gate.counters().running
     while running > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
-        running = int(r.get(key) or 0)
+        running = gate.counters().running
     r.close()
     if running:
         log.warning("%d trajectories still in flight after %.0fs of draining", running, timeout_s)
