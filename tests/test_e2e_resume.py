@@ -13,24 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trajmesh.train import read_metrics
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STEPS = 8
 
 
 def _learner_steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("kind") == "learner_step":
-            out.append(rec)
-    return out
+    return [r for r in read_metrics(run_dir) if r.get("kind") == "learner_step"]
 
 
 def _leftover(pattern: str) -> list[str]:
