@@ -58,6 +58,9 @@ class SingleAnswerEnv:
 
     revision = "single_answer-v1"
     config_keys: tuple[str, ...] = ()
+    inline = True
+    """reset/step are quick pure Python: the environment service runs them on its event loop
+    instead of a worker thread (environments without this attribute get a thread)."""
 
     def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
         self.prompt = str(task["prompt"])

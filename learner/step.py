@@ -89,6 +89,19 @@ def advantages_B(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> 
     raise ValueError(f"advantage {kind!r} is not supported by the token-level learner step")
 
 
+def is_deterministic(model: Any) -> bool:
+    """Whether a training-mode forward equals an eval-mode one: no dropout anywhere (modules with
+    p > 0 or a config `*dropout*` / `*pdrop*` value > 0, as HF attention reads its rate from config)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return False
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    for key, value in (to_dict() if callable(to_dict) else {}).items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
+            return False
+    return True
+
+
 def compute_loss(
     model: Any,
     batch: Batch,
@@ -102,14 +115,24 @@ def compute_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Proximal log-probs with the pre-update weights (no grad), then the decoupled loss.
 
+    The learner takes one optimizer step per batch, so the pre-update weights are the weights of
+    this forward; a separate no-grad pass is only needed when the forward is stochastic (dropout).
+
     `entropy_coef` α adds −α·H (token-mean entropy over action tokens) to the loss.
     """
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        prox_logp_BT, _ = token_logprobs(model, batch, temperature)
-    model.train(was_training)
-    logp_BT, entropy_BT = token_logprobs(model, batch, temperature)
+    if is_deterministic(model):
+        # One update per batch and no dropout: the pre-update forward would compute exactly these
+        # log-probs (same weights, same ops), so π_prox is this forward, detached — a third of the
+        # step's compute saved. tests/test_objective.py checks the two paths agree.
+        logp_BT, entropy_BT = token_logprobs(model, batch, temperature)
+        prox_logp_BT = logp_BT.detach()
+    else:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            prox_logp_BT, _ = token_logprobs(model, batch, temperature)
+        model.train(was_training)
+        logp_BT, entropy_BT = token_logprobs(model, batch, temperature)
     mask_BT = batch.mask_BT
     adv_BT = adv.expand_to_tokens(adv_B, mask_BT)
     loss, stats = decoupled_ppo_loss(logp_BT, prox_logp_BT, batch.behavior_logp_BT, adv_BT, mask_BT, cfg)

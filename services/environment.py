@@ -91,8 +91,13 @@ class EnvironmentService(Service):
         if hasattr(self, "server"):
             await self.server.stop(grace=1.0)
 
-    def expire(self) -> None:
+    def expire(self, every_s: float = 1.0) -> None:
+        """Drops sessions idle for SESSION_TTL_S (a rollout that died mid-episode); scans at most
+        once every `every_s` (it runs on every Reset)."""
         now = time.monotonic()
+        if now - getattr(self, "_last_expire", 0.0) < every_s:
+            return
+        self._last_expire = now
         for sid in [s for s, (_, t) in self.sessions.items() if now - t > SESSION_TTL_S]:
             del self.sessions[sid]
             self.kinds.pop(sid, None)
@@ -113,7 +118,10 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         except ValueError as exc:
             CALLS.labels("reset", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        obs, h = await asyncio.to_thread(env.reset, task, int(request.seed))
+        if getattr(env, "inline", False):
+            obs, h = env.reset(task, int(request.seed))
+        else:
+            obs, h = await asyncio.to_thread(env.reset, task, int(request.seed))
         self.svc.sessions[request.session_id] = (env, time.monotonic())
         self.svc.kinds[request.session_id] = kind
         SESSIONS.set(len(self.svc.sessions))
@@ -134,7 +142,11 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         if lat.median_s > 0:  # a long-tailed slow environment, seeded by session (deterministic)
             rng = random.Random(request.session_id)
             await asyncio.sleep(lat.median_s * math.exp(lat.sigma * rng.gauss(0.0, 1.0)))
-        res = await asyncio.to_thread(env.step, request.action)
+        res = env.step(request.action) if getattr(env, "inline", False) else await asyncio.to_thread(env.step, request.action)
+        if res.done:  # the episode is over: the session closes itself (Close stays idempotent)
+            self.svc.sessions.pop(request.session_id, None)
+            self.svc.kinds.pop(request.session_id, None)
+            SESSIONS.set(len(self.svc.sessions))
         STEP_SECONDS.labels(kind).observe(time.perf_counter() - start)
         record_step(kind, res)
         CALLS.labels("step", "ok").inc()

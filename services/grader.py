@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 from trajmesh.graders import GRADERS, Grader, Sample, grader_kind, make_grader
@@ -64,6 +66,7 @@ class GraderService(Service):
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=30.0)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.graders: dict[str, Grader] = {}
+        self.task_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     async def run(self) -> None:
         await self.grade_loop()
@@ -89,11 +92,10 @@ class GraderService(Service):
         except ContractError:
             GRADED.labels(result="not_a_trajectory").inc()
             return data, None
-        raw = await self.redis.hget(self.keys.tasks, traj.task_id) if traj.task_id else None
-        if raw is None or traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
+        task = await self._task(traj.task_id) if traj.task_id else None
+        if task is None or traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
             GRADED.labels(result="forwarded_ungraded").inc()
             return data, f"graded-{traj.trajectory_id}"
-        task = json.loads(raw)
         start = time.perf_counter()
         kind = grader_kind(task)
         try:
@@ -122,6 +124,22 @@ class GraderService(Service):
             traj.pb.verifier_output += " audit=" + json.dumps(grade.audit, sort_keys=True)
         GRADED.labels(result="graded").inc()
         return traj.to_bytes(), f"graded-{traj.trajectory_id}"
+
+    async def _task(self, task_id: str, cache_size: int = 4096) -> dict[str, Any] | None:
+        """The store's task record. A record never changes once written, and the G samples of a
+        task arrive close together, so recent ones are kept here (one Redis read per task, not per
+        trajectory). Unknown ids are not cached: the store may write the record later."""
+        task = self.task_cache.get(task_id)
+        if task is not None:
+            self.task_cache.move_to_end(task_id)
+            return task
+        raw = await self.redis.hget(self.keys.tasks, task_id)
+        if raw is None:
+            return None
+        task = self.task_cache[task_id] = json.loads(raw)
+        while len(self.task_cache) > cache_size:
+            self.task_cache.popitem(last=False)
+        return task
 
     def _sample(self, traj: Trajectory) -> Sample:
         """The sampled tokens decoded, whole and per turn (spans with mask 1, grouped by turn)."""

@@ -279,6 +279,7 @@ class RolloutService(Service):
         traj.append_prompt(context, turn_index=0)
         reason = trajectory_pb2.MAX_TURNS
         env_seconds = 0.0
+        closed = False  # a Step that ends the episode closes the session on the environment's side
         try:
             for turn in range(max(1, sp.max_turns)):
                 ids, logps, versions, finish = await self._generate(context, sp)
@@ -299,6 +300,7 @@ class RolloutService(Service):
                     _record_tool_call(traj, span.span_id, info)
                 traj.pb.state_hashes.append(step.state_hash)
                 if step.done:
+                    closed = True
                     reason = trajectory_pb2.EOS if ids and ids[-1] == self.tokenizer.eos_token_id else trajectory_pb2.ENV_DONE
                     if info.get("terminal_reason") in trajectory_pb2.TerminalReason.keys():
                         reason = trajectory_pb2.TerminalReason.Value(info["terminal_reason"])
@@ -312,7 +314,8 @@ class RolloutService(Service):
             reason = trajectory_pb2.INFRA_FAILURE
         finally:
             try:
-                await env.Close(services_pb2.CloseRequest(session_id=tid), timeout=5.0)
+                if not closed:
+                    await env.Close(services_pb2.CloseRequest(session_id=tid), timeout=5.0)
             except grpc.aio.AioRpcError:
                 ENV_FAILURES.labels("close").inc()
         traj.finish(reason)

@@ -277,14 +277,23 @@ class TrajectoryStore(Service):
             if tid and tid in holder:  # redelivered while we still hold it: keep the newest handle
                 holder[tid] = msg
                 return
-        raw = await self.redis.hget(self.keys.tasks, peek.task_id) if peek is not None and peek.task_id else None
+        # One round trip for the task record, the dedupe mark and the learner version (the store
+        # is Redis-bound: these were three sequential calls per trajectory).
+        raw, already_final, version_raw = None, False, None
+        if peek is not None and peek.task_id:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hget(self.keys.tasks, peek.task_id)
+            pipe.sismember(self.keys.final_trajectories, tid)
+            pipe.get(self.gate.version_key)
+            raw, already_final, version_raw = await pipe.execute()
+        else:
+            version_raw = await self.redis.get(self.gate.version_key)
         task = json.loads(raw) if raw is not None else None
-        if peek is not None and tid and task is not None and \
-                await self.redis.sismember(self.keys.final_trajectories, tid):
+        if peek is not None and tid and task is not None and already_final:
             RETRIED.labels(source=peek.pb.task_source).inc()
             self._finalize(peek, "duplicate", "duplicate_trajectory_id", msg, mark=False)
             return
-        verdict = judge_parsed(peek, task, vocab_size=self.vocab_size, learner_version=await self.gate.version())
+        verdict = judge_parsed(peek, task, vocab_size=self.vocab_size, learner_version=int(version_raw or 0))
         traj = verdict.trajectory
         if traj is None:
             self._quarantine_bytes(data, verdict.reason, "not a trajectory")
@@ -297,9 +306,15 @@ class TrajectoryStore(Service):
         if traj.truncated:
             TRUNCATED.labels(source=traj.pb.task_source).inc()
         gid = traj.group_id
-        await self.redis.sadd(self.keys.group_received(gid), tid)
+        pipe = self.redis.pipeline(transaction=True)  # membership and both counts, atomically
+        pipe.sadd(self.keys.group_received(gid), tid)
         if verdict.outcome == OUTCOME_VALID:
-            await self.redis.sadd(self.keys.group_valid(gid), tid)
+            pipe.sadd(self.keys.group_valid(gid), tid)
+        pipe.scard(self.keys.group_received(gid))
+        pipe.scard(self.keys.group_valid(gid))
+        *_, received, valid = await pipe.execute()
+        # Only after the membership is recorded may the message be finalized (acked at commit).
+        if verdict.outcome == OUTCOME_VALID:
             self.held[tid] = msg
         else:
             self._finalize(traj, verdict.outcome, verdict.reason, msg)
@@ -308,8 +323,6 @@ class TrajectoryStore(Service):
             group = self.groups[gid] = _Group(gid, int(task["group_size"]), source=str(task.get("source", "")))
         if tid in self.held and all(m.trajectory_id != tid for m in group.members):
             group.members.append(traj)
-        received = await self.redis.scard(self.keys.group_received(gid))
-        valid = await self.redis.scard(self.keys.group_valid(gid))
         # Complete once all G came back and every valid member is here (after a store restart the
         # valid members arrive again by redelivery; the quarantined ones were final already).
         if received >= group.expected and len(group.members) >= valid:

@@ -295,6 +295,20 @@ def test_violation_is_reported_by_name(name: str) -> None:
     assert all(v.detail for v in violations)
 
 
+def test_an_infra_failure_without_tokens_is_valid_for_intake() -> None:
+    # A rollout whose environment never answered Reset publishes an INFRA_FAILURE with no tokens:
+    # an infrastructure outcome (failed_infra), not malformed input (quarantined).
+    traj = _build_valid()
+    _clear_tokens(traj)
+    traj.finish(pb.INFRA_FAILURE)
+    assert traj.validate(vocab_size=VOCAB_SIZE, learner_version=5) == []
+    from trajmesh.intake import judge
+
+    task = {"group_id": traj.pb.group_id, "group_size": 4}
+    verdict = judge(traj.to_bytes(), task, vocab_size=VOCAB_SIZE, learner_version=5)
+    assert (verdict.outcome, verdict.reason, verdict.member) == ("failed_infra", "infra_failure", True)
+
+
 def test_two_problems_are_both_reported() -> None:
     traj = _build_valid()
     traj.pb.ClearField("task_id")

@@ -434,13 +434,14 @@ class Trajectory:
         }
         if len(set(lengths.values())) > 1:
             yield Violation("length_mismatch", ", ".join(f"{k}={v}" for k, v in lengths.items()))
-        if ids_T.size == 0:
+        infra = self.pb.terminal_reason == trajectory_pb2.INFRA_FAILURE
+        if ids_T.size == 0 and not infra:  # an episode whose environment never answered has none
             yield Violation("empty_tokens", "token_ids is empty")
         if vocab_size is not None and (oov_T := ids_T >= vocab_size).any():
             yield Violation("token_out_of_vocab", _where(oov_T, f">= vocab_size {vocab_size}"))
         if (nonbinary_T := (mask_T != 0) & (mask_T != 1)).any():
             yield Violation("mask_not_binary", _where(nonbinary_T, "with loss_mask not in {0, 1}"))
-        if not (mask_T == 1).any() and self.pb.terminal_reason != trajectory_pb2.INFRA_FAILURE:
+        if not (mask_T == 1).any() and not infra:
             yield Violation("no_action_tokens", "no token has loss_mask 1")
 
         n = min(lengths.values())

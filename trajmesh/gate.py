@@ -258,6 +258,12 @@ class AsyncStalenessGate:
     async def version(self) -> int:
         return (await self.counters()).version
 
+    @property
+    def version_key(self) -> str:
+        """The Redis key holding the learner version (for callers that batch it into a pipeline;
+        parse with `int(raw or 0)`)."""
+        return self._spec.version_key
+
     async def counters(self) -> GateCounters:
         return self._spec.snapshot(await self._r.mget(self._spec.keys))
 
