@@ -9,6 +9,7 @@ No torch import.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,12 +95,13 @@ class EngineClient:
             return await resp.text()
 
     async def generate(
-        self, input_ids: list[int] | list[list[int]], sampling: dict[str, Any], return_logprob: bool = True
+        self, input_ids: list[int] | list[list[int]], sampling: dict[str, Any] | list[dict[str, Any]],
+        return_logprob: bool = True,
     ) -> GenerateResult | list[GenerateResult]:
         """POST /generate. A list of prompts gives a list of results (one HTTP batch request).
 
         ``sampling`` is SGLang's ``sampling_params`` (temperature, top_p, top_k, max_new_tokens,
-        stop_token_ids, ...).
+        stop_token_ids, ...): one dict for every prompt, or one per prompt of a batch.
         """
         body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": return_logprob}
         data = await self._post("/generate", body)
@@ -150,3 +152,71 @@ class EngineClient:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+
+class CoalescingEngine:
+    """Sends the single-prompt ``generate`` calls made within `window_s` of each other as one batch
+    request (SGLang and the torch engine both take a list of ``input_ids`` with one
+    ``sampling_params`` per prompt), so G samples of a group cost one HTTP round trip, not G.
+
+    Each caller still gets its own ``GenerateResult`` (aborted ones included: a pause aborts every
+    prompt of a batch, and each caller resubmits its own). An HTTP error fails every call of the
+    batch it was in. Everything but ``generate`` is the wrapped client's.
+    """
+
+    def __init__(self, client: EngineClient, *, window_s: float = 0.002, max_batch: int = 256) -> None:
+        self.client = client
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self._pending: list[tuple[list[int], dict[str, Any], asyncio.Future[GenerateResult]]] = []
+        self._flush_scheduled = False
+        self._sending: set[asyncio.Task[None]] = set()
+        self.requests_sent = 0
+        """HTTP /generate requests made (for tests and metrics)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any], return_logprob: bool = True
+                       ) -> GenerateResult:
+        if not return_logprob:
+            raise ValueError("CoalescingEngine always requests log-probs")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[GenerateResult] = loop.create_future()
+        self._pending.append((list(input_ids), dict(sampling), fut))
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_later(self.window_s, self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, []
+        for i in range(0, len(pending), self.max_batch):
+            task = asyncio.ensure_future(self._send(pending[i:i + self.max_batch]))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[tuple[list[int], dict[str, Any], asyncio.Future[GenerateResult]]]) -> None:
+        live = [b for b in batch if not b[2].done()]  # a cancelled caller needs no tokens
+        if not live:
+            return
+        self.requests_sent += 1
+        try:
+            results = await self.client.generate([ids for ids, _, _ in live], [sp for _, sp, _ in live])
+            assert isinstance(results, list) and len(results) == len(live), "batch answer of the wrong length"
+        except Exception as exc:  # noqa: BLE001 - handed to every caller of this batch
+            for _, _, fut in live:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (_, _, fut), res in zip(live, results, strict=True):
+            if not fut.done():
+                fut.set_result(res)
+
+    async def close(self) -> None:
+        for task in list(self._sending):
+            task.cancel()
+        await self.client.close()

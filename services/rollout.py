@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
-from trajmesh.rollout.engine_client import EngineClient, EngineError, GenerateResult
+from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient, EngineError, GenerateResult
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
 from trajmesh import bus as busmod
@@ -98,7 +98,7 @@ class RolloutService(Service):
         self.version = 0
         model_path = cfg.model.path
         self.engine_proc: subprocess.Popen[bytes] | None = None
-        self.engine: EngineClient | SyntheticEngine
+        self.engine: CoalescingEngine | SyntheticEngine
         if cfg.rollout.engine.type == "synthetic":
             self.engine = SyntheticEngine(self.tokenizer.vocab_size, self.tokenizer.eos_token_id,
                                           seed=cfg.seed * 101 + self.replica, version=self.version)
@@ -106,7 +106,8 @@ class RolloutService(Service):
             url = cfg.rollout.engine.url
             if url is None:
                 url = self._start_torch_engine(model_path, self.version)
-            self.engine = EngineClient(url)
+            # The G samples of a group (and of concurrent groups) reach the engine as batch requests.
+            self.engine = CoalescingEngine(EngineClient(url), window_s=cfg.rollout.engine.batch_window_ms / 1000)
             await self._wait_engine()
         self.engine_ready = asyncio.Event()
         self.engine_ready.set()

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trajmesh.learner.models import build_char_tokenizer, build_tiny_model, encode_prompt, load_model  # noqa: E402
-from trajmesh.rollout.engine_client import EngineClient  # noqa: E402
+from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient, EngineError  # noqa: E402
 
 
 def _free_port() -> int:
@@ -168,3 +168,41 @@ def test_pause_aborts_in_flight_and_continue_resumes(engine):
     assert 0 < len(partial.output_ids) < 3000 and len(partial.logprobs) == len(partial.output_ids)
     assert pause_s < 5
     assert resumed.finish_reason["type"] == "length" and len(resumed.output_ids) == 4
+
+
+def test_coalescing_engine_batches_concurrent_calls_per_prompt_params(engine):
+    _, tok = load_model(engine["a"])
+    prompts = [encode_prompt(tok, p) for p in ["1+2=", "34-5=", "7+8-90=", "5="]]
+
+    async def go():
+        async with EngineClient(engine["url"]) as plain:
+            singles = [await plain.generate(p, {"temperature": 0, "max_new_tokens": 2 + i, "ignore_eos": True})
+                       for i, p in enumerate(prompts)]
+        eng = CoalescingEngine(EngineClient(engine["url"]), window_s=0.05)
+        try:
+            # one batch request, each prompt with its own max_new_tokens
+            coalesced = await asyncio.gather(*(
+                eng.generate(p, {"temperature": 0, "max_new_tokens": 2 + i, "ignore_eos": True})
+                for i, p in enumerate(prompts)))
+            sent_after_batch = eng.requests_sent
+            # an engine error reaches every caller of the batch it was in
+            bad = await asyncio.gather(eng.generate([10**6], {"max_new_tokens": 2}),
+                                       eng.generate(prompts[0], {"max_new_tokens": 2}), return_exceptions=True)
+            # a cancelled caller does not break the others
+            task = asyncio.ensure_future(eng.generate(prompts[1], {"temperature": 0, "max_new_tokens": 3}))
+            other = asyncio.ensure_future(eng.generate(prompts[2], {"temperature": 0, "max_new_tokens": 3}))
+            await asyncio.sleep(0)
+            task.cancel()
+            survivor = await other
+            healthy = await eng.health()
+        finally:
+            await eng.close()
+        return singles, coalesced, sent_after_batch, bad, survivor, healthy
+
+    singles, coalesced, sent, bad, survivor, healthy = asyncio.run(go())
+    assert sent == 1
+    for i, (a, b) in enumerate(zip(singles, coalesced, strict=True)):
+        assert len(b.output_ids) == 2 + i and b.output_ids == a.output_ids  # greedy: same tokens
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert all(isinstance(e, EngineError) for e in bad)
+    assert len(survivor.output_ids) == 3 and healthy

@@ -168,8 +168,10 @@ class EngineConfig(_Strict):
     url. synthetic: instant uniform tokens, for load tests and benchmarks (no model)."""
     url: str | None = None
     """Base URL of an already running engine (required for sglang)."""
-    batch_window_ms: float = Field(2.0, ge=0)
-    """How long the torch engine waits to batch concurrent requests."""
+    batch_window_ms: float = Field(2.0, ge=0, le=1000)
+    """How long a rollout process collects concurrent /generate calls before sending them to the
+    engine as one batch request (0: those made in the same event-loop tick). Not used by the
+    synthetic engine."""
     startup_timeout_s: float = Field(120.0, gt=0)
     """How long rollout waits for the engine's /health at start (SGLang loading weights: minutes)."""
 
