@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--raw-messages", type=int, default=3000)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--rollouts", type=int, default=2, help="rollout processes")
+    ap.add_argument("--graders", type=int, default=2, help="grader processes")
+    ap.add_argument("--concurrent-tasks", type=int, default=4, help="groups in flight per rollout process")
+    ap.add_argument("--batch-groups", type=int, default=4, help="groups per learner batch")
     args = ap.parse_args(argv)
     payload = _sample_bytes()
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> float:
             "run_dir": str(root / "run"), "model.path": _model_dir(root / "model"), "gate.eta": 2,
             "tasks.group_size": 4, "tasks.train_size": 500, "tasks.heldout_size": 10,
             "tasks.sampling.max_new_tokens": TOKENS - 8, "rollout.engine.type": "synthetic",
-            "rollout.replicas": 2, "rollout.concurrent_tasks": 4, "grader.replicas": 2,
-            "store.drop_zero_variance_groups": False, "learner.batch_groups": 4,
+            "rollout.replicas": args.rollouts, "rollout.concurrent_tasks": args.concurrent_tasks,
+            "grader.replicas": args.graders, "store.drop_zero_variance_groups": False,
+            "learner.batch_groups": args.batch_groups,
         })
         Path(cfg.run_dir).mkdir(parents=True)
         (Path(cfg.run_dir) / "manifest.json").write_text('{"manifest_id": "bench"}')
@@ -137,7 +142,9 @@ def main(argv: list[str] | None = None) -> float:
             mesh.stop_infra()
     print(f"trajectory size: {len(payload)} bytes ({TOKENS} tokens)")
     print(f"raw JetStream publish+consume: {raw:.1f} msg/s")
-    print(f"mesh rollout→grader→store→learner batch: {mesh_rate:.1f} trajectories/s")
+    print(f"mesh rollout→grader→store→learner batch: {mesh_rate:.1f} trajectories/s "
+          f"({args.rollouts} rollout, {args.graders} grader processes, {args.concurrent_tasks} groups of 4 in "
+          f"flight per rollout, {args.batch_groups} groups per batch)")
     ratio = mesh_rate / raw
     print(f"mesh_vs_raw_jetstream_ratio={ratio:.3f} (goal >= 0.5)")
     return ratio

@@ -14,9 +14,14 @@ import torch
 from torch import Tensor
 from trajmesh.learner.objective import ObjectiveConfig
 
+from trajmesh.contract import SAMPLED_ACTION_TYPES, ActionType
+
 __all__ = [
+    "ENTROPY_ACTION_TYPES",
+    "ENTROPY_BY_ACTION_TYPE_NAMES",
     "STEP_METRIC_NAMES",
     "effective_sample_size",
+    "entropy_by_action_type",
     "entropy_by_advantage_sign",
     "entropy_from_logits",
     "kl_estimates",
@@ -113,6 +118,26 @@ def entropy_by_advantage_sign(entropy_BT: Tensor, adv_BT: Tensor, mask_BT: Tenso
     }
 
 
+# The sampled (loss-mask 1) action types, by enum value: TEXT, TOOL_CALL, CODE.
+ENTROPY_ACTION_TYPES: tuple[str, ...] = tuple(ActionType.Name(t) for t in sorted(SAMPLED_ACTION_TYPES))
+
+
+def entropy_by_action_type(entropy_BT: Tensor, action_type_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
+    """Mean token entropy over the eligible tokens of each sampled action type, keyed by the enum
+    name (``ENTROPY_ACTION_TYPES``: "TEXT", "TOOL_CALL", "CODE"); every key is always present and
+    is 0 when the batch has no such token (as ``entropy_by_advantage_sign`` treats empty sets).
+
+    ``action_type_BT`` holds the ``ActionType`` value of the span covering each token (``Batch``);
+    eligible tokens that no sampled-type span covers count in no type (they still count in the
+    overall entropy).
+    """
+    on_BT = mask_BT > 0
+    return {
+        name: _masked_mean(entropy_BT, on_BT & (action_type_BT == ActionType.Value(name)))
+        for name in ENTROPY_ACTION_TYPES
+    }
+
+
 def lag_histogram(current_version: int, versions_BT: Tensor, mask_BT: Tensor, max_lag: int) -> Tensor:
     """Token counts by policy lag ``current_version − behavior_version`` over eligible tokens.
 
@@ -126,6 +151,11 @@ def lag_histogram(current_version: int, versions_BT: Tensor, mask_BT: Tensor, ma
         raise ValueError(f"behavior version newer than learner version {current_version}")
     return torch.bincount(lag.clamp(max=max_lag + 1), minlength=max_lag + 2)
 
+
+# Step-metric name of each entropy_by_action_type key: "TEXT" -> trajmesh_learner_entropy_text_action_nats.
+ENTROPY_BY_ACTION_TYPE_NAMES: dict[str, str] = {
+    name: f"{_P}entropy_{name.lower()}_action_nats" for name in ENTROPY_ACTION_TYPES
+}
 
 STEP_METRIC_NAMES: tuple[str, ...] = tuple(
     _P + name
@@ -157,7 +187,7 @@ STEP_METRIC_NAMES: tuple[str, ...] = tuple(
         "advantage_mean",
         "advantage_abs_mean",
     )
-)
+) + tuple(ENTROPY_BY_ACTION_TYPE_NAMES.values())
 
 
 def step_metrics(
@@ -172,6 +202,7 @@ def step_metrics(
     loss_stats: Mapping[str, Tensor],
     cfg: ObjectiveConfig,
     entropy_BT: Tensor | None = None,
+    action_type_BT: Tensor | None = None,
     current_version: int | None = None,
     versions_BT: Tensor | None = None,
     max_lag: int = 8,
@@ -182,7 +213,9 @@ def step_metrics(
     MIS mask), which is what measures how stale/mismatched the batch is. ``kl_*`` is
     KL(π_beh ‖ π_θ); ``logprob_mismatch_*`` compares the learner's proximal recomputation with the
     rollout engine's log-probs. Entropy metrics need ``entropy_BT`` (e.g. from
-    ``entropy_from_logits``) and are 0 without it. Lag buckets are added when ``versions_BT`` and
+    ``entropy_from_logits``) and are 0 without it; the per-action-type entropies
+    (``ENTROPY_BY_ACTION_TYPE_NAMES``) also need ``action_type_BT`` (``Batch.action_type_BT``) and
+    are 0 without it. Lag buckets are added when ``versions_BT`` and
     ``current_version`` are given: ``trajmesh_learner_policy_lag_<k>_tokens`` for k = 0..max_lag and
     ``..._policy_lag_over_<max_lag>_tokens``.
     """
@@ -196,6 +229,11 @@ def step_metrics(
         entropy_by_advantage_sign(entropy_BT, adv_BT, mask_BT)
         if entropy_BT is not None
         else {"all": 0.0, "positive": 0.0, "negative": 0.0, "zero": 0.0}
+    )
+    ent_type = (
+        entropy_by_action_type(entropy_BT, action_type_BT, mask_BT)
+        if entropy_BT is not None and action_type_BT is not None
+        else dict.fromkeys(ENTROPY_ACTION_TYPES, 0.0)
     )
     diff_BT = (prox_logp_BT - behavior_logp_BT).detach().abs()
     adv_BT = adv_BT.detach()
@@ -226,6 +264,7 @@ def step_metrics(
         ent["zero"],
         _masked_mean(adv_BT, on_BT),
         _masked_mean(adv_BT.abs(), on_BT),
+        *(ent_type[name] for name in ENTROPY_BY_ACTION_TYPE_NAMES),
     ]
     out = dict(zip(STEP_METRIC_NAMES, values, strict=True))
     if versions_BT is not None and current_version is not None:

@@ -16,6 +16,7 @@ from trajmesh.learner.metrics import entropy_from_logits, step_metrics
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
 
 from trajmesh.contract import Trajectory
+from trajmesh.v1 import trajectory_pb2
 
 
 def split_stale(trajs: list[Trajectory], version: int, eta: int) -> tuple[list[Trajectory], list[Trajectory]]:
@@ -39,10 +40,15 @@ class Batch:
     reward_B: Tensor
     group_index_B: Tensor
     trajectory_ids: list[str]
+    # ActionType of the span covering each token (TEXT/TOOL_CALL/CODE on action tokens, PROMPT,
+    # OBSERVATION); ACTION_TYPE_UNSPECIFIED (0) on padding and on tokens no span covers.
+    action_type_BT: Tensor
 
 
 def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
-    """Right-padded tensors; padding has mask 0, log-prob 0 and version −1."""
+    """Right-padded tensors; padding has mask 0, log-prob 0, version −1 and action type
+    ACTION_TYPE_UNSPECIFIED (0). Each span's action type fills its tokens (clipped to the
+    trajectory; a later span wins where spans overlap)."""
     width = max(len(t) for t in trajs)
     b = len(trajs)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -50,6 +56,7 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
     mask = torch.zeros((b, width), dtype=torch.float32)
     blogp = torch.zeros((b, width), dtype=torch.float32)
     vers = torch.full((b, width), -1, dtype=torch.long)
+    atype = torch.full((b, width), trajectory_pb2.ACTION_TYPE_UNSPECIFIED, dtype=torch.long)
     groups: dict[str, int] = {}
     gidx = torch.zeros(b, dtype=torch.long)
     for i, t in enumerate(trajs):
@@ -59,9 +66,11 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
         mask[i, :n] = torch.from_numpy(t.loss_mask_T.astype("float32"))
         blogp[i, :n] = torch.from_numpy(t.behavior_logprobs_T)
         vers[i, :n] = torch.from_numpy(t.behavior_versions_T)
+        for span in t.pb.spans:
+            atype[i, min(span.token_start, n):min(span.token_end, n)] = span.action_type
         gidx[i] = groups.setdefault(t.group_id, len(groups))
     reward = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    return Batch(ids, att, mask, blogp, vers, reward, gidx, [t.trajectory_id for t in trajs])
+    return Batch(ids, att, mask, blogp, vers, reward, gidx, [t.trajectory_id for t in trajs], atype)
 
 
 def token_logprobs(model: Any, batch: Batch, temperature: float) -> tuple[Tensor, Tensor]:
@@ -142,7 +151,7 @@ def compute_loss(
     metrics = step_metrics(
         logp_BT=logp_BT.detach(), prox_logp_BT=prox_logp_BT, behavior_logp_BT=batch.behavior_logp_BT,
         adv_BT=adv_BT, mask_BT=mask_BT, w_raw_BT=w_raw_BT, kept_mask_BT=kept_BT, loss_stats=stats,
-        cfg=cfg, entropy_BT=entropy_BT.detach(), current_version=version, versions_BT=batch.versions_BT,
-        max_lag=max_lag,
+        cfg=cfg, entropy_BT=entropy_BT.detach(), action_type_BT=batch.action_type_BT, current_version=version,
+        versions_BT=batch.versions_BT, max_lag=max_lag,
     )
     return loss, metrics

@@ -32,6 +32,7 @@ import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.learner import consistency
+from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.step import advantages_B, build_batch, compute_loss, split_stale
@@ -85,8 +86,10 @@ def _gauge(name: str) -> Gauge:
     return STEP_GAUGES[name]
 
 
-# Exported from the start (0 until the first step measures them): dashboards and stop gates read them.
-for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO):
+# Exported from the start (0 until the first step measures them): dashboards and stop gates read them,
+# and every action type has its entropy series even before a batch holds that type.
+for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO,
+              *ENTROPY_BY_ACTION_TYPE_NAMES.values()):
     _gauge(_name)
 
 

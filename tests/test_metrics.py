@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 from trajmesh.learner.metrics import (
+    ENTROPY_BY_ACTION_TYPE_NAMES,
     STEP_METRIC_NAMES,
     effective_sample_size,
+    entropy_by_action_type,
     entropy_by_advantage_sign,
     entropy_from_logits,
     kl_estimates,
@@ -18,6 +20,10 @@ from trajmesh.learner.metrics import (
     weight_quantiles,
 )
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
+from trajmesh.learner.step import build_batch
+
+from trajmesh.contract import Trajectory
+from trajmesh.v1 import trajectory_pb2
 
 F64 = torch.float64
 
@@ -87,6 +93,81 @@ def test_entropy_by_advantage_sign() -> None:
     assert out == pytest.approx({"all": 11 / 4, "positive": 2.0, "negative": 2.0, "zero": 5.0})
 
 
+def _mixed_action_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two trajectories with PROMPT / TEXT / TOOL_CALL / OBSERVATION / CODE spans (via build_batch)
+    and hand-set entropies: (entropy_BT, action_type_BT, mask_BT). Every token that must not count
+    (prompt, observation, padding) has entropy 100."""
+    a = Trajectory.new(trajectory_id="a")
+    a.append_prompt([1, 2])
+    a.append_sampled([3, 4], [-1.0, -1.0], 0)                                   # TEXT
+    a.append_sampled([5], [-1.0], 0, action_type=trajectory_pb2.TOOL_CALL)
+    a.append_observation([6, 7])
+    a.append_sampled([8, 9, 10], [-1.0] * 3, 0, action_type=trajectory_pb2.CODE)
+    b = Trajectory.new(trajectory_id="b")
+    b.append_prompt([1])
+    b.append_sampled([3, 3, 3], [-1.0] * 3, 0)                                  # TEXT
+    b.append_observation([6])
+    b.append_sampled([5, 5], [-1.0] * 2, 0, action_type=trajectory_pb2.TOOL_CALL)
+    batch = build_batch([a, b], 0)  # b: 7 tokens + 3 padding
+    X = 100.0
+    entropy_BT = torch.tensor([
+        # P  P  TEXT    TOOL O  O  CODE
+        [X, X, 1.0, 3.0, 2.0, X, X, 4.0, 5.0, 9.0],
+        # P  TEXT           O  TOOL      pad
+        [X, 2.0, 2.0, 5.0, X, 6.0, 7.0, X, X, X],
+    ], dtype=F64)
+    return entropy_BT, batch.action_type_BT, batch.mask_BT
+
+
+def test_entropy_by_action_type_hand_values() -> None:
+    # TEXT: 1,3 | 2,2,5 -> 13/5 ; TOOL_CALL: 2 | 6,7 -> 15/3 = 5 ; CODE: 4,5,9 -> 18/3 = 6
+    # prompt, observation and padding tokens (entropy 100) count in no type.
+    entropy_BT, action_type_BT, mask_BT = _mixed_action_batch()
+    out = entropy_by_action_type(entropy_BT, action_type_BT, mask_BT)
+    assert out == {"TEXT": 13 / 5, "TOOL_CALL": 5.0, "CODE": 6.0}
+    # the overall entropy is over the same 11 action tokens: (13 + 15 + 18) / 11
+    assert entropy_by_advantage_sign(entropy_BT, torch.ones_like(entropy_BT), mask_BT)["all"] == 46 / 11
+
+
+def test_entropy_by_action_type_empty_types_are_zero_and_uncovered_tokens_count_in_none() -> None:
+    text, unspecified = trajectory_pb2.TEXT, trajectory_pb2.ACTION_TYPE_UNSPECIFIED
+    entropy_BT = torch.tensor([[1.0, 3.0, 7.0, 100.0]], dtype=F64)
+    # token 2 has mask 1 but no span covers it (type 0): not in TEXT, still in the overall mean
+    action_type_BT = torch.tensor([[text, text, unspecified, text]])
+    mask_BT = torch.tensor([[1, 1, 1, 0]])
+    out = entropy_by_action_type(entropy_BT, action_type_BT, mask_BT)
+    assert out == {"TEXT": 2.0, "TOOL_CALL": 0.0, "CODE": 0.0}
+    assert entropy_by_advantage_sign(entropy_BT, torch.ones_like(entropy_BT), mask_BT)["all"] == 11 / 3
+    assert entropy_by_action_type(entropy_BT, action_type_BT, torch.zeros(1, 4)) == {
+        "TEXT": 0.0, "TOOL_CALL": 0.0, "CODE": 0.0}
+
+
+def test_step_metrics_report_entropy_by_action_type() -> None:
+    entropy_BT, action_type_BT, mask_BT = _mixed_action_batch()
+    zeros_BT = torch.zeros_like(entropy_BT)
+    cfg = ObjectiveConfig()
+    _, w_raw, kept = behavior_weight(zeros_BT, zeros_BT, mask_BT, cfg)
+    _, stats = decoupled_ppo_loss(zeros_BT, zeros_BT, zeros_BT, zeros_BT, mask_BT, cfg)
+
+    def metrics(entropy: torch.Tensor | None, action_type: torch.Tensor | None) -> dict[str, float]:
+        return step_metrics(logp_BT=zeros_BT, prox_logp_BT=zeros_BT, behavior_logp_BT=zeros_BT, adv_BT=zeros_BT,
+                            mask_BT=mask_BT, w_raw_BT=w_raw, kept_mask_BT=kept, loss_stats=stats, cfg=cfg,
+                            entropy_BT=entropy, action_type_BT=action_type)
+
+    p = "trajmesh_learner_"
+    assert ENTROPY_BY_ACTION_TYPE_NAMES == {"TEXT": p + "entropy_text_action_nats",
+                                            "TOOL_CALL": p + "entropy_tool_call_action_nats",
+                                            "CODE": p + "entropy_code_action_nats"}
+    out = metrics(entropy_BT, action_type_BT)
+    assert out[p + "entropy_text_action_nats"] == 13 / 5
+    assert out[p + "entropy_tool_call_action_nats"] == 5.0
+    assert out[p + "entropy_code_action_nats"] == 6.0
+    assert out[p + "entropy_nats"] == 46 / 11
+    # without per-token action types (or without entropy) the series are still there, at 0
+    for out in (metrics(entropy_BT, None), metrics(None, action_type_BT)):
+        assert [out[n] for n in ENTROPY_BY_ACTION_TYPE_NAMES.values()] == [0.0, 0.0, 0.0]
+
+
 def test_lag_histogram_hand_values() -> None:
     # current 10; eligible versions 10,9,9 / 7,2,10 -> lags 0,1,1,3,8,0 ; max_lag 4
     # buckets 0..4 = [2,2,0,1,0], over 4 = 1 ; masked (-1) ignored
@@ -110,6 +191,8 @@ GOLDEN_NAMES = [
     "trajmesh_learner_entropy_nats", "trajmesh_learner_entropy_positive_advantage_nats",
     "trajmesh_learner_entropy_negative_advantage_nats", "trajmesh_learner_entropy_zero_advantage_nats",
     "trajmesh_learner_advantage_mean", "trajmesh_learner_advantage_abs_mean",
+    "trajmesh_learner_entropy_text_action_nats", "trajmesh_learner_entropy_tool_call_action_nats",
+    "trajmesh_learner_entropy_code_action_nats",
 ]
 
 
