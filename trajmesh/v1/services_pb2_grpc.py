@@ -176,13 +176,15 @@ class EnvironmentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A Step that returns done = true ends the episode and closes its session.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Close(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Idempotent: closing an unknown or already closed session succeeds.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
