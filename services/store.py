@@ -94,6 +94,25 @@ for _stream, _ in QUEUES:
 
 
 @dataclass
+class _Incoming:
+    """A TRAJ_GRADED message, parsed once."""
+    data: bytes
+    msg: Any
+    peek: Trajectory | None
+    tid: str
+
+
+def runs_without_repeats(items: list[_Incoming]) -> list[list[_Incoming]]:
+    """Consecutive runs of `items`, each without a repeated (non-empty) trajectory id."""
+    runs: list[list[_Incoming]] = [[]]
+    for item in items:
+        if item.tid and any(item.tid == other.tid for other in runs[-1]):
+            runs.append([])
+        runs[-1].append(item)
+    return [r for r in runs if r]
+
+
+@dataclass
 class _Group:
     group_id: str
     expected: int
@@ -266,68 +285,93 @@ class TrajectoryStore(Service):
                 self.ready_changed.clear()
                 await self.ready_changed.wait()
                 continue
-            for msg in await self.intake.fetch(batch=32, timeout=1.0):
+            msgs = await self.intake.fetch(batch=32, timeout=1.0)
+            items = []
+            for msg in msgs:
                 data = await self.intake.resolve(msg)
-                await self._intake_one(data, msg)
+                peek = parse(data)  # once: the task lookup needs the task id, the verdict the rest
+                items.append(_Incoming(data, msg, peek, peek.trajectory_id if peek is not None else ""))
+            # Runs without a repeated trajectory id are judged together (two Redis round trips per
+            # run instead of two per message); a repeat starts a new run, so every message sees the
+            # effects of the ones before it exactly as if they were taken one by one.
+            for run in runs_without_repeats(items):
+                await self._intake_run(run)
 
-    async def _intake_one(self, data: bytes, msg: Any) -> None:
-        peek = parse(data)  # once: the task lookup needs the task id, the verdict the rest
-        tid = peek.trajectory_id if peek is not None else ""
-        for holder in (self.held, self.handed_out):
-            if tid and tid in holder:  # redelivered while we still hold it: keep the newest handle
-                holder[tid] = msg
-                return
-        # One round trip for the task record, the dedupe mark and the learner version (the store
-        # is Redis-bound: these were three sequential calls per trajectory).
-        raw, already_final, version_raw = None, False, None
-        if peek is not None and peek.task_id:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hget(self.keys.tasks, peek.task_id)
-            pipe.sismember(self.keys.final_trajectories, tid)
-            pipe.get(self.gate.version_key)
-            raw, already_final, version_raw = await pipe.execute()
-        else:
-            version_raw = await self.redis.get(self.gate.version_key)
-        task = json.loads(raw) if raw is not None else None
-        if peek is not None and tid and task is not None and already_final:
-            RETRIED.labels(source=peek.pb.task_source).inc()
-            self._finalize(peek, "duplicate", "duplicate_trajectory_id", msg, mark=False)
+    async def _intake_run(self, items: list[_Incoming]) -> None:
+        todo = []
+        for item in items:
+            holder = next((h for h in (self.held, self.handed_out) if item.tid and item.tid in h), None)
+            if holder is not None:  # redelivered while we still hold it: keep the newest handle
+                holder[item.tid] = item.msg
+            else:
+                todo.append(item)
+        if not todo:
             return
-        verdict = judge_parsed(peek, task, vocab_size=self.vocab_size, learner_version=int(version_raw or 0))
-        traj = verdict.trajectory
-        if traj is None:
-            self._quarantine_bytes(data, verdict.reason, "not a trajectory")
-            self.pending_final.append(("", msg))
+        # Round trip 1: the learner version, and each message's task record and dedupe mark.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.gate.version_key)
+        looked_up = [it for it in todo if it.peek is not None and it.peek.task_id]
+        for it in looked_up:
+            assert it.peek is not None
+            pipe.hget(self.keys.tasks, it.peek.task_id)
+            pipe.sismember(self.keys.final_trajectories, it.tid)
+        version_raw, *found = await pipe.execute()
+        learner_version = int(version_raw or 0)
+        records = {id(it): (found[2 * k], found[2 * k + 1]) for k, it in enumerate(looked_up)}
+        members: list[tuple[_Incoming, Trajectory, str, str, dict[str, Any]]] = []
+        for it in todo:
+            raw, already_final = records.get(id(it), (None, False))
+            task = json.loads(raw) if raw is not None else None
+            if it.peek is not None and it.tid and task is not None and already_final:
+                RETRIED.labels(source=it.peek.pb.task_source).inc()
+                self._finalize(it.peek, "duplicate", "duplicate_trajectory_id", it.msg, mark=False)
+                continue
+            verdict = judge_parsed(it.peek, task, vocab_size=self.vocab_size, learner_version=learner_version)
+            traj = verdict.trajectory
+            if traj is None:
+                self._quarantine_bytes(it.data, verdict.reason, "not a trajectory")
+                self.pending_final.append(("", it.msg))
+                continue
+            if not verdict.member:  # unknown task, or not one of its G samples: must not touch a group
+                self._finalize(traj, verdict.outcome, verdict.reason, it.msg, mark=False)
+                continue
+            assert task is not None
+            if traj.truncated:
+                TRUNCATED.labels(source=traj.pb.task_source).inc()
+            members.append((it, traj, verdict.outcome, verdict.reason, task))
+        if not members:
             return
-        if not verdict.member:  # unknown task, or not one of its G samples: must not touch a group
-            self._finalize(traj, verdict.outcome, verdict.reason, msg, mark=False)
-            return
-        assert task is not None
-        if traj.truncated:
-            TRUNCATED.labels(source=traj.pb.task_source).inc()
-        gid = traj.group_id
-        pipe = self.redis.pipeline(transaction=True)  # membership and both counts, atomically
-        pipe.sadd(self.keys.group_received(gid), tid)
-        if verdict.outcome == OUTCOME_VALID:
-            pipe.sadd(self.keys.group_valid(gid), tid)
-        pipe.scard(self.keys.group_received(gid))
-        pipe.scard(self.keys.group_valid(gid))
-        *_, received, valid = await pipe.execute()
-        # Only after the membership is recorded may the message be finalized (acked at commit).
-        if verdict.outcome == OUTCOME_VALID:
-            self.held[tid] = msg
-        else:
-            self._finalize(traj, verdict.outcome, verdict.reason, msg)
-        group = self.groups.get(gid)
-        if group is None:
-            group = self.groups[gid] = _Group(gid, int(task["group_size"]), source=str(task.get("source", "")))
-        if tid in self.held and all(m.trajectory_id != tid for m in group.members):
-            group.members.append(traj)
-        # Complete once all G came back and every valid member is here (after a store restart the
-        # valid members arrive again by redelivery; the quarantined ones were final already).
-        if received >= group.expected and len(group.members) >= valid:
-            del self.groups[gid]
-            await self._complete(group)
+        # Round trip 2, one transaction: each member's group membership, then both counts as they
+        # stand after it (MULTI runs the commands in order, so counts are per message).
+        pipe = self.redis.pipeline(transaction=True)
+        for it, traj, outcome, _, _ in members:
+            pipe.sadd(self.keys.group_received(traj.group_id), it.tid)
+            if outcome == OUTCOME_VALID:
+                pipe.sadd(self.keys.group_valid(traj.group_id), it.tid)
+            pipe.scard(self.keys.group_received(traj.group_id))
+            pipe.scard(self.keys.group_valid(traj.group_id))
+        results = await pipe.execute()
+        k = 0
+        for it, traj, outcome, reason, task in members:
+            k += 2 if outcome == OUTCOME_VALID else 1
+            received, valid = results[k], results[k + 1]
+            k += 2
+            # Only after the membership is recorded may a message be finalized (acked at commit).
+            if outcome == OUTCOME_VALID:
+                self.held[it.tid] = it.msg
+            else:
+                self._finalize(traj, outcome, reason, it.msg)
+            gid = traj.group_id
+            group = self.groups.get(gid)
+            if group is None:
+                group = self.groups[gid] = _Group(gid, int(task["group_size"]), source=str(task.get("source", "")))
+            if it.tid in self.held and all(m.trajectory_id != it.tid for m in group.members):
+                group.members.append(traj)
+            # Complete once all G came back and every valid member is here (after a store restart the
+            # valid members arrive again by redelivery; the quarantined ones were final already).
+            if received >= group.expected and len(group.members) >= valid:
+                del self.groups[gid]
+                await self._complete(group)
 
     async def _complete(self, group: _Group) -> None:
         rewards = [t.reward for t in group.members]
