@@ -147,7 +147,7 @@ class GraderService(Service):
         turns: dict[int, list[int]] = {}
         for span in traj.spans:
             if span.action_type in (trajectory_pb2.TEXT, trajectory_pb2.TOOL_CALL, trajectory_pb2.CODE):
-                turns.setdefault(int(span.turn_index), []).extend(int(t) for t in ids_T[span.token_start:span.token_end])
+                turns.setdefault(int(span.turn_index), []).extend(ids_T[span.token_start:span.token_end].tolist())
         ids = [t for k in sorted(turns) for t in turns[k]]
         ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
         return Sample(self.tokenizer.decode(ids), [self.tokenizer.decode(turns[k]) for k in sorted(turns)],

@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 import nats.js.errors
+import numpy as np
 from prometheus_client import Counter, Gauge
 
 from trajmesh import bus as busmod
@@ -489,15 +490,15 @@ class TrajectoryStore(Service):
     def _archive(self, traj: Trajectory, outcome: str, reason: str, learner_version: int = -1) -> None:
         OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
         pb = traj.pb
+        mask_T = traj.loss_mask_T
         self.archive.append(
             trajectory_id=pb.trajectory_id, task_id=pb.task_id, group_id=pb.group_id,
             task_source=pb.task_source, manifest_id=pb.manifest_id, outcome=outcome, reason=reason,
             reward=pb.reward, terminal_reason=trajectory_pb2.TerminalReason.Name(pb.terminal_reason)
             if pb.terminal_reason in trajectory_pb2.TerminalReason.values() else str(pb.terminal_reason),
-            learner_version=learner_version, num_tokens=len(pb.token_ids),
-            num_action_tokens=int(sum(pb.loss_mask)) if len(pb.loss_mask) < 1_000_000 else -1,
-            token_ids=list(pb.token_ids), loss_mask=[min(int(m), 255) for m in pb.loss_mask],
-            behavior_versions=list(pb.behavior_versions), behavior_logprobs=list(pb.behavior_logprobs),
+            learner_version=learner_version, num_tokens=len(pb.token_ids), num_action_tokens=int(mask_T.sum()),
+            token_ids=traj.token_ids_T, loss_mask=np.minimum(mask_T, 255),
+            behavior_versions=traj.behavior_versions_T, behavior_logprobs=traj.behavior_logprobs_T,
         )
 
     def _quarantine_bytes(self, data: bytes, reason: str, detail: str) -> None:
