@@ -2,10 +2,12 @@
 
 (a) raw: one process publishes N messages of the size of a synthetic 4,096-token trajectory to a
     JetStream stream while a pull consumer consumes them; messages per second.
-(b) mesh: synthetic 4,096-token trajectories flow store → TASKS → rollout (synthetic engine, 2
-    processes) → TRAJ_RAW → grader (2 processes; chain_sum's verifier on the random text, which
-    fails fast) → TRAJ_GRADED → store → gRPC NextBatch; this script plays the learner (NextBatch,
-    Report, version + 1), so the gate keeps admitting. Trajectories per second reaching the learner.
+(b) mesh: synthetic 4,096-token trajectories flow store → TASKS → rollout (synthetic engine; 1
+    process by default, --rollouts) → environment (Reset) → TRAJ_RAW → grader (1 process by
+    default, --graders; chain_sum's verifier on the random text, which fails fast) → TRAJ_GRADED →
+    store → gRPC NextBatch; this script plays the learner (NextBatch, Report, version + 1), so the
+    gate keeps admitting. Trajectories per second reaching the learner. On 2 cores one process per
+    service with 16 groups of 4 in flight beat two of each (more processes only compete for CPU).
 
 Prints `mesh_vs_raw_jetstream_ratio` (goal ≥ 0.5). Both sides run on the same NATS server build,
 on this machine, in the same run.
@@ -114,10 +116,10 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--raw-messages", type=int, default=3000)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=5.0)
-    ap.add_argument("--rollouts", type=int, default=2, help="rollout processes")
-    ap.add_argument("--graders", type=int, default=2, help="grader processes")
-    ap.add_argument("--concurrent-tasks", type=int, default=4, help="groups in flight per rollout process")
-    ap.add_argument("--batch-groups", type=int, default=4, help="groups per learner batch")
+    ap.add_argument("--rollouts", type=int, default=1, help="rollout processes")
+    ap.add_argument("--graders", type=int, default=1, help="grader processes")
+    ap.add_argument("--concurrent-tasks", type=int, default=16, help="groups in flight per rollout process")
+    ap.add_argument("--batch-groups", type=int, default=8, help="groups per learner batch")
     args = ap.parse_args(argv)
     payload = _sample_bytes()
     with tempfile.TemporaryDirectory() as tmp:

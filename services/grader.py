@@ -148,8 +148,13 @@ class GraderService(Service):
         for span in traj.spans:
             if span.action_type in (trajectory_pb2.TEXT, trajectory_pb2.TOOL_CALL, trajectory_pb2.CODE):
                 turns.setdefault(int(span.turn_index), []).extend(ids_T[span.token_start:span.token_end].tolist())
-        ids = [t for k in sorted(turns) for t in turns[k]]
+        keys = sorted(turns)
+        per_turn = [self.tokenizer.decode(turns[k]) for k in keys]
+        if len(keys) == 1:  # one turn (most tasks): the whole response is that turn, decoded once
+            ids, whole = turns[keys[0]], per_turn[0]
+        else:
+            ids = [t for k in keys for t in turns[k]]
+            whole = self.tokenizer.decode(ids)
         ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
-        return Sample(self.tokenizer.decode(ids), [self.tokenizer.decode(turns[k]) for k in sorted(turns)],
-                      ended_with_eos, list(traj.pb.state_hashes),
+        return Sample(whole, per_turn, ended_with_eos, list(traj.pb.state_hashes),
                       trajectory_pb2.TerminalReason.Name(traj.terminal_reason))
