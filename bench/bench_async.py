@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--eval-every", type=float, default=30.0)
     ap.add_argument("--latency-median", type=float, default=0.2, help="median extra seconds per env step")
     ap.add_argument("--latency-sigma", type=float, default=1.0, help="log-normal sigma (p99 ≈ 10x median)")
-    ap.add_argument("--concurrent-tasks", type=int, default=8)
+    ap.add_argument("--concurrent-tasks", type=int, default=64,
+                    help="groups in flight per rollout process, both runs (the gate caps sync at one batch)")
     args = ap.parse_args(argv)
     evals = {mode: run(mode, args) for mode in ("sync", "async")}
     best = {m: max(e["greedy_accuracy"] for e in ev) for m, ev in evals.items()}
