@@ -106,7 +106,8 @@ def latest_weights_dir(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_every_s: float = 60.0) -> dict[str, Any]:
+def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_every_s: float = 60.0,
+          eval_samples: int = 1) -> dict[str, Any]:
     preflight(cfg)
     run_dir = Path(cfg.run_dir)
     if fresh and run_dir.exists():
@@ -127,7 +128,7 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
         console.print(f"before RL: {before}")
     mesh = start_mesh(cfg)
     try:
-        _watch(mesh, held, eval_every_s)
+        _watch(mesh, held, eval_every_s, eval_samples)
         drain(mesh.cfg)
         mesh.stop_services()
         acct = accounting(mesh.cfg)
@@ -137,7 +138,7 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     return _summarize(mesh.cfg, held, acct)
 
 
-def _watch(mesh: Mesh, held: list[dict[str, Any]], eval_every_s: float) -> None:
+def _watch(mesh: Mesh, held: list[dict[str, Any]], eval_every_s: float, eval_samples: int = 1) -> None:
     """Shows progress until the learner exits; raises if any other service dies first."""
     cfg = mesh.cfg
     run_dir = Path(cfg.run_dir)
@@ -161,7 +162,7 @@ def _watch(mesh: Mesh, held: list[dict[str, Any]], eval_every_s: float) -> None:
                 w = latest_weights_dir(run_dir)
                 version = steps[-1]["version"]
                 if w is not None and version != last_eval_version:
-                    res = evaluate_dir(str(w), held, cfg, samples=1)
+                    res = evaluate_dir(str(w), held, cfg, samples=eval_samples)
                     write_metric(run_dir, {"kind": "eval", "phase": "during", "version": version,
                                            "rl_seconds": steps[-1]["rl_seconds"], **res})
                     last_eval_version = version
