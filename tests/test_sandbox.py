@@ -106,3 +106,36 @@ def test_service_env_and_secret_files_are_unreadable(tmp_path: Path, monkeypatch
 def test_signalling_the_parent_fails() -> None:
     res = _run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)")
     assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "signal")
+
+
+def test_a_python_install_under_tmp_stays_usable_and_read_only() -> None:
+    # The sandbox replaces /tmp with a fresh tmpfs; an interpreter whose venv lives under /tmp (a
+    # checkout in /tmp) must still start inside, and the venv must not be writable from there.
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="trajmesh-venv-", dir="/tmp"))
+    try:
+        venv = root / "venv"
+        subprocess.run([os.path.realpath(sys.executable), "-m", "venv", "--without-pip", str(venv)], check=True)
+        probe = (
+            "import json, site, sys; site.addsitedir(sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
+            "from trajmesh import sandbox\n"
+            "code = 'import sys\\nprint(6 * 7, sys.prefix)\\n"
+            "try:\\n    open(sys.prefix + \"/x\", \"w\")\\nexcept OSError as e:\\n    print(\"ro\", e.errno)'\n"
+            "r = sandbox.run_code(code)\n"
+            "print(json.dumps([r.status, r.subclass, r.stdout, r.stderr[-500:]]))\n"
+        )
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", probe, sysconfig.get_paths()["purelib"],
+                              str(Path(__file__).resolve().parents[1])],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        status, subclass, stdout, stderr = json.loads(out.strip().splitlines()[-1])
+        assert status == sandbox.OK and subclass == "", stderr
+        assert stdout.splitlines()[0] == f"42 {venv}"
+        assert stdout.splitlines()[1] == "ro 30"  # EROFS: the venv is mounted read-only inside
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

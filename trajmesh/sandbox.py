@@ -104,6 +104,9 @@ def mount(src, dst, fstype, flags, data=None):
         raise OSError(ctypes.get_errno(), "mount " + dst)
 code = open(cfg["code_path"], "rb").read()
 stdin_data = None
+# Python installs under /tmp, /var/tmp or /dev/shm (e.g. a checkout's venv in /tmp) are about to be
+# hidden by fresh tmpfs: hold them open now and bind them back read-only afterwards.
+held = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in cfg["expose_fresh"]]
 mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=1777" % cfg["tmpfs_bytes"])
 for d in cfg["fresh"]:
     if os.path.isdir(d):
@@ -122,6 +125,11 @@ for s, p in stage:
     mount(s, p, None, MS_MOVE)
     mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
     os.rmdir(s)
+for fd, p in held:
+    os.makedirs(p, exist_ok=True)
+    mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
+    mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
+    os.close(fd)
 uid = cfg["uid"]
 os.mkdir("/tmp/work", 0o755)
 with open("/tmp/work/main.py", "wb") as fh:
@@ -150,7 +158,8 @@ if pid == 0:
     os.chdir("/tmp/work")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp/work", "LANG": "C.UTF-8",
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MPLCONFIGDIR": "/tmp"}
-    os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["boot"], str(audit_fd)] + cfg["expose"], env)
+    os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["boot"], str(audit_fd)] + cfg["expose"]
+              + cfg["expose_fresh"], env)
 os.close(audit_fd)
 _, status, usage = os.wait4(pid, 0)
 orphans = 0
@@ -251,6 +260,15 @@ def _exposed_prefixes() -> list[str]:
     return sorted(out)
 
 
+def _fresh_prefixes() -> list[str]:
+    """Python installs under a dir the sandbox replaces with a fresh tmpfs (kept visible, read-only)."""
+    out: list[str] = []
+    for p in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
+        if any(p == d or p.startswith(d + "/") for d in FRESH_TMPFS) and p not in out:
+            out.append(p)
+    return sorted(out)
+
+
 def _classify(rep: dict, violations: list[str], stderr: str, killed_for: str, limits: SandboxLimits) -> str:
     """The SANDBOX_ERROR subclass, or "" when the program ran within bounds."""
     for kind in ("network", "fs_write", "secret_access", "signal"):
@@ -290,7 +308,8 @@ def run_code(code: str, *, stdin: str = "", limits: SandboxLimits | None = None)
         cfg = {
             "code_path": code_path, "uid": lease.uid, "report_fd": report_w, "audit_fd": audit_w,
             "tmpfs_bytes": limits.tmpfs_bytes, "fresh": [d for d in FRESH_TMPFS if d != "/tmp"],
-            "masked": list(MASKED_DIRS), "expose": _exposed_prefixes(), "python": sys.executable,
+            "masked": list(MASKED_DIRS), "expose": _exposed_prefixes(), "expose_fresh": _fresh_prefixes(),
+            "python": sys.executable,
             "boot": _BOOT, "limits": {k: getattr(limits, k) for k in
                                       ("cpu_s", "memory_bytes", "max_processes", "file_size_bytes", "open_files")},
         }
