@@ -132,7 +132,7 @@ def compute_loss(
     if is_deterministic(model):
         # One update per batch and no dropout: the pre-update forward would compute exactly these
         # log-probs (same weights, same ops), so π_prox is this forward, detached — a third of the
-        # step's compute saved. tests/test_objective.py checks the two paths agree.
+        # step's compute saved. tests/test_learner_step.py checks the two paths agree.
         logp_BT, entropy_BT = token_logprobs(model, batch, temperature)
         prox_logp_BT = logp_BT.detach()
     else:

@@ -76,6 +76,7 @@ class EnvironmentService(Service):
         self.grpc_port = grpc_port
         self.sessions: dict[str, tuple[Environment, float]] = {}
         self.kinds: dict[str, str] = {}
+        self._last_expire = 0.0
 
     async def setup(self) -> None:
         self.server = grpc.aio.server()
@@ -91,17 +92,29 @@ class EnvironmentService(Service):
         if hasattr(self, "server"):
             await self.server.stop(grace=1.0)
 
+    def close_session(self, session_id: str) -> None:
+        """Forgets a session (idempotent)."""
+        self.sessions.pop(session_id, None)
+        self.kinds.pop(session_id, None)
+        SESSIONS.set(len(self.sessions))
+
     def expire(self, every_s: float = 1.0) -> None:
         """Drops sessions idle for SESSION_TTL_S (a rollout that died mid-episode); scans at most
         once every `every_s` (it runs on every Reset)."""
         now = time.monotonic()
-        if now - getattr(self, "_last_expire", 0.0) < every_s:
+        if now - self._last_expire < every_s:
             return
         self._last_expire = now
         for sid in [s for s, (_, t) in self.sessions.items() if now - t > SESSION_TTL_S]:
-            del self.sessions[sid]
-            self.kinds.pop(sid, None)
-        SESSIONS.set(len(self.sessions))
+            self.close_session(sid)
+
+
+async def _call(env: Environment, fn: Any, *args: Any) -> Any:
+    """`fn(*args)` on the event loop for `inline` environments (quick pure Python), else in a
+    worker thread so a slow tool call never blocks other sessions."""
+    if getattr(env, "inline", False):
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
@@ -118,10 +131,7 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         except ValueError as exc:
             CALLS.labels("reset", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if getattr(env, "inline", False):
-            obs, h = env.reset(task, int(request.seed))
-        else:
-            obs, h = await asyncio.to_thread(env.reset, task, int(request.seed))
+        obs, h = await _call(env, env.reset, task, int(request.seed))
         self.svc.sessions[request.session_id] = (env, time.monotonic())
         self.svc.kinds[request.session_id] = kind
         SESSIONS.set(len(self.svc.sessions))
@@ -142,11 +152,9 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         if lat.median_s > 0:  # a long-tailed slow environment, seeded by session (deterministic)
             rng = random.Random(request.session_id)
             await asyncio.sleep(lat.median_s * math.exp(lat.sigma * rng.gauss(0.0, 1.0)))
-        res = env.step(request.action) if getattr(env, "inline", False) else await asyncio.to_thread(env.step, request.action)
+        res = await _call(env, env.step, request.action)
         if res.done:  # the episode is over: the session closes itself (Close stays idempotent)
-            self.svc.sessions.pop(request.session_id, None)
-            self.svc.kinds.pop(request.session_id, None)
-            SESSIONS.set(len(self.svc.sessions))
+            self.svc.close_session(request.session_id)
         STEP_SECONDS.labels(kind).observe(time.perf_counter() - start)
         record_step(kind, res)
         CALLS.labels("step", "ok").inc()
@@ -154,8 +162,6 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
                                          reward=res.reward, info_json=json.dumps(res.info or {}))
 
     async def Close(self, request: Any, context: Any) -> services_pb2.CloseResponse:  # noqa: N802
-        self.svc.sessions.pop(request.session_id, None)
-        self.svc.kinds.pop(request.session_id, None)
-        SESSIONS.set(len(self.svc.sessions))
+        self.svc.close_session(request.session_id)
         CALLS.labels("close", "ok").inc()
         return services_pb2.CloseResponse()

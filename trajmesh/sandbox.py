@@ -251,21 +251,10 @@ class _UidLease:
         os.close(self.fd)
 
 
-def _exposed_prefixes() -> list[str]:
-    """Python installs that live under a masked dir and must stay visible (read-only) inside."""
-    out: list[str] = []
-    for p in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
-        if any(p == m or p.startswith(m + "/") for m in MASKED_DIRS) and p not in out:
-            out.append(p)
-    return sorted(out)
-
-
-def _fresh_prefixes() -> list[str]:
-    """Python installs under a dir the sandbox replaces with a fresh tmpfs (kept visible, read-only)."""
-    out: list[str] = []
-    for p in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
-        if any(p == d or p.startswith(d + "/") for d in FRESH_TMPFS) and p not in out:
-            out.append(p)
+def _python_prefixes_under(dirs: tuple[str, ...]) -> list[str]:
+    """This interpreter's install prefixes (base and venv) that lie under one of `dirs`."""
+    out = {p for p in (os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix))
+           if any(p == d or p.startswith(d + "/") for d in dirs)}
     return sorted(out)
 
 
@@ -308,7 +297,8 @@ def run_code(code: str, *, stdin: str = "", limits: SandboxLimits | None = None)
         cfg = {
             "code_path": code_path, "uid": lease.uid, "report_fd": report_w, "audit_fd": audit_w,
             "tmpfs_bytes": limits.tmpfs_bytes, "fresh": [d for d in FRESH_TMPFS if d != "/tmp"],
-            "masked": list(MASKED_DIRS), "expose": _exposed_prefixes(), "expose_fresh": _fresh_prefixes(),
+            "masked": list(MASKED_DIRS), "expose": _python_prefixes_under(MASKED_DIRS),
+            "expose_fresh": _python_prefixes_under(FRESH_TMPFS),
             "python": sys.executable,
             "boot": _BOOT, "limits": {k: getattr(limits, k) for k in
                                       ("cpu_s", "memory_bytes", "max_processes", "file_size_bytes", "open_files")},
