@@ -68,6 +68,7 @@ class InfraConfig(_Strict):
 
 class ReasoningGymSource(_Strict):
     type: Literal["reasoning_gym"] = "reasoning_gym"
+    """Selects this source: a reasoning-gym task family."""
     name: str = "chain_sum"
     """Source name recorded on every task and trajectory."""
     family: str = "chain_sum"
@@ -85,9 +86,13 @@ class MathToolSource(_Strict):
     """Math problems solved with a sandboxed Python tool (envs/math_tool.py, graded by math-verify)."""
 
     type: Literal["math_tool"] = "math_tool"
+    """Selects this source: math with a sandboxed Python tool."""
     name: str = "math_tool"
+    """Source name recorded on every task and trajectory (unique across sources)."""
     weight: float = Field(1.0, gt=0)
+    """Mixture weight of this source."""
     revision: str = "v1"
+    """Task revision recorded on every trajectory."""
     difficulty: int = Field(1, ge=1, le=4)
     """Operand size: about 10**(1+difficulty)."""
     max_tool_calls: int = Field(3, ge=0)
@@ -102,11 +107,17 @@ class WorkplaceSource(_Strict):
     """The SQLite workplace assistant (envs/workplace.py), verified by final state."""
 
     type: Literal["workplace"] = "workplace"
+    """Selects this source: the SQLite workplace assistant."""
     name: str = "workplace"
+    """Source name recorded on every task and trajectory (unique across sources)."""
     weight: float = Field(1.0, gt=0)
+    """Mixture weight of this source."""
     revision: str = "v1"
+    """Task revision recorded on every trajectory."""
     n_employees: int = Field(6, ge=2, le=12)
+    """Employees in each generated database."""
     n_tasks: int = Field(8, ge=1)
+    """Work items in each generated database."""
     pool_size: int = Field(2000, gt=0)
     """Training tasks generated at most (each builds a database); the sampler cycles through them."""
 
@@ -115,9 +126,13 @@ class SearchSource(_Strict):
     """Search-R1 style QA over a generated corpus with BM25 (envs/search.py)."""
 
     type: Literal["search"] = "search"
+    """Selects this source: Search-R1 style QA with BM25 search."""
     name: str = "search"
+    """Source name recorded on every task and trajectory (unique across sources)."""
     weight: float = Field(1.0, gt=0)
+    """Mixture weight of this source."""
     revision: str = "v1"
+    """Task revision recorded on every trajectory."""
     top_k: int = Field(3, ge=1)
     """Passages returned per search."""
     max_searches: int = Field(3, ge=0)
@@ -125,6 +140,7 @@ class SearchSource(_Strict):
     corpus_size: int = Field(200, ge=10)
     """Towns in the generated corpus (4 questions each)."""
     corpus_seed: int = 7
+    """Seed of the generated corpus (the corpus, not the questions, is fixed by it)."""
 
 
 TaskSource = Annotated[ReasoningGymSource | MathToolSource | WorkplaceSource | SearchSource,
@@ -135,6 +151,7 @@ class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollout (1.0: behavior log-probs equal the policy's)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0: off, so behavior log-probs are the full policy's)."""
     top_k: int = -1
     """-1 disables top-k."""
     max_new_tokens: int = Field(8, gt=0)
@@ -153,6 +170,7 @@ class TasksConfig(_Strict):
     heldout_size: int = Field(200, gt=0)
     """Held-out problems (disjoint from training) for accuracy before and after RL."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Rollout sampling parameters and token/turn budgets."""
 
 
 class GateConfig(_Strict):
@@ -186,6 +204,7 @@ class RolloutConfig(_Strict):
     replicas: int = Field(2, ge=1)
     """Rollout processes started by the local launcher."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The inference engine rollout generates with."""
     concurrent_tasks: int = Field(4, ge=1)
     """Tasks one rollout process works on at once."""
     task_ack_wait_s: float = Field(60.0, gt=0)
@@ -201,6 +220,7 @@ class SimulatedLatency(_Strict):
 
 class EnvironmentServiceConfig(_Strict):
     replicas: int = Field(1, ge=1)
+    """Environment service processes started by the local launcher."""
     simulated_step_latency: SimulatedLatency = Field(default_factory=lambda: SimulatedLatency())
     """A long-tailed delay added to every Step, drawn per session deterministically: models slow
     tools or remote environments (bench/bench_async.py)."""
@@ -208,6 +228,7 @@ class EnvironmentServiceConfig(_Strict):
 
 class ServiceReplicas(_Strict):
     replicas: int = Field(1, ge=1)
+    """Processes of this service started by the local launcher."""
 
 
 class AdvantageConfig(_Strict):
@@ -315,11 +336,17 @@ class StoreConfig(_Strict):
 
 class DemoModelConfig(_Strict):
     hidden_size: int = 128
+    """Width of the tiny demo model."""
     layers: int = 4
+    """Transformer layers of the demo model."""
     heads: int = 4
+    """Attention heads of the demo model."""
     sft_steps: int = 800
+    """Warm-start SFT optimizer steps (cached under runs/.cache/ by config hash)."""
     sft_batch_size: int = 64
+    """Sequences per SFT step."""
     sft_lr: float = 3e-3
+    """SFT learning rate (AdamW)."""
     sft_size: int = 20000
     """Generated SFT examples (disjoint from held-out)."""
 
@@ -328,23 +355,34 @@ class ModelConfig(_Strict):
     path: str | None = None
     """A Hugging Face causal-LM directory. None: build the embedded demo model (tiny Llama + SFT)."""
     demo: DemoModelConfig = Field(default_factory=DemoModelConfig)
+    """How the embedded demo model is built and warm-started (used only when path is None)."""
 
 
 class RunConfig(_Strict):
     run_dir: str = "runs/demo"
     """Where the manifest, metrics, archive, checkpoints and weights go."""
     seed: int = 0
+    """Run seed: task order, the demo model's SFT and the learner's initialization derive from it."""
     mode: Literal["async", "sync"] = "async"
     """sync: η is forced to 0 and the learner waits for a full batch from the current version."""
     infra: InfraConfig = Field(default_factory=InfraConfig)
+    """NATS, Redis and gRPC addresses, security."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
     tasks: TasksConfig = Field(default_factory=TasksConfig)
+    """Task sources, group size and sampling."""
     gate: GateConfig = Field(default_factory=GateConfig)
+    """The staleness gate."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout processes and their engine."""
     grader: ServiceReplicas = Field(default_factory=lambda: ServiceReplicas(replicas=2))
+    """Grader processes."""
     environment: EnvironmentServiceConfig = Field(default_factory=lambda: EnvironmentServiceConfig())
+    """Environment service processes."""
     store: StoreConfig = Field(default_factory=StoreConfig)
+    """The trajectory store."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """The learner: optimizer, advantage, objective, stop gates."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
