@@ -1,12 +1,55 @@
-"""Shared fixtures: real NATS (JetStream) and Redis servers on free ports, stopped by pid."""
+"""Shared fixtures: real NATS (JetStream) and Redis servers on free ports, stopped by pid.
+
+Also the CI rules every test run follows:
+- under ``CI=true`` hypothesis is derandomized (profile ``ci``: the same examples every run, the
+  failing example and its reproduction blob printed), elsewhere it explores (profile ``dev``);
+- a test skipped because Prometheus is not installed names the command that installs it, and under
+  ``CI=true`` that skip is a failure (CI must run it).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Generator, Iterator
 
 import pytest
+from hypothesis import settings
 
 from trajmesh.infra import NatsServer, RedisServer
+
+CI = os.environ.get("CI", "").lower() == "true"
+
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if CI else "dev"))
+
+# Binaries whose absence may skip a test locally but never in CI, with the command that installs them.
+CI_REQUIRED_BINARIES = {
+    "prometheus": "sudo apt-get install prometheus (`make test` does it when run as root)",
+    "promtool": "sudo apt-get install prometheus (`make test` does it when run as root)",
+}
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis profile: {settings.get_current_profile_name()} (CI={CI})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    path, lineno, reason = report.longrepr
+    missing = [name for name in CI_REQUIRED_BINARIES if name in reason.lower()]
+    if not missing:
+        return
+    hint = CI_REQUIRED_BINARIES[missing[0]]
+    if CI:
+        report.outcome = "failed"
+        report.longrepr = f"CI=true and {reason}: CI must run this test; install it: {hint}"
+    else:
+        report.longrepr = (path, lineno, f"{reason}; install it: {hint}")
 
 
 @pytest.fixture

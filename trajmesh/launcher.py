@@ -276,17 +276,52 @@ def _reachable(url: str, default_port: int) -> bool:
         return False
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Fail fast, naming the key and the fix, on what validation alone cannot see."""
-    if cfg.infra.nats_url is not None and not _reachable(cfg.infra.nats_url, 4222):
-        raise ConfigError(f"infra.nats_url: cannot reach {cfg.infra.nats_url} (start that server, or remove "
-                          "infra.nats_url to let trajmesh start its own)")
-    if cfg.infra.redis_url is not None and not _reachable(cfg.infra.redis_url, 6379):
-        raise ConfigError(f"infra.redis_url: cannot reach {cfg.infra.redis_url} (start that server, or remove "
-                          "infra.redis_url to let trajmesh start its own)")
+def _check_binaries(cfg: RunConfig) -> None:
+    """The servers the launcher starts itself (no URL given) must be installed."""
+    from trajmesh.infra import MissingBinaryError, nats_server_binary, redis_server_binary
+
+    needed = [(cfg.infra.nats_url, "infra.nats_url", nats_server_binary),
+              (cfg.infra.redis_url, "infra.redis_url", redis_server_binary)]
+    for url, key, find in needed:
+        if url is None:
+            try:
+                find()
+            except MissingBinaryError as err:
+                raise ConfigError(f"{err} (or set {key} to a running server)") from None
+
+
+def _check_reachable(cfg: RunConfig) -> None:
+    """Servers and an engine the config points at must answer on their ports."""
+    infra, engine = cfg.infra, cfg.rollout.engine
+    targets = [(infra.nats_url, "infra.nats_url", 4222, "infra.nats_url to let trajmesh start its own"),
+               (infra.redis_url, "infra.redis_url", 6379, "infra.redis_url to let trajmesh start its own"),
+               (engine.url, "rollout.engine.url", 80, "rollout.engine.url to use the built-in torch engine")]
+    for url, key, port, alternative in targets:
+        if url is not None and not _reachable(url, port):
+            raise ConfigError(f"{key}: cannot reach {url} (start that server, or remove {alternative})")
+
+
+def _check_model_and_packages(cfg: RunConfig) -> None:
+    """The model directory exists; the learner's packages (torch, transformers) are installed."""
+    import importlib.util
+
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json); "
                           "point it at one, or remove model.path to build the embedded demo model")
+    missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"the learner needs {', '.join(missing)}: run `make setup` "
+                          "(or pip install -e '.[learner]')")
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Fail fast, before any long work (SFT, evaluation), on what validation alone cannot see: every
+    server binary the run starts, every server and engine port it connects to, the model directory
+    and the learner's packages. Each failure is a ConfigError of one line naming the fix; the CLI
+    prints it and exits with code 2."""
+    _check_binaries(cfg)
+    _check_reachable(cfg)
+    _check_model_and_packages(cfg)
 
 
 def prepare_model(cfg: RunConfig) -> RunConfig:
