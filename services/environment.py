@@ -136,7 +136,7 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         self.svc.kinds[request.session_id] = kind
         SESSIONS.set(len(self.svc.sessions))
         CALLS.labels("reset", "ok").inc()
-        return services_pb2.ResetResponse(observation=obs, state_hash=h)
+        return services_pb2.ResetResponse(observation=obs, state_hash=h, environment_revision=env.revision)
 
     async def Step(self, request: Any, context: Any) -> services_pb2.StepResponse:  # noqa: N802
         entry = self.svc.sessions.get(request.session_id)

@@ -59,6 +59,47 @@ def code_commit(repo_dir: str | Path | None = None) -> str:
     return result.stdout.strip() or "unknown"
 
 
+FRAMEWORKS = ("torch", "transformers", "deepspeed", "sglang", "tokenizers", "reasoning_gym", "math-verify",
+              "protobuf", "grpcio", "nats-py", "redis")
+"""Distributions whose versions go in the manifest when installed (sglang only where it is)."""
+
+
+def framework_versions(names: tuple[str, ...] = FRAMEWORKS) -> dict[str, str]:
+    """{distribution: version} of every installed one of `names` (package metadata; nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def tree_is_dirty(repo_dir: str | Path | None = None) -> bool:
+    """True when tracked files differ from HEAD (`git status --porcelain --untracked-files=no`);
+    False outside a git checkout (then `code_commit` is "unknown" and says so)."""
+    try:
+        result = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=repo_dir if repo_dir is not None else _REPO_ROOT,
+                                capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return bool(result.stdout.strip())
+
+
+def truncation_policy(cfg: Any) -> dict[str, Any]:
+    """What a truncated trajectory (MAX_TOKENS / MAX_TURNS) is trained with, and the budgets.
+
+    The learner applies no truncation shaping today: a truncated trajectory keeps the reward its
+    grader gave it (usually 0) and is trained like any other; `truncation_ratio_max` may stop the run."""
+    sp = cfg.tasks.sampling
+    return {"policy": "grader_reward", "max_new_tokens_per_turn": sp.max_new_tokens, "max_turns": sp.max_turns,
+            "truncated_terminal_reasons": ["MAX_TOKENS", "MAX_TURNS"],
+            "stop_gate_truncation_ratio_max": cfg.learner.stop_gates.truncation_ratio_max}
+
+
 def _hashed_fields(manifest: trajectory_pb2.RunManifest) -> dict[str, Any]:
     """The manifest's content as plain JSON values, every field except _NOT_HASHED."""
     out: dict[str, Any] = {}
@@ -91,13 +132,19 @@ def build_manifest(
     environment_revisions: Mapping[str, str],
     grader_revisions: Mapping[str, str],
     algorithm: Mapping[str, Any] | Any,
+    framework_versions: Mapping[str, str] | None = None,
+    dirty_tree: bool = False,
+    truncation_policy: Mapping[str, Any] | None = None,
+    evaluation_protocol: Mapping[str, Any] | None = None,
     created_unix_seconds: float | None = None,
 ) -> trajectory_pb2.RunManifest:
     """A RunManifest with its content-hash `manifest_id` filled in.
 
     `config` and `algorithm` are dicts (or pydantic models) of JSON values; the manifest keeps the
     config's hash and the algorithm settings' canonical JSON. `chat_template` is the template text
-    (hashed). `created_unix_seconds` defaults to now and is not part of the id.
+    (hashed). `truncation_policy` and `evaluation_protocol` (held-out samples, sampling, budgets,
+    scorer revisions) are kept as canonical JSON. `created_unix_seconds` defaults to now and is not
+    part of the id.
     """
     manifest = trajectory_pb2.RunManifest(
         code_commit=code_commit,
@@ -108,6 +155,10 @@ def build_manifest(
         environment_revisions=dict(environment_revisions),
         grader_revisions=dict(grader_revisions),
         algorithm_json=canonical_json(algorithm),
+        framework_versions=dict(framework_versions or {}),
+        dirty_tree=dirty_tree,
+        truncation_policy_json=canonical_json(truncation_policy or {}),
+        evaluation_protocol_json=canonical_json(evaluation_protocol or {}),
         created_unix_seconds=time.time() if created_unix_seconds is None else created_unix_seconds,
     )
     manifest.manifest_id = compute_manifest_id(manifest)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from trajmesh.v1 import trajectory_pb2 as trajmesh_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrajmesh/v1/services.proto\x12\x0btrajmesh.v1\x1a\x1ctrajmesh/v1/trajectory.proto\"y\n\x10NextBatchRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x18\n\x10max_trajectories\x18\x02 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x19\n\x11learner_restarted\x18\x04 \x01(\x08\"j\n\x11NextBatchResponse\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.trajmesh.v1.Trajectory\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x04\x12\x11\n\texhausted\x18\x03 \x01(\x08\"\x87\x01\n\rReportRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x13\n\x0btrained_ids\x18\x02 \x03(\t\x12\x17\n\x0fquarantined_ids\x18\x03 \x03(\t\x12\x1a\n\x12quarantine_reasons\x18\x04 \x03(\t\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\x04\"\x10\n\x0eReportResponse\"Q\n\x0cResetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x11.trajmesh.v1.Task\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"8\n\rResetResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x12\n\nstate_hash\x18\x02 \x01(\t\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"h\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x11\n\tinfo_json\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\xa0\x01\n\x0fTrajectoryStore\x12J\n\tNextBatch\x12\x1d.trajmesh.v1.NextBatchRequest\x1a\x1e.trajmesh.v1.NextBatchResponse\x12\x41\n\x06Report\x12\x1a.trajmesh.v1.ReportRequest\x1a\x1b.trajmesh.v1.ReportResponse2\xca\x01\n\x0b\x45nvironment\x12>\n\x05Reset\x12\x19.trajmesh.v1.ResetRequest\x1a\x1a.trajmesh.v1.ResetResponse\x12;\n\x04Step\x12\x18.trajmesh.v1.StepRequest\x1a\x19.trajmesh.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.trajmesh.v1.CloseRequest\x1a\x1a.trajmesh.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrajmesh/v1/services.proto\x12\x0btrajmesh.v1\x1a\x1ctrajmesh/v1/trajectory.proto\"y\n\x10NextBatchRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x18\n\x10max_trajectories\x18\x02 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x19\n\x11learner_restarted\x18\x04 \x01(\x08\"j\n\x11NextBatchResponse\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.trajmesh.v1.Trajectory\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x04\x12\x11\n\texhausted\x18\x03 \x01(\x08\"\x87\x01\n\rReportRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x13\n\x0btrained_ids\x18\x02 \x03(\t\x12\x17\n\x0fquarantined_ids\x18\x03 \x03(\t\x12\x1a\n\x12quarantine_reasons\x18\x04 \x03(\t\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\x04\"\x10\n\x0eReportResponse\"Q\n\x0cResetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x11.trajmesh.v1.Task\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"V\n\rResetResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x1c\n\x14\x65nvironment_revision\x18\x03 \x01(\t\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"h\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x11\n\tinfo_json\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\xa0\x01\n\x0fTrajectoryStore\x12J\n\tNextBatch\x12\x1d.trajmesh.v1.NextBatchRequest\x1a\x1e.trajmesh.v1.NextBatchResponse\x12\x41\n\x06Report\x12\x1a.trajmesh.v1.ReportRequest\x1a\x1b.trajmesh.v1.ReportResponse2\xca\x01\n\x0b\x45nvironment\x12>\n\x05Reset\x12\x19.trajmesh.v1.ResetRequest\x1a\x1a.trajmesh.v1.ResetResponse\x12;\n\x04Step\x12\x18.trajmesh.v1.StepRequest\x1a\x19.trajmesh.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.trajmesh.v1.CloseRequest\x1a\x1a.trajmesh.v1.CloseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,17 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESETREQUEST']._serialized_start=460
   _globals['_RESETREQUEST']._serialized_end=541
   _globals['_RESETRESPONSE']._serialized_start=543
-  _globals['_RESETRESPONSE']._serialized_end=599
-  _globals['_STEPREQUEST']._serialized_start=601
-  _globals['_STEPREQUEST']._serialized_end=650
-  _globals['_STEPRESPONSE']._serialized_start=652
-  _globals['_STEPRESPONSE']._serialized_end=756
-  _globals['_CLOSEREQUEST']._serialized_start=758
-  _globals['_CLOSEREQUEST']._serialized_end=792
-  _globals['_CLOSERESPONSE']._serialized_start=794
-  _globals['_CLOSERESPONSE']._serialized_end=809
-  _globals['_TRAJECTORYSTORE']._serialized_start=812
-  _globals['_TRAJECTORYSTORE']._serialized_end=972
-  _globals['_ENVIRONMENT']._serialized_start=975
-  _globals['_ENVIRONMENT']._serialized_end=1177
+  _globals['_RESETRESPONSE']._serialized_end=629
+  _globals['_STEPREQUEST']._serialized_start=631
+  _globals['_STEPREQUEST']._serialized_end=680
+  _globals['_STEPRESPONSE']._serialized_start=682
+  _globals['_STEPRESPONSE']._serialized_end=786
+  _globals['_CLOSEREQUEST']._serialized_start=788
+  _globals['_CLOSEREQUEST']._serialized_end=822
+  _globals['_CLOSERESPONSE']._serialized_start=824
+  _globals['_CLOSERESPONSE']._serialized_end=839
+  _globals['_TRAJECTORYSTORE']._serialized_start=842
+  _globals['_TRAJECTORYSTORE']._serialized_end=1002
+  _globals['_ENVIRONMENT']._serialized_start=1005
+  _globals['_ENVIRONMENT']._serialized_end=1207
 # @@protoc_insertion_point(module_scope)

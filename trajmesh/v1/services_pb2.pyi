@@ -58,12 +58,14 @@ class ResetRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., task: _Optional[_Union[_trajectory_pb2.Task, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("observation", "state_hash")
+    __slots__ = ("observation", "state_hash", "environment_revision")
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_REVISION_FIELD_NUMBER: _ClassVar[int]
     observation: str
     state_hash: str
-    def __init__(self, observation: _Optional[str] = ..., state_hash: _Optional[str] = ...) -> None: ...
+    environment_revision: str
+    def __init__(self, observation: _Optional[str] = ..., state_hash: _Optional[str] = ..., environment_revision: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "action")

@@ -218,7 +218,7 @@ class Task(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., seed: _Optional[int] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., environment: _Optional[str] = ..., prompt: _Optional[str] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., admitted_at_version: _Optional[int] = ..., manifest_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunManifest(_message.Message):
-    __slots__ = ("manifest_id", "code_commit", "config_sha256", "model_revision", "tokenizer_revision", "chat_template_sha256", "environment_revisions", "grader_revisions", "algorithm_json", "created_unix_seconds")
+    __slots__ = ("manifest_id", "code_commit", "config_sha256", "model_revision", "tokenizer_revision", "chat_template_sha256", "environment_revisions", "grader_revisions", "algorithm_json", "created_unix_seconds", "framework_versions", "dirty_tree", "truncation_policy_json", "evaluation_protocol_json")
     class EnvironmentRevisionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,13 @@ class RunManifest(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     class GraderRevisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class FrameworkVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +250,10 @@ class RunManifest(_message.Message):
     GRADER_REVISIONS_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_JSON_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_TREE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_POLICY_JSON_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_PROTOCOL_JSON_FIELD_NUMBER: _ClassVar[int]
     manifest_id: str
     code_commit: str
     config_sha256: str
@@ -253,7 +264,11 @@ class RunManifest(_message.Message):
     grader_revisions: _containers.ScalarMap[str, str]
     algorithm_json: str
     created_unix_seconds: float
-    def __init__(self, manifest_id: _Optional[str] = ..., code_commit: _Optional[str] = ..., config_sha256: _Optional[str] = ..., model_revision: _Optional[str] = ..., tokenizer_revision: _Optional[str] = ..., chat_template_sha256: _Optional[str] = ..., environment_revisions: _Optional[_Mapping[str, str]] = ..., grader_revisions: _Optional[_Mapping[str, str]] = ..., algorithm_json: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ...) -> None: ...
+    framework_versions: _containers.ScalarMap[str, str]
+    dirty_tree: bool
+    truncation_policy_json: str
+    evaluation_protocol_json: str
+    def __init__(self, manifest_id: _Optional[str] = ..., code_commit: _Optional[str] = ..., config_sha256: _Optional[str] = ..., model_revision: _Optional[str] = ..., tokenizer_revision: _Optional[str] = ..., chat_template_sha256: _Optional[str] = ..., environment_revisions: _Optional[_Mapping[str, str]] = ..., grader_revisions: _Optional[_Mapping[str, str]] = ..., algorithm_json: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ..., framework_versions: _Optional[_Mapping[str, str]] = ..., dirty_tree: _Optional[bool] = ..., truncation_policy_json: _Optional[str] = ..., evaluation_protocol_json: _Optional[str] = ...) -> None: ...
 
 class WeightsAnnouncement(_message.Message):
     __slots__ = ("version", "path", "sha256", "published_unix_seconds")
