@@ -5,11 +5,15 @@
         ├─ HTTP :metrics_port   GET /healthz (200 once setup finished, 503 before/after)
         │                       GET /metrics (Prometheus text format)
         ├─ setup()              connect to NATS/Redis, open servers, load models
-        ├─ run()                the service's supervised loops; returning ends the process
-        └─ stop()               on SIGTERM/SIGINT or when run() returns or raises
+        ├─ run()                the service's supervised loops; returning ends the process (exit 0)
+        └─ stop()               on SIGTERM/SIGINT or when run() returns or raises; bounded by
+                                `stop_timeout_s`
 
-A loop that returns early is a crash: `supervise` cancels its siblings and re-raises, so the process
-exits non-zero and the launcher (or Kubernetes) sees it.
+Exits are honest. A supervised loop that returns early is a crash: `supervise` cancels its
+siblings and raises `LoopError` naming the loop (and its error), so `serve` raises, the process
+exits non-zero and the launcher (or Kubernetes) sees it. A service that sets `stopping` itself
+without a signal (e.g. a crashed background task) is a failure too: it should call `fail(error)`,
+which records the error that `serve` raises. Only a signal or `run()` returning ends with exit 0.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ from trajmesh.config import RunConfig
 log = logging.getLogger("trajmesh.service")
 
 
+class LoopError(RuntimeError):
+    """A supervised loop returned or raised; the message names the loop (and the error)."""
+
+
+class ServiceFailed(RuntimeError):
+    """A service stopped itself without a signal; the message names the service and the cause."""
+
+
 class Service(ABC):
     """One trajmesh process. Subclasses wire their components in `setup()` and loop in `run()`."""
 
@@ -37,6 +49,9 @@ class Service(ABC):
     graceful_stop_s: float = 0.0
     """On SIGTERM, how long `run()` may take to finish its current unit of work before it is
     cancelled (it should watch `self.stopping`)."""
+    stop_timeout_s: float = 60.0
+    """How long `stop()` may take (flushes, a final checkpoint) before `serve` gives up on it and
+    the process exits non-zero."""
 
     def __init__(self, cfg: RunConfig, *, replica: int = 0, metrics_port: int = 0) -> None:
         self.cfg = cfg
@@ -45,6 +60,22 @@ class Service(ABC):
         self.worker_id = f"{self.name}-{replica}-{os.getpid()}"
         self.ready = False
         self.stopping = asyncio.Event()
+        self.stop_signal: int | None = None
+        """The signal (SIGTERM/SIGINT) that asked this process to stop; None until one arrives."""
+        self.failure: BaseException | None = None
+        """The error recorded by `fail()`; `serve` raises it once the service has stopped."""
+
+    def fail(self, error: BaseException) -> None:
+        """Stop this service because of ``error`` (e.g. a crashed background task): `serve` stops
+        it and raises the error, so the process exits non-zero. The first failure wins."""
+        if self.failure is None:
+            self.failure = error
+        self.stopping.set()
+
+    def request_stop(self, sig: int) -> None:
+        """Signal handler: a clean stop was asked for (exit 0 unless something fails on the way)."""
+        self.stop_signal = sig
+        self.stopping.set()
 
     @abstractmethod
     async def setup(self) -> None: ...
@@ -56,17 +87,40 @@ class Service(ABC):
         """Release resources; must be safe to call after a partial setup."""
 
 
-async def supervise(*loops: Awaitable[None]) -> None:
-    """Run loops together; the first to finish or fail cancels the others (close → cancel → gather)."""
+def _loop_name(loop: Awaitable[None]) -> str:
+    return str(getattr(loop, "__qualname__", None) or getattr(loop, "__name__", None) or repr(loop))
+
+
+async def supervise(*loops: Awaitable[None], stopping: asyncio.Event | None = None) -> None:
+    """Run loops together; the first to finish or fail cancels the others (close → cancel → gather).
+
+    A loop that raises, or returns while ``stopping`` is not set, raises :class:`LoopError` naming
+    it. A loop may return cleanly only once ``stopping`` (if given) is set: then the others are
+    cancelled and supervise returns.
+    """
+    names = [_loop_name(x) for x in loops]
     tasks = [asyncio.ensure_future(x) for x in loops]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            t.result()  # re-raise a crash
+        for task in tasks:
+            if task in done:
+                _check_loop(task, names[tasks.index(task)], stopping)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _check_loop(task: asyncio.Future[None], name: str, stopping: asyncio.Event | None) -> None:
+    if task.cancelled():
+        raise LoopError(f"loop {name} was cancelled")
+    error = task.exception()
+    if isinstance(error, LoopError):
+        raise error  # a nested supervise already named the loop
+    if error is not None:
+        raise LoopError(f"loop {name} failed: {type(error).__name__}: {error}") from error
+    if stopping is None or not stopping.is_set():
+        raise LoopError(f"loop {name} returned (a supervised loop that returns is a crash)")
 
 
 async def _start_http(service: Service) -> web.AppRunner:
@@ -93,32 +147,62 @@ async def _start_http(service: Service) -> web.AppRunner:
 
 
 async def serve(service: Service) -> None:
-    """Run a service to completion: HTTP endpoints, setup, run, and stop on signal or exit."""
+    """Run a service to completion: HTTP endpoints, setup, run, and stop on signal or exit.
+
+    Returns (exit 0) after a signal or when `run()` returns; raises (exit non-zero) when setup or
+    run raises, when the service stopped itself (`fail()`, or `stopping` set without a signal) and
+    when `stop()` fails or outlives `stop_timeout_s`.
+    """
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.stopping.set)
+        loop.add_signal_handler(sig, service.request_stop, sig)
     runner = await _start_http(service)
     log.info("%s serving health/metrics on :%d", service.worker_id, service.metrics_port)
     try:
         await service.setup()
         service.ready = True
         log.info("%s ready", service.worker_id)
-        run_task = asyncio.ensure_future(service.run())
-        stop_task = asyncio.ensure_future(service.stopping.wait())
-        done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        if run_task in done:
-            run_task.result()
-        else:
-            if service.graceful_stop_s > 0:
-                await asyncio.wait({run_task}, timeout=service.graceful_stop_s)
-            run_task.cancel()
-            results = await asyncio.gather(run_task, return_exceptions=True)
-            if isinstance(results[0], Exception):
-                raise results[0]
+        await _run_until_stopped(service)
+    except BaseException as err:
+        log.error("%s failed: %s: %s", service.worker_id, type(err).__name__, err)
+        raise
     finally:
         service.stopping.set()
         try:
-            await service.stop()
+            await _bounded_stop(service)
         finally:
             await runner.cleanup()
             log.info("%s stopped", service.worker_id)
+
+
+async def _run_until_stopped(service: Service) -> None:
+    """run() until it returns or `stopping` is set; raises the run's error or the service's failure."""
+    run_task = asyncio.ensure_future(service.run())
+    stop_task = asyncio.ensure_future(service.stopping.wait())
+    try:
+        done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if run_task in done:
+            run_task.result()
+            return
+        if service.graceful_stop_s > 0 and service.failure is None:
+            await asyncio.wait({run_task}, timeout=service.graceful_stop_s)
+        run_task.cancel()
+        results = await asyncio.gather(run_task, return_exceptions=True)
+        if service.failure is not None:
+            raise ServiceFailed(f"{service.worker_id} failed: {type(service.failure).__name__}: "
+                                f"{service.failure}") from service.failure
+        if isinstance(results[0], Exception):
+            raise results[0]
+        if service.stop_signal is None:
+            raise ServiceFailed(f"{service.worker_id} stopped itself without a signal "
+                                "(`stopping` set with no recorded failure; see the log above)")
+    finally:
+        stop_task.cancel()
+        run_task.cancel()
+
+
+async def _bounded_stop(service: Service) -> None:
+    try:
+        await asyncio.wait_for(service.stop(), timeout=service.stop_timeout_s)
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+        raise ServiceFailed(f"{service.worker_id}: stop() did not finish in {service.stop_timeout_s:.0f}s") from None
