@@ -64,6 +64,12 @@ class InfraConfig(_Strict):
     """host:port of each environment service; rollout picks one per session (sticky)."""
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     """NATS users and permissions, Redis AUTH, TLS for NATS and gRPC."""
+    max_deliveries: int = Field(8, ge=1)
+    """Deliveries one JetStream message may have (each redelivery follows a consumer that crashed or
+    missed its ack deadline); the next delivery terminates it as poison: counted in
+    trajmesh_bus_poison_messages_total and handed to the consumer's poison hook (trajmesh/bus.py).
+    Keep it above the restarts a healthy run survives (the store's held messages are redelivered
+    once per store restart)."""
 
 
 class ReasoningGymSource(_Strict):
@@ -191,7 +197,17 @@ class EngineConfig(_Strict):
     engine as one batch request (0: those made in the same event-loop tick). Not used by the
     synthetic engine."""
     startup_timeout_s: float = Field(120.0, gt=0)
-    """How long rollout waits for the engine's /health at start (SGLang loading weights: minutes)."""
+    """How long rollout waits for the engine's /health at start (SGLang loading weights: minutes).
+    On a cluster, match the engine container's startup allowance (the Helm chart sets both from
+    rollout.sglang.startupSeconds)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest one /generate request may take, not counting time the engine spends paused for a
+    weight load; past it the trajectory ends as INFRA_FAILURE (reason timeout)."""
+    max_abort_retries: int = Field(5, ge=0)
+    """Aborts not caused by this rollout's own weight-load pause that one turn resubmits before its
+    trajectory ends as INFRA_FAILURE (reason aborted)."""
+    abort_backoff_s: float = Field(0.5, ge=0)
+    """First wait before resubmitting after such an abort; doubles per retry (at most 30 s)."""
 
     @model_validator(mode="after")
     def _sglang_needs_url(self) -> EngineConfig:
@@ -297,8 +313,37 @@ class StopGatesConfig(_Strict):
     """Check the gates only from this learner step on (1 = from the first step)."""
 
 
+class PpoConfig(_Strict):
+    """Optimizer updates per learner step (DESIGN §4): the batch is split into `minibatches`
+    (balanced by tokens) and swept `epochs` times. With more than one update π_prox comes from a
+    no-grad pass before the first, so r = π_θ/π_prox moves and the clip binds; with exactly one
+    update (and no dropout) r ≡ 1 and the clip is inert."""
+
+    minibatches: int = Field(1, ge=1)
+    """K: optimizer updates per epoch over the step's batch."""
+    epochs: int = Field(1, ge=1)
+    """E: sweeps over the batch per learner step."""
+
+
 class LearnerConfig(_Strict):
     engine: TrainEngineConfig = Field(default_factory=TrainEngineConfig)
+    """Optimizer backend and ZeRO stage."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Training dtype: bf16 compute with fp32 master weights, or fp32; auto = bf16 on CUDA, fp32 on
+    CPU. Weights are published in the training dtype."""
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """HF attention kernel; auto = sdpa on CUDA, eager on CPU (SDPA with a padding mask is ~10x
+    slower than eager at the demo's tiny shapes on CPU)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (HF gradient checkpointing)."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """Padded tokens (rows x longest row) per forward/backward; an update's micro-batches
+    accumulate gradients, each loss scaled by the update's global counts (exact). The default
+    holds the demo's whole batch (256 short sequences) in one micro-batch."""
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    """Positions per chunk of the output head + log-softmax + entropy (memory O(chunk x vocab))."""
+    ppo: PpoConfig = Field(default_factory=PpoConfig)
+    """Minibatches x epochs of PPO updates per learner step."""
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(5, ge=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -358,6 +403,37 @@ class ModelConfig(_Strict):
     """How the embedded demo model is built and warm-started (used only when path is None)."""
 
 
+class EvalConfig(_Strict):
+    """Held-out evaluation protocol (recorded in the manifest) and the held-out early stop.
+
+    Every source is evaluated on its own `tasks.heldout_size` problems, through its environment and
+    scored by its own grader, greedy and sampled (learner/evaluate.py, docs/WATCHING.md)."""
+
+    samples: int = Field(4, ge=1)
+    """Sampled completions per held-out problem before and after RL (pass@k for k up to this)."""
+    samples_during: int = Field(1, ge=1)
+    """Sampled completions per problem in the evaluations during RL (`--eval-every`)."""
+    temperature: float = Field(1.0, gt=0)
+    """Temperature of the sampled evaluation (the greedy one is T = 0)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus of the sampled evaluation."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Token budget per turn; None: the training budget `tasks.sampling.max_new_tokens`."""
+    max_turns: int | None = Field(None, gt=0)
+    """Turn budget per episode; None: the training budget `tasks.sampling.max_turns`."""
+    noise_seeds: int = Field(3, ge=0)
+    """Before/after RL: extra sampled evaluations (one sample per problem each, different seeds)
+    whose spread is the evaluation noise reported as `sampled_accuracy_seed_std`."""
+    selection_metric: Literal["sampled", "greedy"] = "sampled"
+    """Held-out score that picks the best checkpoint and drives the early stop: the mean over
+    sources of each source's sampled (or greedy) accuracy."""
+    stop_regression_margin: float | None = Field(None, ge=0, le=1)
+    """Early stop: end the run when the held-out score falls more than this (absolute, 0–1) below
+    the best so far on `stop_confirmations` consecutive evaluations. None: off."""
+    stop_confirmations: int = Field(2, ge=1)
+    """Consecutive evaluations below best − margin that confirm a regression."""
+
+
 class RunConfig(_Strict):
     run_dir: str = "runs/demo"
     """Where the manifest, metrics, archive, checkpoints and weights go."""
@@ -383,6 +459,8 @@ class RunConfig(_Strict):
     """The trajectory store."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     """The learner: optimizer, advantage, objective, stop gates."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation protocol, checkpoint choice and the held-out regression stop."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

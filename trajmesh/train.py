@@ -1,10 +1,20 @@
-"""`trajmesh train`: prepare, evaluate, run the mesh, evaluate again, summarize."""
+"""`trajmesh train`: prepare, evaluate, run the mesh, evaluate again, summarize.
+
+::
+
+    held-out tasks per source ── evaluate_dir(base model) ── metrics.jsonl {"kind": "eval", "phase": "before"}
+    start_mesh ── _watch: every eval_every_s, evaluate the newest weights ── HeldoutTracker
+                     │ new best: copy the weights to RUN_DIR/best        │ regression confirmed:
+                     │                                                   ▼ stop_reason.json, SIGTERM learner
+    learner exits 0 ── drain ── evaluate_dir(final weights) ── summary.json (per source, best checkpoint)
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import shutil
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -25,43 +35,139 @@ class RunDirExists(RuntimeError):
     pass
 
 
-def heldout_tasks(cfg: RunConfig) -> list[dict[str, Any]]:
+def heldout_tasks(cfg: RunConfig) -> dict[str, list[dict[str, Any]]]:
+    """The held-out split of every source, by source name (each evaluated and reported on its own)."""
     from trajmesh.tasks import load_split
 
-    tasks: list[dict[str, Any]] = []
+    out: dict[str, list[dict[str, Any]]] = {}
     for src in cfg.tasks.sources:
         _, held = load_split(src, 8, cfg.tasks.heldout_size)
-        tasks += [{"prompt": t.prompt, "answer": t.answer, "task_id": t.task_id, "metadata": t.metadata}
-                  for t in held]
-    return tasks
+        out[src.name] = [{"prompt": t.prompt, "answer": t.answer, "task_id": t.task_id, "source": t.source,
+                          "environment": t.environment, "metadata": t.metadata} for t in held]
+    return out
 
 
-def evaluate_dir(model_dir: str, tasks: list[dict[str, Any]], cfg: RunConfig, samples: int = 4,
-                 noise_seeds: int = 0) -> dict[str, float]:
-    """Held-out accuracy of a model dir: greedy, and sampled at T=1 (`samples` per problem).
+def eval_budgets(cfg: RunConfig) -> tuple[int, int]:
+    """(tokens per turn, turns per episode) of the held-out evaluation."""
+    sp = cfg.tasks.sampling
+    return cfg.eval.max_new_tokens or sp.max_new_tokens, cfg.eval.max_turns or sp.max_turns
 
-    With `noise_seeds` = k > 0, the sampled accuracy is also measured with k sampling seeds (one
-    sample per problem each): `sampled_accuracy_seed_std` is the evaluation noise of one such
-    measurement."""
-    import torch
 
-    from trajmesh.learner.evaluate import evaluate
-    from trajmesh.learner.models import load_model
+def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What an evaluation figure means (recorded in the manifest): samples, sampling, budgets, and
+    per source its environment and grader with their revisions."""
+    from trajmesh.envs.registry import ENVIRONMENTS
+    from trajmesh.graders import GRADERS, grader_kind
+    from trajmesh.tasks import HELDOUT_SEED
 
-    torch.manual_seed(cfg.seed)
-    model, tok = load_model(model_dir)
-    mnt = cfg.tasks.sampling.max_new_tokens
-    greedy = evaluate(model, tok, tasks, temperature=0.0, max_new_tokens=mnt, seed=cfg.seed)
-    sampled = evaluate(model, tok, tasks, temperature=1.0, samples=samples, max_new_tokens=mnt, seed=cfg.seed + 1)
-    out = {"greedy_accuracy": float(greedy["accuracy"]), "sampled_accuracy": float(sampled["accuracy"])}
+    max_new_tokens, max_turns = eval_budgets(cfg)
+    sources = {}
+    for name, tasks in held.items():
+        envs = sorted({str(t["environment"] or "single_answer") for t in tasks})
+        graders = sorted({grader_kind(t) for t in tasks})
+        sources[name] = {"problems": len(tasks),
+                         "environments": {e: ENVIRONMENTS[e].revision for e in envs},
+                         "graders": {g: GRADERS[g].revision for g in graders}}
+    return {"greedy": {"temperature": 0.0, "samples_per_problem": 1},
+            "sampled": {"temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
+                        "samples_per_problem": cfg.eval.samples, "samples_per_problem_during_rl": cfg.eval.samples_during},
+            "max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns, "noise_seeds": cfg.eval.noise_seeds,
+            "correct": "grader reward >= 1", "heldout_seed": HELDOUT_SEED, "selection_metric": cfg.eval.selection_metric,
+            "sources": sources}
+
+
+def _evaluate_source(model: Any, codec: Any, tasks: list[dict[str, Any]], cfg: RunConfig, samples: int,
+                     noise_seeds: int) -> dict[str, Any]:
+    """Greedy and sampled figures of one source (plus `noise_seeds` one-sample sampled accuracies)."""
+    from trajmesh.learner.evaluate import ModelPolicy, evaluate_tasks
+
+    max_new_tokens, max_turns = eval_budgets(cfg)
+
+    def run(temperature: float, n: int, seed: int) -> dict[str, Any]:
+        policy = ModelPolicy(model, pad_id=codec.pad_token_id if codec.pad_token_id is not None else codec.eos_token_id,
+                             eos_id=codec.eos_token_id, seed=seed)
+        return evaluate_tasks(policy, codec, tasks, temperature=temperature, top_p=cfg.eval.top_p, samples=n,
+                              max_new_tokens=max_new_tokens, max_turns=max_turns, seed=seed)
+
+    greedy = run(0.0, 1, cfg.seed)
+    sampled = run(cfg.eval.temperature, samples, cfg.seed + 1)
+    out: dict[str, Any] = {"greedy_accuracy": float(greedy["accuracy"]), "sampled_accuracy": float(sampled["accuracy"]),
+                           "n_tasks": sampled["n_tasks"], "samples": sampled["samples"],
+                           "terminal_reasons": sampled["terminal_reasons"],
+                           "mean_response_tokens": sampled["mean_response_tokens"]}
     for k, v in sampled["pass_at_k"].items():
         out[f"sampled_pass_at_{k}"] = float(v)
     if noise_seeds:
-        accs = [float(evaluate(model, tok, tasks, temperature=1.0, samples=1, max_new_tokens=mnt,
-                               seed=cfg.seed + 100 + i)["accuracy"]) for i in range(noise_seeds)]
-        out["sampled_accuracy_seeds"] = accs  # type: ignore[assignment]
-        out["sampled_accuracy_seed_std"] = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        out["sampled_accuracy_seeds"] = [float(run(cfg.eval.temperature, 1, cfg.seed + 100 + i)["accuracy"])
+                                         for i in range(noise_seeds)]
     return out
+
+
+def _pooled(per_source: dict[str, dict[str, Any]], key: str) -> float | None:
+    """Problem-weighted mean of a per-source figure (the pre-per-source headline numbers)."""
+    rows = [(r[key], r["n_tasks"]) for r in per_source.values() if r.get(key) is not None]
+    n = sum(w for _, w in rows)
+    return sum(v * w for v, w in rows) / n if n else None
+
+
+def heldout_score(result: dict[str, Any], metric: str) -> float:
+    """The selection score of an evaluation: the mean over sources of `<metric>_accuracy`."""
+    per = result["heldout"]
+    return sum(float(r[f"{metric}_accuracy"]) for r in per.values()) / len(per)
+
+
+def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: RunConfig, samples: int = 4,
+                 noise_seeds: int = 0) -> dict[str, Any]:
+    """Held-out figures of a model dir per source (`heldout.<source>`), greedy and sampled, each
+    source through its own environment and grader; pooled headline keys kept for old readers.
+
+    With `noise_seeds` = k > 0, the sampled accuracy is also measured with k sampling seeds (one
+    sample per problem each): `sampled_accuracy_seed_std` is the evaluation noise of one such
+    measurement (pooled over sources)."""
+    import torch
+
+    from trajmesh.learner.models import load_model
+    from trajmesh.tokenizer import load_tokenizer
+
+    torch.manual_seed(cfg.seed)
+    model, _ = load_model(model_dir)
+    codec = load_tokenizer(model_dir)
+    per = {name: _evaluate_source(model, codec, tasks, cfg, samples, noise_seeds) for name, tasks in held.items()}
+    out: dict[str, Any] = {"heldout": per}
+    for key in ("greedy_accuracy", "sampled_accuracy", *(k for k in next(iter(per.values())) if "pass_at" in k)):
+        out[key] = _pooled(per, key)
+    if noise_seeds:
+        n = sum(r["n_tasks"] for r in per.values())
+        accs = [sum(r["sampled_accuracy_seeds"][i] * r["n_tasks"] for r in per.values()) / n for i in range(noise_seeds)]
+        out["sampled_accuracy_seeds"] = accs
+        out["sampled_accuracy_seed_std"] = statistics.stdev(accs) if len(accs) > 1 else 0.0
+    out["score"] = heldout_score(out, cfg.eval.selection_metric)
+    return out
+
+
+class HeldoutTracker:
+    """The best held-out score so far and the regression stop (pure: no I/O).
+
+    A regression is a score more than `margin` below the best; `confirmations` consecutive ones
+    stop the run (one noisy evaluation does not). A new best resets the count."""
+
+    def __init__(self, margin: float | None, confirmations: int) -> None:
+        self.margin = margin
+        self.confirmations = confirmations
+        self.best: dict[str, Any] | None = None
+        self.below = 0
+
+    def observe(self, version: int, score: float) -> tuple[bool, bool]:
+        """(new best?, stop?) after an evaluation of `version` scoring `score`."""
+        if self.best is None or score > self.best["score"]:
+            self.best = {"version": version, "score": score}
+            self.below = 0
+            return True, False
+        if self.margin is not None and score < self.best["score"] - self.margin:
+            self.below += 1
+        else:
+            self.below = 0
+        return False, self.margin is not None and self.below >= self.confirmations
 
 
 def write_metric(run_dir: Path, record: dict[str, Any]) -> None:
@@ -84,17 +190,19 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def _progress(cfg: RunConfig, steps: list[dict[str, Any]], evals: list[dict[str, Any]], started: float) -> Table:
     t = Table(title=f"trajmesh train — {cfg.run_dir} (η={cfg.effective_eta}, mode={cfg.mode})")
-    for col in ("step", "version", "reward", "held-out greedy", "held-out T=1", "max lag", "ESS frac",
-                "traj/s", "elapsed"):
+    for col in ("step", "version", "reward", "held-out greedy", "held-out T=1", "by source (greedy/T=1)", "max lag",
+                "ESS frac", "traj/s", "elapsed"):
         t.add_column(col)
     last = steps[-1] if steps else {}
     ev = evals[-1] if evals else {}
+    by_source = " ".join(f"{name} {r['greedy_accuracy']:.2f}/{r['sampled_accuracy']:.2f}"
+                         for name, r in ev.get("heldout", {}).items())
     trained = sum(s.get("trajectories_trained", 0) for s in steps)
     elapsed = time.monotonic() - started
     t.add_row(
         str(last.get("step", "-")), str(last.get("version", "-")), f"{last.get('reward_mean', float('nan')):.3f}",
         f"{ev.get('greedy_accuracy', float('nan')):.3f}", f"{ev.get('sampled_accuracy', float('nan')):.3f}",
-        str(last.get("max_token_lag", "-")),
+        by_source or "-", str(last.get("max_token_lag", "-")),
         f"{last.get('trajmesh_learner_effective_sample_size_ratio', float('nan')):.3f}",
         f"{trained / max(elapsed, 1e-9):.1f}", f"{elapsed:.0f}s",
     )
@@ -106,8 +214,41 @@ def latest_weights_dir(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def _keep_best(run_dir: Path, weights: Path) -> Path:
+    """Copies a weights dir to RUN_DIR/best (temp dir + rename): the learner prunes old versions."""
+    best, tmp = run_dir / "best", run_dir / ".best.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(weights, tmp)
+    shutil.rmtree(best, ignore_errors=True)
+    tmp.replace(best)
+    return best
+
+
+def _record_eval(run_dir: Path, tracker: HeldoutTracker, record: dict[str, Any], weights: Path | None) -> bool:
+    """Appends an eval record, keeps the weights if they are the new best; True when the held-out
+    regression stop is confirmed."""
+    improved, stop = tracker.observe(int(record["version"]), float(record["score"]))
+    if improved and tracker.best is not None:
+        path = _keep_best(run_dir, weights) if weights is not None and record["version"] > 0 else weights
+        tracker.best.update(path=str(path) if path else None, phase=record["phase"], rl_seconds=record["rl_seconds"])
+        record = {**record, "best": True}
+    write_metric(run_dir, record)
+    return stop
+
+
+def _replay_evals(run_dir: Path, tracker: HeldoutTracker, base_model: str) -> None:
+    """On --resume: the tracker sees the evaluations already recorded (the best copy is on disk)."""
+    for r in read_metrics(run_dir):
+        if r.get("kind") == "eval" and r.get("phase") in ("before", "during") and "score" in r:
+            improved, _ = tracker.observe(int(r["version"]), float(r["score"]))
+            if improved and tracker.best is not None:
+                path = base_model if r["version"] == 0 else str(run_dir / "best")
+                tracker.best.update(path=path, phase=r["phase"], rl_seconds=r["rl_seconds"])
+
+
 def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_every_s: float = 60.0,
-          eval_samples: int = 1) -> dict[str, Any]:
+          eval_samples: int | None = None) -> dict[str, Any]:
+    """`eval_samples` (None: `eval.samples_during`) is the samples per problem during RL."""
     preflight(cfg)
     run_dir = Path(cfg.run_dir)
     if fresh and run_dir.exists():
@@ -119,33 +260,41 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = prepare_model(cfg)
     dump_config(cfg, run_dir / "config.yaml")
-    _write_manifest(cfg)
     held = heldout_tasks(cfg)
-    if not resume:
-        console.print(f"held-out evaluation before RL ({len(held)} problems)…")
-        before = evaluate_dir(cfg.model.path or "", held, cfg, noise_seeds=3)
-        write_metric(run_dir, {"kind": "eval", "phase": "before", "version": 0, "rl_seconds": 0.0, **before})
-        console.print(f"before RL: {before}")
+    _write_manifest(cfg, held)
+    tracker = HeldoutTracker(cfg.eval.stop_regression_margin, cfg.eval.stop_confirmations)
+    if resume:
+        _replay_evals(run_dir, tracker, cfg.model.path or "")
+    else:
+        n = sum(len(t) for t in held.values())
+        console.print(f"held-out evaluation before RL ({n} problems, {len(held)} sources)…")
+        before = evaluate_dir(cfg.model.path or "", held, cfg, samples=cfg.eval.samples, noise_seeds=cfg.eval.noise_seeds)
+        _record_eval(run_dir, tracker, {"kind": "eval", "phase": "before", "version": 0, "rl_seconds": 0.0, **before},
+                     Path(cfg.model.path or ""))
+        console.print(f"before RL: { {k: v for k, v in before.items() if k != 'heldout'} }")
     mesh = start_mesh(cfg)
     try:
-        _watch(mesh, held, eval_every_s, eval_samples)
+        _watch(mesh, held, tracker, eval_every_s, eval_samples or cfg.eval.samples_during)
         drain(mesh.cfg)
         mesh.stop_services()
         acct = accounting(mesh.cfg)
     finally:
         mesh.stop_services()
         mesh.stop_infra()
-    return _summarize(mesh.cfg, held, acct)
+    return _summarize(mesh.cfg, held, acct, tracker)
 
 
-def _watch(mesh: Mesh, held: list[dict[str, Any]], eval_every_s: float, eval_samples: int = 1) -> None:
-    """Shows progress until the learner exits; raises if any other service dies first."""
+def _watch(mesh: Mesh, held: dict[str, list[dict[str, Any]]], tracker: HeldoutTracker, eval_every_s: float,
+           eval_samples: int = 1) -> None:
+    """Shows progress until the learner exits; raises if any other service dies first. Evaluates
+    the newest weights every `eval_every_s`; a confirmed held-out regression stops the learner."""
     cfg = mesh.cfg
     run_dir = Path(cfg.run_dir)
     learner = next(p for p in mesh.procs if p.name == "learner")
     started = time.monotonic()
     last_eval = time.monotonic()
     last_eval_version = -1
+    stopping = False
     with Live(console=console, refresh_per_second=1, transient=False) as live:
         while True:
             # A dead service is restarted (as Kubernetes would); a failed learner resumes from its
@@ -158,37 +307,71 @@ def _watch(mesh: Mesh, held: list[dict[str, Any]], eval_every_s: float, eval_sam
             records = read_metrics(run_dir)
             steps = [r for r in records if r.get("kind") == "learner_step"]
             evals = [r for r in records if r.get("kind") == "eval"]
-            if eval_every_s > 0 and time.monotonic() - last_eval > eval_every_s and steps:
+            if eval_every_s > 0 and time.monotonic() - last_eval > eval_every_s and steps and not stopping:
                 w = latest_weights_dir(run_dir)
                 version = steps[-1]["version"]
                 if w is not None and version != last_eval_version:
                     res = evaluate_dir(str(w), held, cfg, samples=eval_samples)
-                    write_metric(run_dir, {"kind": "eval", "phase": "during", "version": version,
-                                           "rl_seconds": steps[-1]["rl_seconds"], **res})
+                    record = {"kind": "eval", "phase": "during", "version": version,
+                              "rl_seconds": steps[-1]["rl_seconds"], **res}
+                    if _record_eval(run_dir, tracker, record, w):
+                        _stop_on_regression(mesh, tracker, record, steps[-1]["step"])
+                        learner.popen.send_signal(signal.SIGTERM)  # checkpoints and exits 0
+                        stopping = True
                     last_eval_version = version
                 last_eval = time.monotonic()
             live.update(_progress(cfg, steps, evals, started))
             time.sleep(1.0)
 
 
-def _write_manifest(cfg: RunConfig) -> None:
+def _stop_on_regression(mesh: Mesh, tracker: HeldoutTracker, record: dict[str, Any], step: int) -> None:
+    """stop_reason.json (+ a stop record in metrics.jsonl) and the run marked finished in Redis, as
+    a learner stop gate does; the caller then stops the learner."""
+    from trajmesh import security
+    from trajmesh.keys import RedisKeys
+    from trajmesh.stopgates import write_stop_reason
+
+    best = tracker.best or {}
+    msg = (f"held-out {mesh.cfg.eval.selection_metric} score {record['score']:.4f} more than "
+           f"{tracker.margin} below the best {best.get('score', float('nan')):.4f} (version {best.get('version')}) "
+           f"on {tracker.below} consecutive evaluations")
+    write_stop_reason(mesh.cfg.run_dir, {"reason": "heldout_regression", "gates": ["heldout_regression"],
+                                         "messages": [msg], "step": step, "version": record["version"],
+                                         "best": best, "time": time.time()})
+    r = security.redis_sync_client(mesh.cfg)
+    r.set(RedisKeys(mesh.cfg.infra.namespace).run_finished, "heldout_regression")
+    r.close()
+    console.print(f"[bold red]stop: {msg}")
+
+
+def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -> None:
     from google.protobuf.json_format import MessageToDict
 
-    from trajmesh.graders.reasoning_gym import ReasoningGymGrader
-    from trajmesh.manifest import build_manifest, code_commit
+    from trajmesh.manifest import (
+        build_manifest,
+        code_commit,
+        framework_versions,
+        tree_is_dirty,
+        truncation_policy,
+    )
 
     model_dir = Path(cfg.model.path or "")
     tok_cfg = model_dir / "tokenizer_config.json"
+    protocol = evaluation_protocol(cfg, held)
     manifest = build_manifest(
         code_commit=code_commit(),
         config=cfg.model_dump(mode="json"),
         model_revision=_dir_hash(model_dir, "model.safetensors"),
         tokenizer_revision=_dir_hash(model_dir, "tokenizer.json"),
         chat_template=json.loads(tok_cfg.read_text()).get("chat_template", "") or "" if tok_cfg.exists() else "",
-        environment_revisions={s.name: s.revision for s in cfg.tasks.sources},
-        grader_revisions={"reasoning_gym": ReasoningGymGrader.revision},
+        environment_revisions={e: r for s in protocol["sources"].values() for e, r in s["environments"].items()},
+        grader_revisions={g: r for s in protocol["sources"].values() for g, r in s["graders"].items()},
         algorithm={"eta": cfg.effective_eta, "mode": cfg.mode, "learner": cfg.learner.model_dump(mode="json"),
                    "group_size": cfg.tasks.group_size, "sampling": cfg.tasks.sampling.model_dump(mode="json")},
+        framework_versions=framework_versions(),
+        dirty_tree=tree_is_dirty(),
+        truncation_policy=truncation_policy(cfg),
+        evaluation_protocol=protocol,
     )
     (Path(cfg.run_dir) / "manifest.json").write_text(
         json.dumps(MessageToDict(manifest, preserving_proto_field_name=True), indent=1))
@@ -201,28 +384,50 @@ def _dir_hash(model_dir: Path, name: str) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.exists() else "unknown"
 
 
-def _summarize(cfg: RunConfig, held: list[dict[str, Any]], acct: dict[str, Any]) -> dict[str, Any]:
+def _per_source_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """`heldout.<source>.before/after`: greedy and sampled accuracy, pass@k, seed noise."""
+    def figures(r: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not r:
+            return None
+        out = {k: v for k, v in r.items() if k.endswith("accuracy") or "pass_at" in k or k in ("n_tasks", "samples")}
+        seeds = r.get("sampled_accuracy_seeds") or []
+        if len(seeds) > 1:
+            out["sampled_accuracy_seed_std"] = statistics.stdev(seeds)
+        return out
+
+    names = list(dict.fromkeys([*before.get("heldout", {}), *after.get("heldout", {})]))
+    return {n: {"before": figures(before.get("heldout", {}).get(n)), "after": figures(after.get("heldout", {}).get(n))}
+            for n in names}
+
+
+def _summarize(cfg: RunConfig, held: dict[str, list[dict[str, Any]]], acct: dict[str, Any],
+               tracker: HeldoutTracker) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("kind") == "learner_step"]
     before = next((r for r in records if r.get("kind") == "eval" and r.get("phase") == "before"), {})
     w = latest_weights_dir(run_dir)
-    after = evaluate_dir(str(w), held, cfg, noise_seeds=3) if w is not None else {}
-    write_metric(run_dir, {"kind": "eval", "phase": "after", "version": steps[-1]["version"] if steps else 0,
-                           "rl_seconds": steps[-1]["rl_seconds"] if steps else 0.0, **after})
+    after = evaluate_dir(str(w), held, cfg, samples=cfg.eval.samples, noise_seeds=cfg.eval.noise_seeds) \
+        if w is not None else {}
+    if after:
+        _record_eval(run_dir, tracker, {"kind": "eval", "phase": "after", "version": steps[-1]["version"] if steps else 0,
+                                        "rl_seconds": steps[-1]["rl_seconds"] if steps else 0.0, **after}, w)
     outcomes = acct["outcomes"]
     summary = {
+        "heldout": _per_source_summary(before, after),
+        "best_checkpoint": {**(tracker.best or {}), "metric": cfg.eval.selection_metric} if tracker.best else None,
         "heldout_accuracy_before_rl": before.get("sampled_accuracy"),
         "heldout_accuracy_after_rl": after.get("sampled_accuracy"),
         "heldout_greedy_accuracy_before_rl": before.get("greedy_accuracy"),
         "heldout_greedy_accuracy_after_rl": after.get("greedy_accuracy"),
-        "heldout_size": len(held),
+        "heldout_size": sum(len(t) for t in held.values()),
         "heldout_sampled_accuracy_seed_std_before_rl": before.get("sampled_accuracy_seed_std"),
         "heldout_sampled_accuracy_seed_std_after_rl": after.get("sampled_accuracy_seed_std"),
         "heldout_sampled_pass_at_4_before_rl": before.get("sampled_pass_at_4"),
         "heldout_sampled_pass_at_4_after_rl": after.get("sampled_pass_at_4"),
         "rl_steps": steps[-1]["step"] if steps else 0,
         "rl_seconds": steps[-1]["rl_seconds"] if steps else 0.0,
+        "trained_tokens": int(sum(s.get("trajmesh_learner_tokens", 0) for s in steps)),
         "eta": cfg.effective_eta,
         "mode": cfg.mode,
         "max_token_lag": max((s.get("max_token_lag", 0) for s in steps), default=0),

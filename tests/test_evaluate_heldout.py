@@ -1,0 +1,100 @@
+"""`trajmesh train`'s held-out side: per-source evaluation of a real (tiny) model dir, the
+held-out regression stop and the best-checkpoint choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trajmesh.config import load_config
+from trajmesh.train import (
+    HeldoutTracker,
+    _record_eval,
+    _replay_evals,
+    evaluate_dir,
+    evaluation_protocol,
+    heldout_tasks,
+)
+
+
+def test_evaluate_dir_reports_each_source_with_its_own_grader(tiny_model_dir: str, tmp_path: Path) -> None:
+    cfg = load_config(None, {
+        "run_dir": str(tmp_path / "run"), "model.path": tiny_model_dir, "tasks.heldout_size": 6,
+        "tasks.sources": [{"type": "reasoning_gym"}, {"type": "search", "corpus_size": 20}],
+        "tasks.sampling.max_new_tokens": 6, "tasks.sampling.max_turns": 2, "eval.samples": 2})
+    held = heldout_tasks(cfg)
+    assert sorted(held) == ["chain_sum", "search"] and all(len(t) == 6 for t in held.values())
+    res = evaluate_dir(tiny_model_dir, held, cfg, samples=2, noise_seeds=2)
+    per = res["heldout"]
+    assert sorted(per) == ["chain_sum", "search"]
+    for r in per.values():
+        assert r["n_tasks"] == 6 and r["samples"] == 2 and 0.0 <= r["sampled_accuracy"] <= 1.0
+        assert set(r) >= {"greedy_accuracy", "sampled_pass_at_1", "sampled_pass_at_2", "terminal_reasons"}
+        assert len(r["sampled_accuracy_seeds"]) == 2
+    # The tiny chain_sum model never writes <answer>: search scores 0 (its own EM grader, not a string match).
+    assert per["search"]["sampled_accuracy"] == 0.0 and per["search"]["greedy_accuracy"] == 0.0
+    # Pooled headline = problem-weighted mean (6 + 6 problems); the score = mean over sources.
+    g = [per[s]["greedy_accuracy"] for s in ("chain_sum", "search")]
+    assert res["greedy_accuracy"] == pytest.approx((6 * g[0] + 6 * g[1]) / 12)
+    sa = [per[s]["sampled_accuracy"] for s in ("chain_sum", "search")]
+    assert res["score"] == pytest.approx(sum(sa) / 2)
+    assert evaluate_dir(tiny_model_dir, held, cfg, samples=2) ["heldout"]["chain_sum"]["sampled_accuracy"] == \
+        per["chain_sum"]["sampled_accuracy"]  # deterministic given the run seed
+    protocol = evaluation_protocol(cfg, held)
+    assert protocol["sampled"]["samples_per_problem"] == 2 and protocol["max_turns"] == 2
+    assert protocol["sources"]["search"]["graders"] == {"search": "search-em-v1"}
+    assert protocol["sources"]["chain_sum"]["environments"] == {"chain_sum": "single_answer-v1"}
+
+
+def test_regression_needs_two_consecutive_evaluations_below_best_minus_margin() -> None:
+    t = HeldoutTracker(margin=0.05, confirmations=2)
+    assert t.observe(0, 0.40) == (True, False)
+    assert t.observe(1, 0.50) == (True, False)
+    assert t.observe(2, 0.44) == (False, False)   # 0.06 below: one strike
+    assert t.observe(3, 0.46) == (False, False)   # only 0.04 below: the count resets
+    assert t.observe(4, 0.44) == (False, False)
+    assert t.observe(5, 0.30) == (False, True)    # second consecutive strike: stop
+    assert t.best == {"version": 1, "score": 0.50}
+
+
+def test_no_margin_never_stops_and_a_new_best_resets_the_count() -> None:
+    off = HeldoutTracker(margin=None, confirmations=1)
+    off.observe(0, 0.9)
+    assert [off.observe(v, 0.0)[1] for v in range(1, 6)] == [False] * 5
+    t = HeldoutTracker(margin=0.1, confirmations=2)
+    t.observe(0, 0.5)
+    t.observe(1, 0.3)
+    assert t.observe(2, 0.6) == (True, False) and t.below == 0
+    assert t.observe(3, 0.45) == (False, False)
+
+
+def _weights(root: Path, name: str, payload: str) -> Path:
+    d = root / "weights" / name
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_text(payload)
+    return d
+
+
+def test_best_weights_are_kept_and_survive_resume(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    t = HeldoutTracker(margin=0.1, confirmations=2)
+    rec = {"kind": "eval", "rl_seconds": 1.0}
+    assert not _record_eval(run, t, {**rec, "phase": "before", "version": 0, "score": 0.2}, tmp_path / "base")
+    assert t.best is not None and t.best["path"] == str(tmp_path / "base")  # the base model, not copied
+    w5 = _weights(run, "v000005", "five")
+    assert not _record_eval(run, t, {**rec, "phase": "during", "version": 5, "score": 0.5}, w5)
+    w9 = _weights(run, "v000009", "nine")
+    assert not _record_eval(run, t, {**rec, "phase": "during", "version": 9, "score": 0.3}, w9)
+    w5.rename(run / "weights" / "pruned")  # the learner prunes old versions: the copy must not depend on them
+    assert (run / "best" / "model.safetensors").read_text() == "five"
+    assert t.best["version"] == 5 and t.best["path"] == str(run / "best")
+    w12 = _weights(run, "v000012", "twelve")
+    assert _record_eval(run, t, {**rec, "phase": "during", "version": 12, "score": 0.35}, w12)  # 2nd strike
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e.get("best", False) for e in evals] == [True, True, False, False]
+    again = HeldoutTracker(margin=0.1, confirmations=2)
+    _replay_evals(run, again, str(tmp_path / "base"))
+    assert again.best is not None and (again.best["version"], again.best["path"]) == (5, str(run / "best"))
