@@ -84,3 +84,22 @@ def test_inspect_tolerates_an_empty_run_dir(tmp_path: Path) -> None:
     info = inspect_run(tmp_path)
     assert info["manifest"] is None and info["trajectories"] == 0 and info["per_version"] == []
     assert "no manifest.json" in format_report(info)
+
+
+def test_inspect_shows_heldout_per_source_before_latest_and_best(tmp_path: Path) -> None:
+    def ev(phase: str, version: int, score: float, chain: float, search: float) -> dict:
+        return {"kind": "eval", "phase": phase, "version": version, "rl_seconds": float(version), "score": score,
+                "heldout": {"chain_sum": {"greedy_accuracy": chain, "sampled_accuracy": chain},
+                            "search": {"greedy_accuracy": search, "sampled_accuracy": search}}}
+
+    with open(tmp_path / "metrics.jsonl", "w") as fh:
+        for rec in (ev("before", 0, 0.2, 0.3, 0.1), ev("during", 4, 0.5, 0.6, 0.4), ev("during", 8, 0.35, 0.5, 0.2)):
+            fh.write(json.dumps(rec) + "\n")
+    h = inspect_run(tmp_path)["heldout"]
+    assert (h["latest_version"], h["best_version"], h["best_score"]) == (8, 4, 0.5)
+    assert h["sources"]["search"]["before"]["sampled_accuracy"] == 0.1
+    assert h["sources"]["search"]["latest"]["sampled_accuracy"] == 0.2
+    assert h["sources"]["chain_sum"]["best"]["greedy_accuracy"] == 0.6
+    text = format_report(inspect_run(tmp_path))
+    assert "held-out per source (latest: version 8, best: version 4 score 0.5)" in text
+    assert any(line.split()[:2] == ["search", "latest"] for line in text.splitlines())

@@ -6,7 +6,8 @@
     RUN_DIR/stop_reason.json ──────▶ stop gate that ended the run, if any
     RUN_DIR/archive/*.parquet ─────▶ final outcome per trajectory: counts by outcome and reason;
                                      per learner version: trained / quarantined, reward, tokens, lag
-    RUN_DIR/metrics.jsonl ─────────▶ per version: ESS fraction, entropy, KL, engine consistency
+    RUN_DIR/metrics.jsonl ─────────▶ per version: ESS fraction, entropy, KL, engine consistency;
+                                     held-out evaluations per source (before RL, latest, best)
 
 Needs no running service and no torch. `inspect_run` returns plain data (also printed by `--json`);
 `format_report` renders it as text.
@@ -74,6 +75,25 @@ def _per_version(rows: list[dict[str, Any]], finals: dict[str, dict[str, Any]],
     return out
 
 
+HELDOUT_KEYS = ("greedy_accuracy", "sampled_accuracy", "sampled_pass_at_1", "sampled_pass_at_4")
+"""Per-source held-out figures shown by `trajmesh inspect`."""
+
+
+def _heldout(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per source: the held-out figures before RL, at the latest evaluation and at the best one
+    (the eval records `trajmesh train` writes to metrics.jsonl), and which version was best."""
+    before = next((e for e in evals if e.get("phase") == "before"), None)
+    latest = evals[-1] if evals else None
+    best = max((e for e in evals if "score" in e), key=lambda e: e["score"], default=None)
+    sources = list(dict.fromkeys(s for e in evals for s in e.get("heldout", {})))
+    rows = {}
+    for src in sources:
+        rows[src] = {label: ({k: e["heldout"][src].get(k) for k in HELDOUT_KEYS} if e and src in e.get("heldout", {})
+                             else None) for label, e in (("before", before), ("latest", latest), ("best", best))}
+    return {"sources": rows, "latest_version": latest.get("version") if latest else None,
+            "best_version": best.get("version") if best else None, "best_score": best.get("score") if best else None}
+
+
 def inspect_run(run_dir: str | Path) -> dict[str, Any]:
     """Manifest, stop reason, outcome counts and per-version summaries of a run directory."""
     run = Path(run_dir)
@@ -103,6 +123,7 @@ def inspect_run(run_dir: str | Path) -> dict[str, Any]:
         "by_reason": dict(sorted(reasons.items())),
         "learner_steps": len(steps),
         "per_version": _per_version(rows, finals, steps),
+        "heldout": _heldout([r for r in records if r.get("kind") == "eval"]),
     }
 
 
@@ -143,6 +164,7 @@ def format_report(info: dict[str, Any]) -> str:
     lines += [f"  {k:<24} {v:>8}" for k, v in info["outcomes"].items()] or ["  (empty archive)"]
     lines += ["counts by outcome:reason"]
     lines += [f"  {k:<48} {v:>8}" for k, v in info["by_reason"].items()] or ["  (none)"]
+    lines += _format_heldout(info.get("heldout") or {})
     cols = ["version", "trained", "quarantined", "mean_reward", "mean_tokens", "mean_action_tokens", "mean_lag",
             "max_lag", *STEP_COLUMNS]
     widths = [max(len(c), 8) for c in cols]
@@ -151,3 +173,19 @@ def format_report(info: dict[str, Any]) -> str:
     for entry in info["per_version"]:
         lines.append("  " + " ".join(_fmt(entry[c], w) for c, w in zip(cols, widths, strict=True)))
     return "\n".join(lines)
+
+
+def _format_heldout(h: dict[str, Any]) -> list[str]:
+    """Per-source held-out table: before RL, latest and best evaluation."""
+    lines = ["", f"held-out per source (latest: version {h.get('latest_version')}, best: version "
+                 f"{h.get('best_version')} score {_fmt(h.get('best_score'), 0).strip()})"]
+    if not h.get("sources"):
+        return lines + ["  (no held-out evaluation recorded)"]
+    head = ["source", "when", *HELDOUT_KEYS]
+    widths = [max(len(c), 10) for c in head]
+    lines.append("  " + " ".join(c.rjust(w) for c, w in zip(head, widths, strict=True)))
+    for src, by_when in h["sources"].items():
+        for when, figures in by_when.items():
+            cells = [src, when, *((figures or {}).get(k) for k in HELDOUT_KEYS)]
+            lines.append("  " + " ".join(_fmt(c, w) for c, w in zip(cells, widths, strict=True)))
+    return lines
