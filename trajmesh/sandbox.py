@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 OK, ERROR, SANDBOX_ERROR = "ok", "error", "SANDBOX_ERROR"
 """`status` values: ran and exited 0; the program failed on its own (exception, exit code);
@@ -43,6 +44,10 @@ SUBCLASSES = (
     "network", "fs_write", "secret_access", "signal", "orphan_process", "setup",
 )
 """Every `subclass` of SANDBOX_ERROR (metrics export each with an initial 0)."""
+VIOLATIONS = ("network", "fs_write", "secret_access", "signal")
+"""The only names the audit pipe may carry; anything else the program writes there is dropped."""
+AUDIT_CAP_BYTES, REPORT_CAP_BYTES = 4096, 4096
+"""Most bytes read from the audit and report pipes (the program can write to the audit pipe)."""
 
 UID_BASE, UID_COUNT = 200_000, 1024
 """Sandboxes run as uid/gid UID_BASE + k, each leased to one call at a time (RLIMIT_NPROC is per uid)."""
@@ -90,6 +95,11 @@ class SandboxResult:
 def available() -> bool:
     """True where the sandbox can run: root (namespaces, uid switch) and util-linux `unshare`."""
     return os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+def uses_uid_pool() -> bool:
+    """True where each call leases its own host uid (root); rootless calls all run as the caller's uid."""
+    return os.geteuid() == 0
 
 
 # The init runs as pid 1 of the new namespaces, as root, with `python -I -S`.
@@ -233,7 +243,13 @@ runpy.run_path("/tmp/work/main.py", run_name="__main__")
 class _UidLease:
     """An exclusive lease on one sandbox uid (flock), so concurrent calls never share a uid."""
 
-    def __init__(self) -> None:
+    def __init__(self, fd: int, uid: int) -> None:
+        self.fd = fd
+        self.uid = uid
+
+    @classmethod
+    def acquire(cls) -> _UidLease | None:
+        """A free uid's lease, or None when every uid of the pool is leased."""
         os.makedirs(LEASE_DIR, mode=0o700, exist_ok=True)
         for k in random.sample(range(UID_COUNT), UID_COUNT):
             fd = os.open(f"{LEASE_DIR}/{k}.lock", os.O_CREAT | os.O_RDWR, 0o600)
@@ -242,13 +258,17 @@ class _UidLease:
             except BlockingIOError:
                 os.close(fd)
                 continue
-            self.fd, self.uid = fd, UID_BASE + k
-            return
-        raise RuntimeError("no free sandbox uid")
+            return cls(fd, UID_BASE + k)
+        return None
 
     def release(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+def encode(text: str) -> bytes:
+    """UTF-8 that round-trips every str, lone surrogates included (model output may hold them)."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _python_prefixes_under(dirs: tuple[str, ...]) -> list[str]:
@@ -260,7 +280,7 @@ def _python_prefixes_under(dirs: tuple[str, ...]) -> list[str]:
 
 def _classify(rep: dict, violations: list[str], stderr: str, killed_for: str, limits: SandboxLimits) -> str:
     """The SANDBOX_ERROR subclass, or "" when the program ran within bounds."""
-    for kind in ("network", "fs_write", "secret_access", "signal"):
+    for kind in VIOLATIONS:
         if kind in violations:
             return kind
     tail = stderr[-4000:]
@@ -281,19 +301,31 @@ def _classify(rep: dict, violations: list[str], stderr: str, killed_for: str, li
 
 
 def run_code(code: str, *, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `code` as `python main.py` in a fresh sandbox; never raises for anything the code does."""
+    """Run `code` as `python main.py` in a fresh sandbox. Never raises: whatever the code does and
+    whatever fails on this side (no free uid, a missing tool, a kernel refusal) is a result."""
     limits = limits or SandboxLimits()
     start = time.monotonic()
+    try:
+        return _run(code, stdin, limits, start)
+    except Exception as exc:  # noqa: BLE001 - the promise above: a SANDBOX_ERROR, never an exception
+        return SandboxResult(SANDBOX_ERROR, "setup", stderr=f"sandbox setup failed: {type(exc).__name__}: {exc}",
+                             wall_s=time.monotonic() - start)
+
+
+def _run(code: str, stdin: str, limits: SandboxLimits, start: float) -> SandboxResult:
     if not available():
         return SandboxResult(SANDBOX_ERROR, "setup", stderr="sandbox needs root and util-linux unshare")
-    lease = _UidLease()
+    lease = _UidLease.acquire()
+    if lease is None:
+        return SandboxResult(SANDBOX_ERROR, "setup", stderr="no free sandbox uid (all leases taken)",
+                             wall_s=time.monotonic() - start)
     host_dir = tempfile.mkdtemp(prefix="trajmesh-sbx-")
     report_r, report_w = os.pipe()
     audit_r, audit_w = os.pipe()
     try:
         code_path = os.path.join(host_dir, "main.py")
-        with open(code_path, "w") as fh:
-            fh.write(code)
+        with open(code_path, "wb") as fh:
+            fh.write(encode(code))
         cfg = {
             "code_path": code_path, "uid": lease.uid, "report_fd": report_w, "audit_fd": audit_w,
             "tmpfs_bytes": limits.tmpfs_bytes, "fresh": [d for d in FRESH_TMPFS if d != "/tmp"],
@@ -349,53 +381,103 @@ def _reap(uid: int, timeout_s: float = 5.0) -> None:
 
 def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: str,
              limits: SandboxLimits, start: float) -> SandboxResult:
-    """Reads stdout/stderr (capped), the audit and report pipes until EOF or the deadline."""
+    """Feeds stdin and reads stdout/stderr (capped), the audit and report pipes (capped) from one
+    selector loop until EOF or the deadline, which counts from the call's start."""
     assert proc.stdin and proc.stdout and proc.stderr
-    try:
-        proc.stdin.write(stdin.encode())
-        proc.stdin.close()
-    except OSError:  # the program closed stdin or died early
-        pass
-    bufs: dict[int, bytearray] = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(),
-                                  report_r: bytearray(), audit_r: bytearray()}
+    caps = {proc.stdout.fileno(): limits.output_bytes + 1, proc.stderr.fileno(): limits.output_bytes + 1,
+            report_r: REPORT_CAP_BYTES, audit_r: AUDIT_CAP_BYTES}
+    bufs: dict[int, bytearray] = {fd: bytearray() for fd in caps}
     sel = selectors.DefaultSelector()
     for fd in bufs:
         sel.register(fd, selectors.EVENT_READ)
-    killed_for = ""
-    deadline = start + limits.wall_s
-    out_fds = (proc.stdout.fileno(), proc.stderr.fileno())
-    while sel.get_map():
+    feed = _StdinFeed(proc.stdin, encode(stdin), sel)
+    killed_for = _pump(sel, bufs, caps, feed, start + limits.wall_s, limits.output_bytes,
+                       (proc.stdout.fileno(), proc.stderr.fileno()))
+    sel.close()
+    feed.close()
+    if killed_for:
+        proc.kill()  # --kill-child: the init dies, and with it the whole pid namespace
+    proc.wait()
+    for fd in (report_r, audit_r):  # after a kill, keep what was already written (capped)
+        try:
+            os.set_blocking(fd, False)
+            bufs[fd] += os.read(fd, max(0, caps[fd] - len(bufs[fd])))
+        except OSError:
+            pass
+    return _result(bufs[proc.stdout.fileno()], bufs[proc.stderr.fileno()], bufs[report_r], bufs[audit_r],
+                   killed_for, limits, start)
+
+
+class _StdinFeed:
+    """The program's stdin, written in non-blocking chunks when the pipe has room (a program that
+    never reads it cannot hold the call past its deadline)."""
+
+    def __init__(self, pipe: Any, data: bytes, sel: selectors.BaseSelector) -> None:
+        self.pipe = pipe
+        self.fd = pipe.fileno()
+        self.view = memoryview(data)
+        self.sel = sel
+        os.set_blocking(self.fd, False)
+        if self.view:
+            sel.register(self.fd, selectors.EVENT_WRITE)
+        else:
+            self.close()
+
+    def write(self) -> None:
+        try:
+            n = os.write(self.fd, self.view[:65536])
+        except BlockingIOError:
+            return
+        except OSError:  # the program closed stdin or died: nothing more to feed
+            n = len(self.view)
+        self.view = self.view[n:]
+        if not self.view:
+            self.sel.unregister(self.fd)
+            self.close()
+
+    def close(self) -> None:
+        if not self.pipe.closed:
+            try:
+                self.pipe.close()
+            except OSError:
+                pass
+
+
+def _pump(sel: selectors.BaseSelector, bufs: dict[int, bytearray], caps: dict[int, int], feed: _StdinFeed,
+          deadline: float, output_bytes: int, out_fds: tuple[int, int]) -> str:
+    """The selector loop; returns why the program must be killed ("" when every pipe hit EOF)."""
+    while len(sel.get_map()) > 0:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            killed_for = "wall_timeout"
-            break
+            return "wall_timeout"
         for key, _ in sel.select(timeout=min(remaining, 0.5)):
+            if key.fd == feed.fd:
+                feed.write()
+                continue
             chunk = os.read(key.fd, 65536)
             if not chunk:
                 sel.unregister(key.fd)
                 continue
-            bufs[key.fd] += chunk
-        if sum(len(bufs[fd]) for fd in out_fds) > limits.output_bytes:
-            killed_for = "output_limit"
-            break
-    sel.close()
-    if killed_for:
-        proc.kill()  # --kill-child: the init dies, and with it the whole pid namespace
-    proc.wait()
-    for fd in (report_r, audit_r):  # after a kill, keep what was already written
-        try:
-            os.set_blocking(fd, False)
-            bufs[fd] += os.read(fd, 65536)
-        except (BlockingIOError, OSError):
-            pass
-    stdout = bytes(bufs[proc.stdout.fileno()])[: limits.output_bytes].decode("utf-8", "replace")
-    stderr = bytes(bufs[proc.stderr.fileno()])[: limits.output_bytes].decode("utf-8", "replace")
-    violations = sorted(set(bufs[audit_r].decode("utf-8", "replace").split()))
+            room = caps[key.fd] - len(bufs[key.fd])
+            bufs[key.fd] += chunk[:room]
+            if len(chunk) >= room and key.fd not in out_fds:  # a flooded side pipe: stop reading it
+                sel.unregister(key.fd)
+        if sum(len(bufs[fd]) for fd in out_fds) > output_bytes:
+            return "output_limit"
+    return ""
+
+
+def _result(out: bytearray, err: bytearray, report: bytearray, audit: bytearray, killed_for: str,
+            limits: SandboxLimits, start: float) -> SandboxResult:
+    stdout = bytes(out)[: limits.output_bytes].decode("utf-8", "replace")
+    stderr = bytes(err)[: limits.output_bytes].decode("utf-8", "replace")
+    names = set(bytes(audit).decode("ascii", "replace").split())
+    violations = sorted(names.intersection(VIOLATIONS))
     try:
-        rep = json.loads(bytes(bufs[report_r]) or b"{}")
+        rep = json.loads(bytes(report) or b"{}")
     except ValueError:
         rep = {}
-    if not rep and not killed_for:
+    if not isinstance(rep, dict) or (not rep and not killed_for):
         return SandboxResult(SANDBOX_ERROR, "setup", stdout=stdout, stderr=stderr,
                              wall_s=time.monotonic() - start, violations=violations)
     subclass = _classify(rep, violations, stderr, killed_for, limits)
