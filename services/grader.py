@@ -31,9 +31,6 @@ from trajmesh.v1 import trajectory_pb2
 log = logging.getLogger("trajmesh.grader")
 
 GRADED = Counter("trajmesh_grader_trajectories_total", "Trajectories handled by the grader", ["result"])
-REWARD_COMPONENT = Counter(
-    "trajmesh_grader_reward_component_sum", "Sum of each raw reward component", ["component"]
-)
 VERIFY_SECONDS = Histogram("trajmesh_grader_verify_seconds", "Verifier latency per trajectory")
 RAW_COMPONENT = Counter("trajmesh_grader_raw_reward_component_total",
                         "Sum of each raw reward component by grader", ["grader", "component"])
@@ -116,7 +113,6 @@ class GraderService(Service):
         VERIFIER_SECONDS.labels(kind).observe(elapsed)
         TERMINAL.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
         for name, value in grade.components.items():
-            REWARD_COMPONENT.labels(component=name).inc(value)
             RAW_COMPONENT.labels(kind, name).inc(value)
         for name, value in grade.audit.items():
             AUDITS.labels(name, "agree" if value >= 1.0 else "disagree").inc()

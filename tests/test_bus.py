@@ -12,6 +12,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 from nats.js import api
+from prometheus_client import REGISTRY
 
 from trajmesh import bus as busmod
 from trajmesh.bus import Bus
@@ -114,7 +115,7 @@ def test_unacked_message_is_redelivered_after_ack_wait(nats_server: NatsServer) 
         bus = await _build_bus(nats_server.url)
         await bus.publish(busmod.SUBJECT_TRAJ_RAW, b"t-1", msg_id="t-1")
         await bus.publish(busmod.SUBJECT_TRAJ_RAW, b"t-2", msg_id="t-2")
-        consumer = await bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=1.0, max_deliver=2)
+        consumer = await bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=1.0, max_deliveries=2)
         first = await consumer.fetch(1, timeout=1.0)
         assert [m.data for m in first] == [b"t-1"]
         assert first[0].metadata.num_delivered == 1
@@ -127,12 +128,57 @@ def test_unacked_message_is_redelivered_after_ack_wait(nats_server: NatsServer) 
         again = await consumer.fetch(1, timeout=3.0)
         assert [m.data for m in again] == [b"t-1"]
         assert again[0].metadata.num_delivered == 2
-        # max_deliver=2 reached: the server stops redelivering (the message stays in the stream).
-        assert await consumer.fetch(1, timeout=1.5) == []
-        assert (await bus.stream_info(busmod.STREAM_TRAJ_RAW)).state.messages == 1
+        await again[0].ack_sync()  # confirmed by the server before its state is read
+        assert (await bus.stream_info(busmod.STREAM_TRAJ_RAW)).state.messages == 0
         await bus.close()
 
     _run(body())
+
+
+def _poison_count(stream: str, durable: str) -> float:
+    value = REGISTRY.get_sample_value("trajmesh_bus_poison_messages_total", {"stream": stream, "durable": durable})
+    return value or 0.0
+
+
+async def _fetch_until_poisoned(consumer: busmod.Consumer, poisoned: asyncio.Event) -> list[int]:
+    """Fetch (never acking) until the poison hook fired; the delivery counts handed out."""
+    handed_out = []
+    while not poisoned.is_set():  # each fetch waits for the redelivery after ack_wait
+        handed_out += [m.metadata.num_delivered for m in await consumer.fetch(1, timeout=2.0)]
+    return handed_out
+
+
+def test_poison_message_is_terminated_after_max_deliveries_counted_and_hooked(tmp_path: Path) -> None:
+    max_payload = 64 * 1024
+    big = os.urandom(2 * max_payload)
+
+    async def body(url: str) -> None:
+        bus = await _build_bus(url)
+        await bus.publish(busmod.SUBJECT_TASKS, big, msg_id="task-poison")  # through the object store
+        seen: list[bytes] = []
+        poisoned = asyncio.Event()
+
+        async def on_poison(msg: Any) -> None:
+            seen.append(await bus.resolve(msg))  # the payload is still there for the archive
+            poisoned.set()
+
+        consumer = await bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=1.0, max_deliveries=3,
+                                            on_poison=on_poison)
+        before = _poison_count(consumer.stream, "rollout")
+        handed_out = await _fetch_until_poisoned(consumer, poisoned)
+        assert handed_out == [1, 2, 3]  # the 4th delivery never reaches the caller
+        assert seen == [big]
+        assert _poison_count(consumer.stream, "rollout") == before + 1
+        # Server side: the message is gone from the work queue and nothing waits for an ack.
+        assert (await bus.stream_info(busmod.STREAM_TASKS)).state.messages == 0
+        assert (await consumer.pending()).backlog == 0
+        blobs = await bus.js.object_store(busmod.OBJ_BLOBS)
+        with pytest.raises(nats.js.errors.NotFoundError):  # its blob was deleted with it
+            await blobs.get("task-poison")
+        await bus.close()
+
+    with NatsServer(tmp_path, max_payload=max_payload) as server:
+        _run(body(server.url))
 
 
 def test_msg_id_dedupes_publishes(nats_server: NatsServer) -> None:
@@ -167,11 +213,12 @@ def test_weights_kv_serves_late_joiners_and_watchers(nats_server: NatsServer) ->
         await watch.aclose()
         assert seen == [b"announce-v2", b"announce-v3"]
 
-        # Only values written after the watch started.
-        fresh = rollout.watch_weights(include_current=False)
+        # Only values written after the watch started: the first value it yields is v4, not the
+        # current v3 (a watch that replayed v3 would yield it first).
+        caught_up = asyncio.Event()
+        fresh = rollout.watch_weights(include_current=False, caught_up=caught_up)
         next_value = asyncio.ensure_future(anext(fresh))
-        await asyncio.sleep(0.2)
-        assert not next_value.done()
+        await caught_up.wait()
         await learner.publish_weights(4, b"announce-v4")
         assert await next_value == b"announce-v4"
         await fresh.aclose()
@@ -207,13 +254,16 @@ def test_large_payload_travels_through_object_store(tmp_path: Path) -> None:
         assert len(msgs[0].data) == 0
         assert await consumer.resolve(msgs[0]) == big
         assert await store.resolve(msgs[1]) == b"tiny"
-        for msg in msgs:
-            await msg.ack()
-            await consumer.discard_blob(msg)
-            await consumer.discard_blob(msg)  # idempotent
         blobs = await store.js.object_store(busmod.OBJ_BLOBS)
+        assert (await blobs.get("traj-big")).data == big  # kept until the message is final
+        for msg in msgs:
+            await msg.ack()  # a blob message deletes its blob once the server confirmed the ack
         with pytest.raises(nats.js.errors.NotFoundError):
             await blobs.get("traj-big")
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await blobs.get("traj-tiny")
+        await consumer.discard_blob(msgs[0])  # idempotent
+        assert (await store.stream_info(busmod.STREAM_TRAJ_GRADED)).state.messages == 0
         await grader.close()
         await store.close()
 

@@ -134,18 +134,85 @@ def test_every_metric_a_dashboard_or_rule_names_is_exported() -> None:
     assert not missing, f"metrics not exported by any service: {missing}"
 
 
-def test_metric_names_follow_the_house_convention() -> None:
-    """trajmesh_<subsystem>_<name>[_<unit>]; counters end in _total (STYLE.md, Prometheus naming)."""
-    from prometheus_client import REGISTRY
+# Words that name a metric's unit: a base unit, or the thing a count counts (singular forms).
+METRIC_UNIT_WORDS = {
+    "second", "byte", "token", "ratio", "nat", "version", "trajectory", "task", "group", "message",
+    "call", "request", "error", "failure", "step", "update", "audit", "breach", "violation", "timeout",
+    "reason", "action", "session", "component",
+}
+METRIC_SUBSYSTEMS = {"store", "rollout", "learner", "environment", "grader", "bus"}
+# Suffixes Prometheus reserves for the series of histograms, summaries and counters.
+RESERVED_SUFFIXES = ("_sum", "_count", "_bucket", "_created", "_total")
+METRIC_SOURCES = ["trajmesh", "services", "learner", "rollout", "envs", "graders"]
 
-    exported_metric_names()
-    for family in REGISTRY.collect():
-        if not family.name.startswith("trajmesh_"):
-            continue
-        subsystem = family.name.split("_")[1]
-        assert subsystem in {"store", "rollout", "learner", "environment", "grader"}, family.name
-        if family.type == "counter":
-            assert any(s.name.endswith("_total") for s in family.samples) or not family.samples, family.name
+
+def _singular(word: str) -> str:
+    if word.endswith("ies"):
+        return word[:-3] + "y"
+    if word.endswith(("ches", "sses")):
+        return word[:-2]
+    return word[:-1] if word.endswith("s") else word
+
+
+def metric_name_problems(kind: str, declared: str) -> list[str]:
+    """What is wrong with a metric declared as ``kind("declared", ...)`` (the name as written, before
+    prometheus_client appends ``_total`` to a counter)."""
+    problems = []
+    parts = declared.split("_")
+    if parts[0] != "trajmesh" or len(parts) < 3 or parts[1] not in METRIC_SUBSYSTEMS:
+        problems.append("not trajmesh_<subsystem>_<name>")
+    stem = declared
+    if kind == "Counter":
+        if not declared.endswith("_total"):
+            problems.append("a counter's declared name must end in _total")
+        stem = declared.removesuffix("_total")
+    if stem.endswith(RESERVED_SUFFIXES):
+        problems.append(f"ends in a reserved suffix ({stem.rsplit('_', 1)[1]})")
+    if not any(_singular(word) in METRIC_UNIT_WORDS for word in stem.split("_")[2:]):
+        problems.append("names no unit (seconds, bytes, tokens, ratio, or what it counts)")
+    return problems
+
+
+def _declared_metrics() -> list[tuple[str, str, str]]:
+    """(kind, declared name, file) of every metric declared with a literal name in the packages."""
+    import ast
+
+    found = []
+    root = Path(__file__).resolve().parents[1]
+    for folder in METRIC_SOURCES:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+                    continue
+                func = node.func
+                kind = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                name = node.args[0].value
+                if kind in ("Counter", "Gauge", "Histogram", "Summary") and isinstance(name, str):
+                    found.append((kind, name, str(path.relative_to(root))))
+    return found
+
+
+@pytest.mark.parametrize("kind,declared", [
+    ("Counter", "trajmesh_store_trajectories"),             # no _total
+    ("Counter", "trajmesh_grader_reward_sum_total"),        # a _sum counter
+    ("Counter", "trajmesh_store_admitted_total"),           # no unit
+    ("Gauge", "trajmesh_store_queue_depth"),                # no unit
+    ("Histogram", "trajmesh_rollout_latency"),              # no unit
+    ("Counter", "trajmesh_frobnicator_steps_total"),        # unknown subsystem
+])
+def test_metric_naming_rules_reject(kind: str, declared: str) -> None:
+    assert metric_name_problems(kind, declared)
+
+
+def test_metric_names_follow_the_house_convention() -> None:
+    """trajmesh_<subsystem>_<name>_<unit>; counters declared with _total, no reserved suffix in the
+    name (a Counter called x_sum exports x_sum_total), a unit in every name. Checks the names as
+    declared in the source (prometheus_client rewrites a counter's name, so the registry cannot)."""
+    declared = _declared_metrics()
+    assert len(declared) > 30, declared
+    bad = {f"{kind}({name!r}) in {where}": problems for kind, name, where in declared
+           if name.startswith("trajmesh") and (problems := metric_name_problems(kind, name))}
+    assert not bad, bad
 
 
 def test_alert_rules_have_for_severity_and_summary() -> None:

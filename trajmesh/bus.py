@@ -12,9 +12,16 @@
 
 Work-queue streams delete a message once it is acked, and admit one durable consumer per
 subject; services scale by binding several pull subscribers to that one durable, which share the
-work. Delivery is at-least-once: an unacked message comes back after ``ack_wait`` until
-``max_deliver`` deliveries, so every consumer dedupes by id. Publishers set ``msg_id`` so a retried
-publish within the stream's duplicate window is stored once.
+work. Delivery is at-least-once: an unacked message comes back after ``ack_wait``, so every
+consumer dedupes by id. Publishers set ``msg_id`` so a retried publish within the stream's
+duplicate window is stored once.
+
+Poison and blobs. A message delivered more than ``max_deliveries`` times (it crashed or stalled
+its consumer that often) is not handed out again: :meth:`Consumer.fetch` passes it to the
+consumer's ``on_poison`` hook (the store archives it), terminates it (JetStream ``AckTerm``) and
+counts it in ``trajmesh_bus_poison_messages_total``. A message that travelled through the object
+store deletes its blob once its outcome is final: on ``ack()`` (confirmed by the server first) or
+``term()``.
 
 A ``namespace`` lets two runs share one NATS server: it prefixes every stream (``run1_TASKS``),
 subject (``run1.trajmesh.tasks``), KV bucket and object-store bucket. Callers always speak in the
@@ -28,7 +35,7 @@ import logging
 import re
 import ssl
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -39,6 +46,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
+from prometheus_client import Counter
 
 __all__ = [
     "BLOB_HEADER",
@@ -58,6 +66,7 @@ __all__ = [
     "Consumer",
     "ConsumerPending",
     "Layout",
+    "PoisonHook",
     "StreamSpec",
     "connect",
 ]
@@ -93,6 +102,26 @@ _ERR_STREAM_NAME_IN_USE = 10058
 _log = logging.getLogger("trajmesh.bus")
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]*$")
+
+# Deliveries of one message before it counts as poison (see Consumer.fetch); config:
+# infra.max_deliveries.
+DEFAULT_MAX_DELIVERIES = 8
+# Seconds an ack of a blob message may take to be confirmed before its blob is deleted.
+_BLOB_ACK_TIMEOUT_S = 5.0
+
+POISON_MESSAGES = Counter(
+    "trajmesh_bus_poison_messages_total",
+    "Messages terminated (AckTerm) after more than max_deliveries deliveries",
+    ["stream", "durable"],
+)
+BLOB_DELETE_FAILURES = Counter(
+    "trajmesh_bus_blob_delete_failures_total",
+    "Object-store blobs not deleted when their message was final (left to the bucket's TTL)",
+    ["reason"],
+)
+
+PoisonHook = Callable[[Msg], Awaitable[None]]
+"""Called with a poison message (payload still resolvable) before it is terminated."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +226,39 @@ class _Blobs:
             await (await self.store()).delete(name)
         except nats.js.errors.NotFoundError:
             pass  # already discarded by an earlier delivery of the same message
+        except (nats.errors.Error, asyncio.TimeoutError) as err:
+            BLOB_DELETE_FAILURES.labels(reason=type(err).__name__).inc()
+            _log.warning("blob %s not deleted (%s); the bucket's TTL expires it", name, err)
+
+
+class _BlobMsg(Msg):
+    """A delivered message whose payload is a blob: deletes the blob once its outcome is final.
+
+    ``ack()`` waits for the server to confirm the ack before deleting (a lost ack would redeliver a
+    message whose blob is gone); an unconfirmed ack keeps the blob. ``term()`` deletes it too.
+    """
+
+    _blobs: _Blobs
+
+    @classmethod
+    def wrap(cls, msg: Msg, blobs: _Blobs) -> _BlobMsg:
+        wrapped = cls.__new__(cls)
+        wrapped.__dict__.update(msg.__dict__)
+        wrapped._blobs = blobs
+        return wrapped
+
+    async def ack(self) -> None:
+        try:
+            await self.ack_sync(timeout=_BLOB_ACK_TIMEOUT_S)
+        except (nats.errors.Error, asyncio.TimeoutError) as err:
+            BLOB_DELETE_FAILURES.labels(reason="ack_unconfirmed").inc()
+            _log.warning("ack of %s not confirmed (%s); its blob is kept", self.subject, err)
+            return
+        await self._blobs.discard(self)
+
+    async def term(self) -> None:
+        await super().term()
+        await self._blobs.discard(self)
 
 
 class Consumer:
@@ -206,6 +268,8 @@ class Consumer:
     them). Messages come back as nats-py ``Msg``: call ``await msg.ack()`` when done,
     ``msg.nak(delay=...)`` to retry, ``msg.in_progress()`` to extend ``ack_wait`` on long work,
     ``msg.term()`` to give up on a poison message; ``msg.metadata.num_delivered`` counts deliveries.
+    Messages delivered more than ``max_deliveries`` times never come out of :meth:`fetch` (see the
+    module docstring); blob messages delete their blob on ``ack()``/``term()``.
     """
 
     def __init__(
@@ -216,28 +280,57 @@ class Consumer:
         stream: str,
         durable: str,
         blobs: _Blobs,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        on_poison: PoisonHook | None = None,
     ) -> None:
         self._sub = sub
         self._js = js
         self.stream = stream
         self.durable = durable
         self._blobs = blobs
+        self.max_deliveries = max_deliveries
+        """Deliveries a message may have; the next one terminates it as poison."""
+        self.on_poison = on_poison
+        """Awaited with each poison message before it is terminated (e.g. to archive it)."""
 
     async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Msg]:
-        """Up to ``batch`` messages, waiting at most ``timeout`` seconds; [] when none arrived."""
+        """Up to ``batch`` messages, waiting at most ``timeout`` seconds; [] when none arrived.
+
+        Poison messages (more than ``max_deliveries`` deliveries) are terminated here and left out.
+        """
         try:
-            return await self._sub.fetch(batch, timeout=timeout)
+            msgs = await self._sub.fetch(batch, timeout=timeout)
         except asyncio.TimeoutError:
             # nats-py raises nats.errors.TimeoutError (a subclass) on most paths, but a bare
             # asyncio.TimeoutError when the deadline runs out between its two pull requests.
             return []
+        kept = []
+        for msg in msgs:
+            if _blob_name(msg) is not None:
+                msg = _BlobMsg.wrap(msg, self._blobs)
+            if msg.metadata.num_delivered > self.max_deliveries:
+                await self._terminate(msg)
+            else:
+                kept.append(msg)
+        return kept
+
+    async def _terminate(self, msg: Msg) -> None:
+        """Hand a poison message to the hook, terminate it (deleting its blob) and count it."""
+        meta = msg.metadata
+        _log.warning("%s/%s: message seq %s delivered %d times (max %d): terminated as poison",
+                     self.stream, self.durable, meta.sequence.stream, meta.num_delivered, self.max_deliveries)
+        if self.on_poison is not None:
+            await self.on_poison(msg)
+        await msg.term()
+        POISON_MESSAGES.labels(stream=self.stream, durable=self.durable).inc()
 
     async def resolve(self, msg: Msg) -> bytes:
         """The message's payload, fetched from the object store when it travelled by reference."""
         return await self._blobs.resolve(msg)
 
     async def discard_blob(self, msg: Msg) -> None:
-        """Delete the object-store blob behind ``msg`` (if any); call after ``msg.ack()``."""
+        """Delete the object-store blob behind ``msg`` (if any). Messages from :meth:`fetch` do
+        this themselves on ``ack()``/``term()``; this is for messages obtained otherwise."""
         await self._blobs.discard(msg)
 
     async def pending(self) -> ConsumerPending:
@@ -264,10 +357,12 @@ class Bus:
     publishing or subscribing.
     """
 
-    def __init__(self, nc: NATS, *, layout: Layout) -> None:
+    def __init__(self, nc: NATS, *, layout: Layout, max_deliveries: int = DEFAULT_MAX_DELIVERIES) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.layout = layout
+        self.max_deliveries = max_deliveries
+        """Default of :meth:`pull_subscribe`'s ``max_deliveries`` (config infra.max_deliveries)."""
         self._blobs = _Blobs(self.js, layout.bucket(OBJ_BLOBS))
         self._kv: KeyValue | None = None
 
@@ -396,16 +491,21 @@ class Bus:
         durable: str,
         *,
         ack_wait_s: float = 30.0,
-        max_deliver: int = 8,
+        max_deliveries: int | None = None,
         max_ack_pending: int = 1000,
+        on_poison: PoisonHook | None = None,
     ) -> Consumer:
         """Create or update the durable pull consumer on ``stream`` (unprefixed) and bind to it.
 
         ``ack_wait_s``: seconds before an unacked message is redelivered (extend it with
-        ``msg.in_progress()``). ``max_deliver``: deliveries before the server gives up on a
-        message (it stays in the stream and an advisory is emitted); -1 = unlimited.
+        ``msg.in_progress()``). ``max_deliveries`` (default: the Bus's): deliveries a message may
+        have; the next one is terminated as poison by :meth:`Consumer.fetch`, after ``on_poison``
+        (the server's own ``max_deliver`` is one more, so it never silently strands a message).
         ``max_ack_pending`` bounds the messages in flight across all bound subscribers.
         """
+        deliveries = self.max_deliveries if max_deliveries is None else max_deliveries
+        if deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {deliveries}")
         spec = self.layout.spec(stream)
         stream_name = self.layout.stream(spec.name)
         config = api.ConsumerConfig(
@@ -415,13 +515,14 @@ class Bus:
             ack_policy=api.AckPolicy.EXPLICIT,
             deliver_policy=api.DeliverPolicy.ALL,
             ack_wait=ack_wait_s,
-            max_deliver=max_deliver,
+            max_deliver=deliveries + 1,
             max_ack_pending=max_ack_pending,
         )
         # CONSUMER.CREATE with a name creates the consumer or updates its mutable fields.
         await self.js.add_consumer(stream_name, config=config)
         sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream_name)
-        return Consumer(sub, js=self.js, stream=stream_name, durable=durable, blobs=self._blobs)
+        return Consumer(sub, js=self.js, stream=stream_name, durable=durable, blobs=self._blobs,
+                        max_deliveries=deliveries, on_poison=on_poison)
 
     # -- weights --------------------------------------------------------------------------
     async def publish_weights(self, version: int, announcement: bytes) -> None:
@@ -446,21 +547,26 @@ class Bus:
             return None
         return bytes(entry.value) if entry.value is not None else None
 
-    async def watch_weights(self, *, include_current: bool = True) -> AsyncGenerator[bytes, None]:
+    async def watch_weights(
+        self, *, include_current: bool = True, caught_up: asyncio.Event | None = None
+    ) -> AsyncGenerator[bytes, None]:
         """Yield each new announcement as it is written (KV watch on ``latest``).
 
-        With ``include_current`` the latest existing announcement (if any) comes first. Stops
-        the watcher when the iterator is closed.
+        With ``include_current`` the latest existing announcement (if any) comes first. The
+        ``caught_up`` event is set once the existing value has been delivered (or skipped): every
+        announcement written after that is yielded. Stops the watcher when the iterator is closed.
         """
         kv = await self._ensure_kv()
         watcher = await kv.watch(KV_WEIGHTS_KEY)
-        caught_up = False  # the watcher sends None once the existing value has been delivered
+        seen_current = False  # the watcher sends None once the existing value has been delivered
         try:
             async for entry in watcher:
                 if entry is None:
-                    caught_up = True
+                    seen_current = True
+                    if caught_up is not None:
+                        caught_up.set()
                     continue
-                if not (caught_up or include_current):
+                if not (seen_current or include_current):
                     continue
                 if entry.operation in ("DEL", "PURGE") or entry.value is None:
                     continue
@@ -509,6 +615,7 @@ async def connect(
     connect_timeout_s: float = 5.0,
     max_reconnect_attempts: int = -1,
     inbox_prefix: str = "_INBOX",
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES,
 ) -> Bus:
     """Connect to NATS as client ``name`` and return a :class:`Bus` for ``namespace``.
 
@@ -516,6 +623,7 @@ async def connect(
     restart; JetStream state survives it on disk. ``user``/``password``/``tls``/``inbox_prefix``
     come from :func:`trajmesh.security.connect_bus` (a user may subscribe only to its own inboxes).
     Errors the server reports asynchronously (a permissions violation) are logged.
+    ``max_deliveries`` is the default poison threshold of this Bus's consumers.
     """
     layout = Layout(namespace)
     nc = await nats.connect(
@@ -530,4 +638,4 @@ async def connect(
         max_reconnect_attempts=max_reconnect_attempts,
         reconnect_time_wait=0.5,
     )
-    return Bus(nc, layout=layout)
+    return Bus(nc, layout=layout, max_deliveries=max_deliveries)

@@ -364,6 +364,7 @@ async def connect_bus(cfg: RunConfig, role: Role, name: str) -> Bus:
         cfg.infra.nats_url, name=name, user=user, password=password,
         tls=ssl_context(tls_cfg) if tls_cfg is not None else None,
         namespace=cfg.infra.namespace, inbox_prefix=inbox_prefix(role, cfg.infra.namespace),
+        max_deliveries=cfg.infra.max_deliveries,
     )
     try:
         if user is None or role == "admin":
