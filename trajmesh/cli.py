@@ -1,4 +1,4 @@
-"""Command line: `trajmesh train|up|serve|inspect`. Thin: parse, load config, hand off."""
+"""Command line: `trajmesh train|sweep|serve|inspect|envs`. Thin: parse, load config, hand off."""
 
 from __future__ import annotations
 
@@ -73,6 +73,20 @@ def _list_envs() -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trajmesh.sweep import parse_grid, run_sweep
+
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    out = args.out or f"runs/sweep-{Path(args.config).stem}"
+    records = run_sweep(args.config, parse_grid(args.grid), args.seeds, out, overrides=_overrides(args.set))
+    print(f"{len(records)} runs; results in {out}/results.md, results.csv, results.png")
+    print(Path(out, "results.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trajmesh", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -85,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config key, e.g. --set gate.eta=0")
     p_train.add_argument("--eval-every", type=float, default=60.0, help="seconds between held-out evaluations")
+
+    p_sweep = sub.add_parser("sweep", help="factorial of config grids x seeds, one run each, results table and plot")
+    p_sweep.add_argument("config")
+    p_sweep.add_argument("--grid", action="append", default=[], metavar="KEY=A,B",
+                         help="a config key and its values, e.g. --grid gate.eta=0,2 (repeat for a factorial)")
+    p_sweep.add_argument("--seeds", type=int, default=3, help="runs per cell, seeds 0..N-1")
+    p_sweep.add_argument("--out", default=None, help="sweep directory (default: runs/sweep-<config name>)")
+    p_sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
 
     p_serve = sub.add_parser("serve", help="run one service (the container entry point)")
     p_serve.add_argument("service", choices=SERVICES)
@@ -120,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
             asyncio.run(serve(_build_service(args.service, args)))
             return 0
+        if args.command == "sweep":
+            return _sweep(args)
         if args.command == "train":
             from trajmesh.train import RunDirExists, train
 
