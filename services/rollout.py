@@ -126,8 +126,15 @@ class RolloutService(Service):
         cmd = [sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", model_path,
                "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
                "--seed", str(self.cfg.seed * 101 + self.replica), "--threads", "1"]
+        import signal
+
+        from trajmesh.infra import die_with_parent
+
         with open(log_path, "ab") as fh:
-            self.engine_proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy())
+            # No orphan engine: it stays in this service's process group (the launcher kills the
+            # group) and gets SIGKILL when this process dies, even by SIGKILL (PR_SET_PDEATHSIG).
+            self.engine_proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                                preexec_fn=die_with_parent(signal.SIGKILL))
         return f"http://127.0.0.1:{port}"
 
     async def _wait_engine(self) -> None:

@@ -177,13 +177,15 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     (or the event loop's), never from a short-lived worker thread.
     """
     parent = os.getpid()
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    # libc is loaded here, in the parent: between fork and exec the child only makes the call
+    # (no dlopen, which could wait forever on a loader lock held by another thread at fork time).
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
 
     def preexec() -> None:
-        if not sys.platform.startswith("linux"):
-            return
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+        prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
         if os.getppid() != parent:  # the parent died between fork and prctl: nobody will signal us
             os.kill(os.getpid(), int(sig))
 

@@ -8,7 +8,8 @@
       ├─ nats-server -js and redis-server on free loopback ports, data under RUN_DIR/infra
       ├─ trajmesh serve environment|store|grader|rollout|learner  (one process each replica)
       ├─ watch: progress from metrics.jsonl; any service dying stops the run
-      ├─ learner exits after its budget → stop services (SIGTERM by pid) → stop NATS/Redis
+      ├─ learner exits after its budget → stop services (SIGTERM by pid, then SIGKILL to each
+      │  service's process group: engines and other children never outlive it) → stop NATS/Redis
       └─ held-out accuracy after RL, summary.json, metrics.png
 
 Ctrl-C stops everything cleanly (the learner checkpoints on stop); `train --resume` continues.
@@ -121,11 +122,14 @@ class Mesh:
                 raise RuntimeError(f"{p.label} died {max_restarts + 1} times; last exit {p.popen.returncode}:\n"
                                    f"{tail(p.log_path)}")
             log.warning("%s exited with %s; restarting (%d)", p.label, p.popen.returncode, self.restarts[key])
+            kill_group(p.popen)  # what the dead service started (its engine) dies with it
             self.procs.remove(p)
             started.append(self.start_service(p.name, p.replica, p.extra))
         return started
 
     def stop_services(self, grace_s: float = 30.0) -> None:
+        """SIGTERM every service, wait up to ``grace_s``, then SIGKILL each one's whole process group
+        (its engine and anything else it started), whether the service stopped in time or not."""
         for p in reversed(self.procs):
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -135,14 +139,24 @@ class Mesh:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0fs; killing pid %d", p.label, grace_s, p.popen.pid)
-                os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait()
+            kill_group(p.popen)
 
     def stop_infra(self) -> None:
         if self.nats is not None:
             self.nats.stop()
         if self.redis is not None:
             self.redis.stop()
+
+
+def kill_group(popen: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group a service leads (started with ``start_new_session``: its pgid is
+    its pid) and reap the leader: children it started die with it even when they outlived it
+    (a SIGKILLed service cannot stop its engine). Idempotent."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the leader and every member are gone already
+    popen.wait()
 
 
 def healthy(port: int) -> bool:

@@ -1,0 +1,103 @@
+"""No orphans: a process's children die with it (issue 16 item 3).
+
+A "service" process starts a child the way the rollout starts its engine (`die_with_parent`, same
+process group) and is then SIGKILLed, so it can run no cleanup of its own. The child must be gone,
+checked from /proc (every pid's command line, not only the pids we remember), by polling /proc
+until a deadline: the disappearance is the event waited on. The control case (no parent-death
+signal) shows the check fails when the child does outlive its parent, and the launcher's
+`kill_group` takes such a child down with its service's process group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trajmesh.launcher import kill_group
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
+
+_DEADLINE_S = 30.0
+
+# The service: starts a child (tagged by its command line) and waits; prints the child's pid.
+_SERVICE = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    from trajmesh.infra import die_with_parent
+    tag, mode = sys.argv[1], sys.argv[2]
+    kwargs = {"preexec_fn": die_with_parent(signal.SIGKILL)} if mode == "pdeathsig" else {}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", tag + "-child"], **kwargs)
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _pids_with(tag: str) -> list[int]:
+    """Every live process whose command line contains ``tag`` (zombies have an empty cmdline)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited while we looked
+        if tag.encode() in cmdline.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def _poll_proc(tag: str, until: list[int], deadline_s: float = _DEADLINE_S) -> list[int]:
+    """Poll /proc until the processes carrying ``tag`` are exactly ``until`` or the deadline
+    passes; returns what /proc shows last."""
+    deadline = time.monotonic() + deadline_s
+    found = _pids_with(tag)
+    while found != until and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = _pids_with(tag)
+    return found
+
+
+def _wait_until_gone(tag: str) -> list[int]:
+    return _poll_proc(tag, [])
+
+
+def _start_service(tag: str, mode: str) -> tuple[subprocess.Popen[bytes], int]:
+    """The service (its argv carries ``tag``) and its child's pid (its argv carries ``tag-child``)."""
+    service = subprocess.Popen([sys.executable, "-c", _SERVICE, tag, mode], stdout=subprocess.PIPE,
+                               start_new_session=True)  # as the launcher starts services
+    assert service.stdout is not None
+    child_pid = int(service.stdout.readline())
+    assert _poll_proc(f"{tag}-child", [child_pid]) == [child_pid]
+    return service, child_pid
+
+
+def test_child_with_parent_death_signal_dies_with_a_sigkilled_service() -> None:
+    tag = f"trajmesh-orphan-test-{uuid.uuid4().hex}"
+    service, _ = _start_service(tag, "pdeathsig")
+    service.kill()
+    service.wait()
+    assert _wait_until_gone(f"{tag}-child") == []
+
+
+def test_launcher_kills_the_group_of_a_dead_service_even_without_the_signal() -> None:
+    tag = f"trajmesh-orphan-test-{uuid.uuid4().hex}-child"
+    service, child_pid = _start_service(tag.removesuffix("-child"), "plain")
+    try:
+        service.kill()
+        service.wait()
+        # Control: without the parent-death signal the child outlives its SIGKILLed parent...
+        assert _pids_with(tag) == [child_pid]
+        assert os.getpgid(child_pid) == service.pid
+        # ...until the launcher kills the dead service's process group, as restart_dead does.
+        kill_group(service)
+        assert _wait_until_gone(tag) == []
+    finally:
+        for pid in _pids_with(tag):
+            os.kill(pid, 9)
