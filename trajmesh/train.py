@@ -25,7 +25,8 @@ from rich.live import Live
 from rich.table import Table
 
 from trajmesh.config import RunConfig, dump_config
-from trajmesh.launcher import Mesh, accounting, drain, preflight, prepare_model, start_mesh
+from trajmesh.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
+from trajmesh.run_end import end_run
 
 log = logging.getLogger("trajmesh.train")
 console = Console()
@@ -275,8 +276,7 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     mesh = start_mesh(cfg)
     try:
         _watch(mesh, held, tracker, eval_every_s, eval_samples or cfg.eval.samples_during)
-        drain(mesh.cfg)
-        mesh.stop_services()
+        end_run(mesh)  # drain, stop, and a store that died while stopping finalizes again
         acct = accounting(mesh.cfg)
     finally:
         mesh.stop_services()
@@ -344,7 +344,8 @@ def _stop_on_regression(mesh: Mesh, tracker: HeldoutTracker, record: dict[str, A
     console.print(f"[bold red]stop: {msg}")
 
 
-def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -> None:
+def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None = None) -> None:
+    """RUN_DIR/manifest.json; `held` (default: drawn here) gives the evaluation protocol's sources."""
     from google.protobuf.json_format import MessageToDict
 
     from trajmesh.manifest import (
@@ -357,7 +358,7 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -> No
 
     model_dir = Path(cfg.model.path or "")
     tok_cfg = model_dir / "tokenizer_config.json"
-    protocol = evaluation_protocol(cfg, held)
+    protocol = evaluation_protocol(cfg, held if held is not None else heldout_tasks(cfg))
     manifest = build_manifest(
         code_commit=code_commit(),
         config=cfg.model_dump(mode="json"),
@@ -436,7 +437,8 @@ def _summarize(cfg: RunConfig, held: dict[str, list[dict[str, Any]]], acct: dict
         "trajectories_filtered": outcomes.get("filtered", 0),
         "trajectories_quarantined": outcomes.get("quarantined", 0),
         "trajectories_failed_infra": outcomes.get("failed_infra", 0),
-        "trajectories_in_flight_at_stop": outcomes.get("accepted", 0),
+        "trajectories_in_flight_at_stop": outcomes.get("in_flight_at_stop", 0),
+        "trajectories_without_outcome": outcomes.get("accepted", 0),
         "trajectories_by_outcome_reason": acct["by_reason"],
         "unparseable_messages_quarantined": acct["unparseable_quarantined"],
         "final_version": steps[-1]["version"] if steps else 0,
