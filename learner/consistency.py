@@ -75,6 +75,7 @@ def probe(model: Any, trajs: list[Trajectory], *, version: int, pad_id: int, tem
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        logp_BT, _ = token_logprobs(model, batch, temperature)
+        logp_BT, _ = token_logprobs(model, batch, temperature)  # on the model's device
     model.train(was_training)
+    logp_BT = logp_BT.float().cpu()
     return version_matched_diff(logp_BT, batch.behavior_logp_BT, batch.mask_BT, batch.versions_BT, version)

@@ -273,3 +273,27 @@ def step_metrics(
             out[f"{_P}policy_lag_{k}_tokens"] = float(counts[k])
         out[f"{_P}policy_lag_over_{max_lag}_tokens"] = float(counts[max_lag + 1])
     return out
+
+
+TRUST_REGION_NAMES: tuple[str, ...] = (
+    f"{_P}proximal_kl_k3",
+    f"{_P}policy_ratio_std",
+    f"{_P}policy_ratio_min",
+    f"{_P}policy_ratio_max",
+)
+
+
+def trust_region_metrics(logp_BT: Tensor, prox_logp_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
+    """How far one PPO update's weights have moved from π_prox, over eligible tokens: the spread
+    of r = π_θ/π_prox (std, min, max; all 1 at the first update) and KL(π_prox ‖ π_θ) by the k3
+    estimator with x = log π_θ − log π_prox. The tokens were sampled by π_beh, not π_prox, so the
+    KL is the estimate on the behavior samples (exact in expectation when π_beh = π_prox)."""
+    on_BT = mask_BT > 0
+    names = TRUST_REGION_NAMES
+    if not bool(on_BT.any()):
+        return dict.fromkeys(names, 0.0)
+    with torch.no_grad():
+        x = (logp_BT.detach().double() - prox_logp_BT.detach().double())[on_BT].clamp(-20.0, 20.0)
+        r = x.exp()
+        return {names[0]: float((torch.expm1(x) - x).mean()), names[1]: float(r.std(unbiased=False)),
+                names[2]: float(r.min()), names[3]: float(r.max())}

@@ -12,6 +12,7 @@ the prompt part is what ``encode_prompt`` returns, the assistant part what ``enc
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -19,8 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -109,15 +117,43 @@ def build_tiny_model(
     return model
 
 
-def load_model(model_dir: str | os.PathLike) -> tuple[LlamaForCausalLM, Any]:
+def dtype_kwarg(dtype: torch.dtype, version: str = transformers.__version__) -> dict[str, torch.dtype]:
+    """The ``from_pretrained`` keyword for the weights' dtype on this transformers version:
+    ``dtype=`` from 4.56 on (``torch_dtype=`` is deprecated there), ``torch_dtype=`` before (4.45 ..
+    4.55 have no ``dtype=``: it would reach the model's config and fail)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def load_causal_lm(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                   attn_implementation: str = "eager") -> Any:
+    """Any Hugging Face causal LM (``AutoModelForCausalLM``: a Qwen2 checkpoint keeps its attention
+    biases), offline, in `dtype`, on the CPU, in eval mode."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), attn_implementation=attn_implementation, **dtype_kwarg(dtype)
+    ).eval()
+
+
+def load_model(model_dir: str | os.PathLike) -> tuple[Any, Any]:
     """(model in eval mode, float32, CPU; tokenizer) from an HF directory, offline."""
     # Eager attention: on CPU, SDPA with a padding mask is ~10x slower for these tiny shapes
     # (measured: 0.65 s vs 0.06 s per SFT step of 64x14 tokens).
-    model = LlamaForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    model = load_causal_lm(model_dir, dtype=torch.float32, attn_implementation="eager")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return model, tokenizer
+
+
+def eos_token_ids(model_dir: str | os.PathLike, tokenizer: Any) -> list[int]:
+    """Every id that ends a generation: the tokenizer's EOS and ``generation_config.json``'s
+    ``eos_token_id`` (an int or a list: chat models often stop on an end-of-turn token too)."""
+    ids = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        extra = json.loads(path.read_text()).get("eos_token_id")
+        for i in extra if isinstance(extra, list) else [extra] if extra is not None else []:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids
 
 
 def num_parameters(model: torch.nn.Module) -> int:

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from trajmesh.learner import advantages as adv
-from trajmesh.learner.metrics import entropy_from_logits, step_metrics
+from trajmesh.learner.logprobs import DEFAULT_CHUNK_TOKENS, PolicyLogprobs, policy_of
+from trajmesh.learner.metrics import step_metrics, trust_region_metrics
+from trajmesh.learner.microbatch import GlobalCounts, balanced_split, global_counts, pack_micro_batches
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
 
 from trajmesh.contract import Trajectory
@@ -44,6 +46,31 @@ class Batch:
     # OBSERVATION); ACTION_TYPE_UNSPECIFIED (0) on padding and on tokens no span covers.
     action_type_BT: Tensor
 
+    def lengths(self) -> list[int]:
+        """Unpadded length of each row."""
+        return [int(n) for n in self.attention_BT.sum(-1).tolist()]
+
+    def select(self, rows: list[int]) -> Batch:
+        """The given rows, in that order, cut to their longest length (right padding)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        width = max(max(self.lengths()[i] for i in rows), 1)
+
+        def take(x_BT: Tensor) -> Tensor:
+            return x_BT.index_select(0, idx.to(x_BT.device))[:, :width]
+
+        return Batch(take(self.input_ids_BT), take(self.attention_BT), take(self.mask_BT),
+                     take(self.behavior_logp_BT), take(self.versions_BT),
+                     self.reward_B.index_select(0, idx.to(self.reward_B.device)),
+                     self.group_index_B.index_select(0, idx.to(self.group_index_B.device)),
+                     [self.trajectory_ids[i] for i in rows], take(self.action_type_BT))
+
+    def to(self, device: torch.device | str) -> Batch:
+        """Every tensor on `device` (the model's: DeepSpeed moved the model to cuda:LOCAL_RANK)."""
+        if self.input_ids_BT.device == torch.device(device):
+            return self
+        return Batch(*(getattr(self, f).to(device) if isinstance(getattr(self, f), Tensor) else getattr(self, f)
+                       for f in self.__dataclass_fields__))
+
 
 def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
     """Right-padded tensors; padding has mask 0, log-prob 0, version −1 and action type
@@ -73,19 +100,24 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
     return Batch(ids, att, mask, blogp, vers, reward, gidx, [t.trajectory_id for t in trajs], atype)
 
 
-def token_logprobs(model: Any, batch: Batch, temperature: float) -> tuple[Tensor, Tensor]:
-    """(logp_BT, entropy_BT) of each token under `model` at the sampling temperature.
+def token_logprobs(model: Any, batch: Batch, temperature: float,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
+    """(logp_BT, entropy_BT) of each token under `model` at the sampling temperature, on the
+    model's device, computed in chunks (learner/logprobs.py: no fp32 [B, T, V] tensor).
 
-    Position t is predicted by the logits at t−1; position 0 (BOS/prompt) gets 0.
+    `model` is a train engine's module wrapping a :class:`PolicyLogprobs`, a ``PolicyLogprobs``,
+    or a plain HF causal LM. Position t is predicted by the logits at t−1; position 0 gets 0.
     """
-    out = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_BT, use_cache=False)
-    logits = out.logits[:, :-1].float() / max(temperature, 1e-6)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    tok = batch.input_ids_BT[:, 1:].unsqueeze(-1)
-    logp = logp_all.gather(-1, tok).squeeze(-1)
-    ent = entropy_from_logits(logits)
-    zeros = torch.zeros_like(logp[:, :1])
-    return torch.cat([zeros, logp], dim=1), torch.cat([zeros, ent], dim=1)
+    net = model if isinstance(getattr(model, "module", model), PolicyLogprobs) else PolicyLogprobs(model, chunk_tokens)
+    batch = batch.to(model_device(model))
+    return net(input_ids=batch.input_ids_BT, attention_mask=batch.attention_BT, temperature=temperature)
+
+
+def model_device(model: Any) -> torch.device:
+    """The device of the model's parameters (under ZeRO-3 the placeholders sit on it too)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def advantages_B(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> Tensor:
@@ -95,7 +127,14 @@ def advantages_B(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> 
         return adv.dr_grpo_advantages(batch.reward_B, batch.group_index_B)
     if kind == "rloo":
         return adv.rloo_advantages(batch.reward_B, batch.group_index_B)
-    raise ValueError(f"advantage {kind!r} is not supported by the token-level learner step")
+    raise ValueError(f"advantage {kind!r} has no per-sequence form (use advantages_BT)")
+
+
+def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> Tensor:
+    """Per-token advantages of the whole batch (before any split: REINFORCE++ whitens over it)."""
+    if kind == "reinforce_pp":
+        return adv.reinforce_pp_advantages(batch.reward_B, batch.group_index_B, batch.mask_BT, eps=eps)
+    return adv.expand_to_tokens(advantages_B(batch, kind, scale_by_std=scale_by_std, eps=eps), batch.mask_BT)
 
 
 def is_deterministic(model: Any) -> bool:
@@ -104,7 +143,7 @@ def is_deterministic(model: Any) -> bool:
     for m in model.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
             return False
-    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    to_dict = getattr(getattr(policy_of(model), "config", None), "to_dict", None)
     for key, value in (to_dict() if callable(to_dict) else {}).items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
             return False
@@ -122,36 +161,196 @@ def compute_loss(
     max_lag: int,
     entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Proximal log-probs with the pre-update weights (no grad), then the decoupled loss.
+    """One forward over the whole batch and its decoupled loss (one update, no micro-batches):
+    π_prox is this forward detached when the model is deterministic, else a separate no-grad pass.
 
-    The learner takes one optimizer step per batch, so the pre-update weights are the weights of
-    this forward; a separate no-grad pass is only needed when the forward is stochastic (dropout).
-
-    `entropy_coef` α adds −α·H (token-mean entropy over action tokens) to the loss.
+    `adv_B` is per sequence ([B]) or per token ([B, T]). `entropy_coef` α adds −α·H (token-mean
+    entropy over action tokens) to the loss. The service trains through :func:`train_batch`.
     """
-    if is_deterministic(model):
-        # One update per batch and no dropout: the pre-update forward would compute exactly these
-        # log-probs (same weights, same ops), so π_prox is this forward, detached — a third of the
-        # step's compute saved. tests/test_learner_step.py checks the two paths agree.
-        logp_BT, entropy_BT = token_logprobs(model, batch, temperature)
-        prox_logp_BT = logp_BT.detach()
-    else:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            prox_logp_BT, _ = token_logprobs(model, batch, temperature)
-        model.train(was_training)
-        logp_BT, entropy_BT = token_logprobs(model, batch, temperature)
-    mask_BT = batch.mask_BT
-    adv_BT = adv.expand_to_tokens(adv_B, mask_BT)
-    loss, stats = decoupled_ppo_loss(logp_BT, prox_logp_BT, batch.behavior_logp_BT, adv_BT, mask_BT, cfg)
+    adv_BT = adv_B if adv_B.dim() == 2 else adv.expand_to_tokens(adv_B, batch.mask_BT)
+    prox_BT = None if is_deterministic(model) else proximal_logprobs(model, batch, temperature, 2**62)
+    counts = global_counts(batch.mask_BT)
+    loss, part = _micro_batch_loss(model, batch, adv_BT, prox_BT, cfg, counts, temperature, entropy_coef)
+    metrics = _metrics(batch, adv_BT, part.logp_BT, part.prox_BT, part.entropy_BT, part.stats, cfg,
+                       version, max_lag)
+    return loss, metrics
+
+
+def proximal_logprobs(model: Any, batch: Batch, temperature: float, micro_batch_tokens: int) -> Tensor:
+    """π_prox: log-probs of the current (pre-update) weights, eval mode, no grad, in micro-batches
+    → [B, T] float32 on the CPU."""
+    was_training = model.training
+    model.eval()
+    out_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float32)
+    with torch.no_grad():
+        for rows in pack_micro_batches(batch.lengths(), micro_batch_tokens):
+            logp_BT, _ = token_logprobs(model, batch.select(rows), temperature)
+            _scatter(out_BT, rows, logp_BT)
+    model.train(was_training)
+    return out_BT
+
+
+def _scatter(full_BT: Tensor, rows: list[int], part_BT: Tensor) -> None:
+    full_BT[torch.tensor(rows, dtype=torch.long), : part_BT.shape[1]] = part_BT.detach().float().cpu()
+
+
+def _take(x_BT: Tensor, rows: list[int], width: int) -> Tensor:
+    return x_BT.index_select(0, torch.tensor(rows, dtype=torch.long))[:, :width]
+
+
+@dataclass
+class _Part:
+    """Detached results of one forward (CPU): π_θ and entropy of its rows, π_prox, loss stats."""
+
+    logp_BT: Tensor
+    prox_BT: Tensor
+    entropy_BT: Tensor
+    stats: dict[str, Tensor]
+
+
+def _micro_batch_loss(model: Any, mb: Batch, adv_BT: Tensor, prox_BT: Tensor | None, cfg: ObjectiveConfig,
+                      counts: GlobalCounts, temperature: float, entropy_coef: float) -> tuple[Tensor, _Part]:
+    """The decoupled loss of one micro-batch scaled by the update's global counts, so the
+    micro-batch losses (and gradients) of an update sum to the full update's. π_prox is this
+    forward, detached, when `prox_BT` is None (one update per batch, no dropout)."""
+    device = model_device(model)
+    logp_BT, entropy_BT = token_logprobs(model, mb, temperature)
+    dev = mb.to(device)
+    prox = logp_BT.detach() if prox_BT is None else prox_BT.to(device)
+    loss, stats = decoupled_ppo_loss(logp_BT, prox, dev.behavior_logp_BT, adv_BT.to(device), dev.mask_BT, cfg,
+                                     global_token_count=counts.tokens, global_sequence_count=counts.sequences)
     if entropy_coef:
-        loss = loss - entropy_coef * (entropy_BT * mask_BT).sum() / mask_BT.sum().clamp_min(1)
-    _, w_raw_BT, kept_BT = behavior_weight(prox_logp_BT, batch.behavior_logp_BT, mask_BT, cfg)
-    metrics = step_metrics(
-        logp_BT=logp_BT.detach(), prox_logp_BT=prox_logp_BT, behavior_logp_BT=batch.behavior_logp_BT,
-        adv_BT=adv_BT, mask_BT=mask_BT, w_raw_BT=w_raw_BT, kept_mask_BT=kept_BT, loss_stats=stats,
-        cfg=cfg, entropy_BT=entropy_BT.detach(), action_type_BT=batch.action_type_BT, current_version=version,
+        loss = loss - entropy_coef * (entropy_BT * dev.mask_BT).sum() / max(counts.tokens, 1.0)
+    stats = {k: v.detach().cpu() for k, v in stats.items()}
+    return loss, _Part(logp_BT.detach().float().cpu(), prox.detach().float().cpu(),
+                       entropy_BT.detach().float().cpu(), stats)
+
+
+def _metrics(batch: Batch, adv_BT: Tensor, logp_BT: Tensor, prox_BT: Tensor, entropy_BT: Tensor,
+             stats: dict[str, Tensor], cfg: ObjectiveConfig, version: int, max_lag: int) -> dict[str, float]:
+    _, w_raw_BT, kept_BT = behavior_weight(prox_BT, batch.behavior_logp_BT, batch.mask_BT, cfg)
+    return step_metrics(
+        logp_BT=logp_BT, prox_logp_BT=prox_BT, behavior_logp_BT=batch.behavior_logp_BT,
+        adv_BT=adv_BT, mask_BT=batch.mask_BT, w_raw_BT=w_raw_BT, kept_mask_BT=kept_BT, loss_stats=stats,
+        cfg=cfg, entropy_BT=entropy_BT, action_type_BT=batch.action_type_BT, current_version=version,
         versions_BT=batch.versions_BT, max_lag=max_lag,
     )
-    return loss, metrics
+
+
+# ------------------------------------------------------------------ the learner step: K × E updates
+
+_WEIGHTED_STATS = ("clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_outside_frac", "ratio_mean",
+                   "weight_mean", "mis_rejected_frac")
+
+
+def _merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Stats of several loss calls as one: losses add (each was scaled by the global count),
+    fractions are token-weighted means."""
+    n = sum(float(p["num_tokens"]) for p in parts)
+    out = {"loss": sum((p["loss"] for p in parts), torch.zeros(())), "num_tokens": torch.tensor(n),
+           "denominator": parts[-1]["denominator"]}
+    for key in _WEIGHTED_STATS:
+        out[key] = torch.tensor(sum(float(p[key]) * float(p["num_tokens"]) for p in parts) / max(n, 1.0))
+    return out
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one learner step spends its batch (from ``learner.*``; see trajmesh/config.py)."""
+
+    micro_batch_tokens: int
+    minibatches: int = 1
+    epochs: int = 1
+
+    @property
+    def updates(self) -> int:
+        return self.minibatches * self.epochs
+
+
+def accumulate_update(engine: Any, batch: Batch, adv_BT: Tensor, prox_BT: Tensor | None, cfg: ObjectiveConfig, *,
+                      temperature: float, entropy_coef: float, micro_batch_tokens: int,
+                      group: Any = None) -> list[tuple[list[int], _Part]]:
+    """Forward + backward of every micro-batch of `batch` (gradients accumulate; the caller steps).
+
+    The losses are scaled by `batch`'s global counts (all-reduced over `group`), so the accumulated
+    gradient is the gradient of one forward over the whole batch (on all ranks)."""
+    counts = global_counts(batch.mask_BT, group)
+    micro = pack_micro_batches(batch.lengths(), micro_batch_tokens)
+    parts = []
+    for j, rows in enumerate(micro):
+        mb = batch.select(rows)
+        width = mb.input_ids_BT.shape[1]
+        prox = None if prox_BT is None else _take(prox_BT, rows, width)
+        loss, part = _micro_batch_loss(engine.module, mb, _take(adv_BT, rows, width), prox, cfg, counts,
+                                       temperature, entropy_coef)
+        engine.backward(loss, boundary=j == len(micro) - 1)
+        parts.append((rows, part))
+    return parts
+
+
+def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig, plan: StepPlan, *,
+                temperature: float, version: int, max_lag: int, entropy_coef: float = 0.0,
+                group: Any = None) -> dict[str, Any]:
+    """One learner step: K minibatches × E epochs of optimizer updates over `batch` (DESIGN §4).
+
+    With K·E > 1, π_prox comes from one no-grad pass before the first update and every update uses
+    it, so r = π_θ/π_prox moves away from 1 and the clip binds. With K·E = 1 and no dropout, π_prox
+    is the training forward detached (r ≡ 1: the clip is inert). Returns the step metrics (over
+    the tokens of each minibatch's first epoch), the optimizer stats of the last update, and
+    ``ppo_updates``: per update its loss, clip fractions, ratio spread and KL(π_prox ‖ π_θ).
+    """
+    model = engine.module
+    one_pass = plan.updates == 1 and is_deterministic(model)
+    prox_all = None if one_pass else proximal_logprobs(model, batch, temperature, plan.micro_batch_tokens)
+    logp_all, prox_seen, ent_all = (torch.zeros(batch.mask_BT.shape) for _ in range(3))
+    stats_all: list[dict[str, Tensor]] = []
+    updates: list[dict[str, float]] = []
+    opt: dict[str, float] = {}
+    minibatches = balanced_split(batch.lengths(), plan.minibatches)
+    for epoch in range(plan.epochs):
+        for rows in minibatches:
+            sub = batch.select(rows)
+            width = sub.input_ids_BT.shape[1]
+            parts = accumulate_update(engine, sub, _take(adv_BT, rows, width),
+                                      None if prox_all is None else _take(prox_all, rows, width), cfg,
+                                      temperature=temperature, entropy_coef=entropy_coef,
+                                      micro_batch_tokens=plan.micro_batch_tokens, group=group)
+            opt = engine.step()
+            updates.append(_update_record(sub, parts, opt))
+            stats_all.extend(p.stats for _, p in parts)
+            if epoch == 0:
+                for mrows, p in parts:
+                    full_rows = [rows[i] for i in mrows]
+                    _scatter(logp_all, full_rows, p.logp_BT)
+                    _scatter(prox_seen, full_rows, p.prox_BT)
+                    _scatter(ent_all, full_rows, p.entropy_BT)
+    merged = _merge_stats(stats_all)
+    merged["loss"] = torch.tensor(sum(u["loss"] for u in updates) / len(updates))  # mean over updates
+    metrics: dict[str, Any] = _metrics(batch, adv_BT, logp_all, prox_seen, ent_all, merged, cfg, version, max_lag)
+    metrics.update(opt)
+    metrics.update(_trust_region_summary(updates))
+    metrics["ppo_updates"] = updates
+    return metrics
+
+
+def _update_record(sub: Batch, parts: list[tuple[list[int], _Part]], opt: dict[str, float]) -> dict[str, float]:
+    """Loss, clip fractions, ratio spread and KL(π_prox ‖ π_θ) of one update, as its loss saw them."""
+    logp_BT, prox_BT = torch.zeros(sub.mask_BT.shape), torch.zeros(sub.mask_BT.shape)
+    for rows, p in parts:
+        _scatter(logp_BT, rows, p.logp_BT)
+        _scatter(prox_BT, rows, p.prox_BT)
+    stats = _merge_stats([p.stats for _, p in parts])
+    record = {"loss": float(stats["loss"]), "grad_norm": float(opt.get("grad_norm", 0.0)),
+              **{k: float(stats[k]) for k in ("clip_low_frac", "clip_high_frac", "dual_clip_frac",
+                                             "ratio_outside_frac")}}
+    record.update(trust_region_metrics(logp_BT, prox_BT, sub.mask_BT))
+    return record
+
+
+def _trust_region_summary(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Step-level gauges: the number of updates and each trust-region figure at the last update
+    (the one furthest from π_prox), plus the largest clip fraction of any update."""
+    last = updates[-1]
+    return {"trajmesh_learner_ppo_updates": float(len(updates)),
+            **{k: v for k, v in last.items() if k.startswith("trajmesh_learner_")},
+            "trajmesh_learner_update_ratio_outside_max_ratio": max(u["ratio_outside_frac"] for u in updates)}

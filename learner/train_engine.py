@@ -4,7 +4,7 @@ Two implementations, picked by ``type`` through :data:`TRAIN_ENGINES`:
 
 * ``"torch"``: :class:`TorchTrainEngine`, plain ``torch.optim.AdamW``; the fallback and the reference.
 * ``"deepspeed"``: :class:`DeepSpeedTrainEngine`, ``deepspeed.initialize`` with the ZeRO stage from
-  the config, fp32, the same AdamW handed in as a client optimizer, gradient clipping done by DeepSpeed.
+  the config, fp32 or bf16 (fp32 master weights), the same AdamW handed in as a client optimizer, gradient clipping done by DeepSpeed.
   On a CPU-only host it runs with ``DS_ACCELERATOR=cpu`` and the ``gloo`` backend; a single process
   gets a world of size 1 (see :func:`ensure_distributed`).
 
@@ -15,8 +15,9 @@ grad-norm sum).
 
 Contract of one optimizer step::
 
-    loss = compute_loss(engine.module, batch)
-    engine.backward(loss)
+    for i, micro_batch in enumerate(micro_batches):      # gradient accumulation
+        loss = compute_loss(engine.module, micro_batch)  # scaled by the update's global counts
+        engine.backward(loss, boundary=i == len(micro_batches) - 1)
     stats = engine.step()     # clip, AdamW step, advance lr schedule, zero the grads
     # stats == {"grad_norm": <total L2 norm before clipping>, "lr": <lr used for this step>}
 
@@ -82,6 +83,7 @@ class EngineConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     deterministic: bool = True
+    precision: str = "fp32"  # "bf16": bf16 compute with fp32 master weights (see the engines)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -90,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -196,7 +200,9 @@ class TrainEngine(abc.ABC):
         """The unwrapped model (the one passed to :func:`build_train_engine`)."""
 
     @abc.abstractmethod
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor, *, boundary: bool = True) -> None:
+        """Accumulate the gradient of ``loss``; ``boundary=False`` on every micro-batch of an
+        update but the last (DeepSpeed reduces ZeRO gradients at the boundary)."""
 
     @abc.abstractmethod
     def step(self) -> dict[str, float]:
@@ -253,6 +259,7 @@ def build_train_engine(
     seed: int,
     eps: float = 1e-8,
     deterministic: bool = True,
+    precision: str = "fp32",
 ) -> TrainEngine:
     """Build the engine registered under ``type`` (``"torch"`` or ``"deepspeed"``).
 
@@ -273,6 +280,7 @@ def build_train_engine(
         betas=(float(betas[0]), float(betas[1])),
         eps=eps,
         deterministic=deterministic,
+        precision=precision,
     )
     return cls(model, cfg)  # type: ignore[call-arg]
 
@@ -282,14 +290,29 @@ def build_train_engine(
 # --------------------------------------------------------------------------------------------------
 
 
+class _Autocast(nn.Module):
+    """Runs ``module`` under bf16 autocast: bf16 matmuls, fp32 parameters (the master weights)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        device = next(self.module.parameters()).device.type
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            return self.module(*args, **kwargs)
+
+
 @register_train_engine("torch")
 class TorchTrainEngine(TrainEngine):
-    """Plain ``torch.optim.AdamW`` + ``clip_grad_norm_`` + LambdaLR warmup. ``zero_stage`` is ignored."""
+    """Plain ``torch.optim.AdamW`` + ``clip_grad_norm_`` + LambdaLR warmup. ``zero_stage`` is ignored.
+    ``precision="bf16"``: forward under bf16 autocast, parameters and optimizer state in fp32."""
 
     def __init__(self, model: nn.Module, config: EngineConfig) -> None:
         self.config = config
         seed_everything(config.seed, deterministic=config.deterministic)
         self._model = model
+        self._module: nn.Module = _Autocast(model) if config.precision == "bf16" else model
         self.optimizer = _make_optimizer(model, config)
         self.scheduler = _make_scheduler(self.optimizer, config)
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -297,13 +320,13 @@ class TorchTrainEngine(TrainEngine):
 
     @property
     def module(self) -> nn.Module:
-        return self._model
+        return self._module
 
     @property
     def model(self) -> nn.Module:
         return self._model
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, boundary: bool = True) -> None:
         loss.backward()
 
     def step(self) -> dict[str, float]:
@@ -470,13 +493,13 @@ def _zero_config(stage: int, model: nn.Module) -> dict[str, Any]:
 class DeepSpeedTrainEngine(TrainEngine):
     """``deepspeed.initialize`` around the same AdamW + LambdaLR as the torch engine.
 
-    DeepSpeed config (fp32, one micro-batch per step, no accumulation; the batch size numbers only
-    matter for DeepSpeed's bookkeeping, the caller decides what a batch is)::
+    DeepSpeed config (one micro-batch per step in DeepSpeed's bookkeeping; the caller decides what a
+    batch is and accumulates micro-batches itself, marking the last with ``backward(boundary=True)``)::
 
         {"train_batch_size": W, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
          "gradient_clipping": grad_clip,
          "zero_optimization": {"stage": zero_stage, <bucket sizes fitted to the model, see _zero_config>},
-         "zero_allow_untested_optimizer": True, "fp16": {"enabled": False}, "bf16": {"enabled": False},
+         "zero_allow_untested_optimizer": True, "fp16": {"enabled": False}, "bf16": {"enabled": precision == "bf16"},
          "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     """
 
@@ -495,7 +518,9 @@ class DeepSpeedTrainEngine(TrainEngine):
             "zero_optimization": _zero_config(int(config.zero_stage), model),
             "zero_allow_untested_optimizer": True,
             "fp16": {"enabled": False},
-            "bf16": {"enabled": False},
+            # bf16: the module in bf16, fp32 master weights and optimizer state in DeepSpeed's
+            # bf16 optimizer (ZeRO-0) or ZeRO's fp32 partitions (ZeRO 1-3).
+            "bf16": {"enabled": config.precision == "bf16"},
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
@@ -527,13 +552,14 @@ class DeepSpeedTrainEngine(TrainEngine):
     def model(self) -> nn.Module:
         return self._engine.module
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, boundary: bool = True) -> None:
+        self._engine.set_gradient_accumulation_boundary(boundary)
         self._engine.backward(loss)
 
     def step(self) -> dict[str, float]:
         lr = float(self._base_optimizer.param_groups[0]["lr"])
         pre_norm = None
-        if self.config.zero_stage == 0:
+        if self.config.zero_stage == 0 and self.config.precision == "fp32":
             # DeepSpeed clips plain fp32 grads itself but does not keep the norm; measure it first.
             pre_norm = _total_grad_norm(list(self._engine.module.parameters()))
         self._engine.step()

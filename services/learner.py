@@ -32,11 +32,14 @@ import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.learner import consistency
+from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
+from trajmesh.learner.models import load_causal_lm
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
-from trajmesh.learner.step import advantages_B, build_batch, compute_loss, split_stale
+from trajmesh.learner.step import StepPlan, advantages_BT, build_batch, split_stale, train_batch
 from trajmesh.learner.train_engine import build_train_engine
+from trajmesh.learner.weights import export_policy, sha256_file
 
 from trajmesh import security
 from trajmesh.contract import Trajectory
@@ -146,16 +149,23 @@ class LearnerService(Service):
         offline replay in the tests builds the same learner)."""
         cfg = self.cfg
         assert cfg.model.path
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
-                                                     attn_implementation="eager")
-        self.pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
         lc = cfg.learner
+        cuda = torch.cuda.is_available()
+        precision = lc.precision if lc.precision != "auto" else ("bf16" if cuda else "fp32")
+        attention = lc.attention if lc.attention != "auto" else ("sdpa" if cuda else "eager")
+        # Loaded in fp32 on every precision: the bf16 engines keep fp32 master weights.
+        model = load_causal_lm(cfg.model.path, dtype=torch.float32, attn_implementation=attention)
+        if lc.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
         self.engine = build_train_engine(
-            model, type=lc.engine.type, lr=lc.lr, warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay,
-            grad_clip=lc.grad_clip, zero_stage=lc.engine.zero_stage, seed=lc.seed,
+            PolicyLogprobs(model, lc.logprob_chunk_tokens), type=lc.engine.type, lr=lc.lr,
+            warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay, grad_clip=lc.grad_clip,
+            zero_stage=lc.engine.zero_stage, seed=lc.seed, precision=precision,
         )
+        self.precision = precision
+        self.plan = StepPlan(micro_batch_tokens=lc.micro_batch_tokens, minibatches=lc.ppo.minibatches,
+                             epochs=lc.ppo.epochs)
         o = lc.objective
         self.objective = ObjectiveConfig(
             eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip, behavior_correction=o.behavior_correction,
@@ -282,8 +292,8 @@ class LearnerService(Service):
         metrics.update(batch_health(trajs, lc.stop_gates.verifier_components))
         if keep:
             batch = build_batch(keep, self.pad_id)
-            adv_B = advantages_B(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
-                                 eps=lc.advantage.eps)
+            adv_BT = advantages_BT(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
+                                   eps=lc.advantage.eps)
             model = self.engine.module
             model.train()
             alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
@@ -291,21 +301,17 @@ class LearnerService(Service):
                 metrics.update(consistency.probe(model, keep, version=self.version, pad_id=self.pad_id,
                                                  temperature=temperature,
                                                  max_trajectories=lc.consistency_probe_trajectories))
-            loss, step_metrics = compute_loss(model, batch, adv_B, self.objective, temperature=temperature,
-                                              version=self.version, max_lag=max(eta, 1) + 1,
-                                              entropy_coef=alpha)
+            step_metrics = train_batch(self.engine, batch, adv_BT, self.objective, self.plan,
+                                       temperature=temperature, version=self.version,
+                                       max_lag=max(eta, 1) + 1, entropy_coef=alpha)
             if self.entropy_ctl is not None:
                 self.entropy_ctl.update(step_metrics["trajmesh_learner_entropy_nats"])
                 step_metrics["trajmesh_learner_entropy_coef"] = alpha
-            self.engine.backward(loss)
-            opt = self.engine.step()
-            self.engine.zero_grad()
             mask = batch.mask_BT > 0
             lags = (self.version - batch.versions_BT[mask]).tolist()
             for lag in lags:
                 LAG.observe(lag)
             metrics.update(step_metrics)
-            metrics.update(opt)
             metrics.update(
                 reward_mean=float(batch.reward_B.mean()), max_token_lag=int(max(lags)) if lags else 0,
                 tokens_trained=int(mask.sum()), trajectories_trained=len(keep),
@@ -335,7 +341,8 @@ class LearnerService(Service):
         await self.gate.set_version(self.version)
 
     def _save_weights(self, version: int) -> Path:
-        """HF safetensors dir for `version`, written to a temp dir and renamed (atomic)."""
+        """HF safetensors dir for `version`, written to a temp dir and renamed (atomic); the file's
+        sha256 (computed while writing) beside it for the announcement."""
         root = self.run_dir / "weights"
         root.mkdir(parents=True, exist_ok=True)
         # A fresh name per save: a learner replaying after a crash never rewrites a directory a
@@ -343,8 +350,11 @@ class LearnerService(Service):
         final = root / f"v{version:06d}-{time.time_ns()}"
         tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        # full_state_dict gathers ZeRO-3 partitions; the unwrapped model writes the HF layout.
-        self.engine.model.save_pretrained(str(tmp), safe_serialization=True, state_dict=self.engine.full_state_dict())
+        # Streamed in the training dtype, hashed while written, ZeRO-3 gathered module by module.
+        sha = export_policy(policy_of(self.engine.model), tmp, zero3=self.cfg.learner.engine.zero_stage == 3,
+                            dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32)
+        assert sha is not None
+        (tmp / "model.safetensors.sha256").write_text(sha + "\n")
         base = Path(self.cfg.model.path)  # type: ignore[arg-type]
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (base / name).exists():
@@ -360,12 +370,14 @@ class LearnerService(Service):
         return final
 
     async def _announce(self, version: int, path: str) -> None:
-        sha = hashlib.sha256()
         st = Path(path) / "model.safetensors"
-        if st.exists():
-            sha.update(st.read_bytes())
+        recorded = Path(path) / "model.safetensors.sha256"
+        if recorded.exists():  # written by _save_weights while streaming the file
+            sha = recorded.read_text().strip()
+        else:
+            sha = await asyncio.to_thread(sha256_file, st) if st.exists() else hashlib.sha256().hexdigest()
         ann = trajectory_pb2.WeightsAnnouncement(version=version, path=str(Path(path).resolve()),
-                                                 sha256=sha.hexdigest(), published_unix_seconds=time.time())
+                                                 sha256=sha, published_unix_seconds=time.time())
         await self.bus.publish_weights(version, ann.SerializeToString())
 
     def _checkpoint(self, gate: dict[str, int] | None = None, cursor: int = 0) -> None:

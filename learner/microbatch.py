@@ -1,0 +1,82 @@
+"""Token-budget micro-batches, PPO minibatches and the global loss denominators (DESIGN §4, §4b).
+
+A learner step's batch is cut twice:
+
+* into K **minibatches** (``learner.ppo.minibatches``), one optimizer update each, balanced by
+  token count (longest sequence first onto the lightest minibatch);
+* each minibatch into **micro-batches** whose padded size (rows × longest row) fits
+  ``learner.micro_batch_tokens``; their gradients accumulate before the update.
+
+Every micro-batch's loss is divided by the denominator of the WHOLE minibatch (token-global Σm,
+the count of sequences with an eligible token for the sequence-mean and constant forms), so the
+accumulated gradient equals the gradient of one forward over the minibatch. :func:`global_counts`
+sums those counts over the data-parallel ranks when a process group is given (or the default group
+is initialized with more than one rank), so the same holds across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["GlobalCounts", "balanced_split", "global_counts", "pack_micro_batches"]
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Denominator inputs of one optimizer update, summed over micro-batches and ranks."""
+
+    tokens: float
+    """Eligible (loss-mask 1) tokens: D of the token-global loss."""
+    sequences: float
+    """Sequences with at least one eligible token: S of the sequence-mean and constant losses."""
+
+
+def global_counts(mask_BT: Tensor, group: dist.ProcessGroup | None = None) -> GlobalCounts:
+    """Eligible tokens and sequences of ``mask_BT`` (this rank's share), all-reduced (sum) over
+    ``group`` when torch.distributed is initialized with more than one rank in it."""
+    on_BT = mask_BT > 0
+    local = torch.tensor([float(on_BT.sum()), float((on_BT.sum(-1) > 0).sum())], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        local = local.to(device)
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        local = local.cpu()
+    return GlobalCounts(tokens=float(local[0]), sequences=float(local[1]))
+
+
+def pack_micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]]:
+    """Row indices grouped into micro-batches whose padded size ``len(rows) × max length`` is at
+    most ``budget_tokens`` (a single longer row gets a micro-batch of its own).
+
+    Rows are taken longest first (ties by index), so each micro-batch holds rows of similar length
+    and little padding; the result is deterministic.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] if current else lengths[i]  # longest first: the first row is the widest
+        if current and (len(current) + 1) * width > budget_tokens:
+            out.append(current)
+            current = []
+        current.append(i)
+    if current:
+        out.append(current)
+    return out
+
+
+def balanced_split(lengths: list[int], parts: int) -> list[list[int]]:
+    """``parts`` groups of row indices with near-equal token sums (longest row onto the lightest
+    group; ties by index). Each group keeps ascending index order. Empty groups are dropped."""
+    loads = [0] * parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min(range(parts), key=lambda j: (loads[j], j))
+        groups[k].append(i)
+        loads[k] += lengths[i]
+    return [sorted(g) for g in groups if g]

@@ -1,0 +1,141 @@
+"""Weights out: a Hugging Face safetensors checkpoint of the policy, streamed (DESIGN §4b, §5).
+
+Every rank calls :func:`export_policy` (under ZeRO-3 the gathers are collective); only the writer
+rank writes. The tensors are written in the training dtype, each tied tensor once (under the first
+name ``named_parameters`` gives it, the one ``save_pretrained`` keeps), and the file is hashed as it
+is written, so nothing is read back to announce its sha256. Under ZeRO-3 the parameters are gathered
+one module at a time (``deepspeed.zero.GatheredParameters`` on that module's own parameters), so the
+peak is the largest layer, never the whole model::
+
+    header (names, dtypes, shapes, offsets: known before any gather)
+    for each module: gather its parameters ─▶ bytes ─▶ file + sha256 ─▶ release
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from trajmesh.learner.models import dtype_kwarg
+
+__all__ = ["SAFETENSORS_NAME", "export_policy", "sha256_file"]
+
+SAFETENSORS_NAME = "model.safetensors"
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
+
+
+def _entries(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(name, owning module, attribute, tensor) per saved tensor, module order, tied tensors once,
+    persistent buffers only (those in ``state_dict``)."""
+    keys = set(model.state_dict(keep_vars=True).keys())
+    seen: set[int] = set()
+    out = []
+    for prefix, module in model.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for attr, tensor in own:
+            name = f"{prefix}.{attr}" if prefix else attr
+            if tensor is None or id(tensor) in seen or name not in keys:
+                continue
+            seen.add(id(tensor))
+            out.append((name, module, attr, tensor))
+    return out
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(getattr(t, "ds_shape", t.shape))  # a ZeRO-3 parameter is an empty placeholder
+
+
+def _header(entries: list[tuple[str, nn.Module, str, torch.Tensor]], dtype: torch.dtype | None) -> bytes:
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, _, _, t in entries:
+        dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        n = int(torch.Size(_shape(t)).numel()) * torch.empty((), dtype=dt).element_size()
+        meta[name] = {"dtype": _DTYPES[dt], "shape": _shape(t), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # 8-byte alignment of the data section
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _gathered(module: nn.Module, zero3: bool) -> contextlib.AbstractContextManager[Any]:
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=None)
+
+
+def _module_runs(entries: list[tuple[str, nn.Module, str, torch.Tensor]]) -> Iterator[list[Any]]:
+    """Consecutive entries owned by the same module (one gather each)."""
+    run: list[Any] = []
+    for e in entries:
+        if run and run[-1][1] is not e[1]:
+            yield run
+            run = []
+        run.append(e)
+    if run:
+        yield run
+
+
+def export_policy(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+                  zero3: bool = False, write: bool = True) -> str | None:
+    """Write ``model.safetensors`` + ``config.json`` (+ generation config) of the HF `model` into
+    `out_dir`; returns the safetensors file's sha256 (None where ``write`` is False).
+
+    ``dtype``: floating tensors are cast to it (the training dtype), others kept. Under ``zero3``
+    every rank must call this (the per-module gathers are collective), with ``write`` on one rank.
+    """
+    entries = _entries(model)
+    sha = hashlib.sha256()
+    out = Path(out_dir)
+    fh = None
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        fh = open(out / SAFETENSORS_NAME, "wb")  # noqa: SIM115 - closed in finally
+        header = _header(entries, dtype)
+        fh.write(header)
+        sha.update(header)
+    try:
+        for run in _module_runs(entries):
+            with _gathered(run[0][1], zero3):
+                for _, module, attr, _ in run:
+                    t = getattr(module, attr).detach()
+                    t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                    if fh is not None:
+                        data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                        fh.write(data)
+                        sha.update(data)
+    finally:
+        if fh is not None:
+            fh.close()
+    if not write:
+        return None
+    config = copy.deepcopy(model.config)
+    if dtype is not None:  # the dtype the weights are stored in, as from_pretrained(dtype="auto") reads it
+        setattr(config, next(iter(dtype_kwarg(dtype))), dtype)
+    config.save_pretrained(str(out))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        with contextlib.suppress(Exception):  # a model without generation defaults has nothing to save
+            generation_config.save_pretrained(str(out))
+    return sha.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str], block: int = 1 << 20) -> str:
+    """sha256 of a file, read in blocks."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            sha.update(chunk)
+    return sha.hexdigest()
