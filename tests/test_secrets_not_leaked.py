@@ -17,7 +17,7 @@ import pytest
 
 from trajmesh import security
 from trajmesh.config import load_config
-from trajmesh.launcher import drain, start_mesh
+from trajmesh.launcher import Proc, drain, start_mesh
 from trajmesh.train import _write_manifest, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -37,6 +37,19 @@ def _build_config(run_dir: Path, model_dir: str):  # type: ignore[no-untyped-def
 def _scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return str(resp.read().decode(errors="replace"))
+
+
+def _scrape_when_ready(proc: Proc, deadline_s: float = 60.0) -> str | None:
+    """The /metrics text of a running service once its endpoint answers (a busy machine may not
+    have it listening yet, or a restarted service may be starting); None if the process exited."""
+    deadline = time.monotonic() + deadline_s
+    while proc.popen.poll() is None:
+        try:
+            return _scrape(proc.metrics_port)
+        except OSError as err:  # URLError(ConnectionRefusedError), reset while it starts or stops
+            assert time.monotonic() < deadline, f"{proc.label}: /metrics did not answer in {deadline_s}s: {err}"
+            time.sleep(0.2)  # no event for "a socket started listening in another process"
+    return None
 
 
 def test_no_secret_in_logs_metrics_manifest_configs_or_archive(tmp_path: Path, tiny_model_dir: str) -> None:
@@ -59,8 +72,9 @@ def test_no_secret_in_logs_metrics_manifest_configs_or_archive(tmp_path: Path, t
             assert time.monotonic() < deadline, "no learner step"
             time.sleep(0.3)
         for p in mesh.procs:
-            if p.popen.poll() is None:
-                scraped[p.label] = _scrape(p.metrics_port)
+            text = _scrape_when_ready(p)
+            if text is not None:
+                scraped[p.label] = text
         assert learner.popen.wait(timeout=200) == 0, learner.log_path.read_text()[-3000:]
         drain(mesh.cfg)
         mesh.stop_services()
