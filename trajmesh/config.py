@@ -249,22 +249,32 @@ class ServiceReplicas(_Strict):
 
 class AdvantageConfig(_Strict):
     type: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Estimator: GRPO (group mean, optional std scaling), Dr.GRPO (no std, no length norm), RLOO (leave-one-out baseline) or REINFORCE++ with a group baseline (learner/advantages.py)."""
     scale_by_std: bool = True
     """GRPO only: divide by the group std (needs group_size > 1)."""
     eps: float = Field(1e-6, gt=0)
+    """Added to the group std before dividing (GRPO with scale_by_std)."""
 
 
 class ObjectiveSettings(_Strict):
     eps_low: float = Field(0.2, ge=0)
+    """Lower PPO clip: r is clipped at 1 - eps_low (binds only with ppo.minibatches x epochs > 1)."""
     eps_high: float = Field(0.28, ge=0)
+    """Upper PPO clip: r is clipped at 1 + eps_high (DAPO's clip-higher)."""
     dual_clip: float | None = Field(3.0, gt=1)
+    """Dual clip c for negative advantages: the loss of a token with A < 0 is at most c·|A|·w (None: off)."""
     behavior_correction: Literal["tis", "mis", "none"] = "tis"
     """Behavior weight w = π_prox/π_beh: truncated (tis), masked outside [lo, hi] (mis), or off."""
     tis_cap: float = Field(2.0, gt=0)
+    """tis: the behavior weight w is truncated at this cap."""
     mis_low: float = Field(0.5, gt=0)
+    """mis: tokens with w below this are masked out."""
     mis_high: float = Field(2.0, gt=0)
+    """mis: tokens with w above this are masked out."""
     denominator: Literal["token_global", "sequence_mean", "constant"] = "token_global"
+    """D: token_global = Σ loss-mask tokens over the whole batch (all micro-batches and ranks); sequence_mean = mean over sequences of each sequence's token mean; constant = constant_denominator (Dr.GRPO)."""
     constant_denominator: float = Field(1024.0, gt=0)
+    """D when denominator is constant (tokens)."""
 
 
 class EntropyConfig(_Strict):
@@ -282,6 +292,7 @@ class TrainEngineConfig(_Strict):
     type: Literal["deepspeed", "torch"] = "deepspeed"
     """deepspeed (ZeRO, gloo on CPU) or plain torch AdamW."""
     zero_stage: int = Field(0, ge=0, le=3)
+    """DeepSpeed ZeRO stage: 0 (none), 1/2 (optimizer state, gradients), 3 (parameters too)."""
 
 
 class StopGatesConfig(_Strict):
@@ -345,9 +356,13 @@ class LearnerConfig(_Strict):
     ppo: PpoConfig = Field(default_factory=PpoConfig)
     """Minibatches x epochs of PPO updates per learner step."""
     lr: float = Field(1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
     warmup_steps: int = Field(5, ge=0)
+    """Linear warm-up of the learning rate over this many learner steps."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip per optimizer update."""
     batch_groups: int = Field(8, ge=1)
     """Groups (prompts) per learner step; the gate's B is batch_groups x group_size trajectories."""
     max_steps: int = Field(100, ge=0)
@@ -360,13 +375,17 @@ class LearnerConfig(_Strict):
     """Keep every step's batch in RUN_DIR/learner_batches (normally only those since the last
     checkpoint are kept, for replay after a crash); for audits and determinism tests."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    """Advantage estimator."""
     objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
+    """Decoupled-PPO objective: clips, behavior correction, denominator."""
     entropy: EntropyConfig = Field(default_factory=EntropyConfig)
+    """Entropy bonus and its controller."""
     stop_gates: StopGatesConfig = Field(default_factory=StopGatesConfig)
     """Bounds on entropy, KL, ESS, verifier disagreement, truncation and engine consistency (all off by default)."""
     consistency_probe_trajectories: int = Field(8, ge=0)
     """Trajectories per step the engine-consistency probe re-scores (0 disables the probe)."""
     seed: int = 0
+    """Learner seed: torch's RNG in the learner process (dropout, minibatch order) and DeepSpeed's."""
 
 
 class StoreConfig(_Strict):
