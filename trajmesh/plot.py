@@ -1,4 +1,4 @@
-"""PNG of a run from its metrics.jsonl: reward, held-out accuracy, policy lag and ESS over RL time."""
+"""PNG of a run from its metrics.jsonl: reward, held-out accuracy (pooled and per source), policy lag and ESS over RL time."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     et = [e["rl_seconds"] for e in evals]
     ax.plot(et, [e.get("sampled_accuracy") for e in evals], "o-", label="sampled T=1")
     ax.plot(et, [e.get("greedy_accuracy") for e in evals], "s-", label="greedy")
+    sources = list(dict.fromkeys(src for e in evals for src in e.get("heldout", {})))
+    if len(sources) > 1:  # one dashed sampled-accuracy line per source (the two above are pooled)
+        for src in sources:
+            pts = [(e["rl_seconds"], e["heldout"][src]["sampled_accuracy"]) for e in evals if src in e.get("heldout", {})]
+            ax.plot([t for t, _ in pts], [a for _, a in pts], "--", lw=0.8, label=f"{src} T=1")
     ax.set_title("held-out accuracy")
     ax.legend()
     ax = axes[1][0]
