@@ -16,7 +16,10 @@
 Redis holds the gate counters, the task records (the grader reads references from them), the
 set of trajectory ids already seen (dedupe), and the sampler cursor. Every record the store sees
 goes to the archive; every admitted trajectory ends as exactly one of trained, filtered,
-quarantined or failed_infra.
+quarantined, failed_infra or (when a finished run stops) in_flight_at_stop.
+
+This module is the wiring: the states and transitions of held trajectories and groups live in
+`trajmesh.store_state.StoreState` (pure), the Redis bookkeeping in `trajmesh.store_repo.StoreRepo`.
 """
 
 from __future__ import annotations
@@ -27,23 +30,27 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import nats.js.errors
 import numpy as np
+import pyarrow.parquet as pq
 from prometheus_client import Counter, Gauge
 
 from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.archive import ArchiveWriter
+from trajmesh.bus import Bus, Consumer
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.intake import OUTCOME_VALID, judge_parsed, parse
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
+from trajmesh.store_repo import Membership, StoreRepo
+from trajmesh.store_state import NOT_RETURNED, Final, Group, StoreState, filter_reason
 from trajmesh.tasks import TaskSampler
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
@@ -84,10 +91,18 @@ QUEUE_AGE = Gauge("trajmesh_store_queue_oldest_age_seconds",
                   ["stream"])
 READY_AGE = Gauge("trajmesh_store_ready_group_oldest_age_seconds",
                   "Age of the oldest assembled group waiting for the learner; 0 when none")
+RECOVERY_OWED = Gauge("trajmesh_store_recovery_owed_trajectories",
+                      "Trajectories a previous store held that have not come back yet (NextBatch waits for them)")
+RECOVERY_MISSING = Counter("trajmesh_store_recovery_missing_trajectories_total",
+                           "Owed trajectories still missing when the recovery wait ran out")
+STALE_HANDED_OUT = Counter("trajmesh_store_stale_handed_out_trajectories_total",
+                           "Trajectories handed to the learner already staler than the bound η (it will "
+                           "quarantine them as stale; a healthy run keeps this at 0)")
 QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
 """(stream, durable consumer) pairs whose backlog the store exports."""
 for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too_small"),
-                          ("quarantined", "stale"), ("failed_infra", "infra_failure")):
+                          ("quarantined", "stale"), ("failed_infra", "infra_failure"),
+                          ("in_flight_at_stop", "held_at_stop"), ("in_flight_at_stop", "not_returned")):
     OUTCOMES.labels(outcome=_outcome, reason=_reason)  # exported at 0 so rates exist before the first one
 for _stream, _ in QUEUES:
     for _g in (QUEUE_PENDING, QUEUE_ACK_PENDING, QUEUE_AGE):
@@ -114,67 +129,88 @@ def runs_without_repeats(items: list[_Incoming]) -> list[list[_Incoming]]:
 
 
 @dataclass
-class _Group:
-    group_id: str
-    expected: int
-    received: int = 0
-    members: list[Trajectory] = field(default_factory=list)
-    source: str = ""
-    ready_at: float = 0.0
-    """time.time() when the group became ready for the learner."""
+class _Wiring:
+    """The store's connections and writers, made in `setup()`."""
+    redis: Any
+    repo: StoreRepo
+    gate: AsyncStalenessGate
+    bus: Bus
+    intake: Consumer
+    archive: ArchiveWriter
+    grpc_server: Any
 
 
 class TrajectoryStore(Service):
     name = "store"
 
-    async def setup(self) -> None:
-        cfg = self.cfg
-        ns = cfg.infra.namespace
-        self.keys = RedisKeys(ns)
-        assert cfg.infra.nats_url and cfg.infra.redis_url, "store needs infra.nats_url and infra.redis_url"
-        self.redis = security.redis_client(cfg)
-        self.gate = AsyncStalenessGate(
-            self.redis,
-            key_prefix=self.keys.gate_prefix,
-            eta=cfg.effective_eta,
-            batch_size=cfg.batch_trajectories,
-            max_concurrent=cfg.gate.max_concurrent,
-        )
-        self.bus = await security.connect_bus(cfg, "store", name=self.worker_id)
-        self.intake = await self.bus.pull_subscribe(
-            busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000)
-        # Trajectory id → its unacked TRAJ_GRADED message: held until the trajectory's outcome is
-        # final and archived, so a store that dies loses nothing (JetStream redelivers).
-        self.held: dict[str, Any] = {}
-        self.handed_out: dict[str, Any] = {}
-        self.handed_group: dict[str, str] = {}
-        self.handed_traj: dict[str, Trajectory] = {}
-        self.pending_final: list[tuple[str, Any]] = []
-        assert cfg.model.path, "store needs model.path (for the tokenizer's vocabulary)"
-        self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
-        self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed)
-        self.archive = ArchiveWriter(Path(cfg.run_dir) / "archive", writer=f"store{self.replica}")
-        self.manifest_id = (await self.redis.get(self.keys.manifest_id) or b"").decode()
-        self.groups: dict[str, _Group] = {}
-        self.pending_group_cleanup: list[str] = []
-        self.ready_groups: deque[_Group] = deque()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.io: _Wiring | None = None
+        """Connections (None until `setup()`)."""
+        self.state = StoreState()
+        """Every held trajectory's and group's state (pure)."""
+        self.vocab_size = 0
+        self.sampler: TaskSampler | None = None
+        self.manifest_id = ""
+        self.recovery_pending = False
+        """Whether NextBatch waits for trajectories a previous store held."""
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
-        GATE_ETA.set(cfg.effective_eta)
         self.recent_zero_variance: deque[bool] = deque(maxlen=100)
         self.recent_distinct_ratio: deque[float] = deque(maxlen=100)
-        for src in cfg.tasks.sources:  # exported at 0 so the data-mixture panels have every source
+
+    @property
+    def w(self) -> _Wiring:
+        assert self.io is not None, "store used before setup()"
+        return self.io
+
+    async def setup(self) -> None:
+        cfg = self.cfg
+        keys = RedisKeys(cfg.infra.namespace)
+        assert cfg.infra.nats_url and cfg.infra.redis_url, "store needs infra.nats_url and infra.redis_url"
+        assert cfg.model.path, "store needs model.path (for the tokenizer's vocabulary)"
+        r = security.redis_client(cfg)
+        gate = AsyncStalenessGate(r, key_prefix=keys.gate_prefix, eta=cfg.effective_eta,
+                                  batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
+        repo = StoreRepo(r, keys, gate)
+        bus = await security.connect_bus(cfg, "store", name=self.worker_id)
+        intake = await bus.pull_subscribe(
+            busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000)
+        self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
+        self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed)
+        archive = ArchiveWriter(Path(cfg.run_dir) / "archive", writer=f"store{self.replica}")
+        self.manifest_id = await repo.manifest_id()
+        GATE_ETA.set(cfg.effective_eta)
+        self._export_zero_series()
+        server = grpc.aio.server()
+        services_pb2_grpc.add_TrajectoryStoreServicer_to_server(_StoreServicer(self), server)
+        port = cfg.infra.store_address.rsplit(":", 1)[1]
+        security.add_grpc_port(server, f"0.0.0.0:{port}", cfg.infra.security.grpc_tls)
+        self.io = _Wiring(r, repo, gate, bus, intake, archive, server)
+        await self._begin_recovery()
+        await server.start()
+
+    def _export_zero_series(self) -> None:
+        for src in self.cfg.tasks.sources:  # exported at 0 so the data-mixture panels have every source
             TASKS_ADMITTED.labels(source=src.name)
             for outcome, reason in (("accepted", "none"), ("filtered", "zero_variance"),
                                     ("filtered", "group_too_small")):
                 TASKS_DONE.labels(source=src.name, outcome=outcome, reason=reason)
             for c in (ZERO_VARIANCE, TRUNCATED, RETRIED):
                 c.labels(source=src.name)
-        self.grpc_server = grpc.aio.server()
-        services_pb2_grpc.add_TrajectoryStoreServicer_to_server(_StoreServicer(self), self.grpc_server)
-        port = cfg.infra.store_address.rsplit(":", 1)[1]
-        security.add_grpc_port(self.grpc_server, f"0.0.0.0:{port}", cfg.infra.security.grpc_tls)
-        await self.grpc_server.start()
+
+    async def _begin_recovery(self) -> None:
+        """A previous store's held trajectories (valid members of open groups, not final) come back
+        by redelivery within about one ack wait of its death; until they are all here the learner
+        gets nothing, so it cannot advance past them (they would be trained stale)."""
+        owed = await self.w.repo.owed_ids()
+        if owed:
+            wait_s = 2 * self.cfg.store.intake_ack_wait_s  # redelivery ≤ ack_wait after the last heartbeat
+            self.state.begin_recovery(owed, time.time() + wait_s)
+            log.warning("recovering: waiting up to %.0fs for %d trajectories a previous store held",
+                        wait_s, len(owed))
+        RECOVERY_OWED.set(len(self.state.owed))
+        self.recovery_pending = bool(self.state.owed)
 
     async def run(self) -> None:
         await self._republish_unpublished()
@@ -182,23 +218,54 @@ class TrajectoryStore(Service):
                         self.heartbeat_loop())
 
     async def stop(self) -> None:
-        if hasattr(self, "grpc_server"):
-            await self.grpc_server.stop(grace=1.0)
-        if hasattr(self, "archive"):
-            # At the end of a finished run, groups still buffered end as filtered/unused. Otherwise
-            # (a crash, a restart, Ctrl-C before --resume) their messages stay unacked and come
-            # back to the next store.
-            if await self._run_finished():
-                for group in self.ready_groups:
-                    for t in group.members:
-                        self._finalize(t, "filtered", "unused_at_end_of_run", self.held.pop(t.trajectory_id, None))
-                self.ready_groups.clear()
-            await self._commit_final()
-            self.archive.close()
-        if hasattr(self, "bus"):
-            await self.bus.close()
-        if hasattr(self, "redis"):
-            await self.redis.aclose()
+        io = self.io
+        if io is None:
+            return
+        await io.grpc_server.stop(grace=1.0)
+        # At the end of a finished run everything still held ends as a recorded outcome. Otherwise
+        # (a crash, a restart, Ctrl-C before --resume) held messages stay unacked and come back to
+        # the next store.
+        if await io.repo.run_finished():
+            await self.finalize_run()
+        await self._commit_final()
+        io.archive.close()
+        await io.bus.close()
+        await io.redis.aclose()
+
+    # ------------------------------------------------------------------ the end of a finished run
+    async def finalize_run(self) -> None:
+        """Every admitted trajectory gets a final outcome: what this store holds (`end_of_run`),
+        then, from durable state, every admitted id that still has none — held by a store that
+        died, or never returned from rollout — as `in_flight_at_stop:not_returned`. Idempotent
+        (a store killed meanwhile is restarted by the stop path and does it again)."""
+        for f in self.state.end_of_run():
+            self._archive_final(f)
+        await self._commit_final()
+        open_members = await self.w.repo.unfinished_members()
+        on_disk = self._final_in_archive()
+        rows = [m for m in open_members if m.trajectory_id not in on_disk]
+        for m in rows:
+            self.w.archive.append(trajectory_id=m.trajectory_id, task_id=m.task_id, group_id=m.group_id,
+                                  task_source=m.source, outcome=NOT_RETURNED[0], reason=NOT_RETURNED[1])
+            OUTCOMES.labels(outcome=NOT_RETURNED[0], reason=NOT_RETURNED[1]).inc()
+        self.w.archive.flush()
+        await self.w.repo.mark_final([m.trajectory_id for m in open_members])
+        await self.w.repo.abandon_groups([m.group_id for m in open_members], self.cfg.tasks.group_size)
+        if open_members:
+            log.warning("run finished: %d admitted trajectories recorded as in flight at stop (%d new rows)",
+                        len(open_members), len(rows))
+
+    def _final_in_archive(self) -> set[str]:
+        """Ids whose last row on disk is final (a store killed between flush and mark left some)."""
+        rows: list[tuple[int, str, str]] = []
+        for path in self.w.archive.directory.glob("part-*.parquet"):
+            t = pq.read_table(path, columns=["seq", "trajectory_id", "outcome"]).to_pydict()
+            rows += zip(t["seq"], t["trajectory_id"], t["outcome"], strict=True)
+        last: dict[str, str] = {}
+        for _, tid, outcome in sorted(rows, key=lambda r: r[0]):
+            if tid and outcome != "duplicate":
+                last[tid] = outcome
+        return {tid for tid, outcome in last.items() if outcome != "accepted"}
 
     # ------------------------------------------------------------------ admission
     async def admission_loop(self) -> None:
@@ -210,14 +277,13 @@ class TrajectoryStore(Service):
         """
         g = self.cfg.tasks.group_size
         while True:
-            if await self._run_finished():  # the learner is done: admit nothing more, let it drain
+            if await self.w.repo.run_finished():  # the learner is done: admit nothing more, let it drain
                 await asyncio.sleep(1.0)
                 continue
-            counters = await self.gate.counters()
+            counters = await self.w.gate.counters()
             GATE_CAPACITY.set(counters.capacity)
             GATE_RUNNING.set(counters.running)
-            if await self.gate.try_admit(g):
-                await self._publish_next_task(counters.version)
+            if await self.w.gate.capacity() >= g and await self._publish_next_task(counters.version):
                 continue
             self.capacity_changed.clear()
             try:
@@ -225,8 +291,11 @@ class TrajectoryStore(Service):
             except TimeoutError:
                 pass
 
-    async def _publish_next_task(self, version: int) -> None:
-        cursor = int(await self.redis.incr(self.keys.sampler_cursor)) - 1
+    async def _publish_next_task(self, version: int) -> bool:
+        """Draw the next task, admit and record it atomically, publish it. False when the gate had
+        no capacity left by then (another replica took it; that cursor position is skipped)."""
+        assert self.sampler is not None
+        cursor = await self.w.repo.next_cursor()
         task = self.sampler.task_at(cursor)
         pb = trajectory_pb2.Task(
             task_id=f"{task.task_id}-c{cursor}",
@@ -250,28 +319,22 @@ class TrajectoryStore(Service):
             )
         )
         record = {"group_id": pb.group_id, "group_size": pb.group_size, "source": pb.source,
-                  "answer": pb.answer, "prompt": pb.prompt, "metadata": task.metadata}
+                  "answer": pb.answer, "prompt": pb.prompt, "metadata": task.metadata, "cursor": cursor}
         data = pb.SerializeToString()
-        # Record, count and mark unpublished in one transaction; a store that dies before the
-        # publish republishes on start (same msg id: JetStream stores it once).
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.tasks, pb.task_id, json.dumps(record, default=str))
-        pipe.hset(self.keys.unpublished_tasks, pb.task_id, data)
-        pipe.incrby(self.keys.admitted_trajectories, pb.group_size)
-        await pipe.execute()
-        await self.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=pb.task_id)
-        await self.redis.hdel(self.keys.unpublished_tasks, pb.task_id)
+        if not await self.w.repo.try_admit(pb.task_id, record, data, pb.group_size):
+            log.info("gate capacity taken meanwhile: sampler position %d skipped", cursor)
+            return False
+        await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=pb.task_id)
+        await self.w.repo.published(pb.task_id)
         TASKS_ADMITTED.labels(source=pb.source).inc()
         TRAJ_ADMITTED.inc(pb.group_size)
+        return True
 
     async def _republish_unpublished(self) -> None:
-        for task_id, data in (await self.redis.hgetall(self.keys.unpublished_tasks)).items():
-            await self.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=task_id.decode())
-            await self.redis.hdel(self.keys.unpublished_tasks, task_id)
-            log.info("republished task %s admitted by an earlier store", task_id.decode())
-
-    async def _run_finished(self) -> bool:
-        return bool(await self.redis.exists(self.keys.run_finished))
+        for task_id, data in (await self.w.repo.unpublished()).items():
+            await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=task_id)
+            await self.w.repo.published(task_id)
+            log.info("republished task %s admitted by an earlier store", task_id)
 
     # ------------------------------------------------------------------ intake
     async def intake_loop(self) -> None:
@@ -282,14 +345,14 @@ class TrajectoryStore(Service):
         ready buffer is full (the gate keeps that rare).
         """
         while True:
-            if len(self.ready_groups) >= self.cfg.store.max_buffered_groups:
+            if self.state.ready_count >= self.cfg.store.max_buffered_groups:
                 self.ready_changed.clear()
                 await self.ready_changed.wait()
                 continue
-            msgs = await self.intake.fetch(batch=32, timeout=1.0)
+            msgs = await self.w.intake.fetch(batch=32, timeout=1.0)
             items = []
             for msg in msgs:
-                data = await self.intake.resolve(msg)
+                data = await self.w.intake.resolve(msg)
                 peek = parse(data)  # once: the task lookup needs the task id, the verdict the rest
                 items.append(_Incoming(data, msg, peek, peek.trajectory_id if peek is not None else ""))
             # Runs without a repeated trajectory id are judged together (two Redis round trips per
@@ -297,33 +360,26 @@ class TrajectoryStore(Service):
             # effects of the ones before it exactly as if they were taken one by one.
             for run in runs_without_repeats(items):
                 await self._intake_run(run)
+            self._note_recovery()
 
     async def _intake_run(self, items: list[_Incoming]) -> None:
         todo = []
         for item in items:
-            holder = next((h for h in (self.held, self.handed_out) if item.tid and item.tid in h), None)
-            if holder is not None:  # redelivered while we still hold it: keep the newest handle
-                holder[item.tid] = item.msg
+            if self.state.holds(item.tid):  # redelivered while we still hold it
+                self.state.redelivered(item.tid, item.msg)
             else:
                 todo.append(item)
         if not todo:
             return
-        # Round trip 1: the learner version, and each message's task record and dedupe mark.
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.get(self.gate.version_key)
         looked_up = [it for it in todo if it.peek is not None and it.peek.task_id]
-        for it in looked_up:
-            assert it.peek is not None
-            pipe.hget(self.keys.tasks, it.peek.task_id)
-            pipe.sismember(self.keys.final_trajectories, it.tid)
-        version_raw, *found = await pipe.execute()
-        learner_version = int(version_raw or 0)
-        records = {id(it): (found[2 * k], found[2 * k + 1]) for k, it in enumerate(looked_up)}
+        learner_version, found = await self.w.repo.lookup(
+            [(it.peek.task_id, it.tid) for it in looked_up if it.peek is not None])
+        records = {id(it): f for it, f in zip(looked_up, found, strict=True)}
         members: list[tuple[_Incoming, Trajectory, str, str, dict[str, Any]]] = []
         for it in todo:
-            raw, already_final = records.get(id(it), (None, False))
-            task = json.loads(raw) if raw is not None else None
-            if it.peek is not None and it.tid and task is not None and already_final:
+            rec = records.get(id(it))
+            task = rec.task if rec is not None else None
+            if it.peek is not None and it.tid and task is not None and rec is not None and rec.already_final:
                 RETRIED.labels(source=it.peek.pb.task_source).inc()
                 self._finalize(it.peek, "duplicate", "duplicate_trajectory_id", it.msg, mark=False)
                 continue
@@ -331,7 +387,7 @@ class TrajectoryStore(Service):
             traj = verdict.trajectory
             if traj is None:
                 self._quarantine_bytes(it.data, verdict.reason, "not a trajectory")
-                self.pending_final.append(("", it.msg))
+                self.state.finalize("", it.msg, mark=False)
                 continue
             if not verdict.member:  # unknown task, or not one of its G samples: must not touch a group
                 self._finalize(traj, verdict.outcome, verdict.reason, it.msg, mark=False)
@@ -340,49 +396,28 @@ class TrajectoryStore(Service):
             if traj.truncated:
                 TRUNCATED.labels(source=traj.pb.task_source).inc()
             members.append((it, traj, verdict.outcome, verdict.reason, task))
-        if not members:
-            return
-        # Round trip 2, one transaction: each member's group membership, then both counts as they
-        # stand after it (MULTI runs the commands in order, so counts are per message).
-        pipe = self.redis.pipeline(transaction=True)
-        for it, traj, outcome, _, _ in members:
-            pipe.sadd(self.keys.group_received(traj.group_id), it.tid)
-            if outcome == OUTCOME_VALID:
-                pipe.sadd(self.keys.group_valid(traj.group_id), it.tid)
-            pipe.scard(self.keys.group_received(traj.group_id))
-            pipe.scard(self.keys.group_valid(traj.group_id))
-        results = await pipe.execute()
-        k = 0
-        for it, traj, outcome, reason, task in members:
-            k += 2 if outcome == OUTCOME_VALID else 1
-            received, valid = results[k], results[k + 1]
-            k += 2
+        if members:
+            await self._take_members(members)
+
+    async def _take_members(self, members: list[tuple[_Incoming, Trajectory, str, str, dict[str, Any]]]) -> None:
+        counts = await self.w.repo.record_members(
+            [Membership(traj.group_id, it.tid, outcome == OUTCOME_VALID) for it, traj, outcome, _, _ in members])
+        for (it, traj, outcome, reason, task), (received, valid) in zip(members, counts, strict=True):
             # Only after the membership is recorded may a message be finalized (acked at commit).
-            if outcome == OUTCOME_VALID:
-                self.held[it.tid] = it.msg
-            else:
+            if outcome != OUTCOME_VALID:
                 self._finalize(traj, outcome, reason, it.msg)
-            gid = traj.group_id
-            group = self.groups.get(gid)
-            if group is None:
-                group = self.groups[gid] = _Group(gid, int(task["group_size"]), source=str(task.get("source", "")))
-            if it.tid in self.held and all(m.trajectory_id != it.tid for m in group.members):
-                group.members.append(traj)
-            # Complete once all G came back and every valid member is here (after a store restart the
-            # valid members arrive again by redelivery; the quarantined ones were final already).
-            if received >= group.expected and len(group.members) >= valid:
-                del self.groups[gid]
+            group = self.state.take_member(
+                traj, it.msg, valid=outcome == OUTCOME_VALID, expected=int(task["group_size"]),
+                order=int(task.get("cursor", 1 << 62)), source=str(task.get("source", "")),
+                received=received, valid_count=valid)
+            if group is not None:
                 await self._complete(group)
 
-    async def _complete(self, group: _Group) -> None:
+    async def _complete(self, group: Group) -> None:
         rewards = [t.reward for t in group.members]
-        reason = ""
-        if len(group.members) < 2:
-            reason = "group_too_small"
-        elif self.cfg.store.drop_zero_variance_groups and max(rewards) == min(rewards):
-            reason = "zero_variance"
-        n_valid = len(group.members)
-        first_time = bool(await self.redis.sadd(self.keys.groups_done, group.group_id))
+        reason = filter_reason(rewards, drop_zero_variance=self.cfg.store.drop_zero_variance_groups)
+        kept = 0 if reason else len(group.members)
+        first_time = await self.w.repo.finish_group(group.group_id, accepted=kept, rejected=group.expected - kept)
         if first_time:  # a group rebuilt after a store restart was counted already
             self._note_group_health(group, rewards)
             TASKS_DONE.labels(source=group.source, outcome="filtered" if reason else "accepted",
@@ -390,55 +425,66 @@ class TrajectoryStore(Service):
         if reason:
             GROUPS_FILTERED.labels(reason=reason).inc()
             log.info("group %s filtered: %s (rewards %s)", group.group_id, reason, rewards)
-            for t in group.members:
-                self._finalize(t, "filtered", reason, self.held.pop(t.trajectory_id, None))
-            self.pending_group_cleanup.append(group.group_id)
-            if first_time:
-                await self.gate.finish(group.expected, accepted=False)
+            for f in self.state.filter_group(group, reason):
+                self._archive_row(f)
         else:
             for t in group.members:
                 self._archive(t, "accepted", "")
-            if first_time:
-                await self.gate.finish(n_valid, accepted=True)
-                if group.expected > n_valid:
-                    await self.gate.finish(group.expected - n_valid, accepted=False)
-            group.ready_at = time.time()
-            self.ready_groups.append(group)
-            GROUPS_READY.set(len(self.ready_groups))
+            self.state.make_ready(group, time.time())
+            GROUPS_READY.set(self.state.ready_count)
             self.ready_changed.set()
         self.capacity_changed.set()
+
+    def _note_recovery(self) -> None:
+        """Ends the recovery wait when every owed trajectory is back (or the wait ran out)."""
+        before, owed = self.recovery_pending, len(self.state.owed)
+        if owed and not self.state.recovering(time.time()):
+            RECOVERY_MISSING.inc(owed)
+            log.warning("recovery wait ran out: %d owed trajectories never came back", owed)
+            self.state.owed.clear()
+            owed = 0
+        RECOVERY_OWED.set(owed)
+        self.recovery_pending = bool(owed)
+        if before and not owed:
+            log.info("recovery complete: every trajectory the previous store held is back")
+            self.ready_changed.set()
 
     def _finalize(self, traj: Trajectory, outcome: str, reason: str, msg: Any, *, mark: bool = True,
                   learner_version: int = -1) -> None:
         """Archive a final outcome; the message is acked (and the id marked final, for dedupe) at
         the next commit, after the archive rows are on disk."""
         self._archive(traj, outcome, reason, learner_version)
-        self.pending_final.append((traj.trajectory_id if mark else "", msg))
+        self.state.finalize(traj.trajectory_id, msg, mark=mark)
+
+    def _archive_final(self, f: Final) -> None:
+        """Archive an outcome the state machine already finalized."""
+        self._archive_row(f)
+
+    def _archive_row(self, f: Final) -> None:
+        if f.traj is not None:
+            self._archive(f.traj, f.outcome, f.reason)
+        else:
+            self.w.archive.append(trajectory_id=f.trajectory_id, outcome=f.outcome, reason=f.reason)
+            OUTCOMES.labels(outcome=f.outcome, reason=f.reason or "none").inc()
 
     async def _commit_final(self) -> None:
         """Flush the archive, then mark ids final and ack their messages (in that order: a crash in
         between re-delivers a message whose row exists; the reader keeps the last row)."""
-        self.archive.flush()
-        pending, self.pending_final = self.pending_final, []
-        ids = [tid for tid, _ in pending if tid]
-        if ids:
-            await self.redis.sadd(self.keys.final_trajectories, *ids)
-        for _, msg in pending:
-            if msg is not None:
-                await msg.ack()
-        groups, self.pending_group_cleanup = self.pending_group_cleanup, []
-        for gid in groups:
-            await self.redis.delete(self.keys.group_received(gid), self.keys.group_valid(gid))
+        self.w.archive.flush()
+        ids, msgs, groups = self.state.take_commit()
+        await self.w.repo.mark_final(ids)
+        for msg in msgs:
+            await msg.ack()
+        await self.w.repo.cleanup(groups)
 
     async def heartbeat_loop(self) -> None:
         """Keeps held messages from being redelivered while this store lives (in-progress acks)."""
         while True:
             await asyncio.sleep(self.cfg.store.intake_ack_wait_s / 3)
-            for msg in list(self.held.values()) + list(self.handed_out.values()):
-                if msg is not None:
-                    await msg.in_progress()
+            for msg in self.state.live_messages():
+                await msg.in_progress()
 
-    def _note_group_health(self, group: _Group, rewards: list[float]) -> None:
+    def _note_group_health(self, group: Group, rewards: list[float]) -> None:
         """Zero-variance and answer-diversity statistics of a completed group (survey §11.3)."""
         if len(rewards) >= 2:
             zero = max(rewards) == min(rewards)
@@ -454,26 +500,29 @@ class TrajectoryStore(Service):
     async def queue_loop(self, every_s: float = 2.0) -> None:
         """Exports JetStream backlog (pending, ack-pending, oldest message age) of every work queue and
         the age of the oldest ready group, every `every_s` seconds. JetStream has no subscription
-        for consumer state, so this one loop polls; KEDA and the consumer-lag alert read it."""
+        for consumer state, so this one loop polls; KEDA and the consumer-lag alert read it. It also
+        ends a recovery wait that ran out while no message arrived."""
         while True:
             for stream, durable in QUEUES:
                 try:
-                    p = await self.bus.pending(stream, durable)
+                    p = await self.w.bus.pending(stream, durable)
                     QUEUE_PENDING.labels(stream=stream).set(p.num_pending)
                     QUEUE_ACK_PENDING.labels(stream=stream).set(p.num_ack_pending)
                 except nats.js.errors.NotFoundError:
                     pass  # the consumer's service has not started yet: its backlog stays 0
                 QUEUE_AGE.labels(stream=stream).set(await self._oldest_age(stream))
-            READY_AGE.set(time.time() - self.ready_groups[0].ready_at if self.ready_groups else 0.0)
+            ready = self.state.ready
+            READY_AGE.set(time.time() - min(g.ready_at for g in ready) if ready else 0.0)
+            self._note_recovery()
             await asyncio.sleep(every_s)
 
     async def _oldest_age(self, stream: str) -> float:
         """Seconds since the first message still stored in `stream` was published (0 when empty)."""
-        info = await self.bus.stream_info(stream)
+        info = await self.w.bus.stream_info(stream)
         if not info.state.messages:
             return 0.0
         try:
-            msg = await self.bus.js.get_msg(self.bus.layout.stream(stream), seq=info.state.first_seq)
+            msg = await self.w.bus.js.get_msg(self.w.bus.layout.stream(stream), seq=info.state.first_seq)
         except nats.js.errors.NotFoundError:
             return 0.0  # acked (deleted) between the two calls: the queue just moved
         if msg.time is None:
@@ -491,7 +540,7 @@ class TrajectoryStore(Service):
         OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
         pb = traj.pb
         mask_T = traj.loss_mask_T
-        self.archive.append(
+        self.w.archive.append(
             trajectory_id=pb.trajectory_id, task_id=pb.task_id, group_id=pb.group_id,
             task_source=pb.task_source, manifest_id=pb.manifest_id, outcome=outcome, reason=reason,
             reward=pb.reward, terminal_reason=trajectory_pb2.TerminalReason.Name(pb.terminal_reason)
@@ -504,35 +553,39 @@ class TrajectoryStore(Service):
     def _quarantine_bytes(self, data: bytes, reason: str, detail: str) -> None:
         OUTCOMES.labels(outcome="quarantined", reason=reason).inc()
         log.warning("quarantined %d bytes: %s", len(data), detail)
-        self.archive.append(outcome="quarantined", reason=reason, payload_sha256=hashlib.sha256(data).hexdigest())
+        self.w.archive.append(outcome="quarantined", reason=reason, payload_sha256=hashlib.sha256(data).hexdigest())
 
     # ------------------------------------------------------------------ serving the learner
     async def next_batch(self, learner_version: int, max_trajectories: int, timeout_s: float) -> list[Trajectory]:
-        """Whole groups, oldest first, up to `max_trajectories`; waits up to `timeout_s` for a full batch."""
-        await self._note_version(learner_version)
-        want_groups = self.cfg.learner.batch_groups
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while len(self.ready_groups) < want_groups:
-            remaining = deadline - asyncio.get_running_loop().time()
+        """Whole groups, oldest admission first, up to `max_trajectories`; waits up to `timeout_s`
+        for a full batch (and, after a store restart, for the previous store's trajectories)."""
+        self._note_version(learner_version)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            self.ready_changed.clear()
+            out = self.state.hand_out(self.cfg.learner.batch_groups, max_trajectories, time.time())
+            if out:
+                break
+            remaining = deadline - loop.time()
             if remaining <= 0:
                 return []
-            self.ready_changed.clear()
-            try:
-                await asyncio.wait_for(self.ready_changed.wait(), timeout=remaining)
+            try:  # a recovery wait that runs out sets nothing: look again within a second
+                await asyncio.wait_for(self.ready_changed.wait(), timeout=min(remaining, 1.0))
             except TimeoutError:
-                return []
-        out: list[Trajectory] = []
-        while self.ready_groups and len(out) + len(self.ready_groups[0].members) <= max_trajectories and want_groups > 0:
-            out.extend(self.ready_groups.popleft().members)
-            want_groups -= 1
-        self.archive.flush()  # the intake rows (tokens, versions) are on disk before anything trains
-        for t in out:
-            self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
-            self.handed_group[t.trajectory_id] = t.group_id
-            self.handed_traj[t.trajectory_id] = t
-        GROUPS_READY.set(len(self.ready_groups))
+                pass
+        self.w.archive.flush()  # the intake rows (tokens, versions) are on disk before anything trains
+        self._count_stale(out, learner_version)
+        GROUPS_READY.set(self.state.ready_count)
         self.ready_changed.set()
         return out
+
+    def _count_stale(self, trajs: list[Trajectory], learner_version: int) -> None:
+        eta = self.cfg.effective_eta
+        for t in trajs:
+            v_T = t.behavior_versions_T[t.loss_mask_T == 1]
+            if v_T.size and learner_version - int(v_T.min()) > eta:
+                STALE_HANDED_OUT.inc()
 
     async def report(self, req: services_pb2.ReportRequest) -> None:
         """The learner's verdict on a batch: final outcomes, committed before the reply.
@@ -542,54 +595,34 @@ class TrajectoryStore(Service):
         its groups and acked)."""
         outcomes = [(tid, "trained", "") for tid in req.trained_ids]
         outcomes += [(tid, "quarantined", r) for tid, r in zip(req.quarantined_ids, req.quarantine_reasons, strict=True)]
-        finals = await self.redis.smismember(self.keys.final_trajectories, [t for t, _, _ in outcomes]) \
-            if outcomes else []
+        finals = await self.w.repo.finals([t for t, _, _ in outcomes])
         groups: set[str] = set()
         for (tid, outcome, reason), done in zip(outcomes, finals, strict=True):
-            msg = self.handed_out.pop(tid, None) or self.held.pop(tid, None)
-            self._drop_from_buffers(tid)
-            if done:
-                if msg is not None:
-                    self.pending_final.append(("", msg))
-                continue
-            self.archive.append(trajectory_id=tid, outcome=outcome, reason=reason,
-                                learner_version=req.learner_version)
-            OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
-            self.pending_final.append((tid, msg))
-        for tid, _, _ in outcomes:
-            self.handed_traj.pop(tid, None)
-            gid = self.handed_group.pop(tid, None)
+            msg, gid = self.state.report(tid)
             if gid is not None:
                 groups.add(gid)
-        self.pending_group_cleanup.extend(groups)
+            if done:
+                self.state.finalize("", msg, mark=False)
+                continue
+            self.w.archive.append(trajectory_id=tid, outcome=outcome, reason=reason,
+                                  learner_version=req.learner_version)
+            OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
+            self.state.finalize(tid, msg)
+        self.state.done_reporting(groups)
         await self._commit_final()
-        await self._note_version(req.learner_version)
+        self._note_version(req.learner_version)
+        self._note_recovery()
 
     def recycle_handed_out(self) -> None:
         """A new learner process: what the previous one took and never reported (it died before it
-        saved the batch) goes back to the front of the queue, whole groups in order."""
-        if not self.handed_out:
-            return
-        by_group: dict[str, list[Trajectory]] = {}
-        for traj in self.handed_traj.values():
-            by_group.setdefault(traj.group_id, []).append(traj)
-        for gid, members in reversed(list(by_group.items())):
-            group = _Group(gid, len(members), received=len(members), members=members, ready_at=time.time())
-            self.ready_groups.appendleft(group)
-            for t in members:
-                self.held[t.trajectory_id] = self.handed_out.pop(t.trajectory_id)
-                self.handed_group.pop(t.trajectory_id, None)
-        self.handed_traj.clear()
-        log.warning("recycled %d unreported groups of a previous learner process", len(by_group))
-        GROUPS_READY.set(len(self.ready_groups))
-        self.ready_changed.set()
+        saved the batch) goes back to the queue, whole groups in admission order."""
+        n = self.state.recycle_handed_out(time.time())
+        if n:
+            log.warning("recycled %d unreported groups of a previous learner process", n)
+            GROUPS_READY.set(self.state.ready_count)
+            self.ready_changed.set()
 
-    def _drop_from_buffers(self, tid: str) -> None:
-        for group in list(self.ready_groups) + list(self.groups.values()):
-            group.members = [t for t in group.members if t.trajectory_id != tid]
-        self.ready_groups = deque(g for g in self.ready_groups if g.members)
-
-    async def _note_version(self, version: int) -> None:
+    def _note_version(self, version: int) -> None:
         LEARNER_VERSION.set(version)
         self.capacity_changed.set()
 

@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from trajmesh import security
 from trajmesh.archive import read_archive
 from trajmesh.config import RunConfig
+from trajmesh.gate import StalenessGate
+from trajmesh.keys import RedisKeys
+
+FINAL_OUTCOMES = ("trained", "filtered", "quarantined", "failed_infra", "in_flight_at_stop")
+"""Every admitted trajectory ends as exactly one of these."""
+
+
+def write_manifest(cfg: RunConfig) -> None:
+    """The run manifest the launcher stamps on tasks, written the way `trajmesh train` writes it."""
+    from trajmesh import train
+
+    if len(inspect.signature(train._write_manifest).parameters) > 1:  # takes the held-out tasks
+        train._write_manifest(cfg, train.heldout_tasks(cfg))  # type: ignore[call-arg]
+    else:
+        train._write_manifest(cfg)  # type: ignore[call-arg]
 
 
 def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[str, Any]]:
@@ -25,6 +44,57 @@ def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[s
             assert lags and 0 <= min(lags) and max(lags) <= eta, (r["trajectory_id"], lags)
     outcomes = acct["outcomes"]
     assert outcomes.get("accepted", 0) == 0, json.dumps(acct)
-    total = sum(outcomes.get(k, 0) for k in ("trained", "filtered", "quarantined", "failed_infra"))
+    total = sum(outcomes.get(k, 0) for k in FINAL_OUTCOMES)
     assert acct["admitted"] > 0 and total == acct["admitted"], json.dumps(acct)
     return rows
+
+
+def check_no_stale(acct: dict[str, Any]) -> None:
+    """The gate kept the learner's consume-time check quiet: nothing quarantined as stale."""
+    stale = {k: v for k, v in acct["by_reason"].items() if k.startswith("quarantined:") and "stale" in k}
+    assert not stale, f"stale quarantines in a healthy run: {stale} ({json.dumps(acct)})"
+
+
+def check_gate_reconciles(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
+    """The gate's counters after the run agree with the archive: nothing still running, `accepted`
+    = the trajectories of kept groups (an "accepted" row each), the version = the last step's."""
+    r = security.redis_sync_client(cfg)
+    try:
+        c = StalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
+                          batch_size=cfg.batch_trajectories).counters()
+    finally:
+        r.close()
+    kept = {row["trajectory_id"] for row in rows if row["outcome"] == "accepted"}
+    trained_at = [row["learner_version"] for row in rows if row["outcome"] == "trained"]
+    assert c.running == 0, f"gate still counts {c.running} running after the run finalized"
+    assert c.accepted == len(kept), (c, len(kept))
+    assert c.version == max(trained_at) + 1, (c, max(trained_at))
+
+
+def processes_marked(mark: str) -> list[str]:
+    """Live processes started with TRAJMESH_TEST_MARK=`mark` in their environment (this process
+    aside), read from /proc: an orphan re-parented to init still carries its starter's
+    environment, so this sees what the launcher's pid list cannot."""
+    needle = f"TRAJMESH_TEST_MARK={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if needle not in fh.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        found.append(f"{entry}: {cmdline}")
+    return found
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a service and its children (its own session); a process already gone is fine."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

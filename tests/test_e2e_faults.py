@@ -9,27 +9,43 @@ must make progress again, and at the end:
   failed_infra); none is lost, none trained twice;
 - every trained token's lag ≤ η, and the gate's bound held after recovery;
 - the learner resumed from its checkpoint (replaying the batches it had trained since) reaches
-  bitwise the same weights as an uninterrupted learner fed the same batches in the same order.
+  bitwise the same weights as an uninterrupted learner fed the same batches in the same order;
+- nothing is quarantined as stale (the store's recovery keeps the gate's bound, issue 16), and the
+  gate's counters agree with the archive.
+
+A second test kills the store at a varied moment near or while the run stops (issue 16: a store
+killed near the end once left 56 admitted trajectories without an outcome): the stop path
+(`trajmesh.run_end.end_run`) must still record one final outcome per admitted trajectory, and no
+process of the run may outlive it (checked from /proc). One moment runs in `make test`; the
+ten-moment sweep is `slow`.
 """
 
 from __future__ import annotations
 
-import os
-import signal
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from mesh_checks import check_archive
+from mesh_checks import (
+    check_archive,
+    check_gate_reconciles,
+    check_no_stale,
+    kill_group,
+    processes_marked,
+    write_manifest,
+)
 from safetensors.torch import load_file
 
 from trajmesh.config import RunConfig, load_config
 from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
-from trajmesh.launcher import Mesh, accounting, drain, start_mesh
+from trajmesh.launcher import Mesh, accounting, start_mesh
+from trajmesh.run_end import drain_supervised, end_run
 from trajmesh.security import redis_sync_client
-from trajmesh.train import _write_manifest, read_metrics
+from trajmesh.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,7 +53,7 @@ ETA = 1
 STEPS = 40
 
 
-def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
+def _build_config(run_dir: Path, model_dir: str, **over: object) -> RunConfig:
     return load_config(None, {
         "run_dir": str(run_dir), "model.path": model_dir, "gate.eta": ETA,
         "tasks.group_size": 4, "tasks.heldout_size": 20, "tasks.train_size": 300,
@@ -45,7 +61,7 @@ def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
         "store.intake_ack_wait_s": 4.0, "rollout.task_ack_wait_s": 4.0,
         "rollout.replicas": 2, "rollout.concurrent_tasks": 2, "grader.replicas": 2,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
-        "learner.checkpoint_every": 3, "learner.keep_batches": True,
+        "learner.checkpoint_every": 3, "learner.keep_batches": True, **over,
     })
 
 
@@ -64,8 +80,9 @@ def _supervise_until(mesh: Mesh, cond, timeout_s: float = 180.0) -> None:  # typ
 
 def _kill(mesh: Mesh, name: str) -> None:
     victim = next(p for p in mesh.procs if p.name == name and p.popen.poll() is None)
-    os.killpg(victim.popen.pid, signal.SIGKILL)  # the process and its children (rollout's engine)
+    kill_group(victim.popen.pid)  # the process and its children (rollout's engine)
     victim.popen.wait(timeout=10)
+
 
 
 def _gate_bound_holds(cfg: RunConfig) -> bool:
@@ -81,7 +98,7 @@ def _gate_bound_holds(cfg: RunConfig) -> bool:
 def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_dir: str) -> None:
     cfg = _build_config(tmp_path / "run", tiny_model_dir)
     Path(cfg.run_dir).mkdir(parents=True)
-    _write_manifest(cfg)
+    write_manifest(cfg)
     mesh = start_mesh(cfg)
     try:
         cfg = mesh.cfg
@@ -100,16 +117,89 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
             assert _gate_bound_holds(cfg)
         learner = next(p for p in mesh.procs if p.name == "learner")
         _supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)
-        assert drain(cfg) == 0
-        mesh.stop_services()
+        assert end_run(mesh) == 0
         acct = accounting(cfg)
+        rows = check_archive(cfg, acct, ETA)
+        check_gate_reconciles(cfg, rows)
     finally:
         mesh.stop_services()
         mesh.stop_infra()
 
-    check_archive(cfg, acct, ETA)
-
+    check_no_stale(acct)
     _assert_replay_is_bitwise(cfg)
+
+
+STOP_STEPS = 4
+STORE_KILL_MOMENTS = [  # (moment, seconds after it)
+    ("while_stopping", 0.0), ("while_stopping", 0.3), ("while_stopping", 0.8), ("while_stopping", 1.5),
+    ("after_learner", 0.0), ("after_learner", 1.0), ("near_end", 0.0), ("near_end", 1.0),
+    ("while_stopping", 0.1), ("while_stopping", 3.0),
+]
+"""Ten kill moments for the slow sweep: before the learner's last step, between the learner's
+exit and the drain, and at a range of delays after the stop path began (SIGTERM, finalization)."""
+
+
+def _kill_store_at(mesh: Mesh, moment: str, delay_s: float) -> int:
+    """Run the end of the run with the store SIGKILLed at `moment` + `delay_s`; returns what
+    `end_run` reports as still in flight."""
+    cfg = mesh.cfg
+    learner = next(p for p in mesh.procs if p.name == "learner")
+    if moment == "near_end":
+        _supervise_until(mesh, lambda: _steps(cfg) >= STOP_STEPS - 1, timeout_s=300)
+        time.sleep(delay_s)
+        _kill(mesh, "store")
+    _supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)
+    if moment == "after_learner":
+        time.sleep(delay_s)
+        _kill(mesh, "store")
+        return end_run(mesh)
+    if moment == "while_stopping":
+        drain_supervised(mesh)
+        store = next(p for p in mesh.procs if p.name == "store")
+        result: list[int] = []
+        stopper = threading.Thread(target=lambda: result.append(end_run(mesh)))
+        stopper.start()
+        time.sleep(delay_s)
+        kill_group(store.popen.pid)
+        stopper.join(timeout=600)
+        assert result, "end_run did not finish"
+        return result[0]
+    return end_run(mesh)
+
+
+def _run_store_kill(tmp_path: Path, model_dir: str, moment: str, delay_s: float,
+                    monkeypatch: pytest.MonkeyPatch) -> None:
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
+    cfg = _build_config(tmp_path / "run", model_dir, **{
+        "learner.max_steps": STOP_STEPS, "rollout.replicas": 1, "grader.replicas": 1,
+        "learner.keep_batches": False})
+    Path(cfg.run_dir).mkdir(parents=True)
+    write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        cfg = mesh.cfg
+        _kill_store_at(mesh, moment, delay_s)
+        acct = accounting(cfg)
+        rows = check_archive(cfg, acct, ETA)
+        check_gate_reconciles(cfg, rows)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    check_no_stale(acct)
+    assert not processes_marked(mark), processes_marked(mark)
+
+
+def test_store_killed_while_the_run_stops_loses_nothing(tmp_path: Path, tiny_model_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_store_kill(tmp_path, tiny_model_dir, "while_stopping", 0.3, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("moment", "delay_s"), STORE_KILL_MOMENTS)
+def test_store_killed_near_or_while_the_run_stops_sweep(tmp_path: Path, tiny_model_dir: str, moment: str,
+                                                        delay_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_store_kill(tmp_path, tiny_model_dir, moment, delay_s, monkeypatch)
 
 
 def _assert_replay_is_bitwise(cfg: RunConfig) -> None:

@@ -195,3 +195,26 @@ def test_async_gate_matches_sync_gate(redis_server: RedisServer) -> None:
         await r.aclose()
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_admission_with_its_record_is_one_atomic_step(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        r = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            gate = AsyncStalenessGate(r, key_prefix="run0:gate", eta=0, batch_size=4)  # capacity 4
+            kw = {"tasks_key": "tasks", "unpublished_key": "unpub", "admitted_key": "admitted"}
+            assert await gate.try_admit_recorded(4, task_id="t1", record="{}", data=b"x", **kw)
+            assert not await gate.try_admit_recorded(1, task_id="t2", record="{}", data=b"y", **kw)
+            assert await r.hgetall("tasks") == {b"t1": b"{}"} and await r.hgetall("unpub") == {b"t1": b"x"}
+            assert int(await r.get("admitted")) == 4
+            assert (await gate.counters()).running == 4
+            # A group finishes once, whatever the number of calls: 3 accepted, 1 dropped.
+            assert await gate.finish_group("g1", accepted=3, rejected=1, done_key="done")
+            assert not await gate.finish_group("g1", accepted=3, rejected=1, done_key="done")
+            c = await gate.counters()
+            assert (c.accepted, c.running, c.capacity) == (3, 0, 1)
+            with pytest.raises(ValueError):
+                await gate.finish_group("g2", accepted=0, rejected=0, done_key="done")
+        finally:
+            await r.aclose()
+    asyncio.run(main())

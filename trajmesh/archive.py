@@ -18,8 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-OUTCOMES = ("accepted", "trained", "filtered", "quarantined", "failed_infra", "duplicate")
-"""accepted is intermediate; the others are final (duplicate rows are not admissions)."""
+OUTCOMES = ("accepted", "trained", "filtered", "quarantined", "failed_infra", "in_flight_at_stop", "duplicate")
+"""accepted is intermediate; the others are final (duplicate rows are not admissions;
+in_flight_at_stop: admitted, still in flight when a finished run stopped)."""
 
 SCHEMA = pa.schema(
     [

@@ -55,6 +55,39 @@ if ARGV[2] == '1' then redis.call('INCRBY', KEYS[1], n) end
 return redis.call('GET', KEYS[2])
 """
 
+# KEYS: version, accepted, running, tasks hash, unpublished hash, admitted count.
+# ARGV: n, eta, batch_size, max_concurrent, task id, task record, task bytes.
+# try_admit plus the admission's record in one step: a store killed between admitting and
+# recording can no longer leave `running` counting a task nobody will ever finish.
+_TRY_ADMIT_RECORDED = """
+local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
+local running = tonumber(redis.call('GET', KEYS[3]) or '0')
+local n = tonumber(ARGV[1])
+local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3]) - (accepted + running)
+local max_concurrent = tonumber(ARGV[4])
+if max_concurrent >= 0 then cap = math.min(cap, max_concurrent - running) end
+if cap < n then return {0, cap} end
+redis.call('INCRBY', KEYS[3], n)
+redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
+redis.call('HSET', KEYS[5], ARGV[5], ARGV[7])
+redis.call('INCRBY', KEYS[6], n)
+return {1, cap}
+"""
+
+# KEYS: accepted, running, set of finished groups. ARGV: group id, n accepted, n not accepted.
+# finish() for a whole group, at most once per group id, atomically with marking it finished: a
+# store killed in between can neither skip it (capacity leaked) nor repeat it (counted twice).
+_FINISH_GROUP = """
+if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
+local a = tonumber(ARGV[2])
+local n = a + tonumber(ARGV[3])
+local running = tonumber(redis.call('GET', KEYS[2]) or '0')
+redis.call('SET', KEYS[2], math.max(running - n, 0))
+if a > 0 then redis.call('INCRBY', KEYS[1], a) end
+return 1
+"""
+
 # KEYS: version. ARGV: new version. Monotone: a lower version is ignored. Returns the version.
 _SET_VERSION = """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -231,6 +264,8 @@ class AsyncStalenessGate:
         self._finish = redis_client.register_script(_FINISH)
         self._set_version = redis_client.register_script(_SET_VERSION)
         self._rebase = redis_client.register_script(_REBASE)
+        self._try_admit_recorded = redis_client.register_script(_TRY_ADMIT_RECORDED)
+        self._finish_group = redis_client.register_script(_FINISH_GROUP)
 
     @property
     def eta(self) -> int:
@@ -250,6 +285,26 @@ class AsyncStalenessGate:
         """See :meth:`StalenessGate.finish`."""
         s = self._spec
         await self._finish(keys=[s.accepted_key, s.running_key], args=s.finish_args(n, accepted))
+
+    async def try_admit_recorded(self, n: int, *, task_id: str, record: str, data: bytes, tasks_key: str,
+                                 unpublished_key: str, admitted_key: str) -> bool:
+        """:meth:`try_admit`, and when admitted, in the same atomic step: the task's `record` in
+        hash `tasks_key`, its bytes in `unpublished_key` (cleared once published) and `n` more in
+        the admitted count `admitted_key`."""
+        s = self._spec
+        admitted, _capacity = await self._try_admit_recorded(
+            keys=[*s.keys, tasks_key, unpublished_key, admitted_key], args=[*s.admit_args(n), task_id, record, data])
+        return bool(int(admitted))
+
+    async def finish_group(self, group_id: str, *, accepted: int, rejected: int, done_key: str) -> bool:
+        """Release a whole group once: `accepted` trajectories move to `accepted`, `rejected` just
+        leave `running`; `group_id` joins set `done_key`. False (nothing changed) if it was there."""
+        if accepted < 0 or rejected < 0 or accepted + rejected < 1:
+            raise ValueError(f"need accepted, rejected >= 0 and a non-empty group, got {accepted}, {rejected}")
+        s = self._spec
+        done = await self._finish_group(keys=[s.accepted_key, s.running_key, done_key],
+                                        args=[group_id, accepted, rejected])
+        return bool(int(done))
 
     async def set_version(self, version: int) -> int:
         """See :meth:`StalenessGate.set_version`."""

@@ -36,6 +36,12 @@ class RedisKeys:
         return self._k(f"group:{group_id}:valid")
 
     @property
+    def open_groups(self) -> str:
+        """Set of group ids whose membership sets (`received`, `valid`) still exist: a restarted
+        store reads from them which trajectories its predecessor held."""
+        return self._k("open_groups")
+
+    @property
     def groups_done(self) -> str:
         """Set of group ids whose gate accounting is done (finish() runs once per group)."""
         return self._k("groups_done")

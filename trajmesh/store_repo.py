@@ -1,0 +1,185 @@
+"""The trajectory store's Redis bookkeeping behind one small repository (no torch).
+
+It owns every key the store writes (see `trajmesh.keys`) and the index arithmetic over pipeline and
+MULTI replies, so the store's wiring never counts reply positions:
+
+- admission with its task record, the admitted count and the unpublished mark, and a group's
+  release, each one atomic gate script (`trajmesh.gate`);
+- per message: its task record and whether its id is final (one round trip for a batch);
+- per group member: membership in `received` / `valid` and both counts after it (one MULTI);
+- ids marked final, membership cleanup;
+- recovery: which ids a previous store held (`owed_ids`), and which admitted ids have no final
+  outcome at the end of a finished run (`unfinished_members`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio
+
+from trajmesh.gate import AsyncStalenessGate
+from trajmesh.keys import RedisKeys
+from trajmesh.store_state import member_ids
+
+
+def _text(raw: bytes | str | None) -> str:
+    """A Redis reply as text (the client returns bytes)."""
+    if raw is None:
+        return ""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What Redis knows about one incoming trajectory."""
+    task: dict[str, Any] | None
+    """Its task's record (None: unknown task id)."""
+    already_final: bool
+    """Whether its id has a final outcome (a redelivery of it is a duplicate)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    group_id: str
+    trajectory_id: str
+    valid: bool
+
+
+@dataclass(frozen=True)
+class OpenMember:
+    """An admitted trajectory id without a final outcome, with its task's group."""
+    trajectory_id: str
+    task_id: str
+    group_id: str
+    source: str
+
+
+class StoreRepo:
+    """Redis bookkeeping of one run's store (`keys` scopes it; `version_key` is the gate's)."""
+
+    def __init__(self, client: redis.asyncio.Redis, keys: RedisKeys, gate: AsyncStalenessGate) -> None:
+        self.r = client
+        self.keys = keys
+        self.gate = gate
+        self.version_key = gate.version_key
+
+    # ------------------------------------------------------------------ admission
+    async def next_cursor(self) -> int:
+        """Draw the next sampler position (0-based)."""
+        return int(await self.r.incr(self.keys.sampler_cursor)) - 1
+
+    async def try_admit(self, task_id: str, record: dict[str, Any], data: bytes, group_size: int) -> bool:
+        """If the gate has capacity for the group: admit it, record the task, count its G as
+        admitted and mark it unpublished — one atomic step (a store that dies before the publish
+        republishes on start; one that dies before this step admitted nothing)."""
+        return await self.gate.try_admit_recorded(
+            group_size, task_id=task_id, record=json.dumps(record, default=str), data=data,
+            tasks_key=self.keys.tasks, unpublished_key=self.keys.unpublished_tasks,
+            admitted_key=self.keys.admitted_trajectories)
+
+    async def published(self, task_id: str) -> None:
+        await self.r.hdel(self.keys.unpublished_tasks, task_id)
+
+    async def unpublished(self) -> dict[str, bytes]:
+        raw = await self.r.hgetall(self.keys.unpublished_tasks)
+        return {_text(k): v if isinstance(v, bytes) else v.encode() for k, v in raw.items()}
+
+    async def run_finished(self) -> bool:
+        return bool(await self.r.exists(self.keys.run_finished))
+
+    async def manifest_id(self) -> str:
+        return _text(await self.r.get(self.keys.manifest_id))
+
+    # ------------------------------------------------------------------ intake
+    async def lookup(self, items: list[tuple[str, str]]) -> tuple[int, list[Lookup]]:
+        """The learner version, and for each (task id, trajectory id) its `Lookup` — one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.version_key)
+        for task_id, tid in items:
+            pipe.hget(self.keys.tasks, task_id)
+            pipe.sismember(self.keys.final_trajectories, tid)
+        version_raw, *found = await pipe.execute()
+        out = []
+        for k in range(len(items)):
+            raw, final = found[2 * k], found[2 * k + 1]
+            out.append(Lookup(json.loads(raw) if raw is not None else None, bool(final)))
+        return int(version_raw or 0), out
+
+    async def record_members(self, members: list[Membership]) -> list[tuple[int, int]]:
+        """Each member's group membership, then the group's (received, valid) counts as they stand
+        right after it — one MULTI (commands run in order, so counts are per member). Both sets
+        are written together: a store killed between two separate writes once left a valid member
+        counted as received but not valid, and its group completed without it."""
+        pipe = self.r.pipeline(transaction=True)
+        for m in members:
+            pipe.sadd(self.keys.open_groups, m.group_id)
+            pipe.sadd(self.keys.group_received(m.group_id), m.trajectory_id)
+            if m.valid:
+                pipe.sadd(self.keys.group_valid(m.group_id), m.trajectory_id)
+            pipe.scard(self.keys.group_received(m.group_id))
+            pipe.scard(self.keys.group_valid(m.group_id))
+        results = await pipe.execute()
+        out, k = [], 0
+        for m in members:
+            k += 3 if m.valid else 2
+            out.append((int(results[k]), int(results[k + 1])))
+            k += 2
+        return out
+
+    async def finish_group(self, group_id: str, *, accepted: int, rejected: int) -> bool:
+        """The gate's accounting for a complete (or abandoned) group, once per group id; True the
+        first time (a group rebuilt after a store restart was counted already)."""
+        return await self.gate.finish_group(group_id, accepted=accepted, rejected=rejected,
+                                            done_key=self.keys.groups_done)
+
+    async def finals(self, tids: list[str]) -> list[bool]:
+        if not tids:
+            return []
+        return [bool(x) for x in await self.r.smismember(self.keys.final_trajectories, tids)]
+
+    async def mark_final(self, final_ids: list[str]) -> None:
+        """Mark ids final (after their archive rows are on disk, before their messages are acked)."""
+        if final_ids:
+            await self.r.sadd(self.keys.final_trajectories, *final_ids)
+
+    async def cleanup(self, groups: list[str]) -> None:
+        """Drop the membership sets of groups whose members are all final (after the acks)."""
+        if not groups:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        for gid in groups:
+            pipe.delete(self.keys.group_received(gid), self.keys.group_valid(gid))
+        pipe.srem(self.keys.open_groups, *groups)
+        await pipe.execute()
+
+    # ------------------------------------------------------------------ recovery
+    async def owed_ids(self) -> set[str]:
+        """Ids a previous store held: valid members of groups still open, without a final outcome
+        (their messages are unacked and will be redelivered)."""
+        groups = [_text(g) for g in await self.r.smembers(self.keys.open_groups)]
+        if not groups:
+            return set()
+        pipe = self.r.pipeline(transaction=False)
+        for gid in groups:
+            pipe.smembers(self.keys.group_valid(gid))
+        ids = sorted({_text(t) for members in await pipe.execute() for t in members})
+        return {tid for tid, final in zip(ids, await self.finals(ids), strict=True) if not final}
+
+    async def unfinished_members(self) -> list[OpenMember]:
+        """Every admitted trajectory id (task id + index, G per task) without a final outcome."""
+        tasks = await self.r.hgetall(self.keys.tasks)
+        candidates: list[OpenMember] = []
+        for task_id_raw, raw in tasks.items():
+            task_id, rec = _text(task_id_raw), json.loads(raw)
+            for tid in member_ids(task_id, int(rec["group_size"])):
+                candidates.append(OpenMember(tid, task_id, str(rec["group_id"]), str(rec.get("source", ""))))
+        finals = await self.finals([c.trajectory_id for c in candidates])
+        return [c for c, final in zip(candidates, finals, strict=True) if not final]
+
+    async def abandon_groups(self, group_ids: list[str], group_size: int) -> int:
+        """Free the gate capacity of groups that never completed (the run is over). Returns how many."""
+        return sum([await self.finish_group(gid, accepted=0, rejected=group_size)
+                    for gid in dict.fromkeys(group_ids)])

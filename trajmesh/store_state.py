@@ -1,0 +1,278 @@
+"""The trajectory store's bookkeeping as one pure state machine (no I/O, no torch).
+
+Every trajectory the store takes in as a group member is in exactly one state::
+
+    RECEIVED ──(its group completes, kept)──▶ READY ──(NextBatch)──▶ HANDED_OUT ──(Report)──▶ FINAL
+       │                                         │                       │
+       │ (group filtered / invalid member)       │ (end of run)          │ (a new learner process:
+       └────────────────▶ FINAL ◀────────────────┘                       │  back to READY, in order)
+                                                                         └──▶ READY
+
+Until FINAL a trajectory's TRAJ_GRADED message stays unacked (JetStream redelivers it to a
+restarted store). FINAL means: archived, then (at the next `take_commit`) marked final in Redis and
+acked. Recovery paths:
+
+- **redelivery** of a message the store still holds: the newest handle replaces the old one;
+- **a dead learner** (the next one says so on its first NextBatch): what it took and never
+  reported goes back to READY, in admission order;
+- **a store restart**: the new store learns from Redis which trajectories its predecessor held
+  (`begin_recovery`) and hands nothing to the learner until they are all back (or a deadline
+  passes), so the learner cannot advance past them while they wait for redelivery — the
+  mechanism behind `stale` quarantines after a store restart (issue 16);
+- **the end of a finished run** (`end_of_run`): whatever is still held ends as a recorded final
+  outcome (`filtered:unused_at_end_of_run` or `in_flight_at_stop:held_at_stop`), never a gap.
+
+READY groups are served oldest admission first (`Group.order`, the sampler cursor), so groups
+rebuilt after a restart or recycled from a dead learner never fall behind younger ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trajmesh.contract import Trajectory
+
+UNUSED_AT_END = ("filtered", "unused_at_end_of_run")
+"""Final outcome of a kept trajectory the learner never took before the run finished."""
+HELD_AT_STOP = ("in_flight_at_stop", "held_at_stop")
+"""Final outcome of a member whose group was still incomplete when the finished run stopped."""
+NOT_RETURNED = ("in_flight_at_stop", "not_returned")
+"""Final outcome of an admitted trajectory that never reached a live store before the run stopped."""
+
+
+class TrajectoryState(enum.Enum):
+    RECEIVED = "received"
+    """Taken in as a valid member; its group is still assembling."""
+    READY = "ready"
+    """Its group is complete and kept, waiting for the learner."""
+    HANDED_OUT = "handed_out"
+    """Given to the learner, not yet reported."""
+
+
+@dataclass
+class Group:
+    group_id: str
+    expected: int
+    """G: members admitted for this group's task."""
+    order: int = 1 << 62
+    """Admission order (sampler cursor); READY groups are served lowest first."""
+    source: str = ""
+    members: list[Trajectory] = field(default_factory=list)
+    """Valid members received so far (the ones the learner may train)."""
+    ready_at: float = 0.0
+    """time.time() when the group became ready for the learner."""
+
+
+@dataclass(frozen=True)
+class Final:
+    """A final outcome to archive: `traj` when the store has the trajectory, else only its id."""
+    trajectory_id: str
+    outcome: str
+    reason: str
+    traj: Trajectory | None = None
+
+
+class StoreState:
+    """Owns every held trajectory's and group's state and its transitions (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.assembling: dict[str, Group] = {}
+        """Groups with members RECEIVED, waiting for the rest of their G."""
+        self.ready: list[Group] = []
+        """READY groups, sorted by `order`."""
+        self.held: dict[str, Any] = {}
+        """RECEIVED or READY trajectory id → its unacked message."""
+        self.handed_out: dict[str, Any] = {}
+        """HANDED_OUT trajectory id → its unacked message (None: came back by Report only)."""
+        self.handed_traj: dict[str, Trajectory] = {}
+        """HANDED_OUT trajectory id → the trajectory (to recycle it for a new learner)."""
+        self.handed_order: dict[str, int] = {}
+        """Group id → admission order of groups with members HANDED_OUT."""
+        self.pending_final: list[tuple[str, Any]] = []
+        """(id to mark final or '', message to ack) of outcomes archived but not yet committed."""
+        self.pending_cleanup: list[str] = []
+        """Groups whose Redis membership sets can go at the next commit."""
+        self.owed: set[str] = set()
+        """Recovery: ids a previous store held, not yet back (redelivery) or final."""
+        self.recovery_deadline = 0.0
+        """Recovery: time after which the learner is served even if some owed ids never came back."""
+
+    # ------------------------------------------------------------------ queries
+    def state(self, tid: str) -> TrajectoryState | None:
+        """The state of a held trajectory (None: not held — unknown, or final)."""
+        if tid in self.handed_out:
+            return TrajectoryState.HANDED_OUT
+        if any(t.trajectory_id == tid for g in self.ready for t in g.members):
+            return TrajectoryState.READY
+        if tid in self.held:
+            return TrajectoryState.RECEIVED
+        return None
+
+    def holds(self, tid: str) -> bool:
+        return bool(tid) and (tid in self.held or tid in self.handed_out)
+
+    @property
+    def ready_count(self) -> int:
+        return len(self.ready)
+
+    # ------------------------------------------------------------------ recovery after a store restart
+    def begin_recovery(self, owed: Iterable[str], deadline: float) -> None:
+        """A new store: `owed` are the ids its predecessor held (membership in Redis, not final)."""
+        self.owed = set(owed)
+        self.recovery_deadline = deadline
+
+    def recovering(self, now: float) -> bool:
+        """Whether handing out must wait for owed trajectories to come back."""
+        return bool(self.owed) and now < self.recovery_deadline
+
+    def _seen(self, tid: str) -> None:
+        self.owed.discard(tid)
+
+    # ------------------------------------------------------------------ intake
+    def redelivered(self, tid: str, msg: Any) -> None:
+        """A message for a trajectory already held: keep the newest handle (the old one is dead)."""
+        holder = self.handed_out if tid in self.handed_out else self.held
+        holder[tid] = msg
+        self._seen(tid)
+
+    def finalize(self, tid: str, msg: Any, *, mark: bool = True) -> None:
+        """An outcome was archived: mark `tid` final (unless `mark` is False: not a member) and ack
+        `msg` at the next commit."""
+        self.pending_final.append((tid if mark else "", msg))
+        if tid:
+            self._seen(tid)
+
+    def take_member(self, traj: Trajectory, msg: Any, *, valid: bool, expected: int, order: int, source: str,
+                    received: int, valid_count: int) -> Group | None:
+        """A member whose membership is recorded in Redis (`received`/`valid_count`: the group's
+        counts right after it). A valid one becomes RECEIVED (an invalid one was finalized by the
+        caller). Returns the group when it is now complete: all G came back and every valid
+        member is here (after a store restart the valid members arrive again by redelivery)."""
+        tid, gid = traj.trajectory_id, traj.group_id
+        group = self.assembling.get(gid)
+        if group is None:
+            group = self.assembling[gid] = Group(gid, expected, order=order, source=source)
+        if valid:
+            self.held[tid] = msg
+            self._seen(tid)
+            if all(m.trajectory_id != tid for m in group.members):
+                group.members.append(traj)
+        if received >= group.expected and len(group.members) >= valid_count:
+            del self.assembling[gid]
+            return group
+        return None
+
+    def filter_group(self, group: Group, reason: str) -> list[Final]:
+        """A complete group dropped by a filter: every member FINAL (filtered, `reason`)."""
+        out = [Final(t.trajectory_id, "filtered", reason, t) for t in group.members]
+        for t in group.members:
+            self.finalize(t.trajectory_id, self.held.pop(t.trajectory_id, None))
+        self.pending_cleanup.append(group.group_id)
+        return out
+
+    def make_ready(self, group: Group, now: float) -> None:
+        """A complete group kept: its members become READY."""
+        group.ready_at = now
+        bisect.insort(self.ready, group, key=lambda g: g.order)
+
+    # ------------------------------------------------------------------ the learner
+    def hand_out(self, want_groups: int, max_trajectories: int, now: float) -> list[Trajectory]:
+        """Whole READY groups, oldest admission first, up to `want_groups` groups and
+        `max_trajectories`; [] unless `want_groups` are ready and no recovery is pending."""
+        if self.recovering(now) or len(self.ready) < want_groups:
+            return []
+        out: list[Trajectory] = []
+        while self.ready and want_groups > 0 and len(out) + len(self.ready[0].members) <= max_trajectories:
+            group = self.ready.pop(0)
+            out.extend(group.members)
+            self.handed_order[group.group_id] = group.order
+            want_groups -= 1
+        for t in out:
+            self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
+            self.handed_traj[t.trajectory_id] = t
+        return out
+
+    def report(self, tid: str) -> tuple[Any, str | None]:
+        """The learner's verdict on `tid` (trained or quarantined): it leaves every buffer.
+        Returns its message (None if not held) and its group id (if it was HANDED_OUT). The
+        caller archives the outcome (unless it was final already) and calls `finalize`."""
+        msg = self.handed_out.pop(tid, None) or self.held.pop(tid, None)
+        self.held.pop(tid, None)
+        traj = self.handed_traj.pop(tid, None)
+        for group in list(self.ready) + list(self.assembling.values()):
+            group.members = [t for t in group.members if t.trajectory_id != tid]
+        self.ready = [g for g in self.ready if g.members]
+        self._seen(tid)
+        return msg, traj.group_id if traj is not None else None
+
+    def done_reporting(self, group_ids: Iterable[str]) -> None:
+        """Groups whose reported members are final: their Redis membership goes at the next commit."""
+        for gid in group_ids:
+            self.handed_order.pop(gid, None)
+            self.pending_cleanup.append(gid)
+
+    def recycle_handed_out(self, now: float) -> int:
+        """A new learner process: what the previous one took and never reported goes back to
+        READY, whole groups in admission order. Returns the number of groups."""
+        by_group: dict[str, list[Trajectory]] = {}
+        for traj in self.handed_traj.values():
+            by_group.setdefault(traj.group_id, []).append(traj)
+        for gid, members in by_group.items():
+            order = self.handed_order.pop(gid, 1 << 62)
+            self.make_ready(Group(gid, len(members), order=order, members=members), now)
+            for t in members:
+                self.held[t.trajectory_id] = self.handed_out.pop(t.trajectory_id)
+        self.handed_traj.clear()
+        return len(by_group)
+
+    # ------------------------------------------------------------------ the end of a finished run
+    def end_of_run(self) -> list[Final]:
+        """The run is finished: everything still held becomes FINAL — READY and HANDED_OUT as
+        unused, members of incomplete groups as held at stop. Returns what to archive."""
+        out: list[Final] = []
+        for group in self.ready:
+            out += [Final(t.trajectory_id, *UNUSED_AT_END, t) for t in group.members]
+        out += [Final(tid, *UNUSED_AT_END, t) for tid, t in self.handed_traj.items()]
+        for group in self.assembling.values():
+            out += [Final(t.trajectory_id, *HELD_AT_STOP, t) for t in group.members]
+        for f in out:
+            msg = self.held.pop(f.trajectory_id, None) or self.handed_out.pop(f.trajectory_id, None)
+            self.finalize(f.trajectory_id, msg)
+        self.pending_cleanup += [g.group_id for g in self.ready] + list(self.assembling) + list(self.handed_order)
+        self.ready, self.assembling = [], {}
+        self.handed_traj.clear()
+        self.handed_order.clear()
+        return out
+
+    # ------------------------------------------------------------------ commit
+    def take_commit(self) -> tuple[list[str], list[Any], list[str]]:
+        """(ids to mark final, messages to ack, groups to clean up) since the last commit. The
+        caller flushes the archive first, then marks, acks and cleans up, in that order."""
+        pending, self.pending_final = self.pending_final, []
+        groups, self.pending_cleanup = self.pending_cleanup, []
+        ids = [tid for tid, _ in pending if tid]
+        return ids, [m for _, m in pending if m is not None], groups
+
+    def live_messages(self) -> list[Any]:
+        """Messages to heartbeat (in-progress acks) while this store lives."""
+        return [m for m in list(self.held.values()) + list(self.handed_out.values()) if m is not None]
+
+
+def filter_reason(rewards: list[float], *, drop_zero_variance: bool) -> str:
+    """Why a complete group is dropped ('' = kept): fewer than 2 valid members, or all rewards
+    equal when dynamic sampling is on."""
+    if len(rewards) < 2:
+        return "group_too_small"
+    if drop_zero_variance and max(rewards) == min(rewards):
+        return "zero_variance"
+    return ""
+
+
+def member_ids(task_id: str, group_size: int) -> list[str]:
+    """The trajectory ids rollout gives a task's G samples (`services/rollout.py`: task id + index)."""
+    return [f"{task_id}-{i}" for i in range(group_size)]
+
