@@ -271,3 +271,26 @@ def test_zero_grad_discards_accumulated_grads(world, typ, stage):
     pa, pb = a.full_state_dict(), b.full_state_dict()
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "typ,stage", ENGINES + [pytest.param("deepspeed", 3, id="ds-zero3", marks=needs_ds)]
+)
+def test_accumulated_micro_batches_equal_one_batch(world, typ, stage):
+    """Three micro-batches (boundary only on the last), each loss scaled by the whole batch's
+    size, give the same gradient norm and update as one backward over the batch."""
+    x, y = fixed_batch()
+    a = build(make_mlp(), typ, stage, grad_clip=0.0)
+    b = build(make_mlp(), typ, stage, grad_clip=0.0)
+    cuts = [(0, 10), (10, 40), (40, 64)]
+    for i, (lo, hi) in enumerate(cuts):
+        loss = ((a.module(x[lo:hi]) - y[lo:hi]) ** 2).sum() / y.numel()
+        a.backward(loss, boundary=i == len(cuts) - 1)
+    sa = a.step()
+    b.backward(((b.module(x) - y) ** 2).sum() / y.numel())
+    sb = b.step()
+    assert sa["grad_norm"] == pytest.approx(sb["grad_norm"], rel=1e-5)
+    assert sa["grad_norm"] > 0
+    pa, pb = a.full_state_dict(), b.full_state_dict()
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=1e-5)
