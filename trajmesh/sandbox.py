@@ -1,29 +1,36 @@
-"""Run untrusted, model-written Python with no network, a fresh filesystem and hard limits (no torch).
+"""Run untrusted, model-written Python in its own root, namespaces and limits, rootless (no torch).
 
 ::
 
-    run_code(code) ── unshare --net --mount --pid --fork --kill-child ──▶ init (pid 1, root)
-        │ stdout/stderr (capped)        │ fresh tmpfs on /tmp, /var/tmp, /dev/shm; /root etc. masked
-        │ audit pipe (violation kinds)  │ fork ──▶ user child: rlimits, uid from a leased range,
-        │ report pipe (exit, orphans)   │          no caps, clean env ─▶ python -I main.py
-        ▼                               ▼ exit ──▶ the kernel kills everything left in the pid ns
-    SandboxResult(status, subclass)
+    run_code(code) ─ python -I -S (init; payload on a memfd) ─ unshare user+mnt+pid+ipc+uts+net+cgroup+time
+        │ stdin fed, stdout/stderr read,      │ fork ─▶ pid 1: tmpfs root, read-only nosuid nodev binds of
+        │ audit + report pipes read (capped)  │        the interpreter prefixes and system libraries, a
+        │ all from one selector loop          │        capped tmpfs /tmp, fresh /proc, pivot_root
+        │ deadline: SIGKILL to pid 1          │   fork ─▶ program: rlimits, uid 1000 in the namespace, no
+        ▼                                     ▼          groups/caps, anonymous session keyring,
+    SandboxResult(status, subclass)                      no_new_privs, seccomp ─▶ python -I main.py
 
-Containment is the kernel's: a network namespace with only a down loopback (no NATS/Redis
-reachable), a mount namespace whose writable places are fresh tmpfs, a pid namespace (nothing
-outlives the call; the parent's processes are invisible), an unprivileged uid that is unique per
-concurrent call (so RLIMIT_NPROC holds — root ignores it), and rlimits for CPU, address space,
-processes, file size and open files. The service enforces the wall-clock deadline and the output
-cap. Classification is best effort: a Python audit hook in the sandbox reports which forbidden
-operation was attempted (network, fs_write, secret_access, signal), the init reports orphans, and
-exit signals / messages give the resource class. Needs root (or CAP_SYS_ADMIN) and util-linux.
+Containment is the kernel's (docs/SECURITY.md, "Sandbox"): a user namespace maps one uid (the
+caller's own when rootless, a leased one when root), so no capability or host uid is held; the
+mount namespace's root is a fresh tmpfs with only the interpreter and system libraries bound
+read-only (no host data, socket directory or checkout is reachable), writable space is one tmpfs
+capped in bytes and inodes; private network (down loopback), IPC, UTS, cgroup, time and PID
+namespaces (nothing outlives the call); `PR_SET_NO_NEW_PRIVS` and nosuid mounts (setuid binaries
+gain nothing); a seccomp filter denying keyring, io_uring, ptrace, bpf, mount-family and
+namespace-creation calls (`SECCOMP_DENY`); rlimits for CPU, address space, processes, file size
+and open files. The service enforces the wall-clock deadline and the output cap. Classification
+is best effort: a Python audit hook in the sandbox names which forbidden operation was attempted
+(network, fs_write, secret_access, signal), the init reports orphans, and exit signals / messages
+give the resource class. Needs only unprivileged user namespaces (root is not required).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
+import platform
 import random
 import selectors
 import shutil
@@ -50,11 +57,54 @@ AUDIT_CAP_BYTES, REPORT_CAP_BYTES = 4096, 4096
 """Most bytes read from the audit and report pipes (the program can write to the audit pipe)."""
 
 UID_BASE, UID_COUNT = 200_000, 1024
-"""Sandboxes run as uid/gid UID_BASE + k, each leased to one call at a time (RLIMIT_NPROC is per uid)."""
+"""As root, each call's namespace uid maps to host uid UID_BASE + k, leased to one call at a time."""
 LEASE_DIR = "/run/trajmesh-sandbox"
-MASKED_DIRS = ("/root", "/home", "/run/secrets", "/var/run/secrets", "/etc/trajmesh")
-"""Hidden behind an empty tmpfs inside the sandbox (service secrets, credentials, home dirs)."""
-FRESH_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
+SANDBOX_UID = 1000
+"""The program's uid and gid inside its user namespace (the only ones mapped)."""
+SYSTEM_BINDS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+                "/etc/localtime", "/etc/alternatives")
+"""Host paths bound read-only into the sandbox's root (those that exist), besides the interpreter's
+prefixes. Symlinks (merged /usr) are recreated as symlinks."""
+DEVICES = ("null", "zero", "full", "random", "urandom")
+"""Device files bound into the sandbox's /dev."""
+
+SECCOMP_DENY = (
+    "keyctl", "add_key", "request_key",                             # keyrings
+    "io_uring_setup", "io_uring_enter", "io_uring_register",        # io_uring
+    "ptrace", "process_vm_readv", "process_vm_writev",              # reading/writing other processes
+    "bpf", "perf_event_open", "userfaultfd",                        # kernel attack surface
+    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig",
+    "fsmount", "fspick", "mount_setattr",                           # mount family
+    "unshare", "setns",                                             # namespace creation / entry
+    "open_by_handle_at", "name_to_handle_at",                       # file handles (bypass paths)
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "acct", "swapon", "swapoff", "reboot", "syslog", "quotactl", "sethostname", "setdomainname",
+    "fanotify_init", "lookup_dcookie",
+)
+"""Syscalls the sandboxed program gets EPERM for. Also: `clone` with any CLONE_NEW* flag is EPERM,
+`clone3` is ENOSYS (its flags are out of the filter's reach; libc falls back to clone), and a
+foreign syscall ABI (x32, i386 on x86_64) kills the process."""
+SYSCALL_NUMBERS = {
+    "x86_64": dict(keyctl=250, add_key=248, request_key=249, io_uring_setup=425, io_uring_enter=426,
+                   io_uring_register=427, ptrace=101, process_vm_readv=310, process_vm_writev=311, bpf=321,
+                   perf_event_open=298, userfaultfd=323, mount=165, umount2=166, pivot_root=155, chroot=161,
+                   move_mount=429, open_tree=428, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
+                   mount_setattr=442, unshare=272, setns=308, open_by_handle_at=304, name_to_handle_at=303,
+                   kexec_load=246, kexec_file_load=320, init_module=175, finit_module=313, delete_module=176,
+                   acct=163, swapon=167, swapoff=168, reboot=169, syslog=103, quotactl=179, sethostname=170,
+                   setdomainname=171, fanotify_init=300, lookup_dcookie=212, clone=56, clone3=435),
+    "aarch64": dict(keyctl=219, add_key=217, request_key=218, io_uring_setup=425, io_uring_enter=426,
+                    io_uring_register=427, ptrace=117, process_vm_readv=270, process_vm_writev=271, bpf=280,
+                    perf_event_open=241, userfaultfd=282, mount=40, umount2=39, pivot_root=41, chroot=51,
+                    move_mount=429, open_tree=428, fsopen=430, fsconfig=431, fsmount=432, fspick=433,
+                    mount_setattr=442, unshare=97, setns=268, open_by_handle_at=265, name_to_handle_at=264,
+                    kexec_load=104, kexec_file_load=294, init_module=105, finit_module=273, delete_module=106,
+                    acct=89, swapon=224, swapoff=225, reboot=142, syslog=116, quotactl=60, sethostname=161,
+                    setdomainname=162, fanotify_init=262, lookup_dcookie=18, clone=220, clone3=435),
+}
+"""Syscall numbers per machine (from the kernel's unistd tables); other machines are refused."""
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+"""seccomp_data.arch of each machine's native ABI."""
 
 
 @dataclass(frozen=True)
@@ -66,14 +116,17 @@ class SandboxLimits:
     memory_bytes: int = 1 << 30
     """Address space of each sandboxed process (RLIMIT_AS)."""
     max_processes: int = 32
-    """Processes of the sandbox uid (RLIMIT_NPROC), the program included."""
+    """Processes of the sandbox uid in its namespace (RLIMIT_NPROC), the program included."""
     file_size_bytes: int = 8 << 20
     """Largest file the program may write (RLIMIT_FSIZE)."""
     tmpfs_bytes: int = 64 << 20
-    """Size of the fresh /tmp."""
+    """Size of the writable /tmp (also /dev/shm: the same tmpfs), the only writable place."""
+    tmpfs_inodes: int = 4096
+    """Files and directories the writable /tmp may hold (a file-count fill stops here)."""
     output_bytes: int = 64 << 10
     """stdout + stderr cap; more is `output_limit` and the program is killed."""
     open_files: int = 64
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
 
 
 @dataclass
@@ -93,62 +146,135 @@ class SandboxResult:
 
 
 def available() -> bool:
-    """True where the sandbox can run: root (namespaces, uid switch) and util-linux `unshare`."""
-    return os.geteuid() == 0 and shutil.which("unshare") is not None
+    """True where the sandbox can run here (see `unavailable_reason`)."""
+    return not unavailable_reason()
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str:
+    """Why the sandbox cannot run on this machine ("" when it can): an unknown machine type (no
+    seccomp table), or a kernel refusing user namespaces to this uid (probed once per process)."""
+    if platform.machine() not in SYSCALL_NUMBERS:
+        return f"no seccomp syscall table for machine {platform.machine()!r}"
+    probe = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "if libc.unshare(0x10000000 | 0x20000 | 0x20000000 | 0x08000000 | 0x04000000 | 0x40000000) != 0:\n"
+             "    raise SystemExit(os.strerror(ctypes.get_errno()))\n")
+    try:
+        out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True,
+                             timeout=60, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot start the interpreter: {exc}"
+    if out.returncode != 0:
+        return f"user namespaces refused to uid {os.geteuid()}: {out.stderr.strip()[-200:]}"
+    return ""
 
 
 def uses_uid_pool() -> bool:
-    """True where each call leases its own host uid (root); rootless calls all run as the caller's uid."""
+    """True where each call leases its own host uid (root); rootless calls all map the caller's uid."""
     return os.geteuid() == 0
 
 
-# The init runs as pid 1 of the new namespaces, as root, with `python -I -S`.
+# The init: started by the service with only a tiny bootstrap on its command line (so the program's
+# /proc/1/cmdline shows no host path or config); the payload (this script, cfg, code) is on a memfd.
+_BOOTSTRAP = ("import json, os, sys\nfd = int(sys.argv[1]); b = b''\nwhile True:\n    c = os.read(fd, 1 << 16)\n"
+              "    if not c:\n        break\n    b += c\nos.close(fd)\nP = json.loads(b)\nexec(P['init'])\n")
+
 _INIT = r"""
-import ctypes, json, os, sys
-cfg = json.loads(sys.argv[1])
+import ctypes, json, os, signal, struct
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals from inside
+cfg = P["cfg"]
 libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC = 1, 2, 4, 32, 4096, 8192, 16384
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+NS = 0x10000000 | 0x20000 | 0x20000000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000 | 0x80
+U, G = cfg["inner_id"], cfg["inner_id"]
+
+def check(ret, what):
+    if ret != 0:
+        raise OSError(ctypes.get_errno(), what)
+
 def mount(src, dst, fstype, flags, data=None):
-    if libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
-                  data and data.encode()) != 0:
-        raise OSError(ctypes.get_errno(), "mount " + dst)
-code = open(cfg["code_path"], "rb").read()
-stdin_data = None
-# Python installs under /tmp, /var/tmp or /dev/shm (e.g. a checkout's venv in /tmp) are about to be
-# hidden by fresh tmpfs: hold them open now and bind them back read-only afterwards.
-held = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in cfg["expose_fresh"]]
-mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=1777" % cfg["tmpfs_bytes"])
-for d in cfg["fresh"]:
-    if os.path.isdir(d):
-        mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=1777")
-stage = []
-for i, p in enumerate(cfg["expose"]):  # python installs under masked dirs: stage, mask, re-expose ro
-    s = "/tmp/.stage%d" % i
-    os.mkdir(s)
-    mount(p, s, None, MS_BIND | MS_REC)
-    stage.append((s, p))
-for d in cfg["masked"]:
-    if os.path.isdir(d):
-        mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-for s, p in stage:
-    os.makedirs(p, exist_ok=True)
-    mount(s, p, None, MS_MOVE)
-    mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
-    os.rmdir(s)
-for fd, p in held:
-    os.makedirs(p, exist_ok=True)
-    mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
-    mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC)
-    os.close(fd)
-uid = cfg["uid"]
-os.mkdir("/tmp/work", 0o755)
-with open("/tmp/work/main.py", "wb") as fh:
-    fh.write(code)
-os.chown("/tmp/work", uid, uid)
-os.chown("/tmp/work/main.py", uid, uid)
-report_fd, audit_fd = cfg["report_fd"], cfg["audit_fd"]
-pid = os.fork()
-if pid == 0:
+    check(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
+                     data and data.encode()), "mount " + dst)
+
+def bind_ro(fd, dst):
+    mount("/proc/self/fd/%d" % fd, dst, None, MS_BIND)
+    st = os.fstatvfs(fd)  # flags locked on the source mount must be kept (user namespace rule)
+    keep = sum(ms for st_flag, ms in ((8, MS_NOEXEC), (1024, 1024), (2048, 2048), (4096, 1 << 21)) if st.f_flag & st_flag)
+    mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
+
+def place(src, kind, target, root):
+    dst = root + src
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if kind == "link":
+        os.symlink(target, dst)
+    elif kind == "dir":
+        os.makedirs(dst, exist_ok=True)
+        bind_ro(FDS[src], dst)
+    elif kind == "file":
+        open(dst, "w").close()
+        bind_ro(FDS[src], dst)
+    else:  # a device: a plain bind (its mount's nodev, if any, is the host's)
+        open(dst, "w").close()
+        mount("/proc/self/fd/%d" % FDS[src], dst, None, MS_BIND)
+
+def build_root():
+    # Only the interpreter prefixes, system libraries and a few devices, read-only; /tmp writable.
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    r = cfg["root"]
+    mount("tmpfs", r, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=755")
+    for d in ("tmp", "dev", "proc", "etc"):
+        os.mkdir(r + "/" + d, 0o755)
+    mount("tmpfs", r + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+          "size=%d,nr_inodes=%d,mode=1777" % (cfg["tmpfs_bytes"], cfg["tmpfs_inodes"]))
+    for src, kind, target in cfg["binds"]:
+        place(src, kind, target, r)
+    os.mkdir(r + "/dev/shm")
+    mount(r + "/tmp", r + "/dev/shm", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, r + "/dev/" + name)
+    try:  # before pivot_root: the kernel allows a new proc only beside a fully visible one
+        mount("proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        have_proc = True
+    except OSError:  # masked host /proc (a pod without procMount: Unmasked): run without /proc
+        have_proc = False
+    os.makedirs(r + "/tmp/work", 0o755)
+    with open(r + "/tmp/work/main.py", "wb") as fh:
+        fh.write(P["code"].encode("utf-8", "surrogatepass"))
+    os.chown(r + "/tmp/work", U, G)
+    os.chown(r + "/tmp/work/main.py", U, G)
+    os.chdir(r)
+    check(libc.syscall(cfg["nr"]["pivot_root"], b".", b"."), "pivot_root")
+    check(libc.umount2(b".", 2), "umount old root")  # MNT_DETACH
+    os.chdir("/")
+    mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    check(libc.sethostname(b"sandbox", 7), "sethostname")
+    return have_proc
+
+def seccomp_filter():
+    nr, deny = cfg["nr"], cfg["deny"]
+    ins = [(0x20, 0, 0, 4), (0x15, 1, 0, cfg["arch"]), (0x06, 0, 0, 0x80000000), (0x20, 0, 0, 0)]
+    if cfg["arch"] == 0xC000003E:
+        ins += [(0x35, 0, 1, 0x40000000), (0x06, 0, 0, 0x80000000)]  # x32 ABI: kill
+    for name in deny:
+        ins += [(0x15, 0, 1, nr[name]), (0x06, 0, 0, 0x50000 | 1)]  # EPERM
+    ins += [(0x15, 0, 1, nr["clone3"]), (0x06, 0, 0, 0x50000 | 38)]  # ENOSYS: libc falls back to clone
+    ins += [(0x15, 0, 3, nr["clone"]), (0x20, 0, 0, 16), (0x45, 0, 1, 0x7E020080), (0x06, 0, 0, 0x50000 | 1)]
+    ins += [(0x06, 0, 0, 0x7FFF0000)]
+    return b"".join(struct.pack("=HBBI", *i) for i in ins), len(ins)
+
+def drop_privileges():
+    os.setresgid(G, G, G)
+    os.setresuid(U, U, U)
+    libc.syscall(cfg["nr"]["keyctl"], 1, None)  # KEYCTL_JOIN_SESSION_KEYRING: a new anonymous one
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last cap)
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+    check(libc.capset(struct.pack("=Ii", 0x20080522, 0), bytes(24)), "capset")
+    check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL (after the uid change, which clears it)
+
+def run_program():
     import resource
     L = cfg["limits"]
     for what, val in ((resource.RLIMIT_CPU, (L["cpu_s"], L["cpu_s"] + 1)),
@@ -158,32 +284,94 @@ if pid == 0:
                       (resource.RLIMIT_NOFILE, (L["open_files"],) * 2),
                       (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(what, val)
-    os.close(report_fd)
+    audit_fd = cfg["audit_fd"]
     os.closerange(3, audit_fd)
     os.closerange(audit_fd + 1, 1 << 16)
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL (after the uid change, which clears it)
+    drop_privileges()
     os.chdir("/tmp/work")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp/work", "LANG": "C.UTF-8",
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MPLCONFIGDIR": "/tmp"}
-    os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["boot"], str(audit_fd)] + cfg["expose"]
-              + cfg["expose_fresh"], env)
-os.close(audit_fd)
-_, status, usage = os.wait4(pid, 0)
-orphans = 0
-for name in os.listdir("/proc"):
-    if name.isdigit() and name != "1":
+    prog, n = seccomp_filter()
+    buf = ctypes.create_string_buffer(prog)
+    fprog = struct.pack("=HxxxxxxQ", n, ctypes.addressof(buf))
+    check(libc.prctl(22, 2, fprog, 0, 0), "seccomp")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["boot"], str(audit_fd)] + cfg["prefixes"], env)
+
+def count_orphans():
+    n = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != "1":
+            try:
+                n += open("/proc/%s/stat" % name).read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                continue
+    return n
+
+def pid1():
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG: the service's kill of the init reaches the namespace
+    have_proc = build_root()
+    pid = os.fork()
+    if pid == 0:
+        os.close(cfg["report_fd"])
+        run_program()
+    os.close(cfg["audit_fd"])
+    _, status, usage = os.wait4(pid, 0)
+    rep = {"exited": os.WIFEXITED(status), "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+           "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+           "cpu_s": usage.ru_utime + usage.ru_stime, "orphans": count_orphans() if have_proc else 0}
+    os.write(cfg["report_fd"], (json.dumps(rep) + "\n").encode())
+
+def namespaced():
+    # Runs in the new namespaces once the parent has written the id maps.
+    global FDS  # bind sources, opened with the caller's access (the program's uid may not reach /root/...)
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG: the service's kill of the init reaches the namespace
+    FDS = {src: os.open(src, os.O_PATH) for src, kind, _ in cfg["binds"] if kind != "link"}
+    if cfg["root_mode"]:  # host uid 0 is unmapped here: take the mapped id (capabilities in the namespace stay)
+        os.setgroups([])
+        os.setresgid(G, G, G)
+        os.setresuid(U, U, U)
+    child = os.fork()
+    if child == 0:
         try:
-            state = open("/proc/%s/stat" % name).read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        orphans += state != "Z"
-rep = {"exited": os.WIFEXITED(status), "code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-       "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-       "cpu_s": usage.ru_utime + usage.ru_stime, "orphans": orphans}
-os.write(report_fd, json.dumps(rep).encode())
+            pid1()
+        except BaseException as exc:
+            os.write(2, ("sandbox init: %s: %s\n" % (type(exc).__name__, exc)).encode())
+            os._exit(111)
+        os._exit(0)
+    os.write(cfg["report_fd"], b"pid %d\n" % child)
+    os.close(cfg["audit_fd"])
+    _, status = os.waitpid(child, 0)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 112)
+
+def write_id_maps(pid):
+    # From the parent namespace: root may map the leased uid; rootless maps only its own uid.
+    if not cfg["root_mode"]:
+        with open("/proc/%d/setgroups" % pid, "w") as fh:
+            fh.write("deny")
+    for name, outer in (("uid_map", cfg["outer_uid"]), ("gid_map", cfg["outer_gid"])):
+        with open("/proc/%d/%s" % (pid, name), "w") as fh:
+            fh.write("%d %d 1" % (U, outer))
+
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
+inner = os.fork()
+if inner == 0:
+    try:
+        check(libc.unshare(NS), "unshare")
+        os.write(ready_w, b"u")
+        if os.read(go_r, 1) != b"m":
+            os._exit(113)
+        namespaced()
+    except BaseException as exc:
+        os.write(2, ("sandbox init: %s: %s\n" % (type(exc).__name__, exc)).encode())
+        os._exit(111)
+os.close(cfg["audit_fd"])
+os.close(ready_w)
+if os.read(ready_r, 1) == b"u":
+    write_id_maps(inner)
+    os.write(go_w, b"m")
+_, status = os.waitpid(inner, 0)
+os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 112)
 """
 
 # Runs in the sandboxed interpreter before the program: reports attempted violations (the kernel
@@ -271,11 +459,28 @@ def encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def _python_prefixes_under(dirs: tuple[str, ...]) -> list[str]:
-    """This interpreter's install prefixes (base and venv) that lie under one of `dirs`."""
-    out = {p for p in (os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix))
-           if any(p == d or p.startswith(d + "/") for d in dirs)}
-    return sorted(out)
+def _python_prefixes() -> list[str]:
+    """This interpreter's install prefixes (base and venv), outermost only, outside SYSTEM_BINDS."""
+    found = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)})
+    out: list[str] = []
+    for p in found:
+        covered = [d for d in (*SYSTEM_BINDS, *out) if p == d or p.startswith(d.rstrip("/") + "/")]
+        if not covered and p != "/":
+            out.append(p)
+    return out
+
+
+def _binds() -> list[tuple[str, str, str]]:
+    """(host path, kind, symlink target) of everything the sandbox's root holds besides /tmp."""
+    out = []
+    for path in (*SYSTEM_BINDS, *_python_prefixes()):
+        if os.path.islink(path) and path in SYSTEM_BINDS:
+            out.append((path, "link", os.readlink(path)))
+        elif os.path.isdir(path):
+            out.append((path, "dir", ""))
+        elif os.path.isfile(path):
+            out.append((path, "file", ""))
+    return out + [(f"/dev/{name}", "dev", "") for name in DEVICES if os.path.exists(f"/dev/{name}")]
 
 
 def _classify(rep: dict, violations: list[str], stderr: str, killed_for: str, limits: SandboxLimits) -> str:
@@ -313,47 +518,53 @@ def run_code(code: str, *, stdin: str = "", limits: SandboxLimits | None = None)
 
 
 def _run(code: str, stdin: str, limits: SandboxLimits, start: float) -> SandboxResult:
-    if not available():
-        return SandboxResult(SANDBOX_ERROR, "setup", stderr="sandbox needs root and util-linux unshare")
-    lease = _UidLease.acquire()
-    if lease is None:
+    problem = unavailable_reason()
+    if problem:
+        return SandboxResult(SANDBOX_ERROR, "setup", stderr=f"sandbox unavailable: {problem}")
+    lease = _UidLease.acquire() if uses_uid_pool() else None
+    if uses_uid_pool() and lease is None:
         return SandboxResult(SANDBOX_ERROR, "setup", stderr="no free sandbox uid (all leases taken)",
                              wall_s=time.monotonic() - start)
-    host_dir = tempfile.mkdtemp(prefix="trajmesh-sbx-")
-    report_r, report_w = os.pipe()
-    audit_r, audit_w = os.pipe()
+    root = tempfile.mkdtemp(prefix="trajmesh-sbx-")
+    fds: list[int] = []
     try:
-        code_path = os.path.join(host_dir, "main.py")
-        with open(code_path, "wb") as fh:
-            fh.write(encode(code))
-        cfg = {
-            "code_path": code_path, "uid": lease.uid, "report_fd": report_w, "audit_fd": audit_w,
-            "tmpfs_bytes": limits.tmpfs_bytes, "fresh": [d for d in FRESH_TMPFS if d != "/tmp"],
-            "masked": list(MASKED_DIRS), "expose": _python_prefixes_under(MASKED_DIRS),
-            "expose_fresh": _python_prefixes_under(FRESH_TMPFS),
-            "python": sys.executable,
-            "boot": _BOOT, "limits": {k: getattr(limits, k) for k in
-                                      ("cpu_s", "memory_bytes", "max_processes", "file_size_bytes", "open_files")},
-        }
-        cmd = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-               sys.executable, "-I", "-S", "-c", _INIT, json.dumps(cfg)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=(report_w, audit_w), env={"PATH": "/usr/bin:/bin"},
+        report_r, report_w = os.pipe()
+        audit_r, audit_w = os.pipe()
+        payload = os.memfd_create("trajmesh-sandbox-init")
+        fds += [report_r, report_w, audit_r, audit_w, payload]
+        outer = (lease.uid, lease.uid) if lease else (os.geteuid(), os.getegid())
+        os.write(payload, json.dumps({"init": _INIT, "code": code, "cfg": _init_config(
+            limits, root, outer, report_w, audit_w)}).encode())
+        os.lseek(payload, 0, os.SEEK_SET)
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(payload)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=(report_w, audit_w, payload), env={"PATH": "/usr/bin:/bin"},
                                 start_new_session=True, close_fds=True)
-        os.close(report_w)
-        os.close(audit_w)
-        report_w = audit_w = -1
+        for fd in (report_w, audit_w, payload):
+            os.close(fd)
+            fds.remove(fd)
         return _collect(proc, report_r, audit_r, stdin, limits, start)
     finally:
-        for fd in (report_r, audit_r, report_w, audit_w):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        shutil.rmtree(host_dir, ignore_errors=True)
-        _reap(lease.uid)
-        lease.release()
+        for fd in fds:
+            os.close(fd)
+        os.rmdir(root)
+        if lease is not None:
+            _reap(lease.uid)
+            lease.release()
+
+
+def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], report_w: int,
+                 audit_w: int) -> dict[str, Any]:
+    machine = platform.machine()
+    return {
+        "root": root, "root_mode": uses_uid_pool(), "outer_uid": outer[0], "outer_gid": outer[1],
+        "inner_id": SANDBOX_UID, "report_fd": report_w, "audit_fd": audit_w, "binds": _binds(),
+        "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes,
+        "prefixes": _python_prefixes(), "python": sys.executable, "boot": _BOOT,
+        "nr": SYSCALL_NUMBERS[machine], "deny": list(SECCOMP_DENY), "arch": AUDIT_ARCH[machine],
+        "limits": {k: getattr(limits, k) for k in ("cpu_s", "memory_bytes", "max_processes", "file_size_bytes",
+                                                   "open_files")},
+    }
 
 
 def _reap(uid: int, timeout_s: float = 5.0) -> None:
@@ -396,8 +607,8 @@ def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: 
     sel.close()
     feed.close()
     if killed_for:
-        proc.kill()  # --kill-child: the init dies, and with it the whole pid namespace
-    proc.wait()
+        _kill(proc, bufs[report_r])
+    proc.wait()  # the init waits for pid 1, whose exit waits out every process of its namespace
     for fd in (report_r, audit_r):  # after a kill, keep what was already written (capped)
         try:
             os.set_blocking(fd, False)
@@ -406,6 +617,17 @@ def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: 
             pass
     return _result(bufs[proc.stdout.fileno()], bufs[proc.stderr.fileno()], bufs[report_r], bufs[audit_r],
                    killed_for, limits, start)
+
+
+def _kill(proc: subprocess.Popen[bytes], report: bytearray) -> None:
+    """SIGKILL to the namespace's pid 1 (all its processes die with it), then to the init."""
+    first = bytes(report).split(b"\n", 1)[0]
+    if first.startswith(b"pid ") and first[4:].isdigit() and proc.poll() is None:
+        try:  # pid 1 is the init's child: while the init runs (unreaped child), the pid is not reused
+            os.kill(int(first[4:]), signal.SIGKILL)
+        except OSError:
+            pass
+    proc.kill()
 
 
 class _StdinFeed:
@@ -473,10 +695,13 @@ def _result(out: bytearray, err: bytearray, report: bytearray, audit: bytearray,
     stderr = bytes(err)[: limits.output_bytes].decode("utf-8", "replace")
     names = set(bytes(audit).decode("ascii", "replace").split())
     violations = sorted(names.intersection(VIOLATIONS))
-    try:
-        rep = json.loads(bytes(report) or b"{}")
-    except ValueError:
-        rep = {}
+    rep: Any = {}
+    for line in bytes(report).splitlines():
+        if line.startswith(b"{"):
+            try:
+                rep = json.loads(line)
+            except ValueError:
+                rep = {}
     if not isinstance(rep, dict) or (not rep and not killed_for):
         return SandboxResult(SANDBOX_ERROR, "setup", stdout=stdout, stderr=stderr,
                              wall_s=time.monotonic() - start, violations=violations)
