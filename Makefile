@@ -45,3 +45,12 @@ demo: setup
 
 clean:
 	rm -rf runs .pytest_cache
+
+# The engine conformance suite and every `gpu`-marked test against a local SGLang server (needs a
+# CUDA GPU and SGLang; docs/ENGINE.md). SGLANG_MODEL: an HF model directory.
+.PHONY: gpu-check
+SGLANG_MODEL ?=
+SGLANG_ARGS ?=
+gpu-check: setup
+	@test -n "$(SGLANG_MODEL)" || { echo "set SGLANG_MODEL=/path/to/hf/model (docs/ENGINE.md)"; exit 2; }
+	$(PY) -m trajmesh.rollout.sglang_check --model $(SGLANG_MODEL) $(SGLANG_ARGS)

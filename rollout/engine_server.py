@@ -3,7 +3,7 @@ trajmesh's rollout client uses, so one client (``engine_client.EngineClient``) d
 
 ```
  HTTP /generate ──▶ _Request ──▶ asyncio.Queue (bounded) ──▶ _generation_loop ──▶ worker thread
-   (one future per prompt;                                    (drains up to         sample_batch():
+   (one future per prompt;                                    (drains up to         decode_batch():
     a batch body fans out)                                     max_batch, one        left-padded batch,
         ▲                                                      round at a time,      KV cache, token by
         └──────────── futures resolved with output ids, ◀──── holding _round_lock)  token, polls abort
@@ -43,12 +43,12 @@ from typing import Any
 
 import torch
 from aiohttp import web
-from trajmesh.learner.evaluate import Sampled, SamplingParams, sample_batch
+from trajmesh.learner.evaluate import Sampled
 from trajmesh.learner.models import load_model
+from trajmesh.rollout.torch_sampler import RequestSampling, decode_batch
 
 log = logging.getLogger("trajmesh.rollout.engine_server")
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 QUEUE_LIMIT = 4096
 
 
@@ -56,7 +56,7 @@ QUEUE_LIMIT = 4096
 class _Request:
     rid: str
     input_ids: list[int]
-    params: SamplingParams
+    params: RequestSampling
     return_logprob: bool
     future: asyncio.Future = field(repr=False)
 
@@ -65,22 +65,23 @@ def _aborted() -> Sampled:
     return Sampled(finish_reason={"type": "abort", "message": "generation paused"})
 
 
-def _parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
-    raw = dict(raw or {})
-    if raw.get("stop"):
-        raise ValueError("string stop sequences are not supported by the torch engine; use stop_token_ids")
-    if int(raw.get("n", 1)) != 1:
-        raise ValueError("n > 1 is not supported; send a batch of input_ids instead")
-    max_new = raw.get("max_new_tokens")
-    top_k = int(raw.get("top_k", -1) if raw.get("top_k") is not None else -1)
-    return SamplingParams(
-        temperature=float(raw.get("temperature", 1.0) if raw.get("temperature") is not None else 1.0),
-        top_p=float(raw.get("top_p", 1.0) if raw.get("top_p") is not None else 1.0),
-        top_k=top_k if top_k > 0 else -1,
-        max_new_tokens=int(max_new) if max_new is not None else DEFAULT_MAX_NEW_TOKENS,
-        stop_token_ids=tuple(int(t) for t in (raw.get("stop_token_ids") or ())),
-        ignore_eos=bool(raw.get("ignore_eos", False)),
-    )
+def _error(message: str, status: int = 400) -> web.Response:
+    """SGLang's error body (``http_server._create_error_response``)."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _check_context(prompt: list[int], sp: RequestSampling, context_len: int) -> None:
+    """SGLang's token-length validation (``TokenizerManager._validate_one_request``): one failing
+    prompt fails the whole request, batch included (HTTP 400)."""
+    n = len(prompt)
+    if n >= context_len:
+        raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({context_len} tokens).")
+    if n + sp.max_new_tokens >= context_len:
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+            f"You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from the input messages "
+            f"and {sp.max_new_tokens} tokens for the completion."
+        )
 
 
 class TorchEngineServer:
@@ -95,6 +96,7 @@ class TorchEngineServer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
         self._abort_round = threading.Event()  # polled by the worker thread between tokens
         self._stopped = asyncio.Event()
+        self._running = 0  # requests in the round being decoded (reported by /get_load)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -117,6 +119,8 @@ class TorchEngineServer:
                 web.get("/health", self._health),
                 web.get("/health_generate", self._health_generate),
                 web.get("/get_model_info", self._get_model_info),
+                web.get("/get_server_info", self._get_server_info),
+                web.get("/get_load", self._get_load),
             ]
         )
         self._runner = web.AppRunner(self.app, access_log=None)
@@ -171,6 +175,7 @@ class TorchEngineServer:
                     for r in batch:
                         r.future.set_result(self._response(r, _aborted(), version))
                     continue
+                self._running = len(batch)
                 try:
                     outs = await loop.run_in_executor(self._executor, self._run_round, model, batch)
                 except Exception as exc:  # the round fails as a whole; report it to every caller
@@ -179,20 +184,34 @@ class TorchEngineServer:
                         if not r.future.done():
                             r.future.set_exception(exc)
                     continue
+                finally:
+                    self._running = 0
             for r, o in zip(batch, outs, strict=True):
                 if not r.future.done():
                     r.future.set_result(self._response(r, o, version))
 
     def _run_round(self, model: Any, batch: list[_Request]) -> list[Sampled]:
-        return sample_batch(
+        return decode_batch(
             model,
             [r.input_ids for r in batch],
             [r.params for r in batch],
             pad_id=self.tokenizer.pad_token_id,
-            eos_id=self.tokenizer.eos_token_id,
+            eos_ids=self._eos_ids(model),
+            decode=self.tokenizer.decode,
             generator=self._generator,
             should_abort=self._abort_round.is_set,
         )
+
+    def _eos_ids(self, model: Any) -> set[int]:
+        """Every EOS id of the model's config and tokenizer (SGLang stops on all of them)."""
+        ids = model.config.eos_token_id
+        ids = set(ids) if isinstance(ids, (list, tuple)) else {ids} if ids is not None else set()
+        return ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+
+    @property
+    def context_len(self) -> int:
+        """The model's context length (``max_position_embeddings``), as SGLang derives it."""
+        return int(self.model.config.max_position_embeddings)
 
     def _response(self, r: _Request, o: Sampled, version: str) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -228,10 +247,10 @@ class TorchEngineServer:
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         if body.get("stream"):
-            return web.json_response({"error": "stream is not supported by the torch engine"}, status=400)
+            return _error("stream is not supported by the torch engine")
         input_ids, text = body.get("input_ids"), body.get("text")
         if (input_ids is None) == (text is None):
-            return web.json_response({"error": "give exactly one of input_ids or text"}, status=400)
+            return _error("give exactly one of input_ids or text")
         if text is not None:
             single = isinstance(text, str)
             texts = [text] if single else list(text)
@@ -241,18 +260,18 @@ class TorchEngineServer:
             prompts = [list(map(int, input_ids))] if single else [list(map(int, p)) for p in input_ids]
         n = len(prompts)
         if n == 0 or any(len(p) == 0 for p in prompts):
-            return web.json_response({"error": "empty prompt"}, status=400)
+            return _error("empty prompt")
         if any(t < 0 or t >= len(self.tokenizer) for p in prompts for t in p):
-            return web.json_response({"error": "token id outside the vocabulary"}, status=400)
+            return _error("token id outside the vocabulary")
         raw_sp = body.get("sampling_params")
         raw_lp = body.get("return_logprob", False)
         rids = body.get("rid")
         try:
-            sps = [
-                _parse_sampling_params(raw_sp[i] if isinstance(raw_sp, list) else raw_sp) for i in range(n)
-            ]
+            sps = [RequestSampling.parse(raw_sp[i] if isinstance(raw_sp, list) else raw_sp) for i in range(n)]
+            for p, sp in zip(prompts, sps, strict=True):
+                _check_context(p, sp, self.context_len)
         except (ValueError, TypeError) as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+            return _error(str(exc))
         loop = asyncio.get_running_loop()
         reqs = []
         for i in range(n):
@@ -319,7 +338,7 @@ class TorchEngineServer:
         r = _Request(
             "health-" + uuid.uuid4().hex,
             [self.tokenizer.bos_token_id],
-            SamplingParams(temperature=0.0, max_new_tokens=1),
+            RequestSampling(temperature=0.0, max_new_tokens=1),
             False,
             loop.create_future(),
         )
@@ -334,10 +353,25 @@ class TorchEngineServer:
                 "model_path": self.model_path,
                 "tokenizer_path": self.model_path,
                 "is_generation": True,
+                "preferred_sampling_params": None,
                 "weight_version": self.weight_version,
                 "model_type": getattr(cfg, "model_type", None),
                 "architectures": getattr(cfg, "architectures", None),
+                "context_length": self.context_len,
             }
+        )
+
+    async def _get_load(self, request: web.Request) -> web.Response:
+        """SGLang's /get_load shape: one entry per data-parallel rank."""
+        return web.json_response(
+            [{"dp_rank": 0, "num_reqs": self._running, "num_waiting_reqs": self._queue.qsize()}]
+        )
+
+    async def _get_server_info(self, request: web.Request) -> web.Response:
+        """The fields of SGLang's /get_server_info the client reads (context length)."""
+        return web.json_response(
+            {"context_length": self.context_len, "max_req_input_len": self.context_len - 1,
+             "weight_version": self.weight_version, "version": "trajmesh-torch-engine"}
         )
 
 
@@ -346,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="HF model directory (safetensors + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--version", default="0", help="policy version of --model (meta_info.weight_version)")
+    parser.add_argument("--version", default="default",
+                        help="policy version of --model (meta_info.weight_version; SGLang's \"default\" if unset)")
     parser.add_argument("--max-batch", type=int, default=256, help="most requests sharing one round")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")

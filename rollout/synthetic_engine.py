@@ -38,6 +38,9 @@ class SyntheticEngine:
     async def pause(self) -> None:
         return None
 
+    async def context_length(self) -> int | None:
+        return None  # no model: no context limit
+
     async def resume(self) -> None:
         return None
 

@@ -33,7 +33,15 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
-from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient, EngineError, GenerateResult
+from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient, EngineError
+from trajmesh.rollout.generation import (
+    ENGINE_FAILURES,
+    EngineFailed,
+    NewestOnly,
+    PauseClock,
+    TurnSampler,
+    sampling_seed,
+)
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
 from trajmesh import bus as busmod
@@ -47,8 +55,6 @@ from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 log = logging.getLogger("trajmesh.rollout")
 
 TRAJECTORIES = Counter("trajmesh_rollout_trajectories_total", "Trajectories published", ["terminal_reason"])
-TOKENS = Counter("trajmesh_rollout_generated_tokens_total", "Tokens sampled by the engine")
-INTERRUPTIONS = Counter("trajmesh_rollout_interrupted_requests_total", "Generations resumed after a weight update")
 WEIGHT_UPDATES = Counter("trajmesh_rollout_weight_updates_total", "Weight versions loaded")
 WEIGHT_UPDATE_FAILURES = Counter("trajmesh_rollout_weight_update_failures_total", "Weight versions that failed to load")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_rollout_weight_sync_seconds", "Pause + load + continue time")
@@ -74,14 +80,8 @@ def _record_tool_call(traj: Trajectory, span_id: str, info: dict[str, Any]) -> N
     traj.add_tool_call(str(call.get("name", "")), str(call.get("request", "")), str(call.get("response", "")),
                        status=_TOOL_STATUS.get(str(call.get("status")), trajectory_pb2.TOOL_ERROR),
                        latency_seconds=float(call.get("latency_s", 0.0)), span_id=span_id)
-GENERATE_SECONDS = Histogram("trajmesh_rollout_generate_seconds", "Latency of one engine /generate request",
-                             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-ENGINE_REQUESTS = Counter("trajmesh_rollout_engine_requests_total", "Engine /generate requests by finish reason",
-                          ["finish_reason"])
 for _reason in trajectory_pb2.TerminalReason.keys():  # exported at 0 so rates exist before the first one
     TRAJECTORIES.labels(terminal_reason=_reason)
-for _finish in ("stop", "length", "abort"):
-    ENGINE_REQUESTS.labels(finish_reason=_finish)
 
 
 class RolloutService(Service):
@@ -109,8 +109,12 @@ class RolloutService(Service):
             # The G samples of a group (and of concurrent groups) reach the engine as batch requests.
             self.engine = CoalescingEngine(EngineClient(url), window_s=cfg.rollout.engine.batch_window_ms / 1000)
             await self._wait_engine()
-        self.engine_ready = asyncio.Event()
-        self.engine_ready.set()
+        # Pauses for weight loads: a request the pause aborts waits and resubmits; the time paused
+        # does not count against request_timeout_s.
+        self.pause = PauseClock()
+        context_len = await self.engine.context_length()
+        self.sampler = TurnSampler(self.engine, cfg.rollout.engine, stop_ids={self.tokenizer.eos_token_id},
+                                   pause=self.pause, context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
         self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
@@ -172,37 +176,49 @@ class RolloutService(Service):
 
     # ------------------------------------------------------------------ weights
     async def weights_loop(self) -> None:
-        """Consumes weight announcements (KV watch); for each newer version: pause, load, continue.
+        """Keeps only the newest weight announcement (KV watch) and loads it whenever the engine is
+        free: versions announced while a load runs are skipped, never loaded in order."""
+        newest = NewestOnly()
 
-        Pausing aborts in-flight generations; `engine_ready` is cleared so they wait here and
-        resubmit prompt + partial output once the new weights are loaded.
-        """
-        async for raw in self.bus.watch_weights(include_current=True):
-            ann = trajectory_pb2.WeightsAnnouncement.FromString(raw)
-            if ann.version == self.version:
-                continue  # a lower version is a learner that resumed from a checkpoint: follow it
-            start = time.perf_counter()
-            self.engine_ready.clear()
-            await self.engine.pause()
-            try:
-                await self.engine.update_weights_from_disk(ann.path, int(ann.version))
-            except EngineError as exc:
-                # E.g. the learner pruned that version before we got to it: a newer announcement
-                # follows; the per-token lag check bounds what the old weights sample meanwhile.
-                WEIGHT_UPDATE_FAILURES.inc()
-                log.warning("could not load weights v%d (%s); waiting for the next version", ann.version, exc)
-                await self.engine.resume()
-                self.engine_ready.set()
-                continue
-            self.version = int(ann.version)
-            async with self.version_changed:
-                self.version_changed.notify_all()
+        async def watch() -> None:
+            """Consumes the KV watch; replaces the pending announcement; unblocks load()."""
+            async for raw in self.bus.watch_weights(include_current=True):
+                newest.offer(trajectory_pb2.WeightsAnnouncement.FromString(raw))
+
+        async def load() -> None:
+            """Waits for an announcement; loads the newest one pending."""
+            while True:
+                ann = await newest.take()
+                if ann.version != self.version:  # lower: a learner resumed from a checkpoint; follow it
+                    await self._load_weights(ann)
+
+        await supervise(watch(), load())
+
+    async def _load_weights(self, ann: trajectory_pb2.WeightsAnnouncement) -> None:
+        """Pause (in-flight generations return partial output and wait on `pause.ready`), load,
+        continue; they resubmit prompt + partial output under the new version."""
+        start = time.perf_counter()
+        self.pause.pause()
+        await self.engine.pause()
+        try:
+            await self.engine.update_weights_from_disk(ann.path, int(ann.version))
+        except EngineError as exc:
+            # E.g. the learner pruned that version before we got to it: a newer announcement
+            # follows; the per-token lag check bounds what the old weights sample meanwhile.
+            WEIGHT_UPDATE_FAILURES.inc()
+            log.warning("could not load weights v%d (%s); waiting for the next version", ann.version, exc)
             await self.engine.resume()
-            self.engine_ready.set()
-            WEIGHT_UPDATES.inc()
-            WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - start)
-            POLICY_VERSION.set(self.version)
-            log.info("loaded weights v%d", self.version)
+            self.pause.resume()
+            return
+        self.version = int(ann.version)
+        async with self.version_changed:
+            self.version_changed.notify_all()
+        await self.engine.resume()
+        self.pause.resume()
+        WEIGHT_UPDATES.inc()
+        WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - start)
+        POLICY_VERSION.set(self.version)
+        log.info("loaded weights v%d", self.version)
 
     # ------------------------------------------------------------------ tasks
     async def task_loop(self) -> None:
@@ -281,7 +297,9 @@ class RolloutService(Service):
             return traj
         env, reset = reset
         traj.pb.initial_state_hash = reset.state_hash
+        traj.pb.environment_revision = reset.environment_revision  # the serving environment's own
         traj.pb.state_hashes.append(reset.state_hash)
+        seed = sampling_seed(self.cfg.seed, task.task_id, index)
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         context = bos + self.tokenizer.encode(reset.observation)
         traj.append_prompt(context, turn_index=0)
@@ -290,7 +308,7 @@ class RolloutService(Service):
         closed = False  # a Step that ends the episode closes the session on the environment's side
         try:
             for turn in range(max(1, sp.max_turns)):
-                ids, logps, versions, finish = await self._generate(context, sp)
+                ids, logps, versions, finish = await self._generate(context, sp, seed)
                 context = context + ids
                 if finish == "length":
                     if ids:
@@ -319,6 +337,10 @@ class RolloutService(Service):
         except grpc.aio.AioRpcError as exc:  # environment pod gone, deadline: excluded, never rewarded
             ENV_FAILURES.labels(exc.code().name.lower()).inc()
             log.warning("environment failure on %s: %s", tid, exc.code().name)
+            reason = trajectory_pb2.INFRA_FAILURE
+        except EngineFailed as exc:  # one sample the engine could not serve: this trajectory only
+            ENGINE_FAILURES.labels(exc.reason).inc()
+            log.warning("engine failure on %s: %s", tid, exc)
             reason = trajectory_pb2.INFRA_FAILURE
         finally:
             try:
@@ -349,30 +371,8 @@ class RolloutService(Service):
         return None
 
     async def _generate(
-        self, context: list[int], sp: trajectory_pb2.SamplingParams
+        self, context: list[int], sp: trajectory_pb2.SamplingParams, seed: int
     ) -> tuple[list[int], list[float], list[int], str]:
         """One turn of sampling; resumes across weight updates (interruptible generation)."""
-        ids: list[int] = []
-        logps: list[float] = []
-        versions: list[int] = []
-        budget = int(sp.max_new_tokens)
-        while True:
-            await self.engine_ready.wait()
-            sampling = {"temperature": sp.temperature, "top_p": sp.top_p or 1.0, "top_k": sp.top_k or -1,
-                        "max_new_tokens": budget - len(ids),
-                        "stop_token_ids": [self.tokenizer.eos_token_id]}
-            t0 = time.perf_counter()
-            res = await self.engine.generate(context + ids, sampling)
-            GENERATE_SECONDS.observe(time.perf_counter() - t0)
-            assert isinstance(res, GenerateResult) and res.logprobs is not None
-            version = int(res.weight_version) if res.weight_version is not None else self.version
-            ids.extend(res.output_ids)
-            logps.extend(res.logprobs)
-            versions.extend([version] * len(res.output_ids))
-            TOKENS.inc(len(res.output_ids))
-            finish = str(res.finish_reason.get("type", "abort"))
-            ENGINE_REQUESTS.labels(finish_reason=finish).inc()
-            if finish == "abort" and len(ids) < budget:
-                INTERRUPTIONS.inc()
-                continue
-            return ids, logps, versions, "length" if finish == "abort" else finish
+        turn = await self.sampler.sample(context, sp, seed)
+        return turn.ids, turn.logps, turn.versions, turn.finish

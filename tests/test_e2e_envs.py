@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mesh_checks import write_manifest
 
 from trajmesh.archive import read_archive
 from trajmesh.config import load_config
 from trajmesh.launcher import start_mesh
 from trajmesh.tasks import load_split
-from trajmesh.train import _write_manifest, read_metrics
+from trajmesh.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -68,7 +69,7 @@ def test_environment_trains_through_the_mesh(kind: str, tmp_path: Path, text_mod
         "learner.checkpoint_every": 3,
     })
     Path(cfg.run_dir).mkdir(parents=True)
-    _write_manifest(cfg)
+    write_manifest(cfg)
     mesh = start_mesh(cfg)
     try:
         learner = next(p for p in mesh.procs if p.name == "learner")

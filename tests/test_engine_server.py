@@ -185,9 +185,10 @@ def test_coalescing_engine_batches_concurrent_calls_per_prompt_params(engine):
                 eng.generate(p, {"temperature": 0, "max_new_tokens": 2 + i, "ignore_eos": True})
                 for i, p in enumerate(prompts)))
             sent_after_batch = eng.requests_sent
-            # an engine error reaches every caller of the batch it was in
+            # a 400 for the batch is retried per sample: only the bad sample's caller gets the error
             bad = await asyncio.gather(eng.generate([10**6], {"max_new_tokens": 2}),
                                        eng.generate(prompts[0], {"max_new_tokens": 2}), return_exceptions=True)
+            isolated = eng.isolated_batches
             # a cancelled caller does not break the others
             task = asyncio.ensure_future(eng.generate(prompts[1], {"temperature": 0, "max_new_tokens": 3}))
             other = asyncio.ensure_future(eng.generate(prompts[2], {"temperature": 0, "max_new_tokens": 3}))
@@ -197,12 +198,13 @@ def test_coalescing_engine_batches_concurrent_calls_per_prompt_params(engine):
             healthy = await eng.health()
         finally:
             await eng.close()
-        return singles, coalesced, sent_after_batch, bad, survivor, healthy
+        return singles, coalesced, sent_after_batch, bad, isolated, survivor, healthy
 
-    singles, coalesced, sent, bad, survivor, healthy = asyncio.run(go())
+    singles, coalesced, sent, bad, isolated, survivor, healthy = asyncio.run(go())
     assert sent == 1
     for i, (a, b) in enumerate(zip(singles, coalesced, strict=True)):
         assert len(b.output_ids) == 2 + i and b.output_ids == a.output_ids  # greedy: same tokens
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
-    assert all(isinstance(e, EngineError) for e in bad)
+    assert isinstance(bad[0], EngineError) and bad[0].status == 400
+    assert len(bad[1].output_ids) == 2 and isolated == 1
     assert len(survivor.output_ids) == 3 and healthy

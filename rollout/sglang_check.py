@@ -1,0 +1,78 @@
+"""``make gpu-check``: start a local SGLang server, run the engine conformance suite and every
+``gpu``-marked test against it, stop the server.
+
+Run on a machine with a CUDA GPU and SGLang installed (the GPU image has both)::
+
+    python -m trajmesh.rollout.sglang_check --model /models/Qwen2.5-0.5B-Instruct [--port 30000]
+        [--sglang-arg=--enable-deterministic-inference ...] [-- PYTEST ARGS]
+
+The server is launched as ``python -m sglang.launch_server --model-path MODEL --port PORT`` (plus
+``--sglang-arg`` values), its /health is awaited for ``--startup-s`` seconds, the tests see it via
+``TRAJMESH_SGLANG_URL`` and ``TRAJMESH_SGLANG_MODEL``, and the server is stopped by its pid (its
+process group) whatever the tests do. Exit status: pytest's, or 2 if the server never came up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trajmesh.rollout.engine_client import EngineClient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    async with EngineClient(url) as client:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if await client.health():
+                return True
+            await asyncio.sleep(2.0)
+    return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="HF model directory SGLang serves (also read by the tests)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--startup-s", type=float, default=1800.0, help="how long to wait for /health")
+    parser.add_argument("--sglang-arg", action="append", default=[], help="extra launch_server argument")
+    parser.add_argument("--log", default="sglang-check.log", help="SGLang's stdout/stderr")
+    args, pytest_args = parser.parse_known_args(argv)
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--host", "127.0.0.1",
+           "--port", str(args.port), *args.sglang_arg]
+    with open(args.log, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if not asyncio.run(_wait_healthy(url, proc, args.startup_s)):
+            print(f"SGLang did not become healthy (see {args.log})", file=sys.stderr)
+            return 2
+        env = dict(os.environ, TRAJMESH_SGLANG_URL=url, TRAJMESH_SGLANG_MODEL=args.model)
+        tests = [sys.executable, "-m", "pytest", "-m", "gpu", str(ROOT / "tests"), "-q", "-rs",
+                 *[a for a in pytest_args if a != "--"]]
+        return subprocess.call(tests, cwd=ROOT, env=env)
+    finally:
+        _stop(proc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
