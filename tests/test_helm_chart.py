@@ -45,10 +45,27 @@ GPU_COMPONENTS = {"rollout", "learner"}
 CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
 
 
+# trajmesh publishes no images: every install sets them (values.yaml "Images"); the tests use these.
+_GPU_IMAGE = {"repository": "ghcr.io/trajmesh/trajmesh-gpu", "tag": "0.1.0"}
+_CPU_IMAGE = {"repository": "ghcr.io/trajmesh/trajmesh-cpu", "tag": "0.1.0"}
+IMAGES: dict[str, Any] = {
+    "rollout": {"image": _GPU_IMAGE, "sglang": {"image": _GPU_IMAGE}}, "learner": {"image": _GPU_IMAGE},
+    "environment": {"image": _CPU_IMAGE}, "grader": {"image": _CPU_IMAGE}, "store": {"image": _CPU_IMAGE},
+    "tests": {"image": _CPU_IMAGE},
+}
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _values(case: str) -> dict[str, Any]:
-    if case == "default":
-        return {}
-    return yaml.safe_load((CHART / "ci" / f"{case}-values.yaml").read_text()) or {}
+    """What the case renders with: the images every install must set, then ci/CASE-values.yaml."""
+    own = {} if case == "default" else yaml.safe_load((CHART / "ci" / f"{case}-values.yaml").read_text()) or {}
+    return _merged(IMAGES, own)
 
 
 @cache
@@ -190,7 +207,7 @@ def test_expected_custom_resources_per_case() -> None:
 
 def test_service_monitors_need_the_api() -> None:
     """Opt-in and guarded: enabled without monitoring.coreos.com/v1 available renders none."""
-    out = _chart().render(values={"monitoring": {"serviceMonitor": {"enabled": True}}},
+    out = _chart().render(values=_merged(IMAGES, {"monitoring": {"serviceMonitor": {"enabled": True}}}),
                           name=RELEASE, namespace=NAMESPACE)
     assert "ServiceMonitor" not in out["trajmesh/templates/monitoring.yaml"]
     assert "no ServiceMonitor was created" in out["trajmesh/templates/NOTES.txt"]
@@ -219,7 +236,7 @@ def test_service_monitors_need_the_api() -> None:
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:
     with pytest.raises(helm.HelmValuesError) as err:
-        _chart().render(values=values, name=RELEASE, namespace=NAMESPACE)
+        _chart().render(values=_merged(IMAGES, values), name=RELEASE, namespace=NAMESPACE)
     assert where in str(err.value)
 
 
@@ -303,6 +320,124 @@ def test_probes_on_named_metrics_port(case: str) -> None:
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # weight loading
 
 
+def _run_config(case: str) -> dict[str, Any]:
+    cm = next(o for o in _objects(case) if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-config")
+              and "config.yaml" in o["data"])
+    return yaml.safe_load(cm["data"]["config.yaml"])
+
+
+def _allowance_s(probe: dict[str, Any]) -> int:
+    return int(probe["periodSeconds"]) * int(probe["failureThreshold"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sglang_probes_never_generate_and_the_agent_waits_as_long(case: str) -> None:
+    """SGLang's /health and /health_generate run a one-token generation, which waits while a
+    weight load pauses generation: readiness and liveness must not use them. The agent's engine
+    wait equals SGLang's startup allowance, and the agent's own startup probe covers it."""
+    for obj in _objects(case):
+        pod = _pod_spec(obj)
+        if pod is None or "sglang" not in [c["name"] for c in pod["containers"]]:
+            continue
+        sglang = next(c for c in pod["containers"] if c["name"] == "sglang")
+        agent = next(c for c in pod["containers"] if c["name"] == "rollout")
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert sglang[probe]["httpGet"]["path"] not in {"/health", "/health_generate"}, probe
+            assert sglang[probe]["timeoutSeconds"] >= 10, probe
+        assert _allowance_s(sglang["livenessProbe"]) >= 300  # survives a slow weight load
+        wait_s = _run_config(case)["rollout"]["engine"]["startup_timeout_s"]
+        assert wait_s == _allowance_s(sglang["startupProbe"]) >= 600
+        assert _allowance_s(agent["startupProbe"]) >= wait_s
+
+
+def _model_readers() -> set[str]:
+    """Services whose code reads model.path (tokenizer or weights), found in their source."""
+    return {p.stem for p in (ROOT / "services").glob("*.py") if re.search(r"cfg\.model\.path", p.read_text())}
+
+
+def _model_source(case: str) -> str:
+    default = yaml.safe_load((CHART / "values.yaml").read_text())["model"]["source"]
+    return _values(case).get("model", {}).get("source", default)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_workload_that_reads_the_model_mounts_it(case: str) -> None:
+    """A container running a service that reads model.path (or SGLang) mounts the volume that
+    holds it, and for hf:// the pod fetches it first (the store once had neither and crash-looped)."""
+    readers = _model_readers()
+    assert {"rollout", "learner", "grader", "store"} <= readers  # the scan finds them
+    model_path = _run_config(case)["model"]["path"]
+    checked = 0
+    for obj in _objects(case):
+        pod = _pod_spec(obj)
+        if pod is None:
+            continue
+        for c in pod["containers"]:
+            cmd = c.get("command", [])
+            service = cmd[2] if cmd[:2] == ["python", "/etc/trajmesh/entrypoint.py"] else None
+            if service not in readers and c["name"] != "sglang":
+                continue
+            checked += 1
+            if not model_path.startswith("/models/"):
+                continue  # baked into the image
+            mounts = [m["name"] for m in c.get("volumeMounts", []) if model_path.startswith(m["mountPath"] + "/")]
+            assert mounts, (case, obj["metadata"]["name"], c["name"], "no mount holds", model_path)
+            assert mounts[0] in {v["name"] for v in pod["volumes"]}
+            if _model_source(case).startswith("hf://"):
+                fetchers = [i for i in pod.get("initContainers", [])
+                            if mounts[0] in {m["name"] for m in i.get("volumeMounts", [])}]
+                assert fetchers, (case, obj["metadata"]["name"], "nothing fetches the model")
+    assert checked >= 3
+
+
+def test_images_are_required_values_with_instructions() -> None:
+    """trajmesh publishes no images: an install without them fails at render time, saying what to build."""
+    with pytest.raises(Exception) as err:  # noqa: B017 - the SDK wraps Helm's template error
+        _chart().render(values={}, name=RELEASE, namespace=NAMESPACE)
+    assert "trajmesh publishes no images" in str(err.value) and "docker/Dockerfile.gpu" in str(err.value)
+    partial = _merged(IMAGES, {"store": {"image": {"repository": ""}}})
+    with pytest.raises(Exception, match="trajmesh publishes no images"):  # noqa: B017
+        _chart().render(values=partial, name=RELEASE, namespace=NAMESPACE)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.match(r"\d+(?:\.\d+)*", version).group().split("."))  # type: ignore[union-attr]
+
+
+def _satisfies(version: str, spec: str) -> bool:
+    """`version` within a comma-separated range of >=, <, <=, >, == clauses (release numbers)."""
+    ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+           "<": lambda a, b: a < b, "==": lambda a, b: a == b}
+    v = _release(version)
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op = next(o for o in (">=", "<=", "==", ">", "<") if clause.startswith(o))
+        bound = _release(clause[len(op):])
+        width = max(len(v), len(bound))
+        if not ops[op](v + (0,) * (width - len(v)), bound + (0,) * (width - len(bound))):
+            return False
+    return True
+
+
+def test_satisfies_helper() -> None:
+    assert _satisfies("2.7.1", ">=2.3,<2.15") and not _satisfies("2.15.0", ">=2.3,<2.15")
+    assert _satisfies("0.4.10.post2", ">=0.4") and not _satisfies("4.44.2", ">=4.45,<6")
+
+
+def test_gpu_image_pins_fall_inside_pyproject_ranges() -> None:
+    import tomllib
+
+    docker = (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    pins = dict(re.findall(r"^ARG (\w+)_VERSION=(\S+)$", docker, flags=re.M))
+    assert {"SGLANG", "TORCH", "TRANSFORMERS"} <= pins.keys(), pins
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    ranges = {}
+    for req in extras["learner"] + extras["gpu"]:
+        name, spec = re.match(r"([A-Za-z0-9_-]+)(?:\[[^\]]*\])?\s*(.*)", req).groups()  # type: ignore[union-attr]
+        ranges[name.lower()] = spec
+    for arg, package in (("SGLANG", "sglang"), ("TORCH", "torch"), ("TRANSFORMERS", "transformers")):
+        assert _satisfies(pins[arg], ranges[package]), (package, pins[arg], ranges[package])
+
+
 def test_autoscaled_deployments_omit_replicas() -> None:
     for case in CASES:
         vals = _values(case)
@@ -338,6 +473,8 @@ def test_rendered_run_config_loads() -> None:
         if engine == "sglang":
             assert cfg.rollout.engine.url == "http://127.0.0.1:30000"
         assert cfg.infra.store_address.startswith(f"{RELEASE}-store.{NAMESPACE}.svc:")
+        if engine == "sglang":  # sized for real models, not the CPU demo's defaults
+            assert cfg.tasks.sampling.max_new_tokens >= 256
         assert "password" not in cm["data"]["config.yaml"]
 
 
@@ -347,7 +484,7 @@ def test_secrets_only_when_created() -> None:
     for case in CASES:
         secrets = [o["metadata"]["name"] for o in _objects(case) if o["kind"] == "Secret"]
         assert secrets == ([f"{RELEASE}-nats-auth"] if _nats_auth_created(case) else []), case
-    out = _chart().render(values={"redis": {"auth": {"enabled": True, "create": True, "password": "s3cret"}}},
+    out = _chart().render(values=_merged(IMAGES, {"redis": {"auth": {"enabled": True, "create": True, "password": "s3cret"}}}),
                           name=RELEASE, namespace=NAMESPACE)
     assert "kind: Secret" in out["trajmesh/templates/secrets.yaml"]
     assert "s3cret" not in out["trajmesh/templates/configmap.yaml"]
@@ -369,7 +506,7 @@ def test_dashboards_and_rules_come_from_files() -> None:
         assert cm["metadata"]["annotations"]["grafana_folder"] == "trajmesh"
         (name, body), = cm["data"].items()
         assert json.loads(body) == json.loads((CHART / "dashboards" / name).read_text())
-    custom = _chart().render(values={"monitoring": {"dashboards": {"label": "my_dash", "labelValue": "yes"}}},
+    custom = _chart().render(values=_merged(IMAGES, {"monitoring": {"dashboards": {"label": "my_dash", "labelValue": "yes"}}}),
                              name=RELEASE, namespace=NAMESPACE)["trajmesh/templates/dashboards.yaml"]
     assert custom.count("my_dash: \"yes\"") == len(dashboards)
     rules_file = CHART / "files" / "prometheus-rules.yaml"
@@ -512,7 +649,7 @@ def test_nats_conf_permissions_equal_trajmesh_security(case: str) -> None:
 
 @pytest.mark.parametrize("namespace", ["", "run7", "team-a_exp_2"])
 def test_nats_permissions_follow_the_namespace(namespace: str) -> None:
-    out = _chart().render(values={"trajmesh": {"namespace": namespace}}, name=RELEASE, namespace=NAMESPACE)
+    out = _chart().render(values=_merged(IMAGES, {"trajmesh": {"namespace": namespace}}), name=RELEASE, namespace=NAMESPACE)
     _assert_permissions_match_python(_nats_conf(out), namespace)
 
 
@@ -585,7 +722,7 @@ def test_no_nats_password_outside_its_secret(case: str) -> None:
 
 def test_given_passwords_stay_in_the_secret() -> None:
     given = {r: f"Given{r.capitalize()}Password_123" for r in ("admin", *NATS_SERVICE_ROLES)}
-    out = _chart().render(values={"nats": {"auth": {"passwords": {"store": given["store"], "admin": given["admin"]}}}},
+    out = _chart().render(values=_merged(IMAGES, {"nats": {"auth": {"passwords": {"store": given["store"], "admin": given["admin"]}}}}),
                           name=RELEASE, namespace=NAMESPACE)
     got = _secret_passwords(out)
     assert got["store"] == given["store"] and got["admin"] == given["admin"]
@@ -602,13 +739,13 @@ def test_given_passwords_stay_in_the_secret() -> None:
 def test_nats_auth_switches() -> None:
     """existingSecret: referenced, nothing created; create=false without it: a clear error;
     enabled=false: no users, Secret, Job or credentials, and NOTES warns; external NATS: unchanged."""
-    ref = _chart().render(values={"nats": {"auth": {"existingSecret": "mine"}}}, name=RELEASE, namespace=NAMESPACE)
+    ref = _chart().render(values=_merged(IMAGES, {"nats": {"auth": {"existingSecret": "mine"}}}), name=RELEASE, namespace=NAMESPACE)
     assert "kind: Secret" not in ref["trajmesh/templates/secrets.yaml"]
     assert "name: mine" in ref["trajmesh/templates/store.yaml"]
     assert "secret mine" in ref["trajmesh/templates/NOTES.txt"]
     with pytest.raises(helm.HelmError, match="nats.auth.existingSecret"):
-        _chart().render(values={"nats": {"auth": {"create": False}}}, name=RELEASE, namespace=NAMESPACE)
-    off = _chart().render(values={"nats": {"auth": {"enabled": False}}}, name=RELEASE, namespace=NAMESPACE)
+        _chart().render(values=_merged(IMAGES, {"nats": {"auth": {"create": False}}}), name=RELEASE, namespace=NAMESPACE)
+    off = _chart().render(values=_merged(IMAGES, {"nats": {"auth": {"enabled": False}}}), name=RELEASE, namespace=NAMESPACE)
     assert "authorization" not in _nats_conf(off)
     assert "kind: Secret" not in off["trajmesh/templates/secrets.yaml"]
     assert not off.get("trajmesh/templates/nats/provision-job.yaml", "").strip()
@@ -630,7 +767,7 @@ def test_provision_job_runs_as_admin() -> None:
     assert c["command"] == ["python", "-m", "trajmesh.security", "provision", "/etc/trajmesh/config.yaml"]
     assert pod["restartPolicy"] == "OnFailure" and job["spec"]["backoffLimit"] >= 1
     assert job["spec"]["template"]["metadata"]["labels"]["trajmesh.io/mesh"] == "true"  # NetworkPolicy peer
-    upgraded = _chart().render(values={}, name=RELEASE, namespace=NAMESPACE, revision=4, is_upgrade=True)
+    upgraded = _chart().render(values=_merged(IMAGES, {}), name=RELEASE, namespace=NAMESPACE, revision=4, is_upgrade=True)
     assert f"name: {RELEASE}-provision-4" in upgraded["trajmesh/templates/nats/provision-job.yaml"]
 
 
@@ -670,7 +807,7 @@ def test_chart_nats_conf_enforces_users_on_a_real_server(tmp_path: Path, monkeyp
     ns = "live_ns"
     values = json.loads(json.dumps(_values("cpu-only")))
     values.setdefault("trajmesh", {})["namespace"] = ns
-    out = _chart().render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    out = _chart().render(values=_merged(IMAGES, values), name=RELEASE, namespace=NAMESPACE, is_install=True)
     passwords = _secret_passwords(out)
     conf_text = _nats_conf(out)
     assert "cluster {" not in conf_text  # one node: JetStream without a cluster

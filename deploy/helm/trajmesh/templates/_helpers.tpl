@@ -56,8 +56,11 @@ matchLabels:
   trajmesh.io/mesh: "true"
 {{- end -}}
 
-{{/* A pinned image reference; refuses `latest` and empty tags. */}}
+{{/* A pinned image reference; refuses a missing repository, `latest` and empty tags. */}}
 {{- define "trajmesh.image" -}}
+{{- if not .repository -}}
+{{- fail "an image is not set: trajmesh publishes no images. Build docker/Dockerfile.gpu (set rollout.image, rollout.sglang.image, learner.image) and docker/Dockerfile.cpu (set environment.image, grader.image, store.image, tests.image) from the repository root, push them, and set repository and a pinned tag for each (docs/KUBERNETES.md, Images)" -}}
+{{- end -}}
 {{- if or (not .tag) (eq (toString .tag) "latest") -}}
 {{- fail (printf "image %s needs a pinned tag (got %q)" .repository (toString .tag)) -}}
 {{- end -}}
