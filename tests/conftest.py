@@ -38,6 +38,14 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
+    if report.failed and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+        current = settings()
+        report.sections.append(("hypothesis", (
+            f"profile {settings.get_current_profile_name()!r}, derandomize={current.derandomize}: "
+            + ("every CI run draws the same examples; reproduce with "
+               f"CI=true pytest '{item.nodeid}'" if current.derandomize else
+               "examples were random; replay the failure with the @reproduce_failure blob above, "
+               f"or run CI=true pytest '{item.nodeid}' for the derandomized examples"))))
     if not report.skipped or not isinstance(report.longrepr, tuple):
         return
     path, lineno, reason = report.longrepr
