@@ -1,0 +1,264 @@
+"""One attack per escape class of issue 14, each run as root and as an unprivileged uid.
+
+Every attack escaped the old sandbox (unshare --net --mount --pid, host root visible, host IPC, no
+seccomp, no no_new_privs) and must be contained now. The rootless variant launches the sandbox from
+a child process that dropped to uid/gid 65534 with no capabilities (`setpriv`); the root variant
+from a child that stays root. Host-side setup and checks run in that same child (its keyring, its
+IPC namespace), so each attack is measured from where the sandbox's caller stands.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trajmesh import sandbox
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+LIMITS = {"wall_s": 10.0, "cpu_s": 5, "memory_bytes": 512 << 20, "tmpfs_inodes": 2000}
+
+# Runs in the child: setup (host side), the sandboxed program, check (host side); prints JSON.
+_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from trajmesh import sandbox
+job = json.loads(sys.stdin.read())
+env = {}
+exec(job["setup"], env)
+res = sandbox.run_code(job["code"], limits=sandbox.SandboxLimits(**job["limits"]))
+env["stdout"] = res.stdout
+exec(job["check"], env)
+print(json.dumps({"status": res.status, "subclass": res.subclass, "stdout": res.stdout,
+                  "stderr": res.stderr[-2000:], "check": env.get("verdict")}))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _rootless_python() -> str | None:
+    """An interpreter uid 65534 can start, itself included (the venv's may live under a 0700 /root)."""
+    for exe in (sys.executable, "/usr/bin/python3"):
+        probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", exe,
+                                "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', ''], check=True)"],
+                               capture_output=True)
+        if probe.returncode == 0:
+            return exe
+    return None
+
+
+@pytest.fixture(params=["root", "rootless"], scope="module")
+def mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "root" and os.geteuid() != 0:
+        pytest.skip("not root here")
+    if request.param == "rootless" and os.geteuid() == 0:
+        if shutil.which("setpriv") is None or _rootless_python() is None:
+            pytest.skip("no setpriv or no interpreter uid 65534 can start")
+    yield request.param
+
+
+def _attack(mode: str, code: str, setup: str = "", check: str = "") -> dict[str, Any]:
+    if mode == "rootless" and os.geteuid() == 0:
+        exe = _rootless_python()
+        assert exe is not None
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+               "--bounding-set=-all", exe]
+    else:
+        cmd = [sys.executable]
+    job = {"setup": setup, "code": code, "check": check, "limits": LIMITS}
+    out = subprocess.run([*cmd, "-I", "-c", _CHILD, str(REPO)], input=json.dumps(job), capture_output=True,
+                         text=True, timeout=150, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["subclass"] != "setup", result["stderr"]
+    return result
+
+
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A host directory outside /tmp that uid 65534 may read (a data directory, like /srv)."""
+    base = "/srv" if os.access("/srv", os.W_OK) else str(REPO)
+    path = Path(tempfile.mkdtemp(prefix="trajmesh-escape-", dir=base))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_host_files_and_the_checkout_are_not_visible(mode: str, host_dir: Path) -> None:
+    secret = host_dir / "data.txt"
+    secret.write_text("host-data-" + secrets.token_hex(8))
+    secret.chmod(0o644)
+    code = (f"for p in [{str(secret)!r}, {str(REPO / 'pyproject.toml')!r}, '/etc/hostname', '/etc/passwd']:\n"
+            "    try:\n        print(open(p).read())\n    except OSError as e:\n        print('denied', p, e.errno)\n")
+    res = _attack(mode, code)
+    assert secret.read_text() not in res["stdout"]
+    assert "[project]" not in res["stdout"]  # the checkout's pyproject.toml
+    assert res["stdout"].count("denied") == 4
+
+
+def test_world_writable_host_dirs_keep_nothing(mode: str, host_dir: Path) -> None:
+    shared = host_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    tag = "trajmesh-escape-" + secrets.token_hex(6)
+    targets = [str(shared / tag)] + [f"{d}/{tag}" for d in ("/run/lock", "/var/tmp", "/dev/shm", "/tmp")
+                                     if os.path.isdir(d)]
+    code = (f"for p in {targets!r}:\n    try:\n        open(p, 'w').write('channel')\n"
+            "        print('wrote', p)\n    except OSError as e:\n        print('refused', p, e.errno)\n")
+    try:
+        res = _attack(mode, code)
+        left = [p for p in targets if os.path.exists(p)]
+        assert left == [], f"files written by the sandbox outlived the call: {left}"
+        assert f"wrote /tmp/{tag}" in res["stdout"]  # its own /tmp stays writable
+    finally:
+        for p in targets:
+            if os.path.exists(p):
+                os.remove(p)
+
+
+def test_path_unix_sockets_of_the_host_are_unreachable(mode: str, host_dir: Path) -> None:
+    path = str(host_dir / "service.sock")
+    if os.access("/run", os.W_OK):
+        path = f"/run/trajmesh-escape-{secrets.token_hex(6)}.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(path)
+        os.chmod(path, 0o777)
+        server.listen(4)
+        code = ("import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+                f"try:\n    s.connect({path!r})\n    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+        res = _attack(mode, code)
+        assert "connected" not in res["stdout"] and "refused" in res["stdout"]
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+        if os.path.exists(path):
+            os.remove(path)
+
+
+_IPC = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+KEY = {key}
+"""
+
+
+def test_sysv_ipc_objects_do_not_outlive_the_call(mode: str) -> None:
+    key = secrets.randbelow(1 << 30) + 1
+    code = _IPC.format(key=key) + ("shm = libc.shmget(KEY, 1 << 20, 0o1000 | 0o666)\n"
+                                   "msq = libc.msgget(KEY, 0o1000 | 0o666)\nprint('created', shm, msq)\n")
+    # In the caller's IPC namespace, after the call: the segment and queue must not exist.
+    check = _IPC.format(key=key) + (
+        "shm, msq = libc.shmget(KEY, 0, 0), libc.msgget(KEY, 0)\n"
+        "verdict = [shm, msq]\n"
+        "if shm >= 0:\n    libc.shmctl(shm, 0, None)\n"   # IPC_RMID: do not leak the old sandbox's
+        "if msq >= 0:\n    libc.msgctl(msq, 0, None)\n")
+    res = _attack(mode, code, check=check)
+    assert res["stdout"].startswith("created") and "-1" not in res["stdout"].split()[1:], res
+    assert res["check"] == [-1, -1], "SysV objects created in the sandbox exist in the caller's namespace"
+
+
+_KEYS = """
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {{"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}}[platform.machine()]  # add_key, request_key, keyctl
+SECRET, PLANTED = {secret!r}, {planted!r}
+"""
+
+
+def test_the_callers_session_keyring_is_not_inherited(mode: str) -> None:
+    secret, planted = "keyring-secret-" + secrets.token_hex(8), "planted-" + secrets.token_hex(6)
+    header = _KEYS.format(secret=secret, planted=planted)
+    setup = header + ("KID = libc.syscall(NR[0], b'user', b'trajmesh-escape', SECRET.encode(), len(SECRET), -3)\n"
+                      "assert KID > 0, ctypes.get_errno()\n")
+    code = header + (
+        "kid = libc.syscall(NR[1], b'user', b'trajmesh-escape', None, 0)\n"
+        "buf = ctypes.create_string_buffer(256)\n"
+        "n = libc.syscall(NR[2], 11, kid, buf, 256) if kid > 0 else -1\n"  # KEYCTL_READ
+        "print('read', buf.raw[:max(n, 0)].decode(errors='replace'))\n"
+        "print('planted', libc.syscall(NR[0], b'user', PLANTED.encode(), b'x', 1, -3))\n")
+    check = header + ("verdict = libc.syscall(NR[1], b'user', PLANTED.encode(), None, 0)\n"
+                      "libc.syscall(NR[2], 3, KID)\n")  # KEYCTL_REVOKE our key
+    res = _attack(mode, code, setup=setup, check=check)
+    assert secret not in res["stdout"]
+    assert res["check"] == -1, "a key planted by the sandbox is in the caller's session keyring"
+
+
+def test_a_setuid_binary_gains_no_privilege(mode: str) -> None:
+    candidates = ["/usr/bin/su", "/bin/su", "/usr/bin/passwd", "/usr/bin/mount", "/usr/bin/newgrp", "/usr/bin/chsh"]
+    found = [p for p in candidates if os.path.exists(p) and os.stat(p).st_mode & 0o4000 and os.stat(p).st_uid == 0]
+    if not found:
+        pytest.skip("no setuid-root binary on this host")
+    code = ("import subprocess\n"
+            f"p = subprocess.Popen([{found[0]!r}], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, "
+            "stderr=subprocess.DEVNULL)\n"
+            "uid = [l for l in open('/proc/%d/status' % p.pid).read().splitlines() if l.startswith('Uid:')][0]\n"
+            "print(uid.split()[1], uid.split()[2])\np.kill()\np.wait()\n")
+    res = _attack(mode, code)
+    real, effective = res["stdout"].split()
+    assert effective == real, f"{found[0]} ran with euid {effective} (real {real})"
+
+
+def test_proc_shows_no_host_path_or_config(mode: str) -> None:
+    code = ("import os\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n"
+            "        try:\n            print(p, open('/proc/%s/cmdline' % p, 'rb').read().decode(errors='replace'))\n"
+            "        except OSError:\n            pass\n")
+    res = _attack(mode, code)
+    assert res["stdout"].startswith("1 ")
+    for leak in ("trajmesh-sbx-", "code_path", "tmpfs_bytes", "outer_uid", "report_fd"):
+        assert leak not in res["stdout"], leak
+
+
+def test_a_file_count_fill_stops_at_the_inode_cap(mode: str) -> None:
+    code = ("import os\nn = 0\ntry:\n    while n < 50_000:\n        open('f%d' % n, 'w').close()\n        n += 1\n"
+            "except OSError as e:\n    print('stopped', e.errno)\nprint(n)\n")
+    res = _attack(mode, code)
+    assert int(res["stdout"].split()[-1]) <= LIMITS["tmpfs_inodes"]
+    assert "stopped 28" in res["stdout"]  # ENOSPC
+
+
+def test_uts_and_cgroup_namespaces_are_private(mode: str) -> None:
+    host_cgroups = [line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()]
+    code = "import socket\nprint(socket.gethostname())\nprint(open('/proc/self/cgroup').read())\n"
+    res = _attack(mode, code)
+    assert res["stdout"].splitlines()[0] != socket.gethostname()
+    for path in host_cgroups:
+        if path.strip() not in ("", "/"):
+            assert path.strip() not in res["stdout"], path
+
+
+def test_no_new_privileges_no_capabilities_and_seccomp(mode: str) -> None:
+    nr = sandbox.SYSCALL_NUMBERS.get(os.uname().machine)
+    if nr is None:
+        pytest.skip("no syscall table for this machine")
+    calls = {"io_uring_setup": (nr["io_uring_setup"], 1, 0), "unshare_user": (nr["unshare"], 0x10000000),
+             "ptrace_traceme": (nr["ptrace"], 0, 0, 0, 0), "keyctl": (nr["keyctl"], 0, -3, 0),
+             "bpf": (nr["bpf"], 0, 0, 0), "mount": (nr["mount"], 0, 0, 0, 0, 0)}
+    code = ("import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
+            f"for name, args in {calls!r}.items():\n"
+            "    ctypes.set_errno(0)\n    r = libc.syscall(*args)\n    out[name] = [r, ctypes.get_errno()]\n"
+            "st = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\n"
+            "out.update({k: st[k].strip() for k in ('NoNewPrivs', 'Seccomp', 'CapEff', 'CapPrm', 'CapBnd')})\n"
+            "print(json.dumps(out))\n")
+    got = json.loads(_attack(mode, code)["stdout"])
+    for name in calls:
+        assert got[name] == [-1, 1], f"{name}: {got[name]} (want EPERM)"
+    assert (got["NoNewPrivs"], got["Seccomp"]) == ("1", "2")
+    assert got["CapEff"] == got["CapPrm"] == got["CapBnd"] == "0000000000000000"
