@@ -144,6 +144,26 @@ def test_update_weights_changes_outputs_and_version(engine):
     assert back.output_ids == before.output_ids
 
 
+async def _load(client: EngineClient) -> dict:
+    return (await client._get_json("/get_load"))[0]
+
+
+async def _until_running(client: EngineClient) -> None:
+    for _ in range(3000):
+        if (await _load(client))["num_reqs"] >= 1:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the request never started")
+
+
+async def _until_queued(client: EngineClient) -> None:
+    for _ in range(3000):
+        if (await _load(client))["num_waiting_reqs"] >= 1:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the request never reached the engine's queue")
+
+
 def test_pause_aborts_in_flight_and_continue_resumes(engine):
     _, tok = load_model(engine["a"])
     prompt = encode_prompt(tok, "1+1=")
@@ -151,14 +171,14 @@ def test_pause_aborts_in_flight_and_continue_resumes(engine):
     async def go():
         async with EngineClient(engine["url"]) as client:
             long = asyncio.create_task(client.generate(prompt, {"max_new_tokens": 3000, "ignore_eos": True}))
-            await asyncio.sleep(1.0)
+            await _until_running(client)
             t0 = time.perf_counter()
             await client.pause()
             partial = await asyncio.wait_for(long, timeout=10)
             pause_s = time.perf_counter() - t0
             waiting = asyncio.create_task(client.generate(prompt, {"max_new_tokens": 4, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
-            assert not waiting.done()  # paused: new requests wait
+            await _until_queued(client)  # it reached the engine, which holds it while paused
+            assert not waiting.done()
             await client.resume()
             resumed = await asyncio.wait_for(waiting, timeout=10)
             return partial, pause_s, resumed
