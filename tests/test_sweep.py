@@ -88,9 +88,9 @@ def test_sweep_e2e_two_cells_two_seeds(tmp_path: Path, tiny_model_dir: str) -> N
     from trajmesh.cli import main
 
     out = tmp_path / "sweep"
-    args = ["sweep", "examples/demo.yaml", "--grid", "gate.eta=0,1", "--seeds", "2", "--out", str(out),
+    args = ["sweep", "examples/demo.yaml", "--grid", "gate.eta=0,1", "--seeds", "2", "--out", str(out), "--eval-every", "5",
             "--set", f"model.path={tiny_model_dir}", "--set", "learner.max_steps=2", "--set", "learner.batch_groups=2",
-            "--set", "tasks.group_size=2", "--set", "tasks.heldout_size=8", "--set", "eval.samples=2",
+            "--set", "tasks.group_size=4", "--set", "tasks.heldout_size=8", "--set", "eval.samples=2",
             "--set", "eval.noise_seeds=0", "--set", "learner.engine.type=torch", "--set", "rollout.concurrent_tasks=4"]
     root = Path(__file__).resolve().parent.parent
     import os

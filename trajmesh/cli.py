@@ -76,12 +76,13 @@ def _list_envs() -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trajmesh.sweep import parse_grid, run_sweep
+    from trajmesh.sweep import parse_grid, run_sweep, train_run
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
     out = args.out or f"runs/sweep-{Path(args.config).stem}"
-    records = run_sweep(args.config, parse_grid(args.grid), args.seeds, out, overrides=_overrides(args.set))
+    records = run_sweep(args.config, parse_grid(args.grid), args.seeds, out, overrides=_overrides(args.set),
+                        run_fn=train_run(args.eval_every))
     print(f"{len(records)} runs; results in {out}/results.md, results.csv, results.png")
     print(Path(out, "results.md").read_text())
     return 0
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p_sweep.add_argument("--seeds", type=int, default=3, help="runs per cell, seeds 0..N-1")
     p_sweep.add_argument("--out", default=None, help="sweep directory (default: runs/sweep-<config name>)")
     p_sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    p_sweep.add_argument("--eval-every", type=float, default=60.0, help="seconds between held-out evaluations")
 
     p_serve = sub.add_parser("serve", help="run one service (the container entry point)")
     p_serve.add_argument("service", choices=SERVICES)

@@ -101,17 +101,21 @@ def cells(grids: list[tuple[str, list[Any]]]) -> list[Cell]:
     return [Cell(tuple(zip(keys, combo, strict=True))) for combo in itertools.product(*(v for _, v in grids))]
 
 
-def _default_run(cfg: RunConfig) -> dict[str, Any]:
-    from trajmesh.train import train
+def train_run(eval_every_s: float = 60.0) -> RunFn:
+    """The default run: `trajmesh train` from scratch (an unfinished run dir is started over)."""
+    def run(cfg: RunConfig) -> dict[str, Any]:
+        from trajmesh.train import train
 
-    return train(cfg, fresh=True)
+        return train(cfg, fresh=True, eval_every_s=eval_every_s)
+    return run
 
 
 def run_sweep(config: str | Path | None, grids: list[tuple[str, list[Any]]], seeds: int, out_dir: str | Path,
-              *, run_fn: RunFn = _default_run, overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+              *, run_fn: RunFn | None = None, overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Runs every unfinished (cell, seed) and writes the results; returns one record per run."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    run_fn = run_fn or train_run()
     records = []
     for cell in cells(grids):
         for seed in range(seeds):
