@@ -12,7 +12,7 @@ import pytest
 
 from trajmesh import sandbox
 
-pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox needs root and util-linux unshare"),
+pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox unavailable on this kernel (see sandbox.unavailable_reason())"),
               pytest.mark.timeout(120)]
 
 LIMITS = sandbox.SandboxLimits(wall_s=3.0, cpu_s=1, memory_bytes=512 << 20, max_processes=16, output_bytes=8192)

@@ -71,6 +71,12 @@ def mode(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def _attack(mode: str, code: str, setup: str = "", check: str = "") -> dict[str, Any]:
+    return _attack_with(mode, code, LIMITS, setup, check)
+
+
+def _attack_with(mode: str, code: str, limits: dict[str, Any], setup: str = "", check: str = "") -> dict[str, Any]:
+    """Runs `code` in the sandbox from a child process as root or as uid 65534; `setup` and `check`
+    run in that child before and after (`check` sets `verdict`, returned as "check")."""
     if mode == "rootless" and os.geteuid() == 0:
         exe = _rootless_python()
         assert exe is not None
@@ -78,7 +84,7 @@ def _attack(mode: str, code: str, setup: str = "", check: str = "") -> dict[str,
                "--bounding-set=-all", exe]
     else:
         cmd = [sys.executable]
-    job = {"setup": setup, "code": code, "check": check, "limits": LIMITS}
+    job = {"setup": setup, "code": code, "check": check, "limits": limits}
     out = subprocess.run([*cmd, "-I", "-c", _CHILD, str(REPO)], input=json.dumps(job), capture_output=True,
                          text=True, timeout=150, cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -262,3 +268,39 @@ def test_no_new_privileges_no_capabilities_and_seccomp(mode: str) -> None:
         assert got[name] == [-1, 1], f"{name}: {got[name]} (want EPERM)"
     assert (got["NoNewPrivs"], got["Seccomp"]) == ("1", "2")
     assert got["CapEff"] == got["CapPrm"] == got["CapBnd"] == "0000000000000000"
+
+
+@pytest.mark.parametrize("code,subclass", [
+    ("import os\nwhile True:\n    os.fork()", "process_limit"),
+    ("x = bytearray(8 << 30)", "memory"),
+    ("while True:\n    pass", "cpu_time"),
+    ("import time\ntime.sleep(60)", "wall_timeout"),
+    ("while True:\n    print('x' * 1000)", "output_limit"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', 4222), timeout=1)", "network"),
+    ("open('/etc/trajmesh-pwned', 'w').write('x')", "fs_write"),
+    ("import os, signal\nos.kill(1, signal.SIGKILL)", "signal"),
+])
+def test_resource_abuse_is_contained_rootless(code: str, subclass: str) -> None:
+    # tests/test_sandbox.py runs the same classes as root, in-process, with a host-uid leftover check.
+    if os.geteuid() == 0 and (shutil.which("setpriv") is None or _rootless_python() is None):
+        pytest.skip("no setpriv or no interpreter uid 65534 can start")
+    limits = {**LIMITS, "wall_s": 3.0, "cpu_s": 1, "max_processes": 16, "output_bytes": 8192}
+    res = _attack_with("rootless", code, limits)
+    assert (res["status"], res["subclass"]) == (sandbox.SANDBOX_ERROR, subclass), res
+
+
+def test_an_orphan_is_reported_and_killed_rootless() -> None:
+    if os.geteuid() == 0 and (shutil.which("setpriv") is None or _rootless_python() is None):
+        pytest.skip("no setpriv or no interpreter uid 65534 can start")
+    marker = f"{secrets.randbelow(10**6) + 10**6}.5"
+    code = f"import subprocess\nsubprocess.Popen(['sleep', {marker!r}], start_new_session=True)\nprint('bye')"
+    res = _attack_with("rootless", code, LIMITS)
+    assert (res["status"], res["subclass"]) == (sandbox.SANDBOX_ERROR, "orphan_process")
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                left.append(pid)
+        except OSError:
+            continue
+    assert left == [], "a sandboxed process outlived the call"
