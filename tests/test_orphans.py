@@ -15,11 +15,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
+from trajmesh.config import dump_config, load_config
+from trajmesh.infra import NatsServer, RedisServer, free_port
 from trajmesh.launcher import kill_group
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
@@ -101,3 +104,58 @@ def test_launcher_kills_the_group_of_a_dead_service_even_without_the_signal() ->
     finally:
         for pid in _pids_with(tag):
             os.kill(pid, 9)
+
+
+def _children_with(parent: int, arg: str) -> list[int]:
+    """Live processes whose parent is ``parent`` and whose command line has the argument ``arg``."""
+    found = []
+    for pid in _pids_with(arg):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+        if ppid == parent:
+            found.append(pid)
+    return found
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_sigkilled_rollout_leaves_no_engine_behind(tmp_path: Path, tiny_model_dir: str, nats_server: NatsServer,
+                                                      redis_server: RedisServer) -> None:
+    """The real rollout service with its real torch engine: SIGKILL the rollout, the engine goes."""
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": tiny_model_dir,
+                             "infra.nats_url": nats_server.url, "infra.redis_url": redis_server.public_url})
+    config_path = tmp_path / "config.yaml"
+    dump_config(cfg, config_path)
+    port = free_port()
+    with open(tmp_path / "rollout.log", "wb") as log:
+        rollout = subprocess.Popen([sys.executable, "-m", "trajmesh.cli", "serve", "rollout", "--config",
+                                    str(config_path), "--metrics-port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    engine = "trajmesh.rollout.engine_server"
+    try:
+        deadline = time.monotonic() + 240
+        while not _healthy(port):  # ready = its engine answered /health
+            assert rollout.poll() is None, (tmp_path / "rollout.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "rollout not healthy"
+            time.sleep(0.2)
+        engines = _children_with(rollout.pid, engine)
+        assert len(engines) == 1, engines
+        rollout.kill()  # no stop(): only the kernel's parent-death signal can take the engine down
+        rollout.wait()
+        deadline = time.monotonic() + _DEADLINE_S
+        while engines[0] in _pids_with(engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engines[0] not in _pids_with(engine), "the engine outlived its SIGKILLed rollout"
+    finally:
+        kill_group(rollout)
