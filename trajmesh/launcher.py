@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,14 +149,21 @@ class Mesh:
             self.redis.stop()
 
 
+_groups_killed: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
+
+
 def kill_group(popen: subprocess.Popen[bytes]) -> None:
     """SIGKILL the process group a service leads (started with ``start_new_session``: its pgid is
     its pid) and reap the leader: children it started die with it even when they outlived it
-    (a SIGKILLed service cannot stop its engine). Idempotent."""
+    (a SIGKILLed service cannot stop its engine). Once per process: a later call never signals
+    a group id the kernel may have handed to another process since."""
+    if popen in _groups_killed:
+        return
     try:
         os.killpg(popen.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # the leader and every member are gone already
+    _groups_killed.add(popen)
     popen.wait()
 
 
