@@ -96,3 +96,36 @@ def test_a_failing_setup_is_a_result_not_an_exception(monkeypatch: pytest.Monkey
     monkeypatch.setattr(sandbox.tempfile, "mkdtemp", lambda **_: (_ for _ in ()).throw(OSError(28, "No space left")))
     res = sandbox.run_code("print(1)", limits=LIMITS)
     assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "setup") and "No space left" in res.stderr
+
+
+def test_without_cgroup_delegation_a_service_refuses_unless_weaker_limits_are_allowed() -> None:
+    from trajmesh.config import RunConfig
+
+    if not sandbox.cgroup_problem():
+        pytest.skip("cgroup v2 is delegated here")
+    assert RunConfig().sandbox.allow_without_cgroup is False  # refusing is the default
+    with pytest.raises(sandbox.SandboxUnavailable, match="no cgroup v2 delegation"):
+        sandbox.preflight(allow_without_cgroup=False)
+    assert "WEAKER LIMITS" in sandbox.preflight(allow_without_cgroup=True)
+
+
+_CGROUP = pytest.mark.skipif(bool(sandbox.cgroup_problem()), reason="no cgroup v2 delegation here")
+
+
+@_CGROUP
+def test_cpu_seconds_are_a_budget_across_all_processes() -> None:
+    # Four spinning processes with cpu_s=1 each stay under RLIMIT_CPU; together they exceed the budget.
+    code = "import os\nfor _ in range(3):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass"
+    res = sandbox.run_code(code, limits=sandbox.SandboxLimits(wall_s=30.0, cpu_s=1, max_processes=8))
+    assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "cpu_time")
+
+
+@_CGROUP
+def test_memory_counts_tmpfs_pages() -> None:
+    # 384 MiB of files in /dev/shm: outside RLIMIT_AS (256 MiB), inside the call's memory.max.
+    code = ("import os\nfor i in range(4):\n    with open('/dev/shm/f%d' % i, 'wb') as fh:\n"
+            "        for _ in range(96):\n            fh.write(b'x' * (1 << 20))\nimport time\ntime.sleep(30)")
+    limits = sandbox.SandboxLimits(wall_s=20.0, memory_bytes=256 << 20, tmpfs_bytes=512 << 20,
+                                   file_size_bytes=128 << 20)
+    res = sandbox.run_code(code, limits=limits)
+    assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "memory")

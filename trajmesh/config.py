@@ -234,6 +234,16 @@ class SimulatedLatency(_Strict):
     """Log-normal shape: the tail grows fast with sigma (p99 ≈ median·e^(2.33σ))."""
 
 
+class SandboxConfig(_Strict):
+    """Untrusted-code sandbox of the environment and grader services (trajmesh/sandbox.py,
+    docs/SECURITY.md "Sandbox")."""
+
+    allow_without_cgroup: bool = False
+    """Run sandboxed code where cgroup v2 delegation is unavailable, with per-process rlimits only:
+    CPU seconds and memory then multiply by the process count, and tmpfs/shm/memfd pages are not
+    counted. False: a service calling `sandbox.preflight` refuses to start there and says why."""
+
+
 class EnvironmentServiceConfig(_Strict):
     replicas: int = Field(1, ge=1)
     """Environment service processes started by the local launcher."""
@@ -474,6 +484,8 @@ class RunConfig(_Strict):
     """Grader processes."""
     environment: EnvironmentServiceConfig = Field(default_factory=lambda: EnvironmentServiceConfig())
     """Environment service processes."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Isolation the environment and grader services require of the code sandbox."""
     store: StoreConfig = Field(default_factory=StoreConfig)
     """The trajectory store."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)

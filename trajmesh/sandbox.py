@@ -33,7 +33,6 @@ import os
 import platform
 import random
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +173,122 @@ def uses_uid_pool() -> bool:
     return os.geteuid() == 0
 
 
+CGROUP_MOUNT = "/sys/fs/cgroup"
+CGROUP_CONTROLLERS = ("memory", "pids", "cpu")
+"""cgroup v2 controllers one call's cgroup needs (memory.max, pids.max, cpu.stat)."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot give the isolation the configuration asks for (raised at service start-up)."""
+
+
+def preflight(allow_without_cgroup: bool) -> str:
+    """Start-up check for a service that runs sandboxed code (`sandbox.allow_without_cgroup` in the
+    run config). Returns a line to log; raises SandboxUnavailable when the sandbox cannot run, or
+    when cgroup v2 delegation is unavailable and weaker limits were not allowed explicitly."""
+    problem = unavailable_reason()
+    if problem:
+        raise SandboxUnavailable(f"sandbox unavailable: {problem}")
+    missing = cgroup_problem()
+    if not missing:
+        return f"sandbox: one cgroup v2 per call under {_cgroup_parent()[0]}"
+    if not allow_without_cgroup:
+        raise SandboxUnavailable(
+            f"sandbox: no cgroup v2 delegation ({missing}); per-process rlimits alone let CPU and memory "
+            "multiply by the process count. Give the service a delegated cgroup v2 subtree, or set "
+            "sandbox.allow_without_cgroup: true to run with these weaker limits.")
+    return f"sandbox: WEAKER LIMITS (allowed by sandbox.allow_without_cgroup): no cgroup v2 delegation ({missing})"
+
+
+def cgroup_problem() -> str:
+    """Why calls cannot each get their own cgroup v2 here ("" when they can)."""
+    return _cgroup_parent()[1]
+
+
+@functools.lru_cache(maxsize=1)
+def _cgroup_parent() -> tuple[str, str]:
+    """(the delegated cgroup under which each call gets one child, "") or ("", why there is none). The first
+    call moves this process's cgroup members into a `service` leaf (cgroup v2 lets only leaves hold
+    processes) and enables the controllers for a `sandbox` sibling."""
+    try:
+        mounts = open("/proc/self/mounts").read().split("\n")
+        if not any(line.split()[1:3] == [CGROUP_MOUNT, "cgroup2"] for line in mounts if line):
+            return "", f"{CGROUP_MOUNT} is not a cgroup2 mount (cgroup v1 or hybrid)"
+        own = [line[3:] for line in open("/proc/self/cgroup").read().splitlines() if line.startswith("0::")]
+        base = CGROUP_MOUNT + (own[0] if own else "/").rstrip("/")
+        have = open(base + "/cgroup.controllers").read().split()
+        if not set(CGROUP_CONTROLLERS) <= set(have):
+            return "", f"controllers {sorted(set(CGROUP_CONTROLLERS) - set(have))} not delegated to {base}"
+        if not os.access(base, os.W_OK) or not os.access(base + "/cgroup.subtree_control", os.W_OK):
+            return "", f"{base} is not writable by uid {os.geteuid()} (not delegated)"
+        return _delegate(base), ""
+    except (OSError, IndexError) as exc:
+        return "", f"cgroup v2 setup failed: {exc}"
+
+
+def _delegate(base: str) -> str:
+    enable = " ".join("+" + c for c in CGROUP_CONTROLLERS)
+    if base != CGROUP_MOUNT:  # the root cgroup may hold processes; any other must be a leaf to delegate
+        os.makedirs(base + "/service", exist_ok=True)
+        for pid in open(base + "/cgroup.procs").read().split():
+            with open(base + "/service/cgroup.procs", "w") as fh:
+                fh.write(pid)
+    with open(base + "/cgroup.subtree_control", "w") as fh:
+        fh.write(enable)
+    os.makedirs(base + "/sandbox", exist_ok=True)
+    with open(base + "/sandbox/cgroup.subtree_control", "w") as fh:
+        fh.write(enable)
+    return base + "/sandbox"
+
+
+class _CallCgroup:
+    """One call's cgroup: memory.max (tmpfs, shm, memfd and kernel memory included), pids.max, the
+    CPU seconds of all its processes, and the kill of all of them at once."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, limits: SandboxLimits) -> _CallCgroup | None:
+        if cgroup_problem():
+            return None
+        path = f"{_cgroup_parent()[0]}/call-{os.getpid()}-{random.getrandbits(48):012x}"
+        os.mkdir(path)
+        group = cls(path)
+        group.write("memory.max", str(limits.memory_bytes))
+        group.write("memory.swap.max", "0")
+        group.write("memory.oom.group", "1")
+        group.write("pids.max", str(limits.max_processes + 3))  # + the init, its child and pid 1
+        return group
+
+    def write(self, name: str, value: str) -> None:
+        with open(f"{self.path}/{name}", "w") as fh:
+            fh.write(value)
+
+    def cpu_s(self) -> float:
+        for line in open(f"{self.path}/cpu.stat").read().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+        return 0.0
+
+    def oom_killed(self) -> bool:
+        events = dict(line.split() for line in open(f"{self.path}/memory.events").read().splitlines())
+        return int(events.get("oom_kill", "0")) > 0
+
+    def kill(self) -> None:
+        self.write("cgroup.kill", "1")
+
+    def remove(self) -> None:
+        """Removes the cgroup once its processes are gone (the pid namespace is torn down by then)."""
+        for _ in range(100):
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                self.kill()
+                time.sleep(0.01)
+
+
 # The init: started by the service with only a tiny bootstrap on its command line (so the program's
 # /proc/1/cmdline shows no host path or config); the payload (this script, cfg, code) is on a memfd.
 _BOOTSTRAP = ("import json, os, sys\nfd = int(sys.argv[1]); b = b''\nwhile True:\n    c = os.read(fd, 1 << 16)\n"
@@ -183,6 +298,9 @@ _INIT = r"""
 import ctypes, json, os, signal, struct
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals from inside
 cfg = P["cfg"]
+if cfg["cgroup_procs"]:  # first, so that every process of the call is born in its cgroup
+    with open(cfg["cgroup_procs"], "w") as fh:
+        fh.write("0")
 libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 NS = 0x10000000 | 0x20000 | 0x20000000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000 | 0x80
@@ -527,14 +645,16 @@ def _run(code: str, stdin: str, limits: SandboxLimits, start: float) -> SandboxR
                              wall_s=time.monotonic() - start)
     root = tempfile.mkdtemp(prefix="trajmesh-sbx-")
     fds: list[int] = []
+    group: _CallCgroup | None = None
     try:
+        group = _CallCgroup.create(limits)
         report_r, report_w = os.pipe()
         audit_r, audit_w = os.pipe()
         payload = os.memfd_create("trajmesh-sandbox-init")
         fds += [report_r, report_w, audit_r, audit_w, payload]
         outer = (lease.uid, lease.uid) if lease else (os.geteuid(), os.getegid())
         os.write(payload, json.dumps({"init": _INIT, "code": code, "cfg": _init_config(
-            limits, root, outer, report_w, audit_w)}).encode())
+            limits, root, outer, report_w, audit_w, group)}).encode())
         os.lseek(payload, 0, os.SEEK_SET)
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(payload)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -543,20 +663,23 @@ def _run(code: str, stdin: str, limits: SandboxLimits, start: float) -> SandboxR
         for fd in (report_w, audit_w, payload):
             os.close(fd)
             fds.remove(fd)
-        return _collect(proc, report_r, audit_r, stdin, limits, start)
+        return _collect(proc, report_r, audit_r, stdin, limits, start, group)
     finally:
         for fd in fds:
             os.close(fd)
         os.rmdir(root)
+        if group is not None:
+            group.remove()
         if lease is not None:
             _reap(lease.uid)
             lease.release()
 
 
 def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], report_w: int,
-                 audit_w: int) -> dict[str, Any]:
+                 audit_w: int, group: _CallCgroup | None) -> dict[str, Any]:
     machine = platform.machine()
     return {
+        "cgroup_procs": f"{group.path}/cgroup.procs" if group else "",
         "root": root, "root_mode": uses_uid_pool(), "outer_uid": outer[0], "outer_gid": outer[1],
         "inner_id": SANDBOX_UID, "report_fd": report_w, "audit_fd": audit_w, "binds": _binds(),
         "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes,
@@ -591,7 +714,7 @@ def _reap(uid: int, timeout_s: float = 5.0) -> None:
 
 
 def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: str,
-             limits: SandboxLimits, start: float) -> SandboxResult:
+             limits: SandboxLimits, start: float, group: _CallCgroup | None) -> SandboxResult:
     """Feeds stdin and reads stdout/stderr (capped), the audit and report pipes (capped) from one
     selector loop until EOF or the deadline, which counts from the call's start."""
     assert proc.stdin and proc.stdout and proc.stderr
@@ -602,13 +725,15 @@ def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: 
     for fd in bufs:
         sel.register(fd, selectors.EVENT_READ)
     feed = _StdinFeed(proc.stdin, encode(stdin), sel)
-    killed_for = _pump(sel, bufs, caps, feed, start + limits.wall_s, limits.output_bytes,
-                       (proc.stdout.fileno(), proc.stderr.fileno()))
+    killed_for = _pump(sel, bufs, caps, feed, start + limits.wall_s, limits,
+                       (proc.stdout.fileno(), proc.stderr.fileno()), group)
     sel.close()
     feed.close()
     if killed_for:
-        _kill(proc, bufs[report_r])
+        _kill(proc, bufs[report_r], group)
     proc.wait()  # the init waits for pid 1, whose exit waits out every process of its namespace
+    if group is not None and not killed_for and group.oom_killed():
+        killed_for = "memory"
     for fd in (report_r, audit_r):  # after a kill, keep what was already written (capped)
         try:
             os.set_blocking(fd, False)
@@ -619,8 +744,11 @@ def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: 
                    killed_for, limits, start)
 
 
-def _kill(proc: subprocess.Popen[bytes], report: bytearray) -> None:
-    """SIGKILL to the namespace's pid 1 (all its processes die with it), then to the init."""
+def _kill(proc: subprocess.Popen[bytes], report: bytearray, group: _CallCgroup | None) -> None:
+    """SIGKILL to the call's cgroup (all of it at once), the namespace's pid 1 (all its processes
+    die with it) and the init."""
+    if group is not None:
+        group.kill()
     first = bytes(report).split(b"\n", 1)[0]
     if first.startswith(b"pid ") and first[4:].isdigit() and proc.poll() is None:
         try:  # pid 1 is the init's child: while the init runs (unreaped child), the pid is not reused
@@ -666,13 +794,15 @@ class _StdinFeed:
 
 
 def _pump(sel: selectors.BaseSelector, bufs: dict[int, bytearray], caps: dict[int, int], feed: _StdinFeed,
-          deadline: float, output_bytes: int, out_fds: tuple[int, int]) -> str:
+          deadline: float, limits: SandboxLimits, out_fds: tuple[int, int], group: _CallCgroup | None) -> str:
     """The selector loop; returns why the program must be killed ("" when every pipe hit EOF)."""
     while len(sel.get_map()) > 0:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return "wall_timeout"
-        for key, _ in sel.select(timeout=min(remaining, 0.5)):
+        if group is not None and group.cpu_s() > limits.cpu_s:  # CPU of all its processes together
+            return "cpu_time"
+        for key, _ in sel.select(timeout=min(remaining, 0.25 if group else 0.5)):
             if key.fd == feed.fd:
                 feed.write()
                 continue
@@ -684,7 +814,7 @@ def _pump(sel: selectors.BaseSelector, bufs: dict[int, bytearray], caps: dict[in
             bufs[key.fd] += chunk[:room]
             if len(chunk) >= room and key.fd not in out_fds:  # a flooded side pipe: stop reading it
                 sel.unregister(key.fd)
-        if sum(len(bufs[fd]) for fd in out_fds) > output_bytes:
+        if sum(len(bufs[fd]) for fd in out_fds) > limits.output_bytes:
             return "output_limit"
     return ""
 
