@@ -1,6 +1,7 @@
 """The held-out regression stop on the real mesh: `trajmesh train` evaluates during RL, and two
 consecutive evaluations more than the margin below the best stop the learner cleanly (exit 0,
-checkpoint, stop_reason.json); summary.json names the best checkpoint.
+checkpoint, stop_reason.json); summary.json names the best checkpoint. The same run checks
+provenance: environment revisions on trajectories and in the manifest.
 
 The held-out scores are scripted (evaluate_dir replaced by a fixed sequence) so the regression
 happens by construction; the evaluation itself is tested in test_evaluate_loop/heldout."""
@@ -15,6 +16,7 @@ import pytest
 
 from trajmesh import train as train_mod
 from trajmesh.config import load_config
+from trajmesh.v1 import services_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -38,7 +40,7 @@ def test_two_evaluations_below_best_minus_margin_stop_the_run(tmp_path: Path, ti
         "tasks.group_size": 4, "tasks.heldout_size": 10, "tasks.train_size": 300, "tasks.sampling.max_new_tokens": 6,
         "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": 500,
-        "eval.stop_regression_margin": 0.1, "eval.stop_confirmations": 2,
+        "eval.stop_regression_margin": 0.1, "eval.stop_confirmations": 2, "learner.keep_batches": True,
     })
     summary = train_mod.train(cfg, eval_every_s=0.5)
     run = Path(cfg.run_dir)
@@ -55,3 +57,14 @@ def test_two_evaluations_below_best_minus_margin_stop_the_run(tmp_path: Path, ti
     assert summary["heldout"]["chain_sum"]["after"]["sampled_accuracy"] == 0.25
     assert (run / "checkpoints" / "latest").exists()
     assert json.loads((run / "stop_reason.json").read_text())["best"]["version"] == 0
+    # Provenance on the same run: every trained trajectory carries the revision its environment
+    # reported on Reset, and the manifest names that environment revision and the real frameworks.
+    revisions = {t.environment_revision for p in sorted((run / "learner_batches").glob("step-*.pb"))
+                 for t in services_pb2.NextBatchResponse.FromString(p.read_bytes()).trajectories}
+    assert revisions == {"single_answer-v1"}
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["environment_revisions"] == {"chain_sum": "single_answer-v1"}
+    assert manifest["grader_revisions"] == {"reasoning_gym": "reasoning_gym-score_answer-v2"}
+    assert {"torch", "transformers"} <= set(manifest["framework_versions"])
+    protocol = json.loads(manifest["evaluation_protocol_json"])
+    assert protocol["sampled"]["samples_per_problem"] == 4 and protocol["max_new_tokens_per_turn"] == 6
