@@ -70,11 +70,23 @@ def token_versions(result: GenerateResult, fallback: int) -> list[int]:
     server reports them, else the response's ``weight_version``, else `fallback` (the version the
     caller had loaded when it sent the request)."""
     n = len(result.output_ids)
-    per_token = result.meta_info.get("weight_versions")
-    if isinstance(per_token, list) and len(per_token) == n:
-        return [v if v is not None else fallback for v in map(parse_weight_version, per_token)]
+    reported = result.meta_info.get("weight_versions")
+    if isinstance(reported, list) and reported and all(isinstance(s, (list, tuple)) for s in reported):
+        reported = _spans_to_tokens(reported, n)  # [[start, end, version], ...] over output positions
+    if isinstance(reported, list) and len(reported) == n and n:
+        return [v if v is not None else fallback for v in map(parse_weight_version, reported)]
     version = parse_weight_version(result.weight_version)
     return [fallback if version is None else version] * n
+
+
+def _spans_to_tokens(spans: list[Any], n: int) -> list[Any] | None:
+    """Per-token versions from ``[start, end, version]`` spans (end exclusive) that tile 0..n."""
+    out: list[Any] = []
+    for start, end, version in spans:
+        if int(start) != len(out) or int(end) < int(start):
+            return None
+        out += [version] * (int(end) - int(start))
+    return out if len(out) == n else None
 
 
 def _parse_result(item: dict[str, Any], return_logprob: bool) -> GenerateResult:

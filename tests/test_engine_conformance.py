@@ -96,7 +96,13 @@ def engine(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(engine):
-    return load_model(engine["model"])
+    """The served model as the learner loads it (any HF causal LM for SGLang's), in float32."""
+    if engine["kind"] == "torch":
+        return load_model(engine["model"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(engine["model"], dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(engine["model"])
 
 
 def _prompt(tok: Any, text: str) -> list[int]:

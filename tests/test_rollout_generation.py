@@ -61,6 +61,10 @@ def test_weight_version_strings():
 
 def test_token_versions_prefer_per_token_spans_then_the_response_then_the_loaded_version():
     assert token_versions(_result([7, 8, 9], "stop", "4", weight_versions=["3", "3", "4"]), 9) == [3, 3, 4]
+    spans = [[0, 2, "3"], [2, 3, "4"]]
+    assert token_versions(_result([7, 8, 9], "stop", "4", weight_versions=spans), 9) == [3, 3, 4]
+    gap = [[0, 1, "3"], [2, 3, "4"]]  # not a tiling: the response's version instead
+    assert token_versions(_result([7, 8, 9], "stop", "4", weight_versions=gap), 9) == [4, 4, 4]
     assert token_versions(_result([7, 8], "stop", "default"), 9) == [0, 0]
     assert token_versions(_result([7, 8], "stop", None), 9) == [9, 9]
 
