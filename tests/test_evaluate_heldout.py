@@ -4,6 +4,7 @@ held-out regression stop and the best-checkpoint choice."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def test_best_weights_are_kept_and_survive_resume(tmp_path: Path) -> None:
     assert not _record_eval(run, t, {**rec, "phase": "during", "version": 5, "score": 0.5}, w5)
     w9 = _weights(run, "v000009", "nine")
     assert not _record_eval(run, t, {**rec, "phase": "during", "version": 9, "score": 0.3}, w9)
-    w5.rename(run / "weights" / "pruned")  # the learner prunes old versions: the copy must not depend on them
+    shutil.rmtree(w5)  # the learner prunes old versions: the snapshot must not depend on them
     assert (run / "best" / "model.safetensors").read_text() == "five"
     assert t.best["version"] == 5 and t.best["path"] == str(run / "best")
     w12 = _weights(run, "v000012", "twelve")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import statistics
@@ -215,11 +216,20 @@ def latest_weights_dir(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard link (the learner never rewrites a published file: each version is a new directory,
+    so a link is a snapshot and costs no space); a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _keep_best(run_dir: Path, weights: Path) -> Path:
-    """Copies a weights dir to RUN_DIR/best (temp dir + rename): the learner prunes old versions."""
+    """Snapshots a weights dir as RUN_DIR/best (temp dir + rename): the learner prunes old versions."""
     best, tmp = run_dir / "best", run_dir / ".best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(weights, tmp)
+    shutil.copytree(weights, tmp, copy_function=_link_or_copy)
     shutil.rmtree(best, ignore_errors=True)
     tmp.replace(best)
     return best
