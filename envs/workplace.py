@@ -86,7 +86,9 @@ def validate(name: str, args: Any) -> None:
 
 def build_db(db_seed: int, n_employees: int = 6, n_tasks: int = 8) -> sqlite3.Connection:
     rng = random.Random(f"workplace-db|{db_seed}")
-    db = sqlite3.connect(":memory:")
+    # A session's steps may run on different worker threads (the environment service's to_thread,
+    # the evaluation loop's pool), never two at once: sqlite's same-thread check would refuse them.
+    db = sqlite3.connect(":memory:", check_same_thread=False)
     db.executescript(
         "CREATE TABLE employees(id INTEGER PRIMARY KEY, name TEXT, dept TEXT);"
         "CREATE TABLE tasks(id INTEGER PRIMARY KEY, title TEXT, assignee_id INTEGER, status TEXT);"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -256,15 +257,23 @@ def _advance(ep: Episode, out: Sampled, codec: TextCodec) -> None:
 
 
 def run_episodes(policy: Policy, codec: TextCodec, tasks: list[dict[str, Any]], params: SamplingParams, *,
-                 max_turns: int, samples: int = 1, seed: int = 0) -> list[Episode]:
-    """`samples` episodes per task, played turn by turn in lock step (one batched generate per turn)."""
+                 max_turns: int, samples: int = 1, seed: int = 0, workers: int = 4) -> list[Episode]:
+    """`samples` episodes per task, played turn by turn in lock step (one batched generate per turn).
+
+    Steps of environments that block (sandboxed code: no `inline` attribute, as in the environment
+    service) run on `workers` threads; each step touches only its own episode."""
     episodes = [_start(t, seed + k, codec) for t in tasks for k in range(samples)]
-    for _ in range(max(1, max_turns)):
-        live = [e for e in episodes if not e.terminal_reason]
-        if not live:
-            break
-        for ep, out in zip(live, policy.generate([e.context for e in live], params), strict=True):
-            _advance(ep, out, codec)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for _ in range(max(1, max_turns)):
+            live = [e for e in episodes if not e.terminal_reason]
+            if not live:
+                break
+            pairs = list(zip(live, policy.generate([e.context for e in live], params), strict=True))
+            for ep, out in pairs:
+                if getattr(ep.env, "inline", False):
+                    _advance(ep, out, codec)
+            blocking = [(ep, out) for ep, out in pairs if not getattr(ep.env, "inline", False)]
+            list(pool.map(lambda pair: _advance(pair[0], pair[1], codec), blocking))
     for ep in episodes:
         ep.terminal_reason = ep.terminal_reason or "MAX_TURNS"
     return episodes

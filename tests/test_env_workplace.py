@@ -44,3 +44,16 @@ def test_grader_replays_the_action_log() -> None:
     assert g.reward == 1.0 and g.components["invalid_actions"] == 2.0
     g0 = make_grader("workplace").grade(Sample("<done/>", ["<done/>"]), task)
     assert g0.reward == 0.0
+
+
+def test_a_session_may_step_on_another_thread_than_it_reset_on() -> None:
+    """The environment service runs blocking steps with asyncio.to_thread (any worker thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    task = make_tasks(0, 1)[0]
+    env = WorkplaceEnv()
+    with ThreadPoolExecutor(max_workers=1) as a, ThreadPoolExecutor(max_workers=1) as b:
+        a.submit(env.reset, task, 0).result()
+        name, args = task["metadata"]["solution"][0]
+        res = b.submit(env.step, f"<tool>{json.dumps({'name': name, 'arguments': args})}</tool>").result()
+    assert "<result>" in res.observation and not res.done
