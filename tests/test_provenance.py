@@ -99,3 +99,34 @@ def test_truncation_policy_records_the_budgets() -> None:
     policy = truncation_policy(cfg)
     assert policy["max_new_tokens_per_turn"] == 7 and policy["max_turns"] == 3
     assert policy["truncated_terminal_reasons"] == ["MAX_TOKENS", "MAX_TURNS"]
+
+
+def test_engine_server_version_is_read_from_a_real_engine(tiny_model_dir: str, tmp_path: Path) -> None:
+    """The manifest records the SGLang server's own version (`/get_server_info`); here the torch
+    engine, which serves the same endpoint."""
+    import signal
+    import sys
+    import time
+
+    from trajmesh.infra import free_port
+    from trajmesh.manifest import engine_server_version
+
+    port = free_port()
+    log = open(tmp_path / "engine.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", tiny_model_dir,
+                             "--port", str(port), "--host", "127.0.0.1", "--version", "0", "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        version = "unreachable"
+        while version == "unreachable" and time.monotonic() < deadline and proc.poll() is None:
+            version = engine_server_version(url, timeout_s=2.0)
+            if version == "unreachable":
+                time.sleep(0.2)  # the server is still importing torch; nothing to subscribe to
+        assert version == "trajmesh-torch-engine", (tmp_path / "engine.log").read_text()[-2000:]
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+    assert engine_server_version(url, timeout_s=2.0) == "unreachable"  # the server is gone

@@ -77,6 +77,19 @@ def framework_versions(names: tuple[str, ...] = FRAMEWORKS) -> dict[str, str]:
     return out
 
 
+def engine_server_version(url: str, timeout_s: float = 5.0) -> str:
+    """The `version` an SGLang-API inference server reports on `/get_server_info` (the external
+    SGLang server's own release, which the trainer's environment may not have installed);
+    "unreachable" when it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/get_server_info", timeout=timeout_s) as resp:  # noqa: S310
+            return str(json.loads(resp.read()).get("version", "unknown"))
+    except (OSError, ValueError):
+        return "unreachable"
+
+
 def tree_is_dirty(repo_dir: str | Path | None = None) -> bool:
     """True when tracked files differ from HEAD (`git status --porcelain --untracked-files=no`);
     False outside a git checkout (then `code_commit` is "unknown" and says so)."""

@@ -361,7 +361,6 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
     from trajmesh.manifest import (
         build_manifest,
         code_commit,
-        framework_versions,
         tree_is_dirty,
         truncation_policy,
     )
@@ -379,13 +378,23 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
         grader_revisions={g: r for s in protocol["sources"].values() for g, r in s["graders"].items()},
         algorithm={"eta": cfg.effective_eta, "mode": cfg.mode, "learner": cfg.learner.model_dump(mode="json"),
                    "group_size": cfg.tasks.group_size, "sampling": cfg.tasks.sampling.model_dump(mode="json")},
-        framework_versions=framework_versions(),
+        framework_versions=_framework_versions(cfg),
         dirty_tree=tree_is_dirty(),
         truncation_policy=truncation_policy(cfg),
         evaluation_protocol=protocol,
     )
     (Path(cfg.run_dir) / "manifest.json").write_text(
         json.dumps(MessageToDict(manifest, preserving_proto_field_name=True), indent=1))
+
+
+def _framework_versions(cfg: RunConfig) -> dict[str, str]:
+    """Installed framework versions, plus the external SGLang server's when rollout uses one."""
+    from trajmesh.manifest import engine_server_version, framework_versions
+
+    versions = framework_versions()
+    if cfg.rollout.engine.type == "sglang" and cfg.rollout.engine.url:
+        versions["sglang_server"] = engine_server_version(cfg.rollout.engine.url)
+    return versions
 
 
 def _dir_hash(model_dir: Path, name: str) -> str:
