@@ -4,9 +4,10 @@
 
     grade ── run_code(HARNESS, stdin = {nonce, tests, program, budget_s}) ──▶ sandbox
                  harness (the sandbox's program; non-dumpable; tests and nonce only in its memory)
-                   │ writes the program to /tmp/cand/solution.py (tests never there)
-                   │ spawns a fresh `python -I` RUNNER in /tmp/cand, stdout/stderr to a log file
-                   │ ◀── pipe: ("ready", names)     the runner imports solution.py as a module
+                   │ forks the program's process BEFORE reading the job (it never holds the tests);
+                   │ sends it the program, which it writes to /tmp/cand/solution.py and runs as
+                   │ module `solution` in /tmp/cand, stdout/stderr to a log file, stdin /dev/null
+                   │ ◀── pipe: ("ready", names)
                    │ ──▶ pipe: (call id, name, args, kwargs)    one per call a test makes
                    │ ◀── pipe: ("ok", call id, result) | ("raise", call id, exception name, text)
                    ▼
@@ -25,56 +26,78 @@ may not keep state across tests apart from what its own process keeps.
 
 from __future__ import annotations
 
-import json
+import ast
 import re
 import secrets
 from typing import Any
 
-from trajmesh import sandbox
 from trajmesh.graders.base import Grade, Sample
 
-RUNNER = r"""
-import ast, importlib.util, sys
-rd, wr = open(int(sys.argv[1]), "rb"), open(int(sys.argv[2]), "wb", buffering=0)
-def send(obj):
-    wr.write(repr(obj).encode("utf-8", "surrogatepass") + b"\n")
-sys.argv = ["solution.py"]
-spec = importlib.util.spec_from_file_location("solution", "/tmp/cand/solution.py")
-mod = importlib.util.module_from_spec(spec)
-sys.modules["solution"] = mod
-spec.loader.exec_module(mod)
-send(("ready", [n for n, v in vars(mod).items() if callable(v) and not n.startswith("_")]))
-for line in rd:
-    cid, name, args, kwargs = ast.literal_eval(line.decode("utf-8", "surrogatepass"))
-    try:
-        out = ("ok", cid, getattr(mod, name)(*args, **kwargs))
-    except BaseException as e:
-        out = ("raise", cid, type(e).__name__, str(e)[:200])
-    send(out)
-"""
+from trajmesh import sandbox
 
 HARNESS = r"""
-import ast, builtins, ctypes, json, os, select, secrets, subprocess, sys, time
+import ast, builtins, ctypes, os, select, sys, time  # no json/re: every import costs each call
 ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: the program may not read this process (/proc/pid/mem, fd, ptrace)
-job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogatepass"))
+req_r, req_w = os.pipe()
+resp_r, resp_w = os.pipe()
+prog_r, prog_w = os.pipe()
+
+def serve():
+    # The program's process: forked before the job (tests, nonce) is read, so it never holds them.
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)  # the job arrives on stdin after the fork: only the harness reads it
+    for fd in (req_w, resp_r, prog_w, null):
+        os.close(fd)
+    chunks = []
+    while True:
+        chunk = os.read(prog_r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.makedirs("/tmp/cand", exist_ok=True)
+    with open("/tmp/cand/solution.py", "wb") as fh:
+        fh.write(b"".join(chunks))
+    log = os.open("/tmp/cand/output.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.chdir("/tmp/cand")
+    wr = open(resp_w, "wb", buffering=0)
+    send = lambda obj: wr.write(repr(obj).encode("utf-8", "surrogatepass") + b"\n")
+    sys.argv = ["solution.py"]
+    ns = {"__name__": "solution", "__file__": "/tmp/cand/solution.py", "__builtins__": builtins}
+    exec(compile(open("/tmp/cand/solution.py", "rb").read(), "/tmp/cand/solution.py", "exec"), ns)
+    send(("ready", [n for n, v in ns.items() if callable(v) and not n.startswith("_")]))
+    for line in open(req_r, "rb"):
+        cid, name, args, kwargs = ast.literal_eval(line.decode("utf-8", "surrogatepass"))
+        try:
+            out = ("ok", cid, ns[name](*args, **kwargs))
+        except BaseException as e:
+            out = ("raise", cid, type(e).__name__, str(e)[:200])
+        send(out)
+
+child = os.fork()
+if child == 0:
+    try:
+        serve()
+    finally:
+        os._exit(0)
+for fd in (req_r, resp_w, prog_r):
+    os.close(fd)
+job = ast.literal_eval(sys.stdin.buffer.read().decode("utf-8", "surrogatepass"))
 deadline = time.monotonic() + job["budget_s"]
-RUNNER, CAP = job["runner"], 1 << 20
+CAP = 1 << 20
 
 class CandidateGone(Exception):
     pass
 
 class Candidate:
     def __init__(self):
-        os.makedirs("/tmp/cand", exist_ok=True)
-        with open("/tmp/cand/solution.py", "wb") as fh:
-            fh.write(job["program"].encode("utf-8", "surrogatepass"))
-        req_r, self.req_w = os.pipe()
-        self.resp_r, resp_w = os.pipe()
-        log = open("/tmp/cand/output.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER, str(req_r), str(resp_w)], cwd="/tmp/cand",
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(req_r, resp_w))
-        os.close(req_r); os.close(resp_w); log.close()
         self.buf, self.alive = b"", True
+        try:
+            os.write(prog_w, job["program"].encode("utf-8", "surrogatepass"))
+        except OSError:
+            pass
+        os.close(prog_w)
         msg = self.read()
         if not (isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "ready" and isinstance(msg[1], list)):
             self.fail("no ready message")
@@ -82,15 +105,18 @@ class Candidate:
 
     def fail(self, why):
         self.alive = False
-        self.proc.kill()
+        try:
+            os.kill(child, 9)
+        except OSError:
+            pass
         raise CandidateGone(why)
 
     def read(self):
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.resp_r], [], [], left)[0]:
+            if left <= 0 or not select.select([resp_r], [], [], left)[0]:
                 self.fail("timeout")
-            chunk = os.read(self.resp_r, 65536)
+            chunk = os.read(resp_r, 65536)
             if not chunk or len(self.buf) > CAP:
                 self.fail("exited" if not chunk else "reply too long")
             self.buf += chunk
@@ -103,7 +129,7 @@ class Candidate:
     def call(self, name, args, kwargs):
         if not self.alive:
             raise CandidateGone("gone")
-        cid = secrets.token_hex(8)
+        cid = os.urandom(8).hex()
         req = repr((cid, name, args, kwargs))
         try:
             literal = ast.literal_eval(req) == (cid, name, args, kwargs)
@@ -112,7 +138,7 @@ class Candidate:
         if not literal:
             raise TypeError("arguments must be literals")
         try:
-            os.write(self.req_w, req.encode("utf-8", "surrogatepass") + b"\n")
+            os.write(req_w, req.encode("utf-8", "surrogatepass") + b"\n")
         except OSError:
             self.fail("exited")
         msg = self.read()
@@ -144,10 +170,12 @@ for i, src in enumerate(job["tests"]):
         passed += 1
     except BaseException as e:
         failures.append([i, type(e).__name__])
-if cand is not None:
-    cand.proc.kill()
-    cand.proc.wait()
-print(json.dumps({"nonce": job["nonce"], "passed": passed, "total": len(job["tests"]), "failures": failures[:20]}))
+try:
+    os.kill(child, 9)
+except OSError:
+    pass
+os.waitpid(child, 0)
+print(repr({"nonce": job["nonce"], "passed": passed, "total": len(job["tests"]), "failures": failures[:20]}))
 """
 
 
@@ -160,8 +188,8 @@ def read_verdict(stdout: str, nonce: str, total: int) -> int | None:
     """Tests passed according to the harness's verdict line carrying this call's nonce, or None."""
     for line in reversed(stdout.splitlines()):
         try:
-            verdict = json.loads(line)
-        except ValueError:
+            verdict = ast.literal_eval(line)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             continue
         if isinstance(verdict, dict) and verdict.get("nonce") == nonce and verdict.get("total") == total:
             passed = verdict.get("passed")
@@ -180,9 +208,8 @@ class CodeTestsGrader:
         tests = [str(t) for t in task["metadata"]["tests"]]
         program, fenced = extract_program(sample.text)
         nonce = secrets.token_hex(16)
-        job = {"nonce": nonce, "tests": tests, "program": program, "runner": RUNNER,
-               "budget_s": self.limits.wall_s * 0.8}
-        res = sandbox.run_code(HARNESS, stdin=json.dumps(job), limits=self.limits)
+        job = {"nonce": nonce, "tests": tests, "program": program, "budget_s": self.limits.wall_s * 0.8}
+        res = sandbox.run_code(HARNESS, stdin=repr(job), limits=self.limits)
         verdict = read_verdict(res.stdout, nonce, len(tests)) if res.status == sandbox.OK else None
         passed = verdict or 0
         ratio = passed / max(1, len(tests))

@@ -413,7 +413,8 @@ def run_program():
     buf = ctypes.create_string_buffer(prog)
     fprog = struct.pack("=HxxxxxxQ", n, ctypes.addressof(buf))
     check(libc.prctl(22, 2, fprog, 0, 0), "seccomp")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-    os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["boot"], str(audit_fd)] + cfg["prefixes"], env)
+    os.execve(cfg["python"], [cfg["python"], "-I", "-S", "-c", cfg["boot"], str(audit_fd), cfg["site"],
+                              cfg["prefix"], cfg["exec_prefix"]] + cfg["prefixes"], env)
 
 def count_orphans():
     n = 0
@@ -495,9 +496,14 @@ os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 112)
 # Runs in the sandboxed interpreter before the program: reports attempted violations (the kernel
 # blocks them regardless; this only names them).
 _BOOT = r"""
-import os, re, sys
+import builtins, os, sys
 _fd = int(sys.argv[1]); _seen = set()
-_PY = tuple(p + "/" for p in sys.argv[2:])
+_PY = tuple(p + "/" for p in sys.argv[5:])
+# Started with -S (the site module costs ~50 ms per call): what site would set (venv prefix,
+# site-packages, exit() and quit()).
+sys.path.extend(p for p in sys.argv[2].split(os.pathsep) if p)
+sys.prefix, sys.exec_prefix = sys.argv[3], sys.argv[4]
+builtins.exit = builtins.quit = sys.exit
 def _flag(kind):
     if kind not in _seen:
         _seen.add(kind)
@@ -506,7 +512,12 @@ def _flag(kind):
         except OSError:
             pass
 _W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-_SECRET = re.compile(r"^/proc/[^/]+/(environ|mem)$|^/(root|home|run/secrets|var/run/secrets|etc/trajmesh)(/|$)|^/etc/(shadow|gshadow|sudoers)")
+_SECRET_DIRS = ("/root", "/home", "/run/secrets", "/var/run/secrets", "/etc/trajmesh")
+def _secret(p):  # no `re`: every import costs each call
+    parts = p.split("/")
+    return ((len(parts) == 4 and parts[1] == "proc" and parts[3] in ("environ", "mem"))
+            or any(p == d or p.startswith(d + "/") for d in _SECRET_DIRS)
+            or p.startswith(("/etc/shadow", "/etc/gshadow", "/etc/sudoers")))
 _OKW = ("/tmp/", "/dev/null", "/dev/stdout", "/dev/stderr", "/proc/self/fd/")
 def _path(p):
     if isinstance(p, int):
@@ -523,7 +534,7 @@ def _hook(event, args):
         mode, flags = args[1], args[2] or 0
         write = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(flags & _W)
         p = os.path.normpath(p)
-        if _SECRET.search(p) and not p.startswith(_PY):
+        if _secret(p) and not p.startswith(_PY):
             _flag("secret_access")
         elif write and not (p + "/").startswith(_OKW) and not p.startswith(_OKW):
             _flag("fs_write")
@@ -541,8 +552,13 @@ def _hook(event, args):
 sys.addaudithook(_hook)
 del _hook
 sys.argv = ["main.py"]
-import runpy
-runpy.run_path("/tmp/work/main.py", run_name="__main__")
+_main = type(sys)("__main__")
+_main.__file__, _main.__builtins__ = "/tmp/work/main.py", builtins
+sys.modules["__main__"] = _main
+with open("/tmp/work/main.py", "rb") as _fh:
+    _code = compile(_fh.read(), "/tmp/work/main.py", "exec")
+del _fh
+exec(_code, _main.__dict__)
 """
 
 
@@ -586,6 +602,14 @@ def _python_prefixes() -> list[str]:
         if not covered and p != "/":
             out.append(p)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _site_dirs() -> str:
+    """This interpreter's site-packages (the program's interpreter starts without `site`)."""
+    import site
+
+    return os.pathsep.join(p for p in site.getsitepackages() if os.path.isdir(p))
 
 
 def _binds() -> list[tuple[str, str, str]]:
@@ -683,7 +707,8 @@ def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], repor
         "root": root, "root_mode": uses_uid_pool(), "outer_uid": outer[0], "outer_gid": outer[1],
         "inner_id": SANDBOX_UID, "report_fd": report_w, "audit_fd": audit_w, "binds": _binds(),
         "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes,
-        "prefixes": _python_prefixes(), "python": sys.executable, "boot": _BOOT,
+        "prefixes": _python_prefixes(), "python": sys.executable, "boot": _BOOT, "site": _site_dirs(),
+        "prefix": sys.prefix, "exec_prefix": sys.exec_prefix,
         "nr": SYSCALL_NUMBERS[machine], "deny": list(SECCOMP_DENY), "arch": AUDIT_ARCH[machine],
         "limits": {k: getattr(limits, k) for k in ("cpu_s", "memory_bytes", "max_processes", "file_size_bytes",
                                                    "open_files")},
