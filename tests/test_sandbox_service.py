@@ -4,7 +4,13 @@ losslessly, and every failure is a SANDBOX_ERROR result, never an exception in t
 
 from __future__ import annotations
 
+import json
+import os
 import resource
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +135,20 @@ def test_memory_counts_tmpfs_pages() -> None:
                                    file_size_bytes=128 << 20)
     res = sandbox.run_code(code, limits=limits)
     assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "memory")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mask /proc")
+def test_a_masked_host_proc_runs_the_program_without_proc() -> None:
+    # Kubernetes masks paths of a container's /proc (procMount: Default); the kernel then refuses a
+    # fresh procfs in the sandbox. The call still runs, with no /proc inside.
+    probe = ("import json\nfrom trajmesh import sandbox\n"
+             "r = sandbox.run_code('import os, subprocess\\nprint(os.path.exists(\"/proc/self\"))\\n"
+             "print(subprocess.run([\"echo\", \"hi\"], capture_output=True, text=True).stdout)')\n"
+             "print(json.dumps([r.status, r.subclass, r.stdout, r.stderr[-500:]]))\n")
+    script = f"mount --bind /dev/null /proc/uptime && exec {sys.executable} -c {shlex.quote(probe)}"
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=100, cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    status, subclass, stdout, stderr = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (status, subclass) == (sandbox.OK, ""), stderr
+    assert stdout.split() == ["False", "hi"]

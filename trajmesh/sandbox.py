@@ -2,13 +2,18 @@
 
 ::
 
-    run_code(code) ─ python -I -S (init; payload on a memfd) ─ unshare user+mnt+pid+ipc+uts+net+cgroup+time
-        │ stdin fed, stdout/stderr read,      │ fork ─▶ pid 1: tmpfs root, read-only nosuid nodev binds of
-        │ audit + report pipes read (capped)  │        the interpreter prefixes and system libraries, a
-        │ all from one selector loop          │        capped tmpfs /tmp, fresh /proc, pivot_root
-        │ deadline: SIGKILL to pid 1          │   fork ─▶ program: rlimits, uid 1000 in the namespace, no
-        ▼                                     ▼          groups/caps, anonymous session keyring,
-    SandboxResult(status, subclass)                      no_new_privs, seccomp ─▶ python -I main.py
+    run_code(code)
+        │ spawns the init: python -I -S; its script, config and the code come on a memfd
+        │ (it joins the call's cgroup v2 when delegated)
+        │     fork ─▶ unshare user+mnt+pid+ipc+uts+net+cgroup+time; the init writes the id map
+        │       fork ─▶ pid 1: tmpfs root, read-only nosuid nodev binds of the interpreter prefixes
+        │               and system libraries, capped tmpfs /tmp, fresh /proc, pivot_root
+        │         fork ─▶ program: rlimits, uid 1000 in the namespace, no groups or capabilities,
+        │                 anonymous session keyring, no_new_privs, seccomp ─▶ python main.py
+        │ one selector loop: stdin fed, stdout/stderr, audit and report pipes read (all capped)
+        │ deadline: SIGKILL to pid 1 (its namespace dies with it) and cgroup.kill
+        ▼
+    SandboxResult(status, subclass)
 
 Containment is the kernel's (docs/SECURITY.md, "Sandbox"): a user namespace maps one uid (the
 caller's own when rootless, a leased one when root), so no capability or host uid is held; the
@@ -18,10 +23,12 @@ capped in bytes and inodes; private network (down loopback), IPC, UTS, cgroup, t
 namespaces (nothing outlives the call); `PR_SET_NO_NEW_PRIVS` and nosuid mounts (setuid binaries
 gain nothing); a seccomp filter denying keyring, io_uring, ptrace, bpf, mount-family and
 namespace-creation calls (`SECCOMP_DENY`); rlimits for CPU, address space, processes, file size
-and open files. The service enforces the wall-clock deadline and the output cap. Classification
-is best effort: a Python audit hook in the sandbox names which forbidden operation was attempted
-(network, fs_write, secret_access, signal), the init reports orphans, and exit signals / messages
-give the resource class. Needs only unprivileged user namespaces (root is not required).
+and open files; where cgroup v2 is delegated, one cgroup per call (memory with tmpfs/shm/memfd,
+pids, CPU seconds of all processes, kill of all at once; `preflight` for services). The service
+enforces the wall-clock deadline and the output cap. Classification is best effort: a Python
+audit hook in the sandbox names which forbidden operation was attempted (network, fs_write,
+secret_access, signal), the init reports orphans, and exit signals / messages give the resource
+class. Needs only unprivileged user namespaces (root is not required).
 """
 
 from __future__ import annotations
@@ -689,14 +696,23 @@ def _run(code: str, stdin: str, limits: SandboxLimits, start: float) -> SandboxR
             fds.remove(fd)
         return _collect(proc, report_r, audit_r, stdin, limits, start, group)
     finally:
-        for fd in fds:
-            os.close(fd)
-        os.rmdir(root)
+        _clean_up(fds, root, group, lease)
+
+
+def _clean_up(fds: list[int], root: str, group: _CallCgroup | None, lease: _UidLease | None) -> None:
+    """Closes the call's descriptors, removes its mount point and cgroup, frees its uid; a failure
+    here never replaces the call's result."""
+    for fd in fds:
+        os.close(fd)
+    try:
+        os.rmdir(root)  # empty on the host: the tmpfs was mounted in the sandbox's mount namespace
         if group is not None:
             group.remove()
-        if lease is not None:
-            _reap(lease.uid)
-            lease.release()
+    except OSError:
+        pass
+    if lease is not None:
+        _reap(lease.uid)
+        lease.release()
 
 
 def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], report_w: int,
