@@ -66,5 +66,6 @@ def test_two_evaluations_below_best_minus_margin_stop_the_run(tmp_path: Path, ti
     assert manifest["environment_revisions"] == {"chain_sum": "single_answer-v1"}
     assert manifest["grader_revisions"] == {"reasoning_gym": "reasoning_gym-score_answer-v2"}
     assert {"torch", "transformers"} <= set(manifest["framework_versions"])
+    assert isinstance(manifest["dirty_tree"], bool)  # written even when false
     protocol = json.loads(manifest["evaluation_protocol_json"])
     assert protocol["sampled"]["samples_per_problem"] == 4 and protocol["max_new_tokens_per_turn"] == 6

@@ -384,7 +384,8 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
         evaluation_protocol=protocol,
     )
     (Path(cfg.run_dir) / "manifest.json").write_text(
-        json.dumps(MessageToDict(manifest, preserving_proto_field_name=True), indent=1))
+        json.dumps(MessageToDict(manifest, preserving_proto_field_name=True,
+                                 always_print_fields_with_no_presence=True), indent=1))  # dirty_tree: false shown
 
 
 def _framework_versions(cfg: RunConfig) -> dict[str, str]:
