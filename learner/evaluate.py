@@ -1,8 +1,8 @@
 """Batched sampling with a KV cache, and held-out evaluation through the environment loop (accuracy, pass@k).
 
-``sample_batch`` is the one token loop used both here and by the CPU torch engine
-(``trajmesh.rollout.engine_server``): prompts are left-padded into one batch, prefilled once,
-then decoded token by token with ``past_key_values``.
+``sample_batch`` is held-out evaluation's token loop (the CPU torch engine's own loop,
+``trajmesh.rollout.torch_sampler``, shares its helpers): prompts are left-padded into one batch,
+prefilled once, then decoded token by token with ``past_key_values``.
 
 Log-probabilities: for a sampled row (temperature T > 0) the recorded value is
 ``log_softmax(logits / T)[token]`` over the full vocabulary, before top-k/top-p truncation — the
