@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
+from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids
 from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient, EngineError
 from trajmesh.rollout.generation import (
     ENGINE_FAILURES,
@@ -92,6 +93,12 @@ class RolloutService(Service):
         assert cfg.infra.nats_url and cfg.model.path
         self.bus = await security.connect_bus(cfg, "rollout", name=self.worker_id)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        # The model's own chat format when it has a template (None: BOS + raw observation text),
+        # and every id that ends a turn (EOS ids of the tokenizer and generation config, end of turn).
+        self.chat = ChatFormat.load(cfg.model.path)
+        self.stop_ids = model_stop_ids(cfg.model.path, self.tokenizer.eos_token_id)
+        if self.chat is not None and self.tokenizer.tokenizer.token_to_id(self.chat.turn_end()) is not None:
+            self.stop_ids.add(int(self.tokenizer.tokenizer.token_to_id(self.chat.turn_end())))
         # The engine starts from the base model (always present) as version 0; a late joiner then
         # loads the newest announced weights in weights_loop before it samples any task admitted
         # at that version (_wait_for_version).
@@ -113,7 +120,7 @@ class RolloutService(Service):
         # does not count against request_timeout_s.
         self.pause = PauseClock()
         context_len = await self.engine.context_length()
-        self.sampler = TurnSampler(self.engine, cfg.rollout.engine, stop_ids={self.tokenizer.eos_token_id},
+        self.sampler = TurnSampler(self.engine, cfg.rollout.engine, stop_ids=self.stop_ids,
                                    pause=self.pause, context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
         self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
@@ -300,8 +307,7 @@ class RolloutService(Service):
         traj.pb.environment_revision = reset.environment_revision  # the serving environment's own
         traj.pb.state_hashes.append(reset.state_hash)
         seed = sampling_seed(self.cfg.seed, task.task_id, index)
-        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
-        context = bos + self.tokenizer.encode(reset.observation)
+        context = self._prompt_ids(reset.observation)
         traj.append_prompt(context, turn_index=0)
         reason = trajectory_pb2.MAX_TURNS
         env_seconds = 0.0
@@ -320,18 +326,18 @@ class RolloutService(Service):
                                       timeout=ENV_STEP_TIMEOUT_S)
                 env_seconds += time.perf_counter() - t0
                 info = json.loads(step.info_json or "{}")
+                kind = _ACTION_TYPES.get(str(info.get("action_type", "TEXT")), trajectory_pb2.TEXT)
                 if ids:  # the span is typed by what the environment saw (TEXT, CODE, TOOL_CALL)
-                    kind = _ACTION_TYPES.get(str(info.get("action_type", "TEXT")), trajectory_pb2.TEXT)
                     span = traj.append_sampled(ids, logps, versions, action_type=kind, turn_index=turn)
                     _record_tool_call(traj, span.span_id, info)
                 traj.pb.state_hashes.append(step.state_hash)
                 if step.done:
                     closed = True
-                    reason = trajectory_pb2.EOS if ids and ids[-1] == self.tokenizer.eos_token_id else trajectory_pb2.ENV_DONE
+                    reason = trajectory_pb2.EOS if ids and ids[-1] in self.stop_ids else trajectory_pb2.ENV_DONE
                     if info.get("terminal_reason") in trajectory_pb2.TerminalReason.keys():
                         reason = trajectory_pb2.TerminalReason.Value(info["terminal_reason"])
                     break
-                obs = self.tokenizer.encode(step.observation)
+                obs = self._observation_ids(step.observation, kind, ids)
                 traj.append_observation(obs, turn_index=turn)
                 context = context + obs
         except grpc.aio.AioRpcError as exc:  # environment pod gone, deadline: excluded, never rewarded
@@ -353,6 +359,24 @@ class RolloutService(Service):
         traj.pb.timing.environment_seconds = env_seconds
         EPISODE_SECONDS.observe(time.perf_counter() - start)
         return traj
+
+    def _prompt_ids(self, observation: str) -> list[int]:
+        """The first context: the chat template's user turn + generation prompt, or BOS + text."""
+        if self.chat is not None:
+            return self.tokenizer.encode(self.chat.prompt(observation))
+        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+        return bos + self.tokenizer.encode(observation)
+
+    def _observation_ids(self, text: str, kind: int, ids: list[int]) -> list[int]:
+        """An observation's tokens (loss mask 0): through the chat template as a tool message after a
+        tool call or code, a user message otherwise, up to the next generation prompt; raw text
+        without a template. The generated tokens before it stay as the engine produced them."""
+        if self.chat is None:
+            return self.tokenizer.encode(text)
+        role = "tool" if kind in (trajectory_pb2.TOOL_CALL, trajectory_pb2.CODE) else "user"
+        end = self.tokenizer.tokenizer.token_to_id(self.chat.turn_end())
+        closed = bool(ids) and end is not None and ids[-1] == end
+        return self.tokenizer.encode(self.chat.observation(text, role, turn_closed=closed))
 
     async def _reset(
         self, task: trajectory_pb2.Task, tid: str, seed: int

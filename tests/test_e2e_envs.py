@@ -1,10 +1,13 @@
 """Each environment trains a few learner steps through the real mesh (NATS, Redis, every service a
-process) with a tiny model; observation tokens (tool output, search results) carry loss mask 0 in
-the archive.
+process) with a tiny model in the real chat format; observation tokens (tool output, search
+results) carry loss mask 0 in the archive.
 
-The tiny model uses the printable-ASCII character tokenizer and a few SFT steps on one canned
-first action per environment, so that it emits tool calls and EOS (a random model rarely ends a
-turn); rewards are then mostly 0, so zero-variance groups are kept for these tests.
+The tiny model is a Qwen2-architecture LM with a byte-level BPE tokenizer and a ChatML template
+(tests/chatml_model.py), trained locally, then a few SFT steps on one canned first action per
+environment after the ChatML prompt, so that it emits tool calls and its end-of-turn token (a
+random model rarely ends a turn); rewards are then mostly 0, so zero-variance groups are kept for
+these tests. Rollout builds every prompt with the chat template and appends each observation as a
+tool or user message through it (tool results inside ``<tool_response>``).
 """
 
 from __future__ import annotations
@@ -41,16 +44,19 @@ OBS_PREFIX = {"math_tool": ("<output>",), "workplace": ("<result>", "<error>"), 
 
 @pytest.fixture(scope="module")
 def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from trajmesh.learner.models import PRINTABLE_CHARS, build_char_tokenizer, build_tiny_model, sft
+    from chatml_model import build_chatml_model
+    from trajmesh.learner.models import sft
+    from trajmesh.rollout.chat_format import ChatFormat
 
     root = tmp_path_factory.mktemp("text-model")
-    build_char_tokenizer(root / "tok", charset=PRINTABLE_CHARS)
-    build_tiny_model(root / "init", root / "tok", hidden=32, layers=1, heads=2, max_positions=1024)
     cfg = load_config(None, {"tasks.sources": list(SOURCES.values())})
-    data = []
-    for kind, src in zip(SOURCES, cfg.tasks.sources, strict=True):
-        train, _ = load_split(src, 30, 5)
-        data += [{"prompt": t.prompt, "answer": FIRST_ACTION[kind]} for t in train]
+    train = {kind: load_split(src, 30, 5)[0] for kind, src in zip(SOURCES, cfg.tasks.sources, strict=True)}
+    texts = [t.prompt for tasks in train.values() for t in tasks] + list(FIRST_ACTION.values()) * 30
+    build_chatml_model(root / "init", texts, max_positions=1024)
+    chat = ChatFormat.load(root / "init")
+    assert chat is not None
+    data = [{"prompt": chat.prompt(t.prompt), "answer": FIRST_ACTION[kind]}
+            for kind, tasks in train.items() for t in tasks]
     sft(root / "init", data, steps=120, batch_size=16, lr=1e-2, out_dir=root / "sft", warmup_steps=5)
     return str(root / "sft")
 
@@ -87,18 +93,27 @@ def test_environment_trains_through_the_mesh(kind: str, tmp_path: Path, text_mod
     from trajmesh.tokenizer import load_tokenizer
 
     tok = load_tokenizer(text_model_dir)
+    end_of_turn = tok.tokenizer.token_to_id("<|im_end|>")
     observed = 0
     for r in rows:
         mask, ids = list(r["loss_mask"]), list(r["token_ids"])
         assert mask[0] == 0 and 1 in mask  # prompt masked out, sampled tokens in
         first_sampled = mask.index(1)
+        prompt = tok.tokenizer.decode(ids[:first_sampled], skip_special_tokens=False)
+        assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n"), prompt
         after = next((i for i in range(first_sampled, len(mask)) if mask[i] == 0), None)
         if after is None:
             continue
         end = next((i for i in range(after, len(mask)) if mask[i] == 1), len(mask))
-        text = tok.decode(ids[after:end])
-        if kind in OBS_PREFIX:  # every masked-out run after an action is environment output
-            assert text.startswith(OBS_PREFIX[kind]), json.dumps(text)
+        text = tok.tokenizer.decode(ids[after:end], skip_special_tokens=False)
+        if kind in OBS_PREFIX:  # every masked-out run after an action is environment output, in the template
+            closed = ids[after - 1] == end_of_turn
+            head = ("" if closed else "<|im_end|>") + "\n<|im_start|>user\n"
+            assert text.startswith(head), json.dumps(text)
+            payload = text[len(head):].removeprefix("<tool_response>\n")
+            assert payload.startswith(OBS_PREFIX[kind]), json.dumps(text)
+            if end < len(mask):  # another turn follows: the run ends with the generation prompt
+                assert text.endswith("<|im_end|>\n<|im_start|>assistant\n"), json.dumps(text)
             observed += 1
     print(f"{kind}: {observed} of {len(rows)} trajectories received an observation")
     if kind in OBS_PREFIX:
