@@ -59,7 +59,7 @@ class Sampled:
 def _filter_top_k_top_p(probs_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
     """Zero out tokens outside each row's top-k / nucleus; rows are renormalised by multinomial."""
     sorted_p, order = probs_BV.sort(dim=-1, descending=True)
-    rank = torch.arange(probs_BV.shape[-1]).unsqueeze(0)
+    rank = torch.arange(probs_BV.shape[-1], device=probs_BV.device).unsqueeze(0)
     drop = (top_k_B.unsqueeze(1) > 0) & (rank >= top_k_B.unsqueeze(1))
     drop |= (sorted_p.cumsum(-1) - sorted_p) > top_p_B.unsqueeze(1)
     sorted_p = sorted_p.masked_fill(drop, 0.0)
@@ -81,20 +81,23 @@ def sample_batch(
 
     ``should_abort`` is polled before every decode step; when it returns True the unfinished rows
     end with ``finish_reason={"type": "abort", ...}`` and keep the tokens they already have.
+    Tensors live on the model's device (a GPU model samples there; ``generator`` must be on it).
     """
     B = len(prompts)
     width = max(len(p) for p in prompts)
+    dev = next(model.parameters()).device
     input_ids_BT = torch.full((B, width), pad_id, dtype=torch.long)
     mask_BT = torch.zeros((B, width), dtype=torch.long)
     for i, p in enumerate(prompts):
         input_ids_BT[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask_BT[i, width - len(p) :] = 1
+    input_ids_BT, mask_BT = input_ids_BT.to(dev), mask_BT.to(dev)
     pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
-    temp_B = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    temp_B = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     greedy_B = temp_B <= GREEDY_EPS
     scale_B = torch.where(greedy_B, torch.ones_like(temp_B), temp_B)
-    top_k_B = torch.tensor([p.top_k for p in params], dtype=torch.long)
-    top_p_B = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    top_k_B = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+    top_p_B = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
     stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else {eos_id}) for p in params]
     out = [Sampled() for _ in range(B)]
     live = [p.max_new_tokens > 0 for p in params]
@@ -134,7 +137,7 @@ def sample_batch(
                 live[i] = False
         if not any(live):
             break
-        mask_BT = torch.cat([mask_BT, torch.ones((B, 1), dtype=torch.long)], dim=1)
+        mask_BT = torch.cat([mask_BT, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
         result = model(
             input_ids=token_B.unsqueeze(1),
             attention_mask=mask_BT,
@@ -201,7 +204,7 @@ class ModelPolicy:
     def __init__(self, model: Any, *, pad_id: int, eos_id: int, seed: int, batch_size: int = 512) -> None:
         self.model = model
         self.pad_id, self.eos_id, self.batch_size = pad_id, eos_id, batch_size
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
 
     def generate(self, contexts: list[list[int]], params: SamplingParams) -> list[Sampled]:
         order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))

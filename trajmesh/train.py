@@ -133,6 +133,8 @@ def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: Run
 
     torch.manual_seed(cfg.seed)
     model, _ = load_model(model_dir)
+    if torch.cuda.is_available():  # a GPU run evaluates on the GPU, in bf16 like the rollout engine
+        model = model.to("cuda", dtype=torch.bfloat16)
     codec = load_tokenizer(model_dir)
     per = {name: _evaluate_source(model, codec, tasks, cfg, samples, noise_seeds) for name, tasks in held.items()}
     out: dict[str, Any] = {"heldout": per}
