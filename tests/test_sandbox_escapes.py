@@ -264,11 +264,13 @@ def test_no_new_privileges_no_capabilities_and_seccomp(mode: str) -> None:
     code = ("import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
             f"for name, args in {calls!r}.items():\n"
             "    ctypes.set_errno(0)\n    r = libc.syscall(*args)\n    out[name] = [r, ctypes.get_errno()]\n"
+            f"r = libc.syscall({nr['clone']}, 0x10000000 | 17, 0, 0, 0, 0)\n"  # clone(CLONE_NEWUSER|SIGCHLD)
+            "if r == 0:\n    import os\n    os._exit(0)\nout['clone_newuser'] = [r, ctypes.get_errno()]\n"
             "st = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\n"
             "out.update({k: st[k].strip() for k in ('NoNewPrivs', 'Seccomp', 'CapEff', 'CapPrm', 'CapBnd')})\n"
             "print(json.dumps(out))\n")
     got = json.loads(_attack(mode, code)["stdout"])
-    for name in calls:
+    for name in [*calls, "clone_newuser"]:
         assert got[name] == [-1, 1], f"{name}: {got[name]} (want EPERM)"
     assert (got["NoNewPrivs"], got["Seccomp"]) == ("1", "2")
     assert got["CapEff"] == got["CapPrm"] == got["CapBnd"] == "0000000000000000"

@@ -111,6 +111,9 @@ SYSCALL_NUMBERS = {
 """Syscall numbers per machine (from the kernel's unistd tables); other machines are refused."""
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 """seccomp_data.arch of each machine's native ABI."""
+CLONE_NEW_ALL = 0x10000000 | 0x20000 | 0x20000000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000 | 0x80
+"""CLONE_NEWUSER|NEWNS|NEWPID|NEWIPC|NEWUTS|NEWNET|NEWCGROUP|NEWTIME: the namespaces each call gets
+(and the clone flags its program may not use)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def unavailable_reason() -> str:
     if platform.machine() not in SYSCALL_NUMBERS:
         return f"no seccomp syscall table for machine {platform.machine()!r}"
     probe = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-             "if libc.unshare(0x10000000 | 0x20000 | 0x20000000 | 0x08000000 | 0x04000000 | 0x40000000) != 0:\n"
+             f"if libc.unshare({CLONE_NEW_ALL}) != 0:\n"
              "    raise SystemExit(os.strerror(ctypes.get_errno()))\n")
     try:
         out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True,
@@ -310,7 +313,7 @@ if cfg["cgroup_procs"]:  # first, so that every process of the call is born in i
         fh.write("0")
 libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
-NS = 0x10000000 | 0x20000 | 0x20000000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000 | 0x80
+NS = cfg["ns"]
 U, G = cfg["inner_id"], cfg["inner_id"]
 
 def check(ret, what):
@@ -384,7 +387,7 @@ def seccomp_filter():
     for name in deny:
         ins += [(0x15, 0, 1, nr[name]), (0x06, 0, 0, 0x50000 | 1)]  # EPERM
     ins += [(0x15, 0, 1, nr["clone3"]), (0x06, 0, 0, 0x50000 | 38)]  # ENOSYS: libc falls back to clone
-    ins += [(0x15, 0, 3, nr["clone"]), (0x20, 0, 0, 16), (0x45, 0, 1, 0x7E020080), (0x06, 0, 0, 0x50000 | 1)]
+    ins += [(0x15, 0, 3, nr["clone"]), (0x20, 0, 0, 16), (0x45, 0, 1, NS), (0x06, 0, 0, 0x50000 | 1)]
     ins += [(0x06, 0, 0, 0x7FFF0000)]
     return b"".join(struct.pack("=HBBI", *i) for i in ins), len(ins)
 
@@ -725,7 +728,7 @@ def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], repor
         "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes,
         "prefixes": _python_prefixes(), "python": sys.executable, "boot": _BOOT, "site": _site_dirs(),
         "prefix": sys.prefix, "exec_prefix": sys.exec_prefix,
-        "nr": SYSCALL_NUMBERS[machine], "deny": list(SECCOMP_DENY), "arch": AUDIT_ARCH[machine],
+        "nr": SYSCALL_NUMBERS[machine], "deny": list(SECCOMP_DENY), "arch": AUDIT_ARCH[machine], "ns": CLONE_NEW_ALL,
         "limits": {k: getattr(limits, k) for k in ("cpu_s", "memory_bytes", "max_processes", "file_size_bytes",
                                                    "open_files")},
     }
