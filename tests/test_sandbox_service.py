@@ -102,6 +102,12 @@ def test_a_failing_setup_is_a_result_not_an_exception(monkeypatch: pytest.Monkey
     monkeypatch.setattr(sandbox.tempfile, "mkdtemp", lambda **_: (_ for _ in ()).throw(OSError(28, "No space left")))
     res = sandbox.run_code("print(1)", limits=LIMITS)
     assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "setup") and "No space left" in res.stderr
+    monkeypatch.undo()
+    # A failure in the program's process before exec (here: a syscall missing from the table) is the
+    # sandbox's, not the program's: SANDBOX_ERROR/setup, not `error` with the init's exit code.
+    monkeypatch.setattr(sandbox, "SECCOMP_DENY", (*sandbox.SECCOMP_DENY, "no_such_syscall"))
+    res = sandbox.run_code("print(1)", limits=LIMITS)
+    assert (res.status, res.subclass) == (sandbox.SANDBOX_ERROR, "setup") and "no_such_syscall" in res.stderr
 
 
 def test_without_cgroup_delegation_a_service_refuses_unless_weaker_limits_are_allowed() -> None:

@@ -403,6 +403,14 @@ def drop_privileges():
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL (after the uid change, which clears it)
 
 def run_program():
+    # The program's process: any failure before exec is the sandbox's (a setup error), not the program's.
+    try:
+        prepare_program()
+    except BaseException as exc:
+        os.write(cfg["report_fd"], (json.dumps({"setup_error": "%s: %s" % (type(exc).__name__, exc)}) + "\n").encode())
+        os._exit(111)
+
+def prepare_program():
     import resource
     L = cfg["limits"]
     for what, val in ((resource.RLIMIT_CPU, (L["cpu_s"], L["cpu_s"] + 1)),
@@ -412,9 +420,12 @@ def run_program():
                       (resource.RLIMIT_NOFILE, (L["open_files"],) * 2),
                       (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(what, val)
-    audit_fd = cfg["audit_fd"]
-    os.closerange(3, audit_fd)
-    os.closerange(audit_fd + 1, 1 << 16)
+    audit_fd, report_fd = cfg["audit_fd"], cfg["report_fd"]
+    keep = sorted((audit_fd, report_fd))
+    os.closerange(3, keep[0])
+    os.closerange(keep[0] + 1, keep[1])
+    os.closerange(keep[1] + 1, 1 << 16)
+    os.set_inheritable(report_fd, False)  # open until exec, for a setup error
     drop_privileges()
     os.chdir("/tmp/work")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp/work", "LANG": "C.UTF-8",
@@ -441,7 +452,6 @@ def pid1():
     have_proc = build_root()
     pid = os.fork()
     if pid == 0:
-        os.close(cfg["report_fd"])
         run_program()
     os.close(cfg["audit_fd"])
     _, status, usage = os.wait4(pid, 0)
@@ -869,18 +879,28 @@ def _result(out: bytearray, err: bytearray, report: bytearray, audit: bytearray,
     stderr = bytes(err)[: limits.output_bytes].decode("utf-8", "replace")
     names = set(bytes(audit).decode("ascii", "replace").split())
     violations = sorted(names.intersection(VIOLATIONS))
-    rep: Any = {}
-    for line in bytes(report).splitlines():
-        if line.startswith(b"{"):
-            try:
-                rep = json.loads(line)
-            except ValueError:
-                rep = {}
-    if not isinstance(rep, dict) or (not rep and not killed_for):
-        return SandboxResult(SANDBOX_ERROR, "setup", stdout=stdout, stderr=stderr,
+    rep, setup_error = _read_report(report)
+    if setup_error or (not rep and not killed_for):
+        return SandboxResult(SANDBOX_ERROR, "setup", stdout=stdout, stderr=setup_error + stderr,
                              wall_s=time.monotonic() - start, violations=violations)
     subclass = _classify(rep, violations, stderr, killed_for, limits)
     code = rep.get("code")
     status = SANDBOX_ERROR if subclass else (OK if code == 0 else ERROR)
     return SandboxResult(status, subclass, exit_code=code, signal=rep.get("signal"), stdout=stdout,
                          stderr=stderr, wall_s=time.monotonic() - start, violations=violations)
+
+
+def _read_report(report: bytearray) -> tuple[dict[str, Any], str]:
+    """pid 1's exit report ({} if none) and the program process's setup error ("" if none)."""
+    rep: dict[str, Any] = {}
+    setup_error = ""
+    for line in bytes(report).splitlines():
+        try:
+            obj = json.loads(line) if line.startswith(b"{") else None
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "setup_error" in obj:
+            setup_error = f"sandbox setup failed: {obj['setup_error']}\n"
+        elif isinstance(obj, dict):
+            rep = obj
+    return rep, setup_error
