@@ -11,17 +11,19 @@
                    │ ──▶ pipe: (call id, name, args, kwargs)    one per call a test makes
                    │ ◀── pipe: ("ok", call id, result) | ("raise", call id, exception name, text)
                    ▼
-    stdout of the harness (the program has no handle on it): one JSON verdict line with the nonce
+    stdout of the harness (the program has no handle on it): one verdict line (a Python literal)
+    carrying the grader's per-call nonce
 
 Tests are asserts from the task (`metadata.tests`); each runs in the harness with one proxy per
 public callable of the program. Arguments and results cross the pipe as Python literals (`repr`,
 read back with `ast.literal_eval`), so a result is plain data: an object whose `__eq__` always says
 yes cannot come back. The verdict is the harness's own count: the program's exit code, stdout and
 files never enter it, so an early `os._exit`, a patched `sys.exit`, a forged pass line, reading
-the harness file, monkey-patching its own interpreter or writing an expected-output file all
-score 0. Limits: tests may pass and compare only literal data (numbers, strings, bytes, tuples,
-lists, dicts, sets, None); in-place mutation of an argument is not seen by the test; the program
-may not keep state across tests apart from what its own process keeps.
+the harness file or any process, monkey-patching its own interpreter, writing an expected-output
+file or killing the harness all score 0 (tests/test_code_grader_hacking.py). Limits: tests may
+pass and compare only literal data (numbers, strings, bytes, tuples, lists, dicts, sets, None);
+in-place mutation of an argument is not seen by the test; one process serves all tests of a call
+(module state carries over, as after one import); a task with no tests scores 0.
 """
 
 from __future__ import annotations
