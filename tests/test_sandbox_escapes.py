@@ -312,3 +312,12 @@ def test_an_orphan_is_reported_and_killed_rootless() -> None:
         except OSError:
             continue
     assert left == [], "a sandboxed process outlived the call"
+
+
+def test_every_namespace_is_the_calls_own(mode: str) -> None:
+    kinds = ("user", "mnt", "pid", "ipc", "uts", "net", "cgroup", "time")
+    host = {k: os.readlink(f"/proc/self/ns/{k}") for k in kinds if os.path.exists(f"/proc/self/ns/{k}")}
+    code = f"import json, os\nprint(json.dumps({{k: os.readlink('/proc/self/ns/' + k) for k in {sorted(host)!r}}}))\n"
+    inside = json.loads(_attack(mode, code)["stdout"])
+    shared = [k for k in host if inside[k] == host[k]]
+    assert shared == [], f"namespaces shared with the caller: {shared}"
