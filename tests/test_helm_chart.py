@@ -400,6 +400,46 @@ def test_images_are_required_values_with_instructions() -> None:
         _chart().render(values=partial, name=RELEASE, namespace=NAMESPACE)
 
 
+SANDBOX_COMPONENTS = {"environment", "grader"}
+
+
+def _sandbox_containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    return [(_component(o), _pod_spec(o), c) for o in objects if _pod_spec(o) is not None  # type: ignore[misc]
+            for c in _pod_spec(o)["containers"]]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sandbox_pods_get_what_the_rootless_sandbox_needs(case: str) -> None:
+    """docs/SECURITY.md: namespaces, mount and pivot_root need seccomp and AppArmor profiles that
+    allow them, and a writable /tmp; capabilities stay dropped. Only the sandbox pods get them."""
+    seen = set()
+    for comp, pod, c in _sandbox_containers(_objects(case)):
+        sc = c.get("securityContext", {})
+        if comp in SANDBOX_COMPONENTS:
+            seen.add(comp)
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+            assert sc["seccompProfile"]["type"] in {"Unconfined", "Localhost"}, (comp, sc)
+            assert sc["appArmorProfile"]["type"] in {"Unconfined", "Localhost"}, (comp, sc)
+            tmp = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp")
+            assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == tmp)
+            assert "procMount" not in sc and "hostUsers" not in pod  # unless asked
+        else:
+            assert sc.get("seccompProfile", {}).get("type", "RuntimeDefault") == "RuntimeDefault", comp
+            assert "appArmorProfile" not in sc, comp
+    assert seen == SANDBOX_COMPONENTS
+
+
+def test_sandbox_profile_switches() -> None:
+    unmasked = _objects_of(_merged(IMAGES, {"sandbox": {"procMountUnmasked": True}}))
+    off = _objects_of(_merged(IMAGES, {"sandbox": {"enabled": False}}))
+    for comp, pod, c in _sandbox_containers(unmasked):
+        if comp in SANDBOX_COMPONENTS:
+            assert c["securityContext"]["procMount"] == "Unmasked" and pod["hostUsers"] is False
+    for comp, _, c in _sandbox_containers(off):
+        if comp in SANDBOX_COMPONENTS:
+            assert "seccompProfile" not in c["securityContext"] and "appArmorProfile" not in c["securityContext"]
+
+
 def _release(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.match(r"\d+(?:\.\d+)*", version).group().split("."))  # type: ignore[union-attr]
 

@@ -344,6 +344,27 @@ securityContext:
     drop: ["ALL"]
 {{- end -}}
 
+{{/*
+securityContext of a container that runs the code sandbox (environment, grader): the defaults
+above plus the seccomp/AppArmor profiles that let it create namespaces, mount and pivot_root.
+*/}}
+{{- define "trajmesh.sandboxSecurityContext" -}}
+{{- $s := .Values.sandbox -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  capabilities:
+    drop: ["ALL"]
+  {{- if $s.enabled }}
+  seccompProfile:
+    {{- toYaml $s.seccompProfile | nindent 4 }}
+  appArmorProfile:
+    {{- toYaml $s.appArmorProfile | nindent 4 }}
+  {{- if $s.procMountUnmasked }}
+  procMount: Unmasked
+  {{- end }}
+  {{- end }}
+{{- end -}}
+
 {{/* "true" when the in-chart NATS runs with one user per service (nats.enabled and nats.auth.enabled). */}}
 {{- define "trajmesh.natsAuth" -}}
 {{- if and .Values.nats.enabled .Values.nats.auth.enabled -}}
