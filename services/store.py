@@ -98,6 +98,8 @@ RECOVERY_MISSING = Counter("trajmesh_store_recovery_missing_trajectories_total",
 STALE_HANDED_OUT = Counter("trajmesh_store_stale_handed_out_trajectories_total",
                            "Trajectories handed to the learner already staler than the bound η (it will "
                            "quarantine them as stale; a healthy run keeps this at 0)")
+STRAGGLERS_GIVEN_UP = Gauge("trajmesh_store_stragglers_given_up_groups",
+                            "Due groups (admitted at <= learner version - eta) the learner stopped waiting for")
 QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
 """(stream, durable consumer) pairs whose backlog the store exports."""
 for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too_small"),
@@ -147,7 +149,10 @@ class TrajectoryStore(Service):
         super().__init__(*args, **kwargs)
         self.io: _Wiring | None = None
         """Connections (None until `setup()`)."""
-        self.state = StoreState()
+        # A due straggler is waited for until a dead rollout's task or a dead store's message would
+        # have come back twice over; then the learner goes on (and the straggler will be stale).
+        straggler_wait_s = 2 * max(self.cfg.rollout.task_ack_wait_s, self.cfg.store.intake_ack_wait_s)
+        self.state = StoreState(straggler_wait_s)
         """Every held trajectory's and group's state (pure)."""
         self.vocab_size = 0
         self.sampler: TaskSampler | None = None
@@ -251,6 +256,7 @@ class TrajectoryStore(Service):
         self.w.archive.flush()
         await self.w.repo.mark_final([m.trajectory_id for m in open_members])
         await self.w.repo.abandon_groups([m.group_id for m in open_members], self.cfg.tasks.group_size)
+        await self.w.repo.not_pending(list(dict.fromkeys(m.group_id for m in open_members)))
         if open_members:
             log.warning("run finished: %d admitted trajectories recorded as in flight at stop (%d new rows)",
                         len(open_members), len(rows))
@@ -319,7 +325,8 @@ class TrajectoryStore(Service):
             )
         )
         record = {"group_id": pb.group_id, "group_size": pb.group_size, "source": pb.source,
-                  "answer": pb.answer, "prompt": pb.prompt, "metadata": task.metadata, "cursor": cursor}
+                  "answer": pb.answer, "prompt": pb.prompt, "metadata": task.metadata, "cursor": cursor,
+                  "admitted_at_version": version}
         data = pb.SerializeToString()
         if not await self.w.repo.try_admit(pb.task_id, record, data, pb.group_size):
             log.info("gate capacity taken meanwhile: sampler position %d skipped", cursor)
@@ -409,7 +416,7 @@ class TrajectoryStore(Service):
             group = self.state.take_member(
                 traj, it.msg, valid=outcome == OUTCOME_VALID, expected=int(task["group_size"]),
                 order=int(task.get("cursor", 1 << 62)), source=str(task.get("source", "")),
-                received=received, valid_count=valid)
+                received=received, valid_count=valid, admitted_version=int(task.get("admitted_at_version", 0)))
             if group is not None:
                 await self._complete(group)
 
@@ -427,6 +434,7 @@ class TrajectoryStore(Service):
             log.info("group %s filtered: %s (rewards %s)", group.group_id, reason, rewards)
             for f in self.state.filter_group(group, reason):
                 self._archive_row(f)
+            await self.w.repo.not_pending([group.group_id])
         else:
             for t in group.members:
                 self._archive(t, "accepted", "")
@@ -564,7 +572,13 @@ class TrajectoryStore(Service):
         deadline = loop.time() + timeout_s
         while True:
             self.ready_changed.clear()
-            out = self.state.hand_out(self.cfg.learner.batch_groups, max_trajectories, time.time())
+            due = await self.w.repo.due_groups(learner_version - self.cfg.effective_eta)
+            was_held = self.state.held_for_stragglers()
+            out = self.state.hand_out(self.cfg.learner.batch_groups, max_trajectories, time.time(), due)
+            if self.state.held_for_stragglers() and not was_held:
+                log.info("learner at v%d held for due groups not ready: %s", learner_version,
+                         sorted(due - {g.group_id for g in self.state.ready}))
+            STRAGGLERS_GIVEN_UP.set(len(self.state.given_up))
             if out:
                 break
             remaining = deadline - loop.time()
@@ -575,6 +589,7 @@ class TrajectoryStore(Service):
             except TimeoutError:
                 pass
         self.w.archive.flush()  # the intake rows (tokens, versions) are on disk before anything trains
+        await self.w.repo.not_pending(list(dict.fromkeys(t.group_id for t in out)))
         self._count_stale(out, learner_version)
         GROUPS_READY.set(self.state.ready_count)
         self.ready_changed.set()
@@ -613,12 +628,13 @@ class TrajectoryStore(Service):
         self._note_version(req.learner_version)
         self._note_recovery()
 
-    def recycle_handed_out(self) -> None:
+    async def recycle_handed_out(self) -> None:
         """A new learner process: what the previous one took and never reported (it died before it
         saved the batch) goes back to the queue, whole groups in admission order."""
-        n = self.state.recycle_handed_out(time.time())
-        if n:
-            log.warning("recycled %d unreported groups of a previous learner process", n)
+        groups = self.state.recycle_handed_out(time.time())
+        if groups:
+            await self.w.repo.pending_again(groups)
+            log.warning("recycled %d unreported groups of a previous learner process", len(groups))
             GROUPS_READY.set(self.state.ready_count)
             self.ready_changed.set()
 
@@ -633,7 +649,7 @@ class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
 
     async def NextBatch(self, request: Any, context: Any) -> services_pb2.NextBatchResponse:  # noqa: N802
         if request.learner_restarted:
-            self.store.recycle_handed_out()
+            await self.store.recycle_handed_out()
         trajs = await self.store.next_batch(
             request.learner_version, request.max_trajectories or 1 << 30, request.timeout_seconds or 5.0
         )

@@ -202,10 +202,14 @@ def test_admission_with_its_record_is_one_atomic_step(redis_server: RedisServer)
         r = redis.asyncio.Redis.from_url(redis_server.url)
         try:
             gate = AsyncStalenessGate(r, key_prefix="run0:gate", eta=0, batch_size=4)  # capacity 4
-            kw = {"tasks_key": "tasks", "unpublished_key": "unpub", "admitted_key": "admitted"}
-            assert await gate.try_admit_recorded(4, task_id="t1", record="{}", data=b"x", **kw)
-            assert not await gate.try_admit_recorded(1, task_id="t2", record="{}", data=b"y", **kw)
+            kw = {"tasks_key": "tasks", "unpublished_key": "unpub", "admitted_key": "admitted",
+                  "pending_key": "pending"}
+            assert await gate.try_admit_recorded(4, task_id="t1", record="{}", data=b"x", group_id="g1", version=3,
+                                                 **kw)
+            assert not await gate.try_admit_recorded(1, task_id="t2", record="{}", data=b"y", group_id="g2",
+                                                     version=3, **kw)
             assert await r.hgetall("tasks") == {b"t1": b"{}"} and await r.hgetall("unpub") == {b"t1": b"x"}
+            assert await r.zrange("pending", 0, -1, withscores=True) == [(b"g1", 3.0)]
             assert int(await r.get("admitted")) == 4
             assert (await gate.counters()).running == 4
             # A group finishes once, whatever the number of calls: 3 accepted, 1 dropped.

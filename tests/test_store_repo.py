@@ -69,9 +69,9 @@ def test_admission_is_gated_recorded_counted_and_marked_unpublished(redis_server
     async def body(repo: StoreRepo, r: redis.asyncio.Redis) -> None:
         assert [await repo.next_cursor() for _ in range(3)] == [0, 1, 2]
         # capacity (η + 0 + 1)·B = 8: two groups of 4, not a third.
-        assert await repo.try_admit("task-a", {"group_id": "ga", "group_size": 4}, b"bytes-a", 4)
-        assert await repo.try_admit("task-b", {"group_id": "gb", "group_size": 4}, b"bytes-b", 4)
-        assert not await repo.try_admit("task-c", {"group_id": "gc", "group_size": 4}, b"bytes-c", 4)
+        assert await repo.try_admit("task-a", {"group_id": "ga", "group_size": 4, "admitted_at_version": 0}, b"bytes-a", 4)
+        assert await repo.try_admit("task-b", {"group_id": "gb", "group_size": 4, "admitted_at_version": 1}, b"bytes-b", 4)
+        assert not await repo.try_admit("task-c", {"group_id": "gc", "group_size": 4, "admitted_at_version": 1}, b"bytes-c", 4)
         assert await repo.unpublished() == {"task-a": b"bytes-a", "task-b": b"bytes-b"}
         assert int(await r.get(KEYS.admitted_trajectories)) == 8
         assert not await r.hexists(KEYS.tasks, "task-c")
@@ -86,7 +86,7 @@ def test_admission_is_gated_recorded_counted_and_marked_unpublished(redis_server
 
 def test_finish_group_counts_once(redis_server: RedisServer) -> None:
     async def body(repo: StoreRepo, r: redis.asyncio.Redis) -> None:
-        assert await repo.try_admit("task-a", {"group_id": "ga", "group_size": 4}, b"", 4)
+        assert await repo.try_admit("task-a", {"group_id": "ga", "group_size": 4, "admitted_at_version": 0}, b"", 4)
         assert await repo.finish_group("ga", accepted=3, rejected=1)
         assert not await repo.finish_group("ga", accepted=3, rejected=1)  # rebuilt after a restart
         c = await repo.gate.counters()
@@ -96,8 +96,8 @@ def test_finish_group_counts_once(redis_server: RedisServer) -> None:
 
 def test_unfinished_members_enumerates_every_admitted_id_without_outcome(redis_server: RedisServer) -> None:
     async def body(repo: StoreRepo, r: redis.asyncio.Redis) -> None:
-        assert await repo.try_admit("task-a", {"group_id": "ga", "group_size": 2, "source": "s"}, b"", 2)
-        assert await repo.try_admit("task-b", {"group_id": "gb", "group_size": 3, "source": "s"}, b"", 3)
+        assert await repo.try_admit("task-a", {"group_id": "ga", "group_size": 2, "source": "s", "admitted_at_version": 0}, b"", 2)
+        assert await repo.try_admit("task-b", {"group_id": "gb", "group_size": 3, "source": "s", "admitted_at_version": 0}, b"", 3)
         await repo.mark_final(["task-a-0", "task-a-1", "task-b-1"])
         left = await repo.unfinished_members()
         assert sorted((m.trajectory_id, m.group_id) for m in left) == [("task-b-0", "gb"), ("task-b-2", "gb")]
@@ -107,4 +107,19 @@ def test_unfinished_members_enumerates_every_admitted_id_without_outcome(redis_s
         c = await repo.gate.counters()
         assert (c.accepted, c.running) == (2, 0)
         assert await repo.finals(["task-b-1", "task-b-2"]) == [True, False]
+    _with_repo(redis_server, body)
+
+
+def test_pending_groups_by_admission_version(redis_server: RedisServer) -> None:
+    async def body(repo: StoreRepo, r: redis.asyncio.Redis) -> None:
+        await r.set(f"{KEYS.gate_prefix}:version", 5)  # capacity (1 + 5 + 1)·4 = 28: room for all
+        for gid, v in (("g3", 3), ("g4", 4), ("g5", 5)):
+            assert await repo.try_admit(f"task-{gid}", {"group_id": gid, "group_size": 4, "admitted_at_version": v},
+                                        b"", 4)
+        assert await repo.due_groups(4) == {"g3", "g4"}
+        await repo.not_pending(["g3"])
+        assert await repo.due_groups(4) == {"g4"}
+        await repo.pending_again({"g3": 3})
+        assert await repo.due_groups(3) == {"g3"}
+        assert await repo.due_groups(2) == set()
     _with_repo(redis_server, body)

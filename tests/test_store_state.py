@@ -32,10 +32,11 @@ def _traj(tid: str, gid: str, reward: float = 1.0, version: int = 0) -> Trajecto
 def _take(s: StoreState, tid: str, gid: str, received: int, valid_count: int, *, order: int = 0,
           valid: bool = True, reward: float = 1.0):  # type: ignore[no-untyped-def]
     return s.take_member(_traj(tid, gid, reward), f"msg-{tid}", valid=valid, expected=G, order=order,
-                         source="src", received=received, valid_count=valid_count)
+                         source="src", received=received, valid_count=valid_count, admitted_version=10 * order)
 
 
 def _ready_group(s: StoreState, gid: str, order: int) -> None:
+    """A complete kept group of G = 2, admitted at version 10 × order."""
     _take(s, f"{gid}-0", gid, 1, 1, order=order)
     group = _take(s, f"{gid}-1", gid, 2, 2, order=order)
     assert group is not None
@@ -141,11 +142,11 @@ def test_dead_learner_recycles_handed_out_groups_in_admission_order() -> None:
     _ready_group(s, "second", order=2)
     s.hand_out(2, 10, now=0.0)
     _ready_group(s, "later", order=5)
-    assert s.recycle_handed_out(now=1.0) == 2
+    assert s.recycle_handed_out(now=1.0) == {"first": 10, "second": 20}  # back to pending, with versions
     assert [g.group_id for g in s.ready] == ["first", "second", "later"]
     assert s.state("first-0") is TrajectoryState.READY and s.held["first-0"] == "msg-first-0"
     assert not s.handed_out and not s.handed_traj
-    assert s.recycle_handed_out(now=2.0) == 0
+    assert s.recycle_handed_out(now=2.0) == {}
 
 
 def test_restart_recovery_holds_the_learner_until_owed_ids_are_back() -> None:
@@ -165,6 +166,47 @@ def test_recovery_gives_up_at_its_deadline() -> None:
     _ready_group(s, "a", order=0)
     assert s.hand_out(1, 10, now=9.9) == []
     assert [t.trajectory_id for t in s.hand_out(1, 10, now=10.0)] == ["a-0", "a-1"]
+
+
+def test_learner_is_held_for_a_due_straggler_that_is_not_ready() -> None:
+    """Learner at v = 5, η = 1: group "old" (admitted at 4) is due — after this step it could
+    only be trained stale — but it is still in rollout; two younger groups are ready."""
+    s = StoreState(straggler_wait_s=30.0)
+    _ready_group(s, "young1", order=5)
+    _ready_group(s, "young2", order=6)
+    assert s.hand_out(1, 10, now=0.0, due={"old"}) == []
+    assert s.held_for_stragglers() and s.state("young1-0") is TrajectoryState.READY
+    assert s.hand_out(1, 10, now=29.0, due={"old"}) == []
+    _ready_group(s, "old", order=4)  # it came back: it goes first
+    assert [t.trajectory_id for t in s.hand_out(1, 10, now=29.5, due={"old"})] == ["old-0", "old-1"]
+    assert not s.held_for_stragglers()
+
+
+def test_a_due_group_already_in_the_batch_holds_nothing() -> None:
+    s = StoreState()
+    _ready_group(s, "due", order=1)
+    _ready_group(s, "next", order=2)
+    out = s.hand_out(2, 10, now=0.0, due={"due"})
+    assert [t.trajectory_id for t in out] == ["due-0", "due-1", "next-0", "next-1"]
+
+
+def test_a_due_group_that_is_ready_but_does_not_fit_holds_nothing() -> None:
+    """Holding the learner cannot get a ready group into a batch that older groups fill."""
+    s = StoreState()
+    for gid, order in (("g10", 1), ("g11", 2), ("g12", 3)):
+        _ready_group(s, gid, order=order)
+    out = s.hand_out(2, 10, now=0.0, due={"g10", "g11", "g12"})
+    assert [t.group_id for t in out] == ["g10", "g10", "g11", "g11"] and not s.held_for_stragglers()
+
+
+def test_a_straggler_is_given_up_after_the_wait_and_never_waited_for_again() -> None:
+    s = StoreState(straggler_wait_s=30.0)
+    _ready_group(s, "a", order=5)
+    _ready_group(s, "b", order=6)
+    assert s.hand_out(1, 10, now=0.0, due={"lost"}) == []
+    assert [t.trajectory_id for t in s.hand_out(1, 10, now=30.0, due={"lost"})] == ["a-0", "a-1"]
+    assert s.given_up == {"lost"}
+    assert [t.trajectory_id for t in s.hand_out(1, 10, now=30.1, due={"lost"})] == ["b-0", "b-1"]
 
 
 def test_a_report_pays_back_an_owed_id() -> None:

@@ -55,8 +55,9 @@ if ARGV[2] == '1' then redis.call('INCRBY', KEYS[1], n) end
 return redis.call('GET', KEYS[2])
 """
 
-# KEYS: version, accepted, running, tasks hash, unpublished hash, admitted count.
-# ARGV: n, eta, batch_size, max_concurrent, task id, task record, task bytes.
+# KEYS: version, accepted, running, tasks hash, unpublished hash, admitted count, pending zset.
+# ARGV: n, eta, batch_size, max_concurrent, task id, task record, task bytes, group id,
+# admission version (the score of the group in the pending set).
 # try_admit plus the admission's record in one step: a store killed between admitting and
 # recording can no longer leave `running` counting a task nobody will ever finish.
 _TRY_ADMIT_RECORDED = """
@@ -72,6 +73,7 @@ redis.call('INCRBY', KEYS[3], n)
 redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
 redis.call('HSET', KEYS[5], ARGV[5], ARGV[7])
 redis.call('INCRBY', KEYS[6], n)
+redis.call('ZADD', KEYS[7], ARGV[9], ARGV[8])
 return {1, cap}
 """
 
@@ -286,14 +288,17 @@ class AsyncStalenessGate:
         s = self._spec
         await self._finish(keys=[s.accepted_key, s.running_key], args=s.finish_args(n, accepted))
 
-    async def try_admit_recorded(self, n: int, *, task_id: str, record: str, data: bytes, tasks_key: str,
-                                 unpublished_key: str, admitted_key: str) -> bool:
+    async def try_admit_recorded(self, n: int, *, task_id: str, record: str, data: bytes, group_id: str,
+                                 version: int, tasks_key: str, unpublished_key: str, admitted_key: str,
+                                 pending_key: str) -> bool:
         """:meth:`try_admit`, and when admitted, in the same atomic step: the task's `record` in
-        hash `tasks_key`, its bytes in `unpublished_key` (cleared once published) and `n` more in
-        the admitted count `admitted_key`."""
+        hash `tasks_key`, its bytes in `unpublished_key` (cleared once published), `n` more in
+        the admitted count `admitted_key`, and `group_id` in sorted set `pending_key` with score
+        `version` (the learner version it was admitted at)."""
         s = self._spec
         admitted, _capacity = await self._try_admit_recorded(
-            keys=[*s.keys, tasks_key, unpublished_key, admitted_key], args=[*s.admit_args(n), task_id, record, data])
+            keys=[*s.keys, tasks_key, unpublished_key, admitted_key, pending_key],
+            args=[*s.admit_args(n), task_id, record, data, group_id, int(version)])
         return bool(int(admitted))
 
     async def finish_group(self, group_id: str, *, accepted: int, rejected: int, done_key: str) -> bool:

@@ -42,6 +42,13 @@ class RedisKeys:
         return self._k("open_groups")
 
     @property
+    def pending_groups(self) -> str:
+        """Sorted set group id → learner version it was admitted at: groups admitted and not yet
+        handed to the learner (nor dropped). The store never lets the learner advance past one of
+        them while it can still be trained within η."""
+        return self._k("pending_groups")
+
+    @property
     def groups_done(self) -> str:
         """Set of group ids whose gate accounting is done (finish() runs once per group)."""
         return self._k("groups_done")

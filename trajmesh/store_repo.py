@@ -73,12 +73,29 @@ class StoreRepo:
 
     async def try_admit(self, task_id: str, record: dict[str, Any], data: bytes, group_size: int) -> bool:
         """If the gate has capacity for the group: admit it, record the task, count its G as
-        admitted and mark it unpublished — one atomic step (a store that dies before the publish
-        republishes on start; one that dies before this step admitted nothing)."""
+        admitted, mark it unpublished and its group pending — one atomic step (a store that dies
+        before the publish republishes on start; one that dies before this step admitted nothing).
+        `record` carries group_id and admitted_at_version."""
         return await self.gate.try_admit_recorded(
             group_size, task_id=task_id, record=json.dumps(record, default=str), data=data,
+            group_id=str(record["group_id"]), version=int(record["admitted_at_version"]),
             tasks_key=self.keys.tasks, unpublished_key=self.keys.unpublished_tasks,
-            admitted_key=self.keys.admitted_trajectories)
+            admitted_key=self.keys.admitted_trajectories, pending_key=self.keys.pending_groups)
+
+    async def due_groups(self, max_version: int) -> set[str]:
+        """Pending groups admitted at a learner version ≤ `max_version`."""
+        found = await self.r.zrangebyscore(self.keys.pending_groups, "-inf", max_version)
+        return {_text(g) for g in found if isinstance(g, (bytes, str))}
+
+    async def not_pending(self, group_ids: list[str]) -> None:
+        """Groups handed to the learner or dropped: nothing to wait for any more."""
+        if group_ids:
+            await self.r.zrem(self.keys.pending_groups, *group_ids)
+
+    async def pending_again(self, groups: dict[str, int]) -> None:
+        """Groups back in the queue (a dead learner never trained them), with their admission versions."""
+        if groups:
+            await self.r.zadd(self.keys.pending_groups, {gid: v for gid, v in groups.items()})
 
     async def published(self, task_id: str) -> None:
         await self.r.hdel(self.keys.unpublished_tasks, task_id)

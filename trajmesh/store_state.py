@@ -23,7 +23,11 @@ acked. Recovery paths:
   outcome (`filtered:unused_at_end_of_run` or `in_flight_at_stop:held_at_stop`), never a gap.
 
 READY groups are served oldest admission first (`Group.order`, the sampler cursor), so groups
-rebuilt after a restart or recycled from a dead learner never fall behind younger ones.
+rebuilt after a restart or recycled from a dead learner never fall behind younger ones. And a
+group admitted at learner version a may be trained at versions ≤ a + η only: when the learner is
+at v, every group admitted at ≤ v − η ("due") must be in the batch it takes now, so `hand_out`
+holds the learner until a due straggler is ready (at most `straggler_wait_s`) instead of letting
+younger groups overtake it and leaving it to be generated, graded and thrown away as stale.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class Group:
     """G: members admitted for this group's task."""
     order: int = 1 << 62
     """Admission order (sampler cursor); READY groups are served lowest first."""
+    admitted_version: int = 0
+    """Learner version when the gate admitted it: it must be trained at a version ≤ this + η."""
     source: str = ""
     members: list[Trajectory] = field(default_factory=list)
     """Valid members received so far (the ones the learner may train)."""
@@ -79,7 +85,14 @@ class Final:
 class StoreState:
     """Owns every held trajectory's and group's state and its transitions (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, straggler_wait_s: float = 60.0) -> None:
+        self.straggler_wait_s = straggler_wait_s
+        """How long the learner may be held for a due group that is not ready (then it goes on,
+        and that group, if it ever comes, is trained stale)."""
+        self.held_since: float | None = None
+        """When the learner was first held for the due groups now missing (None: not held)."""
+        self.given_up: set[str] = set()
+        """Due groups the learner stopped waiting for."""
         self.assembling: dict[str, Group] = {}
         """Groups with members RECEIVED, waiting for the rest of their G."""
         self.ready: list[Group] = []
@@ -90,8 +103,8 @@ class StoreState:
         """HANDED_OUT trajectory id → its unacked message (None: came back by Report only)."""
         self.handed_traj: dict[str, Trajectory] = {}
         """HANDED_OUT trajectory id → the trajectory (to recycle it for a new learner)."""
-        self.handed_order: dict[str, int] = {}
-        """Group id → admission order of groups with members HANDED_OUT."""
+        self.handed_meta: dict[str, tuple[int, int]] = {}
+        """Group id → (admission order, admission version) of groups with members HANDED_OUT."""
         self.pending_final: list[tuple[str, Any]] = []
         """(id to mark final or '', message to ack) of outcomes archived but not yet committed."""
         self.pending_cleanup: list[str] = []
@@ -147,7 +160,7 @@ class StoreState:
             self._seen(tid)
 
     def take_member(self, traj: Trajectory, msg: Any, *, valid: bool, expected: int, order: int, source: str,
-                    received: int, valid_count: int) -> Group | None:
+                    received: int, valid_count: int, admitted_version: int = 0) -> Group | None:
         """A member whose membership is recorded in Redis (`received`/`valid_count`: the group's
         counts right after it). A valid one becomes RECEIVED (an invalid one was finalized by the
         caller). Returns the group when it is now complete: all G came back and every valid
@@ -155,7 +168,8 @@ class StoreState:
         tid, gid = traj.trajectory_id, traj.group_id
         group = self.assembling.get(gid)
         if group is None:
-            group = self.assembling[gid] = Group(gid, expected, order=order, source=source)
+            group = self.assembling[gid] = Group(gid, expected, order=order, admitted_version=admitted_version,
+                                                 source=source)
         if valid:
             self.held[tid] = msg
             self._seen(tid)
@@ -180,21 +194,42 @@ class StoreState:
         bisect.insort(self.ready, group, key=lambda g: g.order)
 
     # ------------------------------------------------------------------ the learner
-    def hand_out(self, want_groups: int, max_trajectories: int, now: float) -> list[Trajectory]:
+    def hand_out(self, want_groups: int, max_trajectories: int, now: float,
+                 due: Iterable[str] = ()) -> list[Trajectory]:
         """Whole READY groups, oldest admission first, up to `want_groups` groups and
-        `max_trajectories`; [] unless `want_groups` are ready and no recovery is pending."""
+        `max_trajectories`; [] unless `want_groups` are ready, no recovery is pending, and no
+        `due` group (admitted so long ago that after this step it could only be trained stale)
+        is still on its way — the learner is held for it, at most `straggler_wait_s`. (A due
+        group that is READY goes in this batch unless older ones fill it; its tokens were
+        sampled at or after its admission, so it may well still be within η later.)"""
         if self.recovering(now) or len(self.ready) < want_groups:
             return []
+        take, n = 0, 0
+        while take < min(want_groups, len(self.ready)) and n + len(self.ready[take].members) <= max_trajectories:
+            n += len(self.ready[take].members)
+            take += 1
+        batch = self.ready[:take]
+        missing = set(due) - {g.group_id for g in self.ready} - self.given_up
+        if missing:
+            if self.held_since is None:
+                self.held_since = now
+            if now - self.held_since < self.straggler_wait_s:
+                return []
+            self.given_up |= missing
+        self.held_since = None
+        del self.ready[:take]
         out: list[Trajectory] = []
-        while self.ready and want_groups > 0 and len(out) + len(self.ready[0].members) <= max_trajectories:
-            group = self.ready.pop(0)
+        for group in batch:
             out.extend(group.members)
-            self.handed_order[group.group_id] = group.order
-            want_groups -= 1
+            self.handed_meta[group.group_id] = (group.order, group.admitted_version)
         for t in out:
             self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
             self.handed_traj[t.trajectory_id] = t
         return out
+
+    def held_for_stragglers(self) -> bool:
+        """Whether the learner is being held for a due group that is not ready."""
+        return self.held_since is not None
 
     def report(self, tid: str) -> tuple[Any, str | None]:
         """The learner's verdict on `tid` (trained or quarantined): it leaves every buffer.
@@ -212,22 +247,24 @@ class StoreState:
     def done_reporting(self, group_ids: Iterable[str]) -> None:
         """Groups whose reported members are final: their Redis membership goes at the next commit."""
         for gid in group_ids:
-            self.handed_order.pop(gid, None)
+            self.handed_meta.pop(gid, None)
             self.pending_cleanup.append(gid)
 
-    def recycle_handed_out(self, now: float) -> int:
+    def recycle_handed_out(self, now: float) -> dict[str, int]:
         """A new learner process: what the previous one took and never reported goes back to
-        READY, whole groups in admission order. Returns the number of groups."""
+        READY, whole groups in admission order. Returns group id → admission version of each."""
         by_group: dict[str, list[Trajectory]] = {}
         for traj in self.handed_traj.values():
             by_group.setdefault(traj.group_id, []).append(traj)
+        out = {}
         for gid, members in by_group.items():
-            order = self.handed_order.pop(gid, 1 << 62)
-            self.make_ready(Group(gid, len(members), order=order, members=members), now)
+            order, version = self.handed_meta.pop(gid, (1 << 62, 0))
+            self.make_ready(Group(gid, len(members), order=order, admitted_version=version, members=members), now)
+            out[gid] = version
             for t in members:
                 self.held[t.trajectory_id] = self.handed_out.pop(t.trajectory_id)
         self.handed_traj.clear()
-        return len(by_group)
+        return out
 
     # ------------------------------------------------------------------ the end of a finished run
     def end_of_run(self) -> list[Final]:
@@ -242,10 +279,10 @@ class StoreState:
         for f in out:
             msg = self.held.pop(f.trajectory_id, None) or self.handed_out.pop(f.trajectory_id, None)
             self.finalize(f.trajectory_id, msg)
-        self.pending_cleanup += [g.group_id for g in self.ready] + list(self.assembling) + list(self.handed_order)
+        self.pending_cleanup += [g.group_id for g in self.ready] + list(self.assembling) + list(self.handed_meta)
         self.ready, self.assembling = [], {}
         self.handed_traj.clear()
-        self.handed_order.clear()
+        self.handed_meta.clear()
         return out
 
     # ------------------------------------------------------------------ commit
