@@ -998,12 +998,34 @@ def _objects_of(values: dict[str, Any]) -> list[dict[str, Any]]:
 CHART_RUN_STEPS = 2
 
 
+def _code_call(env_pod: Any) -> tuple[str, dict[str, Any]]:
+    """A math-tool session on the environment pod's gRPC port: one sandboxed code call."""
+    import grpc
+
+    from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+
+    port = next(env_pod.ports[int(p["containerPort"])] for p in env_pod.container_ports() if p.get("name") == "grpc")
+
+    async def go() -> tuple[str, dict[str, Any]]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = services_pb2_grpc.EnvironmentStub(channel)
+            task = trajectory_pb2.Task(environment="math_tool", prompt="What is 6*7?", answer="42")
+            await stub.Reset(services_pb2.ResetRequest(session_id="chart-code-call", task=task, seed=0), timeout=60)
+            step = await stub.Step(services_pb2.StepRequest(session_id="chart-code-call",
+                                                            action="<code>print(6*7)</code>"), timeout=60)
+            return step.observation, json.loads(step.info_json or "{}")
+
+    return asyncio.run(go())
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> None:
     """The CPU chart's own workloads (commands, env, Secrets, ConfigMaps, volumes, ports) run as local
-    processes (tests/helm/local_kubelet.py) and train with exact accounting. A workload missing a
-    mount, a variable or a port fails here (the store without the model volume did)."""
+    processes (tests/helm/local_kubelet.py) and train with exact accounting; a sandboxed code call
+    goes through the environment pod. A workload missing a mount, a variable or a port fails here
+    (the store without the model volume did). The processes run as this test's user, not as the
+    images' uid 10001 (this machine's interpreter is not readable by another uid)."""
     import shutil
 
     from mesh_checks import check_archive, check_gate_reconciles
@@ -1033,6 +1055,8 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
         assert kubelet.run_to_completion(provision) == 0, kubelet.tail(provision)
         for component in ("environment", "store", "grader", "rollout", "learner"):
             kubelet.start(kubelet.pod(component), wait_ready_s=300)
+        observation, info = _code_call(kubelet.pod("environment"))
+        assert "42" in observation and info["tool_call"]["status"] == "ok", (observation, info)
         learner = kubelet.pod("learner")
         assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
         store = kubelet.pod("store")
