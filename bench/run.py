@@ -16,6 +16,7 @@ BENCHES = {
     "mesh": "bench_mesh.py",            # mesh throughput vs raw JetStream (goal ≥ 0.5)
     "async": "bench_async.py",          # async (η=2) vs sync wall time to the same accuracy (goal ≥ 2×)
     "verify": "bench_verify.py",        # math / sandboxed-code verifications per second
+    "learner": "bench_learner.py",      # learner peak memory: 4x/1x batch (goal ≤ 1.2), chunked/naive log-probs (≤ 0.25)
 }
 
 

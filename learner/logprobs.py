@@ -41,6 +41,14 @@ def _chunk_stats(h_NH: Tensor, target_N: Tensor, head: nn.Module | None, tempera
     return logp_N, entropy_N
 
 
+def _worth_recomputing(head: nn.Module | None, hidden: int) -> bool:
+    """Whether a chunk's saved fp32 logits outweigh its hidden states (``head`` None: the input is
+    the logits already, and the fp32 copies are what recomputation saves)."""
+    weight = getattr(head, "weight", None)
+    vocab = int(getattr(weight, "ds_shape", weight.shape)[0]) if weight is not None else hidden + 1
+    return head is None or vocab > hidden
+
+
 def chunked_token_stats(
     hidden_BTH: Tensor, input_ids_BT: Tensor, head: nn.Module | None, temperature: float, chunk_tokens: int
 ) -> tuple[Tensor, Tensor]:
@@ -48,17 +56,21 @@ def chunked_token_stats(
 
     ``hidden_BTH`` is the last hidden state (``head`` maps it to logits) or, with ``head=None``,
     the logits themselves. Chunks of ``chunk_tokens`` flattened positions are checkpointed when
-    grad is on, so only ``hidden_BTH`` is kept for the backward.
+    grad is on and the vocabulary is wider than the hidden state (every real LM), so only
+    ``hidden_BTH`` is kept for the backward; with a vocabulary narrower than the hidden state (the
+    demo's 50 characters vs 128) the chunk's fp32 logits are smaller than its hidden states, and the
+    recomputation would only cost time.
     """
     b, t = input_ids_BT.shape
     h_NH = hidden_BTH[:, :-1].reshape(b * (t - 1), hidden_BTH.shape[-1])
     target_N = input_ids_BT[:, 1:].reshape(-1)
     temp = max(float(temperature), 1e-6)
     step = max(int(chunk_tokens), 1)
+    recompute = torch.is_grad_enabled() and h_NH.requires_grad and _worth_recomputing(head, h_NH.shape[-1])
     logps, ents = [], []
     for start in range(0, h_NH.shape[0], step):
         h, tgt = h_NH[start:start + step], target_N[start:start + step]
-        if torch.is_grad_enabled() and h.requires_grad:
+        if recompute:
             lp, en = checkpoint(_chunk_stats, h, tgt, head, temp, use_reentrant=False)
         else:
             lp, en = _chunk_stats(h, tgt, head, temp)

@@ -53,7 +53,7 @@ class Batch:
     def select(self, rows: list[int]) -> Batch:
         """The given rows, in that order, cut to their longest length (right padding)."""
         idx = torch.tensor(rows, dtype=torch.long)
-        width = max(max(self.lengths()[i] for i in rows), 1)
+        width = max(int(self.attention_BT.index_select(0, idx.to(self.attention_BT.device)).sum(-1).max()), 1)
 
         def take(x_BT: Tensor) -> Tensor:
             return x_BT.index_select(0, idx.to(x_BT.device))[:, :width]

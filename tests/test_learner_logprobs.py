@@ -8,9 +8,9 @@ from trajmesh.learner.logprobs import PolicyLogprobs, chunked_token_stats, naive
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def _model() -> LlamaForCausalLM:
+def _model(hidden: int = 32) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=37, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                       tie_word_embeddings=True)
     return LlamaForCausalLM(cfg).float()
@@ -31,10 +31,11 @@ def _grads(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
+@pytest.mark.parametrize("chunk", [5, 1000])
 @pytest.mark.parametrize("split_head", [True, False])
-def test_chunked_equals_naive_values_and_gradients(chunk: int, split_head: bool) -> None:
-    model = _model()
+@pytest.mark.parametrize("hidden", [32, 64])  # vocab 37 > 32: chunks recomputed in the backward; < 64: kept
+def test_chunked_equals_naive_values_and_gradients(chunk: int, split_head: bool, hidden: int) -> None:
+    model = _model(hidden)
     ids_BT, att_BT = _inputs()
     weights_BT = torch.linspace(-1.0, 2.0, ids_BT.numel()).view_as(ids_BT) * att_BT
     net = PolicyLogprobs(model, chunk_tokens=chunk)
@@ -49,7 +50,7 @@ def test_chunked_equals_naive_values_and_gradients(chunk: int, split_head: bool)
     torch.testing.assert_close(logp_BT, ref_logp_BT, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent_BT, ref_ent_BT, rtol=0, atol=1e-6)
     for a, b in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)  # float32 sums in another order
 
 
 def test_hand_computed_values_on_a_fixed_logit_table() -> None:

@@ -1,0 +1,170 @@
+"""Learner memory at scale, side by side in one run (DESIGN §4b; goals from issue 11):
+
+* ``step_4x_over_1x_peak_ratio`` — peak memory of one learner step (torch engine, fp32, K = 1) on 4×
+  the batch over 1× at the same ``micro_batch_tokens`` (goal ≤ 1.2: micro-batches bound the peak);
+* ``chunked_over_naive_logprob_peak_ratio`` — peak memory of token log-probs + entropy, forward
+  and backward, from hidden states through a 32k-vocabulary head: chunked (learner/logprobs.py)
+  over the naive fp32 [B, T, V] computation (goal ≤ 0.25);
+* ``demo_step_K4_over_K1_time_ratio`` — CPU time of a learner step at the demo's shapes (tiny
+  Llama d = 128, 256 sequences of ~22 tokens) with 4 PPO minibatches over 1 (for the demo's K).
+
+Memory is measured in fresh subprocesses (one per figure) as the rise of the process's peak RSS
+(``ru_maxrss``) over its RSS just before the measured call: torch's CPU allocations are invisible to
+tracemalloc. Run: ``.venv/bin/python bench/bench_learner.py`` (or ``python bench/run.py learner``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+VOCAB = 32000
+STEP_GOAL = 1.2
+LOGPROB_GOAL = 0.25
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rise(fn: Callable[[], object]) -> int:
+    """Bytes the process's peak RSS rose above its RSS before ``fn``."""
+    gc.collect()
+    before = _rss_bytes()
+    fn()
+    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+
+
+def _llama(vocab: int, hidden: int, layers: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).float()
+
+
+def _batch(n: int, lengths: list[int], vocab: int, prompt: int = 4):  # type: ignore[no-untyped-def]
+    from trajmesh.learner import step
+
+    from trajmesh.contract import Trajectory
+
+    g = torch.Generator().manual_seed(n)
+    trajs = []
+    for i in range(n):
+        t = Trajectory.new(trajectory_id=f"t{i}")
+        t.pb.group_id = f"g{i // 8}"
+        t.append_prompt(torch.randint(4, vocab, (prompt,), generator=g).tolist())
+        k = lengths[i % len(lengths)] - prompt
+        t.append_sampled(torch.randint(4, vocab, (k,), generator=g).tolist(), [-1.0] * k, 0)
+        t.set_reward(float(i % 2))
+        trajs.append(t)
+    return step.build_batch(trajs, 0)
+
+
+def _learner_step(n_seqs: int, budget: int, minibatches: int = 1, vocab: int = VOCAB, hidden: int = 128,
+                  layers: int = 2, lengths: tuple[int, ...] = (96, 128, 112, 80)) -> Callable[[], object]:
+    from trajmesh.learner import step
+    from trajmesh.learner.logprobs import PolicyLogprobs
+    from trajmesh.learner.objective import ObjectiveConfig
+    from trajmesh.learner.train_engine import build_train_engine
+
+    engine = build_train_engine(PolicyLogprobs(_llama(vocab, hidden, layers)), type="torch", lr=1e-4,
+                                warmup_steps=0, weight_decay=0.0, grad_clip=1.0, seed=0)
+    batch = _batch(n_seqs, list(lengths), vocab)
+    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    plan = step.StepPlan(micro_batch_tokens=budget, minibatches=minibatches)
+    return lambda: step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), plan, temperature=1.0, version=0,
+                                    max_lag=3)
+
+
+def _logprob_pass(mode: str, tokens: int, chunk: int) -> Callable[[], object]:
+    from trajmesh.learner.logprobs import chunked_token_stats, naive_token_stats
+
+    torch.manual_seed(0)
+    b, hidden = 8, 128
+    t = tokens // b
+    head = torch.nn.Linear(hidden, VOCAB, bias=False)
+    h_BTH = torch.randn(b, t, hidden, requires_grad=True)
+    ids_BT = torch.randint(0, VOCAB, (b, t))
+
+    def run() -> None:
+        if mode == "naive":
+            logp_BT, ent_BT = naive_token_stats(head(h_BTH), ids_BT, 1.0)
+        else:
+            logp_BT, ent_BT = chunked_token_stats(h_BTH, ids_BT, head, 1.0, chunk)
+        (logp_BT.sum() + ent_BT.sum()).backward()
+
+    return run
+
+
+def _child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if args.child == "step":
+        fn = _learner_step(args.seqs, args.budget)
+    else:
+        fn = _logprob_pass(args.child, args.tokens, args.chunk)
+    print(json.dumps({"peak_rise_bytes": _peak_rise(fn)}))
+
+
+def _measure(*child_args: str) -> int:
+    out = subprocess.run([sys.executable, __file__, "--child", *child_args], capture_output=True, text=True,
+                         timeout=1800, check=True)
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_rise_bytes"])
+
+
+def _demo_step_times() -> tuple[float, float]:
+    """Best of 5 learner-step CPU times at the demo's shapes, K = 1 and K = 4, interleaved, one
+    thread (CPU time on one thread is what stays stable on a shared machine; wall time is not)."""
+    torch.set_num_threads(1)
+    fns = [_learner_step(256, 16384, minibatches=k, vocab=50, hidden=128, layers=4, lengths=(20, 22, 24, 21))
+           for k in (1, 4)]
+    best = [float("inf")] * len(fns)
+    for _ in range(6):  # the first round warms up
+        for i, fn in enumerate(fns):
+            t0 = time.process_time()
+            fn()
+            best[i] = min(best[i], time.process_time() - t0)
+    return best[0], best[1]
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", choices=["step", "naive", "chunked"])
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=1024)
+    args = p.parse_args(argv)
+    if args.child:
+        _child(args)
+        return
+    mib = 1 / 2**20
+    one = _measure("step", "--seqs", "16", "--budget", "1024")
+    four = _measure("step", "--seqs", "64", "--budget", "1024")
+    print(f"learner step peak rise, vocab {VOCAB}, micro_batch_tokens 1024: 1x (16 seqs) {one * mib:.0f} MiB, "
+          f"4x (64 seqs) {four * mib:.0f} MiB")
+    print(f"step_4x_over_1x_peak_ratio={four / one:.3f} (goal <= {STEP_GOAL})")
+    naive = _measure("naive", "--tokens", "8192")
+    chunked = _measure("chunked", "--tokens", "8192", "--chunk", "1024")
+    print(f"log-prob + entropy fwd+bwd peak rise, 8192 tokens x {VOCAB} vocab: naive {naive * mib:.0f} MiB, "
+          f"chunked (1024) {chunked * mib:.0f} MiB")
+    print(f"chunked_over_naive_logprob_peak_ratio={chunked / naive:.3f} (goal <= {LOGPROB_GOAL})")
+    k1, k4 = _demo_step_times()
+    print(f"demo-shape learner step CPU time (1 thread): K=1 {k1:.3f} s, K=4 {k4:.3f} s")
+    print(f"demo_step_K4_over_K1_time_ratio={k4 / k1:.2f} (report)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
