@@ -100,6 +100,8 @@ STALE_HANDED_OUT = Counter("trajmesh_store_stale_handed_out_trajectories_total",
                            "quarantine them as stale; a healthy run keeps this at 0)")
 STRAGGLERS_GIVEN_UP = Gauge("trajmesh_store_stragglers_given_up_groups",
                             "Due groups (admitted at <= learner version - eta) the learner stopped waiting for")
+GRADER_ACK_WAIT_S = 30.0
+"""The grader's TRAJ_RAW ack wait (services/grader.py): a dead grader's messages come back after it."""
 QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
 """(stream, durable consumer) pairs whose backlog the store exports."""
 for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too_small"),
@@ -149,9 +151,12 @@ class TrajectoryStore(Service):
         super().__init__(*args, **kwargs)
         self.io: _Wiring | None = None
         """Connections (None until `setup()`)."""
-        # A due straggler is waited for until a dead rollout's task or a dead store's message would
-        # have come back twice over; then the learner goes on (and the straggler will be stale).
-        straggler_wait_s = 2 * max(self.cfg.rollout.task_ack_wait_s, self.cfg.store.intake_ack_wait_s)
+        # A due straggler is waited for as long as it can take to come back after any one crash on
+        # its way (a rollout's task, a grader's TRAJ_RAW message and a store's TRAJ_GRADED message
+        # each redelivered after its ack wait), plus one more store ack wait of slack; then the
+        # learner goes on (and the straggler, if it ever comes, is trained stale).
+        c = self.cfg
+        straggler_wait_s = c.rollout.task_ack_wait_s + GRADER_ACK_WAIT_S + 2 * c.store.intake_ack_wait_s
         self.state = StoreState(straggler_wait_s)
         """Every held trajectory's and group's state (pure)."""
         self.vocab_size = 0

@@ -223,7 +223,9 @@ def _assert_replay_is_bitwise(cfg: RunConfig) -> None:
     assert replay.steps_done == STEPS
     final = sorted((run_dir / "weights").glob(f"v{STEPS:06d}-*"))[-1]
     saved = load_file(str(final / "model.safetensors"))
-    mine = replay.engine.full_state_dict()
+    from trajmesh.learner.logprobs import policy_of  # the HF policy inside the engine's wrapper
+
+    mine = {k: v.detach() for k, v in policy_of(replay.engine.model).state_dict().items()}
     for name, tensor in saved.items():
         assert torch.equal(tensor, mine[name]), f"{name} differs from the uninterrupted replay"
 
