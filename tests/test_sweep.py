@@ -84,12 +84,15 @@ def test_sweep_writes_table_csv_png_and_skips_finished_runs(tmp_path: Path) -> N
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_sweep_e2e_two_cells_two_seeds(tmp_path: Path, tiny_model_dir: str) -> None:
-    """The real `trajmesh sweep` (CLI, mesh, evaluation) with tiny budgets; rerun skips all."""
+    """The real `trajmesh sweep` (CLI, mesh, evaluation) with tiny budgets; rerun skips all.
+
+    6 learner steps, not fewer: a learner that finishes before the launcher's start-up health poll
+    sees it is reported by start_mesh as "exited with 0 during start" (seen once with 2 steps)."""
     from trajmesh.cli import main
 
     out = tmp_path / "sweep"
     args = ["sweep", "examples/demo.yaml", "--grid", "gate.eta=0,1", "--seeds", "2", "--out", str(out), "--eval-every", "5",
-            "--set", f"model.path={tiny_model_dir}", "--set", "learner.max_steps=2", "--set", "learner.batch_groups=2",
+            "--set", f"model.path={tiny_model_dir}", "--set", "learner.max_steps=6", "--set", "learner.batch_groups=2",
             "--set", "tasks.group_size=4", "--set", "tasks.heldout_size=8", "--set", "eval.samples=2",
             "--set", "eval.noise_seeds=0", "--set", "learner.engine.type=torch", "--set", "rollout.concurrent_tasks=4"]
     root = Path(__file__).resolve().parent.parent
