@@ -346,31 +346,54 @@ def preflight(cfg: RunConfig) -> None:
     _check_model_and_packages(cfg)
 
 
-def prepare_model(cfg: RunConfig) -> RunConfig:
-    """The model dir to train: config's `model.path`, or the embedded demo model (built once, cached)."""
-    if cfg.model.path is not None:
-        preflight(cfg)
-        return cfg
+SHIPPED_DEMO_STARTS = Path(__file__).resolve().parents[1] / "examples" / "demo-start"
+"""Warm starts shipped with the repository, one folder per demo-model key (see demo_model_name). SFT on
+a CPU is not bit-reproducible across machines (BLAS kernels and thread counts change the sums), so the
+demo's default start is shipped: every machine begins RL from the same weights."""
+
+
+def demo_model_name(cfg: RunConfig) -> str:
+    """The cache/shipped folder name of the demo model this config builds (dims, SFT, knobs, seed)."""
     import hashlib
 
+    src = cfg.tasks.sources[0]
+    knobs = getattr(src, "knobs", {})
+    key = json.dumps({"demo": cfg.model.demo.model_dump(), "knobs": knobs, "seed": cfg.seed}, sort_keys=True)
+    return f"demo-model-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def build_demo_model(cfg: RunConfig, dest: Path) -> None:
+    """Tokenizer + tiny Llama + SFT warm start for ``cfg`` under ``dest`` (written atomically)."""
     from trajmesh.learner.models import prepare_demo_model
 
     d = cfg.model.demo
-    src = cfg.tasks.sources[0]
-    knobs = getattr(src, "knobs", {})
-    key = json.dumps({"demo": d.model_dump(), "knobs": knobs, "seed": cfg.seed}, sort_keys=True)
-    cache = Path(cfg.run_dir).parent / ".cache" / f"demo-model-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    sft_dir = cache / "sft"
-    if not (sft_dir / "config.json").exists():
-        log.info("building the demo model (tiny Llama + SFT) in %s", cache)
-        tmp = cache.with_name(cache.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        stats = prepare_demo_model(
-            tmp, seed=cfg.seed, hidden=d.hidden_size, layers=d.layers, heads=d.heads, steps=d.sft_steps,
-            batch_size=d.sft_batch_size, lr=d.sft_lr, n_train=d.sft_size, **({"knobs": knobs} if knobs else {}),
-        )
-        (tmp / "sft_stats.json").write_text(json.dumps({k: v for k, v in stats.items() if k != "losses"},
-                                                       default=str, indent=1))
-        shutil.rmtree(cache, ignore_errors=True)
-        os.replace(tmp, cache)
+    knobs = getattr(cfg.tasks.sources[0], "knobs", {})
+    log.info("building the demo model (tiny Llama + SFT) in %s", dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    stats = prepare_demo_model(
+        tmp, seed=cfg.seed, hidden=d.hidden_size, layers=d.layers, heads=d.heads, steps=d.sft_steps,
+        batch_size=d.sft_batch_size, lr=d.sft_lr, n_train=d.sft_size, **({"knobs": knobs} if knobs else {}),
+    )
+    (tmp / "sft_stats.json").write_text(json.dumps({k: v for k, v in stats.items() if k != "losses"},
+                                                   default=str, indent=1))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+
+
+def prepare_model(cfg: RunConfig) -> RunConfig:
+    """The model dir to train: config's `model.path`, the shipped demo warm start when one matches the
+    config, or the embedded demo model built once and cached under RUN_DIR/../.cache."""
+    if cfg.model.path is not None:
+        preflight(cfg)
+        return cfg
+    name = demo_model_name(cfg)
+    sft_dir = SHIPPED_DEMO_STARTS / name / "sft"
+    if (sft_dir / "config.json").exists():
+        log.info("demo model: the shipped warm start %s", sft_dir)
+    else:
+        cache = Path(cfg.run_dir).parent / ".cache" / name
+        sft_dir = cache / "sft"
+        if not (sft_dir / "config.json").exists():
+            build_demo_model(cfg, cache)
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(sft_dir.resolve())})})
