@@ -77,6 +77,7 @@ class EnvironmentService(Service):
         self.sessions: dict[str, tuple[Environment, float]] = {}
         self.kinds: dict[str, str] = {}
         self._last_expire = 0.0
+        self.server: grpc.aio.Server | None = None
 
     async def setup(self) -> None:
         self.server = grpc.aio.server()
@@ -86,10 +87,11 @@ class EnvironmentService(Service):
         log.info("environment gRPC on :%d", self.grpc_port)
 
     async def run(self) -> None:
+        assert self.server is not None, "run() before setup()"
         await self.server.wait_for_termination()
 
     async def stop(self) -> None:
-        if hasattr(self, "server"):
+        if self.server is not None:
             await self.server.stop(grace=1.0)
 
     def close_session(self, session_id: str) -> None:

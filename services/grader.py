@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from prometheus_client import Counter, Histogram
+from redis.asyncio import Redis
 from trajmesh.graders import GRADERS, Grader, Sample, grader_kind, make_grader
 
 from trajmesh import bus as busmod
@@ -54,33 +55,43 @@ for _reason in trajectory_pb2.TerminalReason.keys():
 class GraderService(Service):
     name = "grader"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.keys = RedisKeys(self.cfg.infra.namespace)
+        self.redis: Redis | None = None
+        self.bus: busmod.Bus | None = None
+        self.consumer: busmod.Consumer | None = None
+        self.tokenizer: Any = None
+        """The policy's tokenizer (decodes responses for the verifiers); None until setup()."""
+        self.graders: dict[str, Grader] = {}
+        self.task_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
     async def setup(self) -> None:
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
-        self.keys = RedisKeys(cfg.infra.namespace)
         self.redis = security.redis_client(cfg)
         self.bus = await security.connect_bus(cfg, "grader", name=self.worker_id)
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=30.0)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.graders: dict[str, Grader] = {}
-        self.task_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     async def run(self) -> None:
         await self.grade_loop()
 
     async def stop(self) -> None:
-        if hasattr(self, "bus"):
+        if self.bus is not None:
             await self.bus.close()
-        if hasattr(self, "redis"):
+        if self.redis is not None:
             await self.redis.aclose()
 
     async def grade_loop(self) -> None:
         """Consumes TRAJ_RAW (pull, shared durable `grader`); waits for messages; never drops one."""
+        bus, consumer = self.bus, self.consumer
+        assert bus is not None and consumer is not None, "grade_loop() before setup()"
         while True:
-            for msg in await self.consumer.fetch(batch=16, timeout=1.0):
-                data = await self.consumer.resolve(msg)
+            for msg in await consumer.fetch(batch=16, timeout=1.0):
+                data = await consumer.resolve(msg)
                 out, msg_id = await self._grade(data)
-                await self.bus.publish(busmod.SUBJECT_TRAJ_GRADED, out, msg_id=msg_id)
+                await bus.publish(busmod.SUBJECT_TRAJ_GRADED, out, msg_id=msg_id)
                 await msg.ack()
 
     async def _grade(self, data: bytes) -> tuple[bytes, str | None]:
@@ -129,6 +140,7 @@ class GraderService(Service):
         if task is not None:
             self.task_cache.move_to_end(task_id)
             return task
+        assert self.redis is not None, "_task() before setup()"
         raw = await self.redis.hget(self.keys.tasks, task_id)
         if raw is None:
             return None
