@@ -3,17 +3,29 @@
 An environment is deterministic given (task, seed, action log): replaying the actions on a fresh
 instance reproduces every observation and state hash, so a session can move to another pod.
 `StepResult.info` tells rollout what the action was (`action_type`: TEXT, CODE or TOOL_CALL), the
-tool call it made (`tool_call`: name, request, response, status, latency_s), and, when the
-environment ended the episode for a reason other than the policy's answer, `terminal_reason`
-(e.g. SANDBOX_ERROR with `sandbox_error`).
+tool call it made (`tool_call`: name, request, response, status, latency_s, and `native`: True when
+it came in the model's own ``<tool_call>{json}</tool_call>`` format), and, when the environment
+ended the episode for a reason other than the policy's answer, `terminal_reason` (e.g.
+SANDBOX_ERROR with `sandbox_error`).
+
+Tool calls (math_tool, search, workplace) come in two forms, both accepted on every step so that
+replaying an action log never depends on the model: the model's native Hermes/Qwen2.5 format
+(`trajmesh.rollout.tool_calls`; tools declared as JSON schemas, `function_schemas`; the answer is
+the plain tool output, which the chat template wraps as a tool message) and the environment's own
+tags (``<code>``, ``<search>``, ``<tool>``; answered inside the environment's tags) for the
+character-tokenizer demo model, which has no chat template. A source's ``tool_format`` picks which
+form the task prompt asks for.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from trajmesh.rollout.tool_calls import ToolCall, count_malformed, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,44 @@ def last_tag(text: str, tag: str) -> str | None:
 def first_tag(text: str, tag: str) -> str | None:
     m = re.search(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
     return m.group(1) if m else None
+
+
+def function_schemas(tools: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tools ``{name: {description, parameters}}`` as the list a chat template's ``tools`` takes
+    (OpenAI / Hugging Face function format)."""
+    return [{"type": "function", "function": {"name": name, **spec}} for name, spec in tools.items()]
+
+
+def native_instruction(tools: dict[str, dict[str, Any]], finish: str) -> str:
+    """The task prompt's first line in the native format: the tools' signatures, how to call, how to finish."""
+    sig = "; ".join(f"{name}({', '.join(spec['parameters']['properties'])})" for name, spec in tools.items())
+    return f'Tools: {sig}. Call <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>; {finish}\n'
+
+
+@dataclass(frozen=True)
+class NativeAction:
+    """A turn written in the native tool-call format: the first well-formed call (one call per
+    turn; `ignored` counts any further ones) or, when no block parsed, `error`."""
+
+    call: ToolCall | None
+    error: str = ""
+    ignored: int = 0
+
+
+def parse_native(action: str) -> NativeAction | None:
+    """None when the turn holds no ``<tool_call>`` at all (the environment's own tags apply then)."""
+    if "<tool_call>" not in action:
+        return None
+    _, calls = parse_tool_calls(action)
+    if calls:
+        return NativeAction(calls[0], ignored=len(calls) - 1)
+    bad = count_malformed(action)
+    return NativeAction(None, error=f"{bad} malformed <tool_call> block(s): "
+                                    'expected {"name": ..., "arguments": {...}}')
+
+
+def native_request(call: ToolCall) -> str:
+    return json.dumps({"name": call.name, "arguments": call.arguments}, sort_keys=True)
 
 
 class SingleAnswerEnv:

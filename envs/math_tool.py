@@ -1,7 +1,9 @@
 """Math with a Python tool (ReTool / rStar2-Agent style, survey §3.8, §5.2). No torch.
 
-The policy writes ``<code>...</code>``; the environment runs it in the sandbox
-(`trajmesh.sandbox`) and answers ``<output>...</output>`` (an observation: loss mask 0). A turn
+The policy writes ``<code>...</code>`` (or, in the model's native format, a ``python`` tool call
+``<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>``, see envs/base.py); the
+environment runs it in the sandbox (`trajmesh.sandbox`) and answers ``<output>...</output>`` (the
+plain output for a native call; an observation either way: loss mask 0). A turn
 without a code block is the final answer (``<answer>...</answer>``), which the math grader scores;
 tool use itself earns nothing. Budgets come from the task (`tool`): calls per episode, per-call
 timeout and output bytes. Resource limits (timeout, memory, output) come back as an error
@@ -20,7 +22,16 @@ import time
 from fractions import Fraction
 from typing import Any
 
-from trajmesh.envs.base import StepResult, first_tag, state_hash
+from trajmesh.envs.base import (
+    NativeAction,
+    StepResult,
+    first_tag,
+    function_schemas,
+    native_instruction,
+    native_request,
+    parse_native,
+    state_hash,
+)
 
 from trajmesh import sandbox
 
@@ -28,6 +39,13 @@ CONTAINMENT = ("network", "fs_write", "secret_access", "signal", "process_limit"
 """Sandbox subclasses that end the episode (the rest are returned to the policy as tool errors)."""
 DEFAULT_TOOL = {"max_tool_calls": 3, "call_timeout_s": 5.0, "max_output_bytes": 1024}
 INSTRUCTION = "Run python with <code>...</code>; reply <answer>x</answer>.\n"
+TOOLS: dict[str, dict[str, Any]] = {
+    "python": {"description": "Run a Python program in a sandbox; returns what it prints (stdout, or the error).",
+               "parameters": {"type": "object", "required": ["code"],
+                              "properties": {"code": {"type": "string", "description": "The program."}}}},
+}
+NATIVE_INSTRUCTION = native_instruction(TOOLS, "reply <answer>x</answer>.")
+"""The instruction line of a task whose source has ``tool_format: native``."""
 
 
 class MathToolEnv:
@@ -45,11 +63,34 @@ class MathToolEnv:
     def step(self, action: str) -> StepResult:
         self.actions.append(action)
         h = state_hash(self.prompt, *self.actions)
+        native = parse_native(action)
+        if native is not None:
+            return self._native(native, h)
         code = first_tag(action, "code")
         if code is None:
             return StepResult("", True, h, info={"action_type": "TEXT"})
+        return self._run(code, h, native=False)
+
+    def _native(self, native: NativeAction, h: str) -> StepResult:
+        """A ``<tool_call>`` turn: the python tool's ``code`` argument runs like a ``<code>`` block."""
+        if native.call is None:
+            return StepResult(f"error: {native.error}", False, h,
+                              info={"action_type": "TOOL_CALL", "parser_error": True})
+        code = native.call.arguments.get("code")
+        if native.call.name != "python" or not isinstance(code, str) or set(native.call.arguments) != {"code"}:
+            obs = f'error: the only tool is python with one string argument "code"; got {native.call.name!r}'
+            return StepResult(obs, False, h, info={
+                "action_type": "TOOL_CALL", "invalid_action": "schema",
+                "tool_call": {"name": native.call.name, "request": native_request(native.call), "response": obs,
+                              "status": "invalid", "latency_s": 0.0, "native": True}})
+        return self._run(code, h, native=True)
+
+    def _run(self, code: str, h: str, *, native: bool) -> StepResult:
+        """Runs `code` in the sandbox; the answer is wrapped in ``<output>`` unless it goes back as a
+        native tool message (the chat template wraps that)."""
         if self.calls >= int(self.tool["max_tool_calls"]):
-            return StepResult("<output>tool budget exhausted</output>\n", False, h,
+            body = "tool budget exhausted"
+            return StepResult(body if native else f"<output>{body}</output>\n", False, h,
                               info={"action_type": "CODE", "invalid_action": "tool_budget"})
         self.calls += 1
         wall = float(self.tool["call_timeout_s"])
@@ -62,13 +103,13 @@ class MathToolEnv:
         body = res.stdout if res.status == sandbox.OK else (res.stdout + res.stderr[-cap:])
         if res.subclass:
             body += f"\n[sandbox: {res.subclass}]"
-        obs = f"<output>\n{body[:cap]}\n</output>\n"
+        obs = body[:cap].rstrip("\n") if native else f"<output>\n{body[:cap]}\n</output>\n"
         status = {"": "ok" if res.ok else "error", "wall_timeout": "timeout", "cpu_time": "timeout"}.get(
             res.subclass, "sandbox_violation" if res.subclass else "error")
         info: dict[str, Any] = {
             "action_type": "CODE",
             "tool_call": {"name": "python", "request": code, "response": obs, "status": status,
-                          "latency_s": latency, "sandbox_error": res.subclass},
+                          "latency_s": latency, "sandbox_error": res.subclass, "native": native},
         }
         if res.subclass in CONTAINMENT:
             info.update(terminal_reason="SANDBOX_ERROR", sandbox_error=res.subclass)
@@ -106,8 +147,10 @@ def _problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
 
 
 def make_tasks(seed: int, n: int, *, difficulty: int = 1, tool: dict[str, Any] | None = None,
-               source: str = "math_tool", exclude: set[str] | None = None) -> list[dict[str, Any]]:
-    """``n`` distinct problems; each ``{prompt, answer, task_id, metadata}`` (metadata carries the budgets)."""
+               source: str = "math_tool", exclude: set[str] | None = None,
+               tool_format: str = "tags") -> list[dict[str, Any]]:
+    """``n`` distinct problems; each ``{prompt, answer, task_id, metadata}`` (metadata carries the
+    budgets, and for ``tool_format="native"`` the tools' JSON schemas under ``tools``)."""
     rng = random.Random(f"math_tool|{seed}|{difficulty}")
     out: list[dict[str, Any]] = []
     seen = set(exclude or ())
@@ -118,9 +161,10 @@ def make_tasks(seed: int, n: int, *, difficulty: int = 1, tool: dict[str, Any] |
                 raise ValueError(f"cannot draw {n} distinct math_tool problems at difficulty {difficulty}")
             continue
         seen.add(question)
-        prompt = INSTRUCTION + question
+        prompt = (NATIVE_INSTRUCTION if tool_format == "native" else INSTRUCTION) + question
         tid = hashlib.sha256(f"{source}|{seed}|{prompt}".encode()).hexdigest()[:16]
         out.append({"prompt": prompt, "answer": answer, "task_id": tid,
                     "metadata": {"source": source, "grader": "math", "environment": "math_tool",
-                                 "tool": {**DEFAULT_TOOL, **(tool or {})}, "question": question}})
+                                 "tool": {**DEFAULT_TOOL, **(tool or {})}, "question": question,
+                                 **({"tools": function_schemas(TOOLS)} if tool_format == "native" else {})}})
     return out

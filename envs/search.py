@@ -2,8 +2,9 @@
 
 The corpus is a seeded gazetteer of fictional towns (one passage each: country, river, founder,
 year) plus people passages as distractors, so answers cannot come from pretraining. Each turn the
-policy either searches, ``<search>query</search>``, and gets the top-k passages back as
-``<information>...</information>`` (an observation: loss mask 0), or answers,
+policy either searches, ``<search>query</search>`` (or the native ``search`` tool call, see
+envs/base.py), and gets the top-k passages back as ``<information>...</information>`` (plain for a
+native call; an observation either way: loss mask 0), or answers,
 ``<answer>...</answer>``, which ends the episode; the grader scores normalized exact match.
 Searches beyond the budget are answered with an error and counted as invalid actions.
 """
@@ -18,7 +19,16 @@ import re
 from collections import Counter
 from typing import Any
 
-from trajmesh.envs.base import StepResult, first_tag, state_hash
+from trajmesh.envs.base import (
+    NativeAction,
+    StepResult,
+    first_tag,
+    function_schemas,
+    native_instruction,
+    native_request,
+    parse_native,
+    state_hash,
+)
 
 SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "vel", "sa", "dun", "bri", "hol", "quen", "zor", "ath", "ix", "mor"]
 PEOPLE = ["Ilsa", "Oren", "Maro", "Tessa", "Ulric", "Wren", "Yara", "Piet", "Nadia", "Soren"]
@@ -94,6 +104,13 @@ def index(size: int = 200, seed: int = 7) -> BM25:
 QUESTIONS = {"year": "In which year was {town} founded?", "founder": "Who founded {town}?",
              "river": "On which river is {town}?", "country": "In which country is {town}?"}
 INSTRUCTION = "Search with <search>q</search>; reply <answer>x</answer>.\n"
+TOOLS: dict[str, dict[str, Any]] = {
+    "search": {"description": "Search the local corpus (BM25); returns the top passages, numbered.",
+               "parameters": {"type": "object", "required": ["query"],
+                              "properties": {"query": {"type": "string", "description": "Search words."}}}},
+}
+NATIVE_INSTRUCTION = native_instruction(TOOLS, "reply <answer>x</answer>.")
+"""The instruction line of a task whose source has ``tool_format: native``."""
 
 
 class SearchEnv:
@@ -111,23 +128,46 @@ class SearchEnv:
     def step(self, action: str) -> StepResult:
         self.actions.append(action)
         h = state_hash(self.prompt, *self.actions)
+        native = parse_native(action)
+        if native is not None:
+            return self._native(native, h)
         query = first_tag(action, "search")
         if query is None:
             return StepResult("", True, h, info={"action_type": "TEXT"})
+        return self._search(query, h, native=False)
+
+    def _native(self, native: NativeAction, h: str) -> StepResult:
+        """A ``<tool_call>`` turn: the search tool's ``query`` argument searches like ``<search>``."""
+        if native.call is None:
+            return StepResult(f"error: {native.error}", False, h,
+                              info={"action_type": "TOOL_CALL", "parser_error": True})
+        query = native.call.arguments.get("query")
+        if native.call.name != "search" or not isinstance(query, str) or set(native.call.arguments) != {"query"}:
+            obs = f'error: the only tool is search with one string argument "query"; got {native.call.name!r}'
+            return StepResult(obs, False, h, info={
+                "action_type": "TOOL_CALL", "invalid_action": "schema",
+                "tool_call": {"name": native.call.name, "request": native_request(native.call), "response": obs,
+                              "status": "invalid", "latency_s": 0.0, "native": True}})
+        return self._search(query, h, native=True)
+
+    def _search(self, query: str, h: str, *, native: bool) -> StepResult:
+        """The top-k passages, inside ``<information>`` unless they go back as a native tool message."""
         if self.searches >= int(self.cfg["max_searches"]):
-            return StepResult("<information>search budget exhausted</information>\n", False, h,
+            body = "search budget exhausted"
+            return StepResult(body if native else f"<information>{body}</information>\n", False, h,
                               info={"action_type": "TOOL_CALL", "invalid_action": "search_budget"})
         self.searches += 1
         hits = self.index.search(query, int(self.cfg["top_k"]))
         body = "\n".join(f"[{n + 1}] {self.index.passages[i]}" for n, i in enumerate(hits)) or "no results"
-        obs = f"<information>\n{body}\n</information>\n"
+        obs = body if native else f"<information>\n{body}\n</information>\n"
         return StepResult(obs, False, h, info={
             "action_type": "TOOL_CALL",
-            "tool_call": {"name": "search", "request": query, "response": obs, "status": "ok", "latency_s": 0.0}})
+            "tool_call": {"name": "search", "request": query, "response": obs, "status": "ok", "latency_s": 0.0,
+                          "native": native}})
 
 
 def make_tasks(seed: int, n: int, *, search: dict[str, Any] | None = None, source: str = "search",
-               exclude: set[str] | None = None) -> list[dict[str, Any]]:
+               exclude: set[str] | None = None, tool_format: str = "tags") -> list[dict[str, Any]]:
     cfg = {**DEFAULT_SEARCH, **(search or {})}
     facts, _ = corpus(int(cfg["corpus_size"]), int(cfg["corpus_seed"]))
     rng = random.Random(f"search-tasks|{seed}")
@@ -140,10 +180,12 @@ def make_tasks(seed: int, n: int, *, search: dict[str, Any] | None = None, sourc
         if q in seen:
             continue
         seen.add(q)
-        out.append({"prompt": INSTRUCTION + q, "answer": f[k],
+        instruction = NATIVE_INSTRUCTION if tool_format == "native" else INSTRUCTION
+        out.append({"prompt": instruction + q, "answer": f[k],
                     "task_id": hashlib.sha256(f"{source}|{q}".encode()).hexdigest()[:16],
                     "metadata": {"source": source, "grader": "search", "environment": "search", "search": cfg,
-                                 "question": q}})
+                                 "question": q,
+                                 **({"tools": function_schemas(TOOLS)} if tool_format == "native" else {})}})
         if len(out) == n:
             return out
     if not out:  # fewer than n: the sampler cycles through what the corpus holds

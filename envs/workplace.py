@@ -6,8 +6,10 @@ meeting). Each turn the policy either calls one tool::
 
     <tool>{"name": "update_task", "arguments": {"task_id": 3, "status": "done"}}</tool>
 
+or, in the model's native format (envs/base.py), ``<tool_call>{...same JSON...}</tool_call>``
 (typed by the JSON schemas in ``TOOLS``; bad JSON is a parser error, a schema mismatch an invalid
-action, both answered with ``<error>``), or ends with ``<done/>``. Verification is by final state:
+action, both answered with ``<error>``, or ``{"error": ...}`` for a native call), or ends with
+``<done/>``. Verification is by final state:
 the grader replays the action log on a fresh instance and compares the state hash with the hash
 the reference solution reaches (`expected_state_hash`). The state hash (sha256 over every table's
 rows in key order) is returned after every step, keys GiGPO's anchor-state groups (survey §7.7),
@@ -22,7 +24,7 @@ import random
 import sqlite3
 from typing import Any
 
-from trajmesh.envs.base import StepResult, first_tag
+from trajmesh.envs.base import StepResult, first_tag, function_schemas, native_instruction, parse_native
 
 FIRST = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena"]
 DEPTS = ["eng", "ops", "sales"]
@@ -52,6 +54,8 @@ TOOLS: dict[str, dict[str, Any]] = {
                                                        "day": {"type": "integer", "minimum": 1, "maximum": 5},
                                                        "hour": {"type": "integer", "minimum": 9, "maximum": 17}}}},
 }
+NATIVE_INSTRUCTION = native_instruction(TOOLS, "end with <done/>.")
+"""The instruction line of a task whose source has ``tool_format: native``."""
 _TYPES = {"string": str, "integer": int, "array": list, "object": dict}
 
 
@@ -169,6 +173,12 @@ class WorkplaceEnv:
 
     def step(self, action: str) -> StepResult:
         self.actions.append(action)
+        native = parse_native(action)
+        if native is not None and native.call is None:
+            return StepResult(f"error: parse: {native.error}", False, self.state_hash(),
+                              info={"action_type": "TOOL_CALL", "parser_error": True})
+        if native is not None and native.call is not None:
+            return self._call(native.call.name, native.call.arguments, native=True)
         try:
             parsed = parse_action(action)
         except ValueError as exc:  # json.JSONDecodeError included
@@ -176,20 +186,27 @@ class WorkplaceEnv:
                               info={"action_type": "TOOL_CALL", "parser_error": True})
         if parsed is None:
             return StepResult("", True, self.state_hash(), info={"action_type": "TEXT"})
-        name, args = parsed
+        return self._call(*parsed, native=False)
+
+    def _call(self, name: str, args: Any, *, native: bool) -> StepResult:
+        """Runs one tool call in a transaction (rolled back when invalid). The answer is the result's
+        JSON, inside ``<result>``/``<error>`` unless it goes back as a native tool message."""
         request = json.dumps({"name": name, "arguments": args}, sort_keys=True)
         try:
             with self.db:
                 result = call_tool(self.db, name, args)
         except ToolError as exc:
-            obs = f"<error>{exc}</error>\n"
+            obs = json.dumps({"error": str(exc)}) if native else f"<error>{exc}</error>\n"
             return StepResult(obs, False, self.state_hash(), info={
                 "action_type": "TOOL_CALL", "invalid_action": "schema",
-                "tool_call": {"name": name, "request": request, "response": obs, "status": "invalid", "latency_s": 0.0}})
-        obs = f"<result>{json.dumps(result, sort_keys=True)}</result>\n"
+                "tool_call": {"name": name, "request": request, "response": obs, "status": "invalid",
+                              "latency_s": 0.0, "native": native}})
+        text = json.dumps(result, sort_keys=True)
+        obs = text if native else f"<result>{text}</result>\n"
         return StepResult(obs, False, self.state_hash(), info={
             "action_type": "TOOL_CALL",
-            "tool_call": {"name": name, "request": request, "response": obs, "status": "ok", "latency_s": 0.0}})
+            "tool_call": {"name": name, "request": request, "response": obs, "status": "ok", "latency_s": 0.0,
+                          "native": native}})
 
 
 # --------------------------------------------------------------------------- tasks
@@ -228,7 +245,9 @@ def expected_state_hash(metadata: dict[str, Any]) -> str:
 
 
 def make_tasks(seed: int, n: int, *, n_employees: int = 6, n_tasks: int = 8, source: str = "workplace",
-               exclude: set[str] | None = None) -> list[dict[str, Any]]:
+               exclude: set[str] | None = None, tool_format: str = "tags") -> list[dict[str, Any]]:
+    """``n`` tasks; metadata carries the reference solution and the tools' JSON schemas (``tools``,
+    the list a chat template's ``tools`` takes). ``tool_format`` picks the prompt's call syntax."""
     out: list[dict[str, Any]] = []
     seen = set(exclude or ())
     k = 0
@@ -237,14 +256,15 @@ def make_tasks(seed: int, n: int, *, n_employees: int = 6, n_tasks: int = 8, sou
         k += 1
         rng = random.Random(f"workplace-goal|{db_seed}")
         goal, solution = _goal(rng, build_db(db_seed, n_employees, n_tasks))
-        prompt = f"Tools: {','.join(TOOLS)}. Use <tool>json</tool>, end with <done/>.\n{goal}"
+        prompt = (NATIVE_INSTRUCTION if tool_format == "native"
+                  else f"Tools: {','.join(TOOLS)}. Use <tool>json</tool>, end with <done/>.\n") + goal
         key = f"{db_seed}|{goal}"
         if key in seen:
             continue
         seen.add(key)
         meta = {"source": source, "grader": "workplace", "environment": "workplace", "db_seed": db_seed,
                 "n_employees": n_employees, "n_tasks": n_tasks, "goal": goal,
-                "solution": [[name, args] for name, args in solution], "tools": TOOLS}
+                "solution": [[name, args] for name, args in solution], "tools": function_schemas(TOOLS)}
         out.append({"prompt": prompt, "answer": expected_state_hash(meta),
                     "task_id": hashlib.sha256(f"{source}|{key}".encode()).hexdigest()[:16], "metadata": meta})
     return out

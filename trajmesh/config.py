@@ -107,6 +107,11 @@ class MathToolSource(_Strict):
     """Wall-clock deadline of one code run (CPU limit 0.8x)."""
     max_output_bytes: int = Field(1024, gt=0)
     """Tool output returned to the policy per call."""
+    tool_format: Literal["tags", "native"] = "tags"
+    """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
+    character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
+    format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
+    accepts both forms either way (envs/base.py)."""
 
 
 class WorkplaceSource(_Strict):
@@ -126,6 +131,11 @@ class WorkplaceSource(_Strict):
     """Work items in each generated database."""
     pool_size: int = Field(2000, gt=0)
     """Training tasks generated at most (each builds a database); the sampler cycles through them."""
+    tool_format: Literal["tags", "native"] = "tags"
+    """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
+    character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
+    format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
+    accepts both forms either way (envs/base.py)."""
 
 
 class SearchSource(_Strict):
@@ -147,6 +157,11 @@ class SearchSource(_Strict):
     """Towns in the generated corpus (4 questions each)."""
     corpus_seed: int = 7
     """Seed of the generated corpus (the corpus, not the questions, is fixed by it)."""
+    tool_format: Literal["tags", "native"] = "tags"
+    """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
+    character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
+    format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
+    accepts both forms either way (envs/base.py)."""
 
 
 TaskSource = Annotated[ReasoningGymSource | MathToolSource | WorkplaceSource | SearchSource,

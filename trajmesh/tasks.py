@@ -39,12 +39,12 @@ def _draw(src: Any, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]
         tool = {"max_tool_calls": src.max_tool_calls, "call_timeout_s": src.call_timeout_s,
                 "max_output_bytes": src.max_output_bytes}
         return math_tool.make_tasks(seed, n, difficulty=src.difficulty, tool=tool, source=src.name,
-                                    exclude={p.split("\n", 1)[-1] for p in exclude})
+                                    exclude={p.split("\n", 1)[-1] for p in exclude}, tool_format=src.tool_format)
     if isinstance(src, WorkplaceSource):
         from trajmesh.envs import workplace
 
         tasks = workplace.make_tasks(seed, min(n, src.pool_size), n_employees=src.n_employees,
-                                     n_tasks=src.n_tasks, source=src.name)
+                                     n_tasks=src.n_tasks, source=src.name, tool_format=src.tool_format)
         return [t for t in tasks if t["prompt"] not in exclude]
     if isinstance(src, SearchSource):
         from trajmesh.envs import search
@@ -52,7 +52,7 @@ def _draw(src: Any, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]
         cfg = {"top_k": src.top_k, "max_searches": src.max_searches, "corpus_size": src.corpus_size,
                "corpus_seed": src.corpus_seed}
         return search.make_tasks(seed, n, search=cfg, source=src.name,
-                                 exclude={p.split("\n", 1)[-1] for p in exclude})
+                                 exclude={p.split("\n", 1)[-1] for p in exclude}, tool_format=src.tool_format)
     raise ValueError(f"unknown task source type {type(src).__name__}")
 
 
