@@ -1,4 +1,4 @@
-"""Command line: `trajmesh train|sweep|serve|inspect|envs`. Thin: parse, load config, hand off."""
+"""Command line: `trajmesh train|sweep|serve|inspect|envs|doctor`. Thin: parse, load config, hand off."""
 
 from __future__ import annotations
 
@@ -88,6 +88,31 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """`trajmesh doctor`: the chart's needs (values) against the cluster's API (trajmesh/doctor.py)."""
+    from pathlib import Path
+
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+
+    from trajmesh import doctor
+
+    values = doctor.load_values(args.values, _overrides(args.set), Path(args.chart) if args.chart else None)
+    try:
+        api = doctor.api_client_from(args.kubeconfig, args.context)
+        text, code = doctor.report(doctor.run_checks(api, values, args.namespace, args.release))
+    except ConfigException as exc:
+        print(f"error: no cluster to check: {exc} (pass --kubeconfig / --context)", file=sys.stderr)
+        return 2
+    except ApiException as exc:
+        print(f"error: the API server answered {exc.status} {exc.reason} for a read the doctor needs "
+              "(it lists nodes, storage classes, CRDs, runtime classes, and the release's pods and claims)",
+              file=sys.stderr)
+        return 2
+    print(text)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trajmesh", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -123,12 +148,25 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("envs", help="list environments and graders with their config keys")
 
+    p_doctor = sub.add_parser("doctor", help="check a Kubernetes cluster for what the Helm chart needs")
+    p_doctor.add_argument("-f", "--values", action="append", default=[], metavar="FILE",
+                          help="chart values file, as helm -f (repeatable; over the chart's values.yaml)")
+    p_doctor.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="chart value, as helm --set, e.g. --set keda.enabled=true")
+    p_doctor.add_argument("-n", "--namespace", default="default", help="the release's namespace")
+    p_doctor.add_argument("--release", default=None, help="an installed release: check its pods and claims")
+    p_doctor.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG or ~/.kube/config, else in-cluster")
+    p_doctor.add_argument("--context", default=None, help="kubeconfig context")
+    p_doctor.add_argument("--chart", default=None, help="chart directory (default: deploy/helm/trajmesh)")
+
     args = parser.parse_args(argv)
     if args.command == "envs":
         return _list_envs()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
+        if args.command == "doctor":
+            return _doctor(args)
         if args.command == "inspect":
             from trajmesh.inspect import format_report, inspect_run
 
