@@ -1,0 +1,533 @@
+"""An OpenAI- and Anthropic-compatible endpoint that turns any agent's LLM calls into trajectories.
+
+::
+
+    agent (openai / anthropic SDK, base_url = http://rollout:PORT/sessions/<sid>/v1)
+      │ POST /v1/chat/completions | /v1/completions | /v1/responses | /v1/messages, GET /v1/models
+      ▼
+    AgentEndpoint ── messages ─▶ chat template (chat_format) ─▶ prompt ids (AgentSession: the
+      │                          tokens of earlier assistant turns are the engine's, not re-encoded)
+      │ TurnSampler (the rollout's: pauses for weight loads, resubmits aborted requests)
+      ▼
+    engine /generate (token ids in, token ids + log-probs + versions out) ─▶ recorded in the session
+      │
+      ▼ the answer in the API's own shape; tool calls parsed from the model's native format
+        (Hermes <tool_call>, rollout/tool_calls.py) into each API's tool-call objects
+
+The session id travels in the base URL path (``/sessions/{sid}/v1/...``) so the official clients
+work unchanged; ``/v1/...`` with an ``X-Trajmesh-Session`` header works too. Sessions are opened by
+whoever runs the agent (``open_session``); a call to an unknown or closed session is a 404 in the
+API's error shape. While weights load (``PauseClock`` not ready) new calls are refused with a
+retryable 503 (Anthropic: 529 ``overloaded_error``) and ``Retry-After``, which both SDKs retry;
+calls already generating wait for the load and continue under the new version. A request an SDK
+retries (``x-stainless-retry-count`` > 0) drops the earlier attempt's completions, and a completion
+whose caller hung up before the answer is dropped too (orphans, never trained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from trajmesh.rollout.agent_session import AgentSession, Call, PromptPlan
+from trajmesh.rollout.chat_format import ChatFormat
+from trajmesh.rollout.generation import EngineFailed, PauseClock, Turn, TurnSampler
+from trajmesh.rollout.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
+
+from trajmesh.tokenizer import TextTokenizer
+
+SESSION_HEADER = "x-trajmesh-session"
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    """A request the endpoint refuses; rendered in the calling API's error shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+class StopStringSampler(TurnSampler):
+    """The rollout's TurnSampler, passing the request's ``stop`` strings to the engine too."""
+
+    def _sampling(self, params: Any, room: int, seed: int | None) -> dict[str, Any]:
+        sampling = super()._sampling(params, room, seed)
+        if getattr(params, "stop", None):
+            sampling["stop"] = list(params.stop)
+        return sampling
+
+
+@dataclass
+class Sample:
+    """One generated choice as the APIs report it."""
+
+    turn: Turn
+    text: str
+    """Decoded output, special tokens and a matched stop string removed."""
+    content: str
+    calls: list[ToolCall]
+    finish: str
+    """stop | length | tool_calls | stop_sequence (which stop string matched: ``stop_string``)."""
+    stop_string: str | None = None
+
+
+def _error_body(api: str, err: ApiError) -> dict[str, Any]:
+    if api == "messages":
+        return {"type": "error", "error": {"type": err.kind, "message": err.message}}
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": None}}
+
+
+def _require(cond: bool, message: str, param: str | None = None) -> None:
+    if not cond:
+        raise ApiError(400, message, param=param)
+
+
+def _tool_schemas(tools: Any, api: str) -> list[dict[str, Any]] | None:
+    """Tools as the chat template takes them (OpenAI chat shape: {type: function, function: {...}})."""
+    if not tools:
+        return None
+    _require(isinstance(tools, list), "'tools' must be a list", "tools")
+    out = []
+    for t in tools:
+        _require(isinstance(t, dict), "each tool must be an object", "tools")
+        if api == "messages":
+            fn = {"name": t.get("name"), "description": t.get("description", ""),
+                  "parameters": t.get("input_schema", {})}
+        elif api == "responses":
+            fn = {k: t.get(k) for k in ("name", "description", "parameters") if t.get(k) is not None}
+        else:
+            fn = t.get("function") or {}
+        _require(isinstance(fn.get("name"), str) and bool(fn.get("name")), "every tool needs a name", "tools")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _text_of(content: Any) -> str:
+    """Content that is a string or a list of text parts (any API's)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    _require(isinstance(content, list), "message content must be a string or a list of parts", "messages")
+    parts = []
+    for part in content:
+        _require(isinstance(part, dict), "content parts must be objects", "messages")
+        if part.get("type") in ("text", "input_text", "output_text"):
+            parts.append(str(part.get("text", "")))
+        else:
+            raise ApiError(400, f"content part type {part.get('type')!r} is not supported", param="messages")
+    return "".join(parts)
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """OpenAI chat messages, canonical: role, content text, tool_calls [{name, arguments}]."""
+    msgs = body.get("messages")
+    _require(isinstance(msgs, list) and bool(msgs), "'messages' must be a non-empty list", "messages")
+    out = []
+    for m in msgs:
+        _require(isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant", "tool"),
+                 "each message needs a role: system, developer, user, assistant or tool", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": _text_of(m.get("content"))}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [_call_dict(c.get("function", {})) for c in m["tool_calls"]]
+        out.append(msg)
+    return out
+
+
+def _call_dict(fn: dict[str, Any]) -> dict[str, Any]:
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ApiError(400, "tool call arguments must be a JSON object", param="messages") from None
+    return {"name": str(fn.get("name", "")), "arguments": args}
+
+
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Responses API's instructions + input items as canonical chat messages."""
+    out: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        out.append({"role": "system", "content": str(body["instructions"])})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    _require(isinstance(items, list) and bool(items), "'input' must be a string or a non-empty list", "input")
+    for item in items:
+        _require(isinstance(item, dict), "input items must be objects", "input")
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call = _call_dict(item)
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "content": _text_of(item.get("output"))})
+        elif kind == "message":
+            role = item.get("role")
+            _require(role in ("system", "developer", "user", "assistant"), f"bad input role {role!r}", "input")
+            out.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"))})
+        else:
+            raise ApiError(400, f"input item type {kind!r} is not supported", param="input")
+    return out
+
+
+def anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Anthropic system + messages (text, tool_use, tool_result blocks) as canonical chat messages."""
+    out: list[dict[str, Any]] = []
+    if body.get("system"):
+        out.append({"role": "system", "content": _text_of(body["system"])})
+    msgs = body.get("messages")
+    _require(isinstance(msgs, list) and bool(msgs), "messages: field required (a non-empty list)", "messages")
+    for m in msgs:
+        _require(isinstance(m, dict) and m.get("role") in ("user", "assistant"),
+                 "messages: each message's role must be 'user' or 'assistant'", "messages")
+        blocks = m.get("content")
+        if isinstance(blocks, str):
+            out.append({"role": m["role"], "content": blocks})
+            continue
+        _require(isinstance(blocks, list), "messages: content must be a string or a list of blocks", "messages")
+        text, calls = [], []
+        for b in blocks:
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text.append(str(b.get("text", "")))
+            elif kind == "tool_use":
+                calls.append({"name": str(b.get("name", "")), "arguments": b.get("input") or {}})
+            elif kind == "tool_result":
+                out.append({"role": "tool", "content": _text_of(b.get("content"))})
+            else:
+                raise ApiError(400, f"messages: content block type {kind!r} is not supported")
+        if text or calls or m["role"] == "assistant":
+            msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+class AgentEndpoint:
+    """Sessions, prompt building and generation behind the HTTP routes (``create_app``)."""
+
+    def __init__(self, tokenizer: TextTokenizer, chat: ChatFormat | None, sampler: TurnSampler,
+                 pause: PauseClock, *, model_name: str = "trajmesh-policy", default_max_tokens: int = 256,
+                 api_key: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.sampler = sampler
+        self.pause = pause
+        """Not ready while weights load: new calls are answered retryable (503 / 529)."""
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.api_key = api_key
+        """When set, calls must carry it (``Authorization: Bearer`` or ``x-api-key``)."""
+        turn_end = chat.turn_end() if chat is not None else ""
+        self.turn_end_id = tokenizer.tokenizer.token_to_id(turn_end) if turn_end else None
+        self.sessions: dict[str, AgentSession] = {}
+        self.orphans_dropped = 0
+        """Completions dropped because the agent never received them."""
+        self.retryable_answers = 0
+        """Calls refused with a retryable 503 / 529 while weights loaded."""
+        self._renders_tools = self._template_renders_tools()
+
+    # ----------------------------------------------------------------- sessions
+
+    def open_session(self, session_id: str | None = None) -> AgentSession:
+        sid = session_id or uuid.uuid4().hex
+        if sid in self.sessions:
+            raise ValueError(f"session {sid} is already open")
+        self.sessions[sid] = AgentSession(sid, self.tokenizer, self.chat, self.turn_end_id)
+        return self.sessions[sid]
+
+    def close_session(self, session_id: str) -> AgentSession:
+        """Stops taking calls for the session and hands it over (its calls stay recorded)."""
+        session = self.sessions.pop(session_id)
+        session.closed = True
+        return session
+
+    def session(self, session_id: str | None) -> AgentSession:
+        session = self.sessions.get(session_id or "")
+        if session is None or session.closed:
+            raise ApiError(404, f"no open session {session_id!r}: open one with the run's runner",
+                           kind="not_found_error")
+        return session
+
+    # ----------------------------------------------------------------- rendering
+
+    def _template_renders_tools(self) -> bool:
+        if self.chat is None:
+            return False
+        probe = [{"type": "function", "function": {"name": "\x00probe\x00", "parameters": {}}}]
+        msgs = [{"role": "user", "content": "x"}]
+        return "\x00probe\x00" in self.chat.template.render(messages=msgs, tools=probe, add_generation_prompt=True,
+                                                            **self.chat.special)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool) -> str:
+        """The chat template's text for canonical messages. Tool calls are written in the model's
+        native format inside the assistant content; a template that does not render tools gets
+        them in a Hermes-style system block."""
+        if self.chat is None:
+            raise ApiError(400, "the model has no chat template: use /v1/completions")
+        msgs = [self._native(m) for m in messages]
+        if tools and not self._renders_tools:
+            block = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+            note = ("# Tools\n\nYou may call functions. Signatures:\n<tools>\n" + block + "\n</tools>\n"
+                    'Call one as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>')
+            if msgs and msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
+            else:
+                msgs.insert(0, {"role": "system", "content": note})
+        kwargs = {"tools": tools} if self._renders_tools else {"tools": None}
+        return str(self.chat.template.render(messages=msgs, add_generation_prompt=gen, **kwargs,
+                                             **self.chat.special))
+
+    @staticmethod
+    def _native(m: dict[str, Any]) -> dict[str, Any]:
+        if not m.get("tool_calls"):
+            return {"role": m["role"], "content": m["content"]}
+        calls = [ToolCall(f"call_{i}", c["name"], c["arguments"]) for i, c in enumerate(m["tool_calls"])]
+        sep = "\n" if m["content"] else ""
+        return {"role": m["role"], "content": m["content"] + sep + render_tool_calls(calls)}
+
+    # ----------------------------------------------------------------- generation
+
+    def sampling(self, body: dict[str, Any], *, max_key: str, stop_key: str = "stop") -> SimpleNamespace:
+        """temperature, top_p, max tokens and stop strings of a request, validated."""
+        temperature = body.get("temperature", 1.0)
+        top_p = body.get("top_p", 1.0)
+        max_tokens = body.get(max_key) or body.get("max_completion_tokens") or self.default_max_tokens
+        _require(isinstance(temperature, (int, float)) and 0 <= temperature <= 2,
+                 "temperature must be a number in [0, 2]", "temperature")
+        _require(isinstance(top_p, (int, float)) and 0 < top_p <= 1, "top_p must be in (0, 1]", "top_p")
+        _require(isinstance(max_tokens, int) and max_tokens >= 1, f"{max_key} must be a positive integer", max_key)
+        stop = body.get(stop_key) or []
+        stop = [stop] if isinstance(stop, str) else stop
+        _require(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+                 f"{stop_key} must be a string or a list of strings", stop_key)
+        return SimpleNamespace(temperature=float(temperature), top_p=float(top_p), top_k=-1,
+                               max_new_tokens=max_tokens, stop=stop)
+
+    async def generate(self, session: AgentSession, api: str, plan: PromptPlan, params: SimpleNamespace, n: int,
+                       request: Request) -> tuple[Call, list[Sample]]:
+        """Samples `n` choices for one call, records them, drops them if the caller hung up."""
+        raw = await request.body()
+        fingerprint = hashlib.sha256(api.encode() + raw).hexdigest()
+        if int(request.headers.get("x-stainless-retry-count", "0") or 0) > 0:
+            self.orphans_dropped += session.drop_retried(fingerprint)
+        call = session.begin(api, plan, fingerprint)
+        try:
+            turns = await asyncio.gather(*(self.sampler.sample(plan.prompt_ids, params) for _ in range(n)))
+        except EngineFailed as exc:
+            call.finished = time.time()
+            raise ApiError(503, f"the engine failed: {exc}", kind="api_error") from None
+        call.finished = time.time()
+        samples = []
+        for turn in turns:
+            session.add_completion(call, turn.ids, turn.logps, turn.versions)
+            samples.append(self._sample(turn, params.stop))
+        if await request.is_disconnected():
+            self.orphans_dropped += session.drop(call)
+        return call, samples
+
+    def _sample(self, turn: Turn, stops: list[str]) -> Sample:
+        text = self.tokenizer.decode(turn.ids)
+        matched = next((s for s in stops if s in text), None)
+        if matched is not None:
+            text = text[:text.index(matched)]
+        content, calls = parse_tool_calls(text)
+        finish = ("tool_calls" if calls else "length" if turn.finish == "length" else
+                  "stop_sequence" if matched is not None else "stop")
+        return Sample(turn, text, content if calls else text, calls, finish, matched)
+
+    def logprobs_content(self, turn: Turn) -> list[dict[str, Any]]:
+        out = []
+        for tid, lp in zip(turn.ids, turn.logps, strict=True):
+            tok = self.tokenizer.tokenizer.decode([tid], skip_special_tokens=False)
+            out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []})
+        return out
+
+
+# --------------------------------------------------------------------- the HTTP routes
+
+
+def _usage(call: Call, samples: list[Sample]) -> tuple[int, int]:
+    return len(call.prompt_ids), sum(len(s.turn.ids) for s in samples)
+
+
+def _openai_tool_calls(calls: list[ToolCall], call: Call, choice: int) -> list[dict[str, Any]]:
+    return [{"id": f"call_{call.index}_{choice}_{i}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for i, c in enumerate(calls)]
+
+
+def _returned(sample: Sample) -> dict[str, Any]:
+    """The assistant message an agent will resend for `sample` (canonical form)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": sample.content}
+    if sample.calls:
+        msg["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in sample.calls]
+    return msg
+
+
+async def chat_completions(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any],
+                           request: Request) -> dict[str, Any]:
+    messages, tools = chat_messages(body), _tool_schemas(body.get("tools"), "chat")
+    n = body.get("n") or 1
+    _require(isinstance(n, int) and 1 <= n <= 16, "n must be an integer in [1, 16]", "n")
+    _require(not body.get("stream"), "stream is not supported", "stream")
+    params = ep.sampling(body, max_key="max_tokens")
+    plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
+    call, samples = await ep.generate(session, "chat", plan, params, n, request)
+    choices = []
+    for i, (s, comp) in enumerate(zip(samples, call.completions, strict=True)):
+        session.remember_chat(comp, messages, tools, _returned(s))
+        msg: dict[str, Any] = {"role": "assistant", "content": s.content or (None if s.calls else "")}
+        if s.calls:
+            msg["tool_calls"] = _openai_tool_calls(s.calls, call, i)
+        choices.append({"index": i, "message": msg, "finish_reason": "stop" if s.finish == "stop_sequence" else s.finish,
+                        "logprobs": {"content": ep.logprobs_content(s.turn)} if body.get("logprobs") else None})
+    prompt, completion = _usage(call, samples)
+    return {"id": f"chatcmpl-{session.session_id}-{call.index}", "object": "chat.completion",
+            "created": int(call.started), "model": ep.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+
+async def completions(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any],
+                      request: Request) -> dict[str, Any]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    _require(isinstance(prompt, str) and bool(prompt), "prompt must be one non-empty string", "prompt")
+    n = body.get("n") or 1
+    _require(isinstance(n, int) and 1 <= n <= 16, "n must be an integer in [1, 16]", "n")
+    params = ep.sampling(body, max_key="max_tokens")
+    call, samples = await ep.generate(session, "completions", session.text_prompt(prompt), params, n, request)
+    choices = []
+    for i, (s, comp) in enumerate(zip(samples, call.completions, strict=True)):
+        session.remember_text(comp, prompt, s.text)
+        lp = None
+        if body.get("logprobs") is not None:
+            content = ep.logprobs_content(s.turn)
+            lp = {"tokens": [t["token"] for t in content], "token_logprobs": [t["logprob"] for t in content],
+                  "top_logprobs": None, "text_offset": []}
+        choices.append({"index": i, "text": s.text, "logprobs": lp,
+                        "finish_reason": "length" if s.finish == "length" else "stop"})
+    p, c = _usage(call, samples)
+    return {"id": f"cmpl-{session.session_id}-{call.index}", "object": "text_completion", "created": int(call.started),
+            "model": ep.model_name, "choices": choices,
+            "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+
+
+async def responses(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any],
+                    request: Request) -> dict[str, Any]:
+    _require(not body.get("previous_response_id"), "previous_response_id is not supported: send the whole "
+             "conversation in input", "previous_response_id")
+    _require(not body.get("stream"), "stream is not supported", "stream")
+    messages, tools = responses_messages(body), _tool_schemas(body.get("tools"), "responses")
+    params = ep.sampling(body, max_key="max_output_tokens")
+    plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
+    call, (s,) = await ep.generate(session, "responses", plan, params, 1, request)
+    session.remember_chat(call.completions[0], messages, tools, _returned(s))
+    rid = f"resp_{session.session_id}_{call.index}"
+    output: list[dict[str, Any]] = []
+    if s.content or not s.calls:
+        output.append({"type": "message", "id": f"msg_{rid}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": s.content, "annotations": []}]})
+    for i, c in enumerate(_openai_tool_calls(s.calls, call, 0)):
+        output.append({"type": "function_call", "id": f"fc_{rid}_{i}", "call_id": c["id"], "status": "completed",
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+    p, n = _usage(call, [s])
+    return {"id": rid, "object": "response", "created_at": int(call.started), "model": ep.model_name,
+            "status": "incomplete" if s.finish == "length" else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if s.finish == "length" else None,
+            "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools") or [],
+            "usage": {"input_tokens": p, "output_tokens": n, "total_tokens": p + n,
+                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+async def messages(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any], request: Request) -> dict[str, Any]:
+    _require(isinstance(body.get("max_tokens"), int), "max_tokens: field required", "max_tokens")
+    _require(not body.get("stream"), "stream is not supported", "stream")
+    msgs, tools = anthropic_messages(body), _tool_schemas(body.get("tools"), "messages")
+    params = ep.sampling(body, max_key="max_tokens", stop_key="stop_sequences")
+    plan = session.chat_prompt(msgs, tools, lambda m, gen: ep.render(m, tools, gen))
+    call, (s,) = await ep.generate(session, "messages", plan, params, 1, request)
+    session.remember_chat(call.completions[0], msgs, tools, _returned(s))
+    content: list[dict[str, Any]] = [{"type": "text", "text": s.content}] if s.content or not s.calls else []
+    content += [{"type": "tool_use", "id": f"toolu_{session.session_id}_{call.index}_{i}", "name": c.name,
+                 "input": c.arguments} for i, c in enumerate(s.calls)]
+    stop = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}.get(s.finish, s.finish)
+    p, n = _usage(call, [s])
+    return {"id": f"msg_{session.session_id}_{call.index}", "type": "message", "role": "assistant",
+            "model": ep.model_name, "content": content, "stop_reason": stop, "stop_sequence": s.stop_string,
+            "usage": {"input_tokens": p, "output_tokens": n}}
+
+
+HANDLERS = {"chat/completions": ("chat", chat_completions), "completions": ("completions", completions),
+            "responses": ("responses", responses), "messages": ("messages", messages)}
+
+
+def _retryable(ep: AgentEndpoint, api: str) -> JSONResponse:
+    ep.retryable_answers += 1
+    err = ApiError(529 if api == "messages" else 503, "weights are loading; retry shortly",
+                   kind="overloaded_error" if api == "messages" else "server_error")
+    return JSONResponse(_error_body(api, err), status_code=err.status, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _authorized(ep: AgentEndpoint, request: Request) -> bool:
+    if ep.api_key is None:
+        return True
+    bearer = request.headers.get("authorization", "")
+    return bearer == f"Bearer {ep.api_key}" or request.headers.get("x-api-key") == ep.api_key
+
+
+async def _dispatch(ep: AgentEndpoint, path: str, sid: str | None, request: Request) -> JSONResponse:
+    api, handler = HANDLERS[path]
+    try:
+        if not _authorized(ep, request):
+            raise ApiError(401, "invalid API key", kind="authentication_error")
+        session = ep.session(sid or request.headers.get(SESSION_HEADER))
+        if not ep.pause.ready.is_set():
+            return _retryable(ep, api)
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise ApiError(400, "the body is not valid JSON") from None
+        _require(isinstance(body, dict), "the body must be a JSON object")
+        return JSONResponse(await handler(ep, session, body, request))
+    except ApiError as err:
+        return JSONResponse(_error_body(api, err), status_code=err.status)
+
+
+def create_app(ep: AgentEndpoint) -> FastAPI:
+    """The FastAPI app: every API under ``/sessions/{sid}/v1/`` and under ``/v1/`` (session header)."""
+    app = FastAPI(title="trajmesh agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def bind(path: str) -> None:
+        async def with_sid(sid: str, request: Request) -> JSONResponse:
+            return await _dispatch(ep, path, sid, request)
+
+        async def with_header(request: Request) -> JSONResponse:
+            return await _dispatch(ep, path, None, request)
+
+        app.add_api_route(f"/sessions/{{sid}}/v1/{path}", with_sid, methods=["POST"])
+        app.add_api_route(f"/v1/{path}", with_header, methods=["POST"])
+
+    for path in HANDLERS:
+        bind(path)
+
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": ep.model_name, "object": "model", "created": 0,
+                                            "owned_by": "trajmesh"}]}
+
+    app.add_api_route("/sessions/{sid}/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    return app

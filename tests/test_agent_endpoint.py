@@ -1,0 +1,345 @@
+"""The agent endpoint driven by the official `openai` and `anthropic` clients against a real
+uvicorn server and the torch engine (a tiny ChatML Qwen2 model, trained here to script a tool call).
+
+The model is overfitted on one conversation: asked "What is 2+3?" with an ``add`` tool it writes a
+Hermes tool call, and given the tool's result it answers "The answer is 5." spelled one byte-level
+token per character — a tokenization the BPE tokenizer would never produce from that text, so a
+trajectory built by re-encoding the conversation would differ from what the engine generated.
+Every /generate the engine answers is recorded by the test's own client wrapper; the trajectory's
+sampled tokens are checked against those records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+uvicorn = pytest.importorskip("uvicorn")
+
+from chatml_model import build_chatml_model  # noqa: E402
+from trajmesh.rollout.agent_endpoint import AgentEndpoint, create_app  # noqa: E402
+from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids  # noqa: E402
+from trajmesh.rollout.engine_client import EngineClient  # noqa: E402
+from trajmesh.rollout.generation import PauseClock, TurnSampler  # noqa: E402
+
+from trajmesh.config import EngineConfig  # noqa: E402
+from trajmesh.infra import free_port  # noqa: E402
+from trajmesh.tokenizer import load_tokenizer  # noqa: E402
+from trajmesh.v1 import trajectory_pb2  # noqa: E402
+
+QUESTION = "What is 2+3?"
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWER = "The answer is 5."
+ADD_FN = {"name": "add", "description": "Add two integers.",
+          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                         "required": ["a", "b"]}}
+TEXTS = [QUESTION, CALL_TEXT, ANSWER, json.dumps(ADD_FN), "You are a helpful assistant."] * 30
+
+
+class RecordingEngine(EngineClient):
+    """The engine client, keeping (input ids, output ids) of every /generate answer."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.records: list[tuple[list[int], list[int]]] = []
+
+    async def generate(self, input_ids: Any, sampling: Any, return_logprob: bool = True) -> Any:
+        res = await super().generate(input_ids, sampling, return_logprob)
+        self.records.append((list(input_ids), list(res.output_ids)))
+        return res
+
+
+def _spelled(tok: Any, text: str) -> list[int]:
+    """`text` one token per character (non-canonical for a BPE tokenizer)."""
+    return [tok.encode(ch)[0] for ch in text]
+
+
+def _train_script(model_dir: Path, ep: AgentEndpoint, tok: Any) -> dict[str, list[int]]:
+    """Overfits the model on the tool conversation; returns the scripted output ids."""
+    from transformers import Qwen2ForCausalLM
+
+    tools = [{"type": "function", "function": ADD_FN}]
+    first = [{"role": "user", "content": QUESTION}]
+    second = [*first, {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
+              {"role": "tool", "content": "5"}]
+    end = tok.tokenizer.token_to_id("<|im_end|>")
+    out1, out2 = tok.encode(CALL_TEXT) + [end], _spelled(tok, ANSWER) + [end]
+    p1 = tok.encode(ep.render(first, tools, True))
+    upto = ep.render(second[:2], tools, False)
+    tail = upto[upto.rfind("<|im_end|>") + len("<|im_end|>"):] + ep.render(second, tools, True)[len(upto):]
+    ids = p1 + out1 + tok.encode(tail) + out2
+    target = [0] * len(p1) + [1] * len(out1) + [0] * (len(ids) - len(p1) - len(out1) - len(out2)) + [1] * len(out2)
+    model = Qwen2ForCausalLM.from_pretrained(str(model_dir)).float().train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    x = torch.tensor([ids])
+    labels = torch.tensor([[t if m else -100 for t, m in zip(ids, target, strict=True)]])
+    torch.manual_seed(0)
+    for _ in range(600):
+        logits = model(x).logits
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        pred = logits[0, :-1].argmax(-1)
+        keep = labels[0, 1:] != -100
+        if bool((pred[keep] == labels[0, 1:][keep]).all()) and loss.item() < 0.05:
+            break
+    model.eval().save_pretrained(str(model_dir), safe_serialization=True)
+    return {"call": out1, "answer": out2}
+
+
+class Harness:
+    """Engine subprocess + endpoint served by uvicorn in a thread."""
+
+    def __init__(self, root: Path) -> None:
+        self.model = build_chatml_model(root / "model", TEXTS, hidden=64, layers=2, max_positions=1024)
+        self.tok = load_tokenizer(self.model)
+        self.chat = ChatFormat.load(self.model)
+        assert self.chat is not None
+        self.pause = PauseClock()
+        stop_ids = model_stop_ids(self.model, self.tok.eos_token_id)
+        self.engine = RecordingEngine("http://unset")
+        sampler = TurnSampler(self.engine, EngineConfig(request_timeout_s=120), stop_ids=stop_ids,
+                              pause=self.pause, context_len=1024, loaded_version=lambda: 0)
+        self.ep = AgentEndpoint(self.tok, self.chat, sampler, self.pause, model_name="tiny", default_max_tokens=48)
+        self.script = _train_script(self.model, self.ep, self.tok)
+        self.root = root
+
+    def start(self) -> None:
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", str(self.model), "--port", str(port),
+             "--host", "127.0.0.1", "--version", "0", "--threads", "1"],
+            stdout=subprocess.DEVNULL, stderr=open(self.root / "engine.log", "w"))  # noqa: SIM115
+        self.engine.base_url = f"http://127.0.0.1:{port}"
+        api_port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.ep), host="127.0.0.1", port=api_port,
+                                                    log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{api_port}"
+        asyncio.run(self._wait_engine())
+        deadline = time.monotonic() + 60
+        while not self.server.started:  # uvicorn sets it once it listens
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+
+    async def _wait_engine(self) -> None:
+        async with EngineClient(self.engine.base_url) as client:
+            for _ in range(600):
+                assert self.proc.poll() is None, (self.root / "engine.log").read_text()
+                if await client.health():
+                    return
+                await asyncio.sleep(0.1)
+        raise AssertionError("engine not healthy")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def base(self, sid: str) -> str:
+        return f"{self.url}/sessions/{sid}/v1"
+
+    def openai(self, sid: str, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=self.base(sid), api_key="unused", timeout=120, **kw)
+
+
+@pytest.fixture(scope="module")
+def h(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    harness = Harness(tmp_path_factory.mktemp("agent_endpoint"))
+    harness.start()
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+def _sampled(traj: Any) -> list[list[int]]:
+    """The token ids of each sampled span of a trajectory."""
+    ids = list(traj.pb.token_ids)
+    return [ids[s.token_start:s.token_end] for s in traj.pb.spans if s.action_type != 0 and
+            all(m == 1 for m in traj.pb.loss_mask[s.token_start:s.token_end])]
+
+
+def _engine_outputs(h: Any, since: int) -> list[list[int]]:
+    return [out for _, out in h.engine.records[since:]]
+
+
+def test_chat_completion_is_recorded_with_the_engine_tokens(h: Harness) -> None:
+    session = h.ep.open_session("chat1")
+    before = len(h.engine.records)
+    resp = h.openai("chat1").chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Say hi."}], max_tokens=12, temperature=1.0,
+        logprobs=True, n=2)
+    assert resp.object == "chat.completion" and len(resp.choices) == 2
+    outs = _engine_outputs(h, before)
+    assert len(outs) == 2 and resp.usage.completion_tokens == sum(len(o) for o in outs)
+    assert all(1 <= len(o) <= 12 for o in outs)
+    assert [len(c.logprobs.content) for c in resp.choices] == [len(o) for o in outs]
+    task = trajectory_pb2.Task(task_id="t1", group_id="g1", source="external_agent", revision="r1")
+    trajs = session.trajectories(task, base_id="t")
+    assert sorted(_sampled(t)[0] for t in trajs) == sorted(outs)  # one trajectory per sample
+    for t in trajs:
+        t.finish(trajectory_pb2.EOS)
+        assert t.validate(vocab_size=h.tok.vocab_size, learner_version=0) == []
+        assert all(v == 0 for v, m in zip(t.pb.behavior_versions, t.pb.loss_mask, strict=True) if m)
+        assert all(lp <= 0 for lp, m in zip(t.pb.behavior_logprobs, t.pb.loss_mask, strict=True) if m)
+    assert [t.pb.trajectory_id.split("-")[-1] for t in trajs] == ["first", "sibling"]
+
+
+def _tool_round_trip_chat(client: Any) -> tuple[Any, Any]:
+    tools = [{"type": "function", "function": ADD_FN}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, temperature=0, max_tokens=64)
+    msgs.append(first.choices[0].message.model_dump(exclude_none=True))
+    for call in first.choices[0].message.tool_calls or []:
+        args = json.loads(call.function.arguments)
+        msgs.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
+    second = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, temperature=0, max_tokens=64)
+    return first, second
+
+
+def test_tool_call_round_trip_keeps_the_generated_tokens(h: Harness) -> None:
+    session = h.ep.open_session("tools1")
+    before = len(h.engine.records)
+    first, second = _tool_round_trip_chat(h.openai("tools1"))
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+    assert second.choices[0].message.content == ANSWER and second.choices[0].finish_reason == "stop"
+    (in1, out1), (in2, out2) = h.engine.records[before:before + 2]
+    assert (out1, out2) == (h.script["call"], h.script["answer"])
+    assert in2[:len(in1) + len(out1)] == in1 + out1  # the second prompt continues the engine's tokens
+    assert h.tok.encode(ANSWER) != out2[:-1]  # re-encoding the text would have drifted
+    (traj,) = session.trajectories(None, base_id="t")
+    assert _sampled(traj) == [out1, out2]
+    assert list(traj.pb.token_ids) == in2 + out2
+    assert sum(traj.pb.loss_mask) == len(out1) + len(out2)
+    spans = [s for s in traj.pb.spans if s.action_type != 0]
+    sampled_spans = [s for s in spans if traj.pb.loss_mask[s.token_start] == 1]
+    assert sampled_spans[1].parent_span_id == sampled_spans[0].span_id  # the call graph
+
+
+def test_changed_history_starts_a_new_segment(h: Harness) -> None:
+    session = h.ep.open_session("edit1")
+    client = h.openai("edit1")
+    first, _ = _tool_round_trip_chat(client)
+    edited = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "I will not use tools."},
+              {"role": "user", "content": "Why?"}]
+    client.chat.completions.create(model="tiny", messages=edited, max_tokens=4)
+    reasons = [t.pb.trajectory_id.split("-")[-1] for t in session.trajectories(None, base_id="t")]
+    assert reasons == ["first", "history_changed"]
+    assert [c.reason for c in session.calls] == ["first", "continued", "history_changed"]
+
+
+def test_responses_api_tool_round_trip(h: Harness) -> None:
+    session = h.ep.open_session("resp1")
+    client = h.openai("resp1")
+    tools = [{"type": "function", **ADD_FN}]
+    first = client.responses.create(model="tiny", input=QUESTION, tools=tools, temperature=0, max_output_tokens=64)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3})]
+    items: list[Any] = [{"role": "user", "content": QUESTION}, *[o.model_dump(exclude_none=True) for o in first.output],
+                        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"}]
+    second = client.responses.create(model="tiny", input=items, tools=tools, temperature=0, max_output_tokens=64)
+    assert second.output_text == ANSWER and second.status == "completed"
+    (traj,) = session.trajectories(None, base_id="t")
+    assert _sampled(traj) == [h.script["call"], h.script["answer"]]
+
+
+def test_bad_request_has_the_openai_error_shape(h: Harness) -> None:
+    h.ep.open_session("bad1")
+    client = h.openai("bad1", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
+    assert err.value.status_code == 400
+    body = err.value.response.json()
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=7)
+    assert err.value.response.json()["error"]["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        h.openai("no-such-session", max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_anthropic_messages_with_a_tool(h: Harness) -> None:
+    session = h.ep.open_session("anth1")
+    client = anthropic.Anthropic(base_url=f"{h.url}/sessions/anth1", api_key="unused", timeout=120)
+    tools = [{"name": ADD_FN["name"], "description": ADD_FN["description"], "input_schema": ADD_FN["parameters"]}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    first = client.messages.create(model="tiny", max_tokens=64, messages=msgs, tools=tools,
+                                   extra_body={"temperature": 0})
+    assert first.stop_reason == "tool_use"
+    use = [b for b in first.content if b.type == "tool_use"]
+    assert [(b.name, b.input) for b in use] == [("add", {"a": 2, "b": 3})]
+    msgs += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id, "content": "5"}]}]
+    second = client.messages.create(model="tiny", max_tokens=64, messages=msgs, tools=tools,
+                                   extra_body={"temperature": 0})
+    assert [b.text for b in second.content if b.type == "text"] == [ANSWER] and second.stop_reason == "end_turn"
+    (traj,) = session.trajectories(None, base_id="t")
+    assert _sampled(traj) == [h.script["call"], h.script["answer"]]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        anthropic.Anthropic(base_url=f"{h.url}/sessions/anth1", api_key="x", max_retries=0).messages.create(
+            model="tiny", max_tokens=4, messages=[])
+    assert err.value.response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_sdk_retry_drops_the_unreceived_completion(h: Harness) -> None:
+    session = h.ep.open_session("retry1")
+    client = h.openai("retry1")
+    msgs = [{"role": "user", "content": "Say hi."}]
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6)
+    again = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                           extra_headers={"x-stainless-retry-count": "1"})
+    assert [c.orphan for call in session.calls for c in call.completions] == [True, False]
+    (traj,) = session.trajectories(None, base_id="t")
+    assert _sampled(traj)[0] == h.engine.records[-1][1] and again.usage.completion_tokens == len(_sampled(traj)[0])
+
+
+def test_weight_update_answers_retryable_and_sdk_retries(h: Harness) -> None:
+    session = h.ep.open_session("pause1")
+    h.pause.pause()
+    try:
+        with pytest.raises(openai.APIStatusError) as err:
+            h.openai("pause1", max_retries=0).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+        with pytest.raises(anthropic.APIStatusError) as aerr:
+            anthropic.Anthropic(base_url=f"{h.url}/sessions/pause1", api_key="x", max_retries=0).messages.create(
+                model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        assert aerr.value.status_code == 529 and aerr.value.response.json()["error"]["type"] == "overloaded_error"
+        refused = h.ep.retryable_answers
+        result: dict[str, Any] = {}
+        worker = threading.Thread(target=lambda: result.update(r=h.openai("pause1", max_retries=5).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while h.ep.retryable_answers == refused:  # the SDK's first attempt was refused
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        h.pause.resume()
+    worker.join(timeout=120)
+    assert result["r"].choices and len(session.calls) == 1
