@@ -6,8 +6,14 @@ The tiny model is a Qwen2-architecture LM with a byte-level BPE tokenizer and a 
 (tests/chatml_model.py), trained locally, then a few SFT steps on one canned first action per
 environment after the ChatML prompt, so that it emits tool calls and its end-of-turn token (a
 random model rarely ends a turn); rewards are then mostly 0, so zero-variance groups are kept for
-these tests. Rollout builds every prompt with the chat template and appends each observation as a
-tool or user message through it (tool results inside ``<tool_response>``).
+these tests. The tool environments run with ``tool_format: native``: the canned action is a tool
+call in the model's native Hermes/Qwen2.5 format (``<tool_call>{json}</tool_call>``, written by
+``render_tool_calls``), so a tool call by chance is not needed — the SFT warm start teaches the
+format, as the demo's warm start does, and the sampling temperature is low. Rollout builds every
+prompt with the chat template and appends each observation as a tool message through it (tool
+results inside ``<tool_response>``). Each tool environment must show, in the archive, at least one
+sampled turn holding a native tool call that parses (`parse_tool_calls`) and that the environment
+executed (the next observation is its plain answer, not an error).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 import pytest
 from mesh_checks import write_manifest
+from trajmesh.rollout.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 
 from trajmesh.archive import read_archive
 from trajmesh.config import load_config
@@ -29,17 +36,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 SOURCES: dict[str, dict[str, Any]] = {
     "reasoning_gym": {"type": "reasoning_gym", "name": "gcd", "family": "gcd", "knobs": {"max_value": 50}},
-    "math_tool": {"type": "math_tool", "max_tool_calls": 2, "call_timeout_s": 3.0},
-    "workplace": {"type": "workplace", "pool_size": 50},
-    "search": {"type": "search", "corpus_size": 20},
+    "math_tool": {"type": "math_tool", "max_tool_calls": 2, "call_timeout_s": 3.0, "tool_format": "native"},
+    "workplace": {"type": "workplace", "pool_size": 50, "tool_format": "native"},
+    "search": {"type": "search", "corpus_size": 20, "tool_format": "native"},
 }
-FIRST_ACTION = {
-    "reasoning_gym": "1",
-    "math_tool": "<code>print(1)</code>",
-    "workplace": '<tool>{"name":"list_tasks","arguments":{}}</tool>',
-    "search": "<search>town</search>",
+NATIVE_CALL = {
+    "math_tool": ToolCall("call_0", "python", {"code": "print(1)"}),
+    "workplace": ToolCall("call_0", "list_tasks", {}),
+    "search": ToolCall("call_0", "search", {"query": "town"}),
 }
-OBS_PREFIX = {"math_tool": ("<output>",), "workplace": ("<result>", "<error>"), "search": ("<information>",)}
+FIRST_ACTION = {"reasoning_gym": "1", **{kind: render_tool_calls([call]) for kind, call in NATIVE_CALL.items()}}
+TOOL_NAMES = {"math_tool": {"python"}, "workplace": {"find_employee", "list_tasks", "update_task", "create_task",
+                                                     "schedule_meeting"}, "search": {"search"}}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +102,7 @@ def test_environment_trains_through_the_mesh(kind: str, tmp_path: Path, text_mod
 
     tok = load_tokenizer(text_model_dir)
     end_of_turn = tok.tokenizer.token_to_id("<|im_end|>")
-    observed = 0
+    observed = native = 0
     for r in rows:
         mask, ids = list(r["loss_mask"]), list(r["token_ids"])
         assert mask[0] == 0 and 1 in mask  # prompt masked out, sampled tokens in
@@ -106,15 +114,20 @@ def test_environment_trains_through_the_mesh(kind: str, tmp_path: Path, text_mod
             continue
         end = next((i for i in range(after, len(mask)) if mask[i] == 1), len(mask))
         text = tok.tokenizer.decode(ids[after:end], skip_special_tokens=False)
-        if kind in OBS_PREFIX:  # every masked-out run after an action is environment output, in the template
+        if kind in TOOL_NAMES:  # every masked-out run after an action is a tool message, in the template
             closed = ids[after - 1] == end_of_turn
-            head = ("" if closed else "<|im_end|>") + "\n<|im_start|>user\n"
+            head = ("" if closed else "<|im_end|>") + "\n<|im_start|>user\n<tool_response>\n"
             assert text.startswith(head), json.dumps(text)
-            payload = text[len(head):].removeprefix("<tool_response>\n")
-            assert payload.startswith(OBS_PREFIX[kind]), json.dumps(text)
             if end < len(mask):  # another turn follows: the run ends with the generation prompt
-                assert text.endswith("<|im_end|>\n<|im_start|>assistant\n"), json.dumps(text)
+                assert text.endswith("\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), json.dumps(text)
             observed += 1
-    print(f"{kind}: {observed} of {len(rows)} trajectories received an observation")
-    if kind in OBS_PREFIX:
+            payload = text[len(head):].split("\n</tool_response>", 1)[0]
+            action = tok.tokenizer.decode(ids[first_sampled:after], skip_special_tokens=False)
+            calls = parse_tool_calls(action)[1]
+            # a native call the environment parsed and ran: its answer is the plain output, not an error
+            if calls and calls[0].name in TOOL_NAMES[kind] and not payload.startswith(("error:", '{"error"')):
+                native += 1
+    print(f"{kind}: {observed} of {len(rows)} trajectories received an observation, {native} after a native call")
+    if kind in TOOL_NAMES:
         assert observed > 0, "no trajectory received an observation"
+        assert native > 0, "no parsed native tool call was executed"
