@@ -343,3 +343,55 @@ def test_weight_update_answers_retryable_and_sdk_retries(h: Harness) -> None:
         h.pause.resume()
     worker.join(timeout=120)
     assert result["r"].choices and len(session.calls) == 1
+
+
+AGENTS_FOR_TEST = '''
+import time
+from openai import OpenAI
+
+
+def call_then_crash(task, base_url, api_key):
+    OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
+    raise RuntimeError("the agent broke")
+
+
+def call_then_hang(task, base_url, api_key):
+    OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
+    time.sleep(3600)
+'''
+
+
+def _task(prompt: str) -> Any:
+    return trajectory_pb2.Task(task_id="ext1", group_id="g1", source="external_agent", revision="r1", prompt=prompt,
+                               answer="5")
+
+
+def test_example_agent_runs_in_its_own_process_through_the_endpoint(h: Harness) -> None:
+    from trajmesh.envs.external_agent import AgentRunner
+
+    runner = AgentRunner(h.ep, h.url, python_path=[str(Path(__file__).resolve().parents[1] / "examples")])
+    trajs, outcome = asyncio.run(runner.run(_task(QUESTION), "openai_agent:solve", 300, session_id="ex1"))
+    assert (outcome.terminal_reason, outcome.answer) == (trajectory_pb2.EOS, ANSWER), outcome.detail
+    (traj,) = trajs
+    assert _sampled(traj) == [h.script["call"], h.script["answer"]]
+    assert traj.pb.terminal_reason == trajectory_pb2.EOS and traj.pb.task_id == "ext1"
+    assert sum(traj.pb.loss_mask) == len(h.script["call"]) + len(h.script["answer"])
+    assert traj.validate(vocab_size=h.tok.vocab_size, learner_version=0) == []
+    assert "ex1" not in h.ep.sessions  # closed: later calls are refused
+
+
+def test_crashed_and_timed_out_agents_are_never_rewarded(h: Harness, tmp_path: Path) -> None:
+    from trajmesh.envs.external_agent import AgentRunner
+
+    (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
+    runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path)])
+    trajs, outcome = asyncio.run(runner.run(_task("Hi"), "agents_for_test:call_then_crash", 300, session_id="crash1"))
+    assert outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE and "the agent broke" in outcome.detail
+    assert [t.pb.terminal_reason for t in trajs] == [trajectory_pb2.INFRA_FAILURE]
+    trajs, outcome = asyncio.run(runner.run(_task("Hi"), "agents_for_test:call_then_hang", 30, session_id="hang1"))
+    assert outcome.terminal_reason == trajectory_pb2.WALL_TIMEOUT
+    assert [(t.pb.terminal_reason, t.pb.truncated) for t in trajs] == [(trajectory_pb2.WALL_TIMEOUT, True)]
+    trajs, outcome = asyncio.run(runner.run(_task("Hi"), "agents_for_test:no_such_agent", 300, session_id="bad2"))
+    assert outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE and trajs == []
