@@ -13,6 +13,7 @@ from typing import Any
 
 from trajmesh.envs.base import last_tag
 from trajmesh.graders.base import Grade, Sample
+from trajmesh.rollout.tool_calls import parse_tool_calls
 
 RENAME = {"x": "u", "y": "v", "z": "w", "n": "m", "a": "p", "b": "q"}
 
@@ -48,5 +49,6 @@ class MathGrader:
         if answer is not None:
             audit["math_rename_invariant"] = float(equivalent(rename(gold), rename(answer)) == correct)
         components = {"correct": float(correct), "format_answer": float(answer is not None),
-                      "tool_calls": float(sample.text.count("<code>"))}
+                      "tool_calls": float(sample.text.count("<code>") + sum(
+                          c.name == "python" for c in parse_tool_calls(sample.text)[1]))}
         return Grade(float(correct), components, f"answer={answer!r} expected={gold!r}", self.revision, audit)

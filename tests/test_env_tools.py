@@ -124,3 +124,10 @@ def test_math_tool_native_schema_mismatch_does_not_run() -> None:
     assert (wrong.info or {})["invalid_action"] == "schema" and env.calls == 0 and not wrong.done
     bad = env.step('<tool_call>{"arguments": {"code": "print(1)"}}</tool_call>')
     assert (bad.info or {})["parser_error"] is True and env.calls == 0
+
+
+def test_math_grader_counts_native_python_calls_as_tool_calls() -> None:
+    text = (_call("python", code="print(1)") + "\n<code>print(2)</code>\n" + _call("search", query="x")
+            + "<tool_call>{bad</tool_call><answer>3</answer>")
+    g = make_grader("math").grade(Sample(text), {"answer": "3"})
+    assert g.components["tool_calls"] == 2.0 and g.reward == 1.0  # one native python call + one <code>
