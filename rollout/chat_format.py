@@ -70,13 +70,16 @@ class ChatFormat:
             special[key] = value.get("content", "") if isinstance(value, dict) else (value or "")
         return ChatFormat(template, special)
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
         return str(self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=None, **self.special))
+                                        tools=tools or None, **self.special))
 
-    def prompt(self, observation: str) -> str:
-        """The first context: the observation as a user message, then the generation prompt."""
-        return self.render([{"role": "user", "content": observation}], add_generation_prompt=True)
+    def prompt(self, observation: str, tools: list[dict[str, Any]] | None = None) -> str:
+        """The first context: the observation as a user message, then the generation prompt. `tools`:
+        the task's tool JSON schemas (task metadata ``tools``, envs/base.py ``function_schemas``), for
+        a template that renders them (Qwen2.5 lists them in its system turn)."""
+        return self.render([{"role": "user", "content": observation}], add_generation_prompt=True, tools=tools)
 
     _PROBE = "\x00assistant-turn\x00"
 

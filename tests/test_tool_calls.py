@@ -61,3 +61,24 @@ def test_render_matches_qwen25_template_text() -> None:
 def test_render_then_parse_round_trips() -> None:
     calls = [ToolCall("call_0", "set", {"key": "b", "value": [1, {"z": None}]})]
     assert parse_tool_calls(render_tool_calls(calls)) == ("", calls)
+
+
+TOOLS_TEMPLATE = (  # the shape of Qwen2.5's: tools listed in the system turn, one JSON object per line
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools><|im_end|>{{ '\\n' }}{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_format_passes_the_task_tools_to_the_template() -> None:
+    from trajmesh.envs.base import function_schemas
+    from trajmesh.rollout.chat_format import ChatFormat
+
+    chat = ChatFormat(TOOLS_TEMPLATE, {})
+    tools = function_schemas({"search": {"description": "Search.", "parameters": {"type": "object"}}})
+    assert chat.prompt("Q?", tools) == (
+        '<|im_start|>system\n# Tools\n<tools>\n{"type": "function", "function": {"name": "search", '
+        '"description": "Search.", "parameters": {"type": "object"}}}\n</tools><|im_end|>\n'
+        "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.prompt("Q?") == "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"
