@@ -23,12 +23,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from mesh_checks import check_archive
+from mesh_checks import check_archive, write_manifest
 
 from trajmesh import security
 from trajmesh.config import RunConfig, load_config
 from trajmesh.launcher import accounting, drain, start_mesh
-from trajmesh.train import _write_manifest
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -90,7 +89,7 @@ def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
     # The joiner needs a few seconds to start (torch import, engine): give the learner more steps.
     cfg = _build_config(tmp_path / "run", tiny_model_dir, steps=JOIN_STEPS if join else STEPS)
     Path(cfg.run_dir).mkdir(parents=True)
-    _write_manifest(cfg)
+    write_manifest(cfg)
     mesh = start_mesh(cfg)
     try:
         cfg = mesh.cfg

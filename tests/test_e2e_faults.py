@@ -135,10 +135,11 @@ STOP_STEPS = 4
 STORE_KILL_MOMENTS = [  # (moment, seconds after it)
     ("while_stopping", 0.0), ("while_stopping", 0.3), ("while_stopping", 0.8), ("while_stopping", 1.5),
     ("after_learner", 0.0), ("after_learner", 1.0), ("near_end", 0.0), ("near_end", 1.0),
-    ("while_stopping", 0.1), ("while_stopping", 3.0),
+    ("while_stopping", 0.1), ("while_stopping", 3.0), ("no_drain", 0.2), ("no_drain", 1.0),
 ]
-"""Ten kill moments for the slow sweep: before the learner's last step, between the learner's
-exit and the drain, and at a range of delays after the stop path began (SIGTERM, finalization)."""
+"""Kill moments for the slow sweep: before the learner's last step, between the learner's exit
+and the drain, at a range of delays after the stop path began (SIGTERM, finalization), and with
+the rollout killed and the drain skipped (its groups never come back: in_flight_at_stop)."""
 
 
 def _kill_store_at(mesh: Mesh, moment: str, delay_s: float) -> int:
@@ -155,11 +156,16 @@ def _kill_store_at(mesh: Mesh, moment: str, delay_s: float) -> int:
         time.sleep(delay_s)
         _kill(mesh, "store")
         return end_run(mesh)
-    if moment == "while_stopping":
-        drain_supervised(mesh)
+    if moment in ("while_stopping", "no_drain"):
+        drain_s = 60.0
+        if moment == "while_stopping":
+            drain_supervised(mesh)
+        else:  # the rollout dies holding its tasks and nothing waits for them: they are in flight
+            _kill(mesh, "rollout")
+            drain_s = 0.0
         store = next(p for p in mesh.procs if p.name == "store")
         result: list[int] = []
-        stopper = threading.Thread(target=lambda: result.append(end_run(mesh)))
+        stopper = threading.Thread(target=lambda: result.append(end_run(mesh, drain_s=drain_s)))
         stopper.start()
         time.sleep(delay_s)
         kill_group(store.popen.pid)
@@ -194,7 +200,7 @@ def _run_store_kill(tmp_path: Path, model_dir: str, moment: str, delay_s: float,
 
 def test_store_killed_while_the_run_stops_loses_nothing(tmp_path: Path, tiny_model_dir: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    _run_store_kill(tmp_path, tiny_model_dir, "while_stopping", 0.3, monkeypatch)
+    _run_store_kill(tmp_path, tiny_model_dir, "no_drain", 0.3, monkeypatch)
 
 
 @pytest.mark.slow
