@@ -32,9 +32,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from trajmesh.envs.base import SingleAnswerEnv
 
 from trajmesh.contract import Trajectory
 from trajmesh.v1 import trajectory_pb2
+
+
+class ExternalAgentEnv(SingleAnswerEnv):
+    """The registry entry of ``external_agent`` tasks. Rollout never steps it (the agent runs its
+    own tools and talks to the endpoint); held-out evaluation serves the prompt as one answer."""
+
+    revision = "external_agent-v1"
 
 
 @dataclass
@@ -48,6 +56,8 @@ class AgentOutcome:
     detail: str = ""
     """Why it failed (exit status, stderr tail, HTTP error)."""
     seconds: float = 0.0
+    final_segment: int | None = None
+    """Index in the run's trajectories of the session's final segment (None: no LLM call)."""
 
 
 def task_dict(task: trajectory_pb2.Task) -> dict[str, Any]:
@@ -68,8 +78,10 @@ class AgentRunner:
         """Folders prepended to the agent process's PYTHONPATH (where its module lives)."""
 
     async def run(self, task: trajectory_pb2.Task, agent: str, budget_s: float, *, session_id: str,
-                  rollout_worker: str = "") -> tuple[list[Trajectory], AgentOutcome]:
-        """Runs `agent` on `task`; every trajectory is finished with the outcome's reason."""
+                  rollout_worker: str = "", python_path: list[str] | None = None
+                  ) -> tuple[list[Trajectory], AgentOutcome]:
+        """Runs `agent` on `task`; every trajectory is finished with the outcome's reason.
+        `python_path`: this run's extra agent module folders (before the runner's own)."""
         session = self.endpoint.open_session(session_id)
         base_url = f"{self.endpoint_url}/sessions/{session_id}/v1"
         start = time.monotonic()
@@ -77,19 +89,22 @@ class AgentRunner:
             if agent.startswith(("http://", "https://")):
                 outcome = await self._http(agent, task, base_url, budget_s)
             else:
-                outcome = await self._process(agent, task, base_url, budget_s)
+                outcome = await self._process(agent, task, base_url, budget_s, [*(python_path or []),
+                                                                                  *self.python_path])
         finally:
             self.endpoint.close_session(session_id)
         outcome.seconds = time.monotonic() - start
         trajs = session.trajectories(task, base_id=session_id, rollout_worker=rollout_worker) if session.calls else []
+        outcome.final_segment = session.final_segment()
         for traj in trajs:
             traj.finish(outcome.terminal_reason, truncated=outcome.terminal_reason == trajectory_pb2.WALL_TIMEOUT)
         return trajs, outcome
 
-    async def _process(self, entry: str, task: trajectory_pb2.Task, base_url: str, budget_s: float) -> AgentOutcome:
+    async def _process(self, entry: str, task: trajectory_pb2.Task, base_url: str, budget_s: float,
+                       python_path: list[str]) -> AgentOutcome:
         payload = json.dumps({"entry": entry, "task": task_dict(task), "base_url": base_url, "api_key": self.api_key})
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([*self.python_path, env.get("PYTHONPATH", "")]).strip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([*python_path, env.get("PYTHONPATH", "")]).strip(os.pathsep)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "trajmesh.envs.external_agent", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env)

@@ -27,6 +27,7 @@ whose caller hung up before the answer is dropped too (orphans, never trained).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from trajmesh.rollout.agent_session import AgentSession, Call, PromptPlan
@@ -531,3 +533,31 @@ def create_app(ep: AgentEndpoint) -> FastAPI:
     app.add_api_route("/sessions/{sid}/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     return app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a service's event loop: the service, not uvicorn, handles SIGTERM/SIGINT."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # uvicorn >= 0.29
+        return contextlib.nullcontext()
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        return None
+
+
+async def serve(ep: AgentEndpoint, host: str, port: int, *, startup_timeout_s: float = 60.0
+                ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    """Serves `ep` on the running loop; returns once it listens. Stop: ``server.should_exit = True``
+    and await the task."""
+    server = _EmbeddedServer(uvicorn.Config(create_app(ep), host=host, port=port, log_level="warning",
+                                            lifespan="off"))
+    task = asyncio.ensure_future(server.serve())
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:  # uvicorn sets it once the socket listens
+        if task.done():
+            task.result()
+            raise RuntimeError(f"agent endpoint on {host}:{port} stopped during start-up")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"agent endpoint on {host}:{port} not listening after {startup_timeout_s}s")
+        await asyncio.sleep(0.02)
+    return server, task

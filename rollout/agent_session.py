@@ -250,6 +250,12 @@ class AgentSession:
                 tail_of[id(comp)] = seg
         return segments
 
+    def final_segment(self) -> int | None:
+        """Index (in ``segments()``) of the segment holding the last completion the agent received."""
+        segments = self.segments()
+        live = [(c.call_index, c.choice, n) for n, seg in enumerate(segments) for c in seg.links]
+        return max(live)[2] if live else None
+
     def trajectories(self, task: trajectory_pb2.Task | None, *, base_id: str,
                      rollout_worker: str = "") -> list[Trajectory]:
         """One trajectory per segment: prompt (mask 0), then per link its generated tokens (mask 1,

@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
+from trajmesh.envs.external_agent import AgentRunner
 from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids
 from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient, EngineError
 from trajmesh.rollout.generation import (
@@ -66,6 +67,8 @@ INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
 ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
                        "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
+AGENT_SEGMENTS_DROPPED = Counter("trajmesh_rollout_agent_segments_dropped_total",
+                                 "Segments of an external agent's session other than its final one (not published)")
 ENV_STEP_TIMEOUT_S = 120.0
 """gRPC deadline of one Reset/Step (a sandboxed tool call is bounded well below it)."""
 _ACTION_TYPES = {"TEXT": trajectory_pb2.TEXT, "CODE": trajectory_pb2.CODE, "TOOL_CALL": trajectory_pb2.TOOL_CALL}
@@ -129,6 +132,10 @@ class RolloutService(Service):
         self.slots = asyncio.Semaphore(cfg.rollout.concurrent_tasks)
         self.inflight: set[asyncio.Task[None]] = set()
         POLICY_VERSION.set(self.version)
+        self.agents: AgentRunner | None = None
+        """Runs external agents through the agent endpoint (None: no external_agent source)."""
+        if any(src.type == "external_agent" for src in cfg.tasks.sources):
+            await self._serve_agent_endpoint()
 
     def _start_torch_engine(self, model_path: str, version: int) -> str:
         port = free_port()
@@ -165,6 +172,9 @@ class RolloutService(Service):
     async def stop(self) -> None:
         for t in list(getattr(self, "inflight", ())):
             t.cancel()
+        if self.__dict__.get("agent_server") is not None:
+            self.agent_server.should_exit = True
+            await self.agent_serve_task
         if hasattr(self, "engine"):
             await self.engine.close()
         for c in getattr(self, "channels", []):
@@ -292,7 +302,47 @@ class RolloutService(Service):
             (BUSY_SECONDS if self.inflight else IDLE_SECONDS).inc(1.0)
 
     # ------------------------------------------------------------------ the agent loop
+    async def _serve_agent_endpoint(self) -> None:
+        """The OpenAI/Anthropic-compatible endpoint external agents call (rollout/agent_endpoint.py),
+        generating with this process's sampler (pauses for weight loads included)."""
+        from trajmesh.rollout.agent_endpoint import AgentEndpoint, serve
+
+        ecfg = self.cfg.rollout.agent_endpoint
+        endpoint = AgentEndpoint(self.tokenizer, self.chat, self.sampler, self.pause, model_name=self.cfg.model.path,
+                                 default_max_tokens=ecfg.max_tokens, api_key=ecfg.api_key)
+        port = ecfg.port or free_port()
+        self.agent_server, self.agent_serve_task = await serve(endpoint, ecfg.host, port)
+        self.agents = AgentRunner(endpoint, f"http://{ecfg.host}:{port}", api_key=ecfg.api_key or "trajmesh")
+        log.info("agent endpoint on http://%s:%d/sessions/<sid>/v1", ecfg.host, port)
+
+    async def run_agent_episode(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
+        """One sample of an external_agent task: the agent's run (envs/external_agent.py). The
+        session's final segment is the trajectory (one per sample keeps the gate's accounting);
+        other segments of the session are dropped and counted. No LLM call: INFRA_FAILURE."""
+        assert self.agents is not None, "external_agent task without the agent endpoint"
+        meta = json.loads(task.metadata_json or "{}")
+        tid = f"{task.task_id}-{index}"
+        trajs, outcome = await self.agents.run(task, str(meta["agent"]), float(meta.get("budget_s", 300.0)),
+                                               session_id=f"{tid}-{os.urandom(4).hex()}",
+                                               rollout_worker=self.worker_id,
+                                               python_path=list(meta.get("python_path") or []))
+        if outcome.detail:
+            log.warning("agent on %s: %s", tid, outcome.detail[-500:])
+        final = outcome.final_segment
+        if final is None:
+            traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id, created_unix_seconds=time.time())
+            traj.append_prompt(self.tokenizer.encode(task.prompt))
+            traj.finish(trajectory_pb2.INFRA_FAILURE)
+            return traj
+        AGENT_SEGMENTS_DROPPED.inc(len(trajs) - 1)
+        traj = trajs[final]
+        traj.pb.trajectory_id = tid
+        traj.pb.timing.rollout_seconds = outcome.seconds
+        return traj
+
     async def run_episode(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
+        if task.environment == "external_agent":
+            return await self.run_agent_episode(task, index)
         start = time.perf_counter()
         tid = f"{task.task_id}-{index}"
         traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id,

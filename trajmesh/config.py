@@ -164,7 +164,33 @@ class SearchSource(_Strict):
     accepts both forms either way (envs/base.py)."""
 
 
-TaskSource = Annotated[ReasoningGymSource | MathToolSource | WorkplaceSource | SearchSource,
+class ExternalAgentSource(_Strict):
+    """A user's own agent solves reasoning-gym tasks through the rollout's OpenAI/Anthropic-compatible
+    endpoint (envs/external_agent.py, docs/AGENTS.md); its LLM calls become the trajectories."""
+
+    type: Literal["external_agent"] = "external_agent"
+    """Selects this source: tasks solved by an external agent through the agent endpoint."""
+    name: str = "external_agent"
+    """Source name recorded on every task and trajectory (unique across sources)."""
+    weight: float = Field(1.0, gt=0)
+    """Mixture weight of this source."""
+    revision: str = "v1"
+    """Task revision recorded on every trajectory."""
+    agent: str
+    """``package.module:function`` called as ``function(task, base_url, api_key)`` in its own
+    process (returns the final answer), or the URL of an HTTP agent (POST {task, base_url, api_key},
+    answers {"answer": ...})."""
+    python_path: list[str] = Field(default_factory=list)
+    """Folders prepended to the agent process's PYTHONPATH (where its module lives)."""
+    budget_s: float = Field(300.0, gt=0)
+    """Wall-clock budget of one agent run; past it the run ends as WALL_TIMEOUT."""
+    family: str = "chain_sum"
+    """reasoning-gym task family the agent is given (graded by its own score_answer)."""
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    """Difficulty knobs passed to the family's generator."""
+
+
+TaskSource = Annotated[ReasoningGymSource | MathToolSource | WorkplaceSource | SearchSource | ExternalAgentSource,
                        Field(discriminator="type")]
 
 
@@ -231,6 +257,19 @@ class EngineConfig(_Strict):
         return self
 
 
+class AgentEndpointConfig(_Strict):
+    """rollout/agent_endpoint.py as the rollout service serves it."""
+
+    host: str = "127.0.0.1"
+    """Interface the endpoint listens on (agents run next to the rollout process by default)."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port (0: a free port per rollout process)."""
+    api_key: str | None = None
+    """When set, agents must send it (``Authorization: Bearer`` or ``x-api-key``)."""
+    max_tokens: int = Field(256, gt=0)
+    """Completion budget of a call that names none."""
+
+
 class RolloutConfig(_Strict):
     replicas: int = Field(2, ge=1)
     """Rollout processes started by the local launcher."""
@@ -240,6 +279,9 @@ class RolloutConfig(_Strict):
     """Tasks one rollout process works on at once."""
     task_ack_wait_s: float = Field(60.0, gt=0)
     """Seconds before a task taken by a rollout that died (never acked) is redelivered to another."""
+    agent_endpoint: AgentEndpointConfig = Field(default_factory=lambda: AgentEndpointConfig())
+    """The OpenAI/Anthropic-compatible endpoint external agents call (served when a task source is
+    ``external_agent``)."""
 
 
 class SimulatedLatency(_Strict):

@@ -11,7 +11,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from trajmesh.config import MathToolSource, ReasoningGymSource, SearchSource, TasksConfig, WorkplaceSource
+from trajmesh.config import (
+    ExternalAgentSource,
+    MathToolSource,
+    ReasoningGymSource,
+    SearchSource,
+    TasksConfig,
+    WorkplaceSource,
+)
 
 TRAIN_SEED, HELDOUT_SEED = 1234, 98765
 
@@ -53,6 +60,13 @@ def _draw(src: Any, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]
                "corpus_seed": src.corpus_seed}
         return search.make_tasks(seed, n, search=cfg, source=src.name,
                                  exclude={p.split("\n", 1)[-1] for p in exclude}, tool_format=src.tool_format)
+    if isinstance(src, ExternalAgentSource):
+        from trajmesh.envs import reasoning_gym
+
+        tasks = reasoning_gym.make_tasks(src.family, seed, n, dict(src.knobs), source=src.name, exclude=exclude)
+        agent = {"environment": "external_agent", "agent": src.agent, "budget_s": src.budget_s,
+                 "python_path": list(src.python_path)}
+        return [{**t, "metadata": {**t["metadata"], **agent}} for t in tasks]
     raise ValueError(f"unknown task source type {type(src).__name__}")
 
 
