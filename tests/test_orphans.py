@@ -159,3 +159,40 @@ def test_a_sigkilled_rollout_leaves_no_engine_behind(tmp_path: Path, tiny_model_
         assert engines[0] not in _pids_with(engine), "the engine outlived its SIGKILLed rollout"
     finally:
         kill_group(rollout)
+
+
+# A launcher: starts the real environment service the way `trajmesh train` does, prints its pid, waits.
+_LAUNCHER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from trajmesh.config import dump_config, load_config
+    from trajmesh.launcher import Mesh
+    run_dir, config_path = Path(sys.argv[1]), Path(os.environ["ORPHAN_TEST_CONFIG"])  # only the service's argv has it
+    cfg = load_config(None, {"run_dir": str(run_dir)})
+    dump_config(cfg, config_path)
+    mesh = Mesh(cfg, config_path)
+    proc = mesh.start_service("environment", 0)
+    mesh.wait_healthy([proc])
+    print(proc.popen.pid, flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.timeout(300)
+def test_services_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    """`trajmesh train` killed with SIGKILL runs no cleanup: its services get SIGTERM from the kernel
+    (parent-death signal) and exit, instead of running on with nobody to stop them."""
+    config_path = tmp_path / f"config-{uuid.uuid4().hex}.yaml"
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path / "run")], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env={**os.environ, "ORPHAN_TEST_CONFIG": str(config_path)})
+    assert launcher.stdout is not None
+    try:
+        service_pid = int(launcher.stdout.readline())
+        assert _pids_with(str(config_path)) == [service_pid]  # the service runs, found by its argv
+        launcher.kill()
+        launcher.wait()
+        assert _wait_until_gone(str(config_path)) == []
+    finally:
+        launcher.kill()
+        for pid in _pids_with(str(config_path)):
+            os.kill(pid, 9)

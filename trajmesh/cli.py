@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -14,6 +15,12 @@ import yaml
 from trajmesh.config import ConfigError, load_config
 
 SERVICES = ("store", "rollout", "environment", "grader", "learner")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM handler of `trajmesh train`: unwinds like Ctrl-C, so services are stopped by pid, the
+    learner checkpoints and servers shut down (the default action would end the launcher at once)."""
+    raise KeyboardInterrupt
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -188,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             from trajmesh.train import RunDirExists, train
 
             cfg = load_config(args.config, _overrides(args.set))
+            signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the run as Ctrl-C does
             try:
                 summary = train(cfg, resume=args.resume, fresh=args.fresh, eval_every_s=args.eval_every)
             except RunDirExists as exc:

@@ -34,7 +34,7 @@ from typing import Any
 
 from trajmesh import security
 from trajmesh.config import ConfigError, RunConfig, dump_config
-from trajmesh.infra import NatsServer, RedisServer, free_port
+from trajmesh.infra import NatsServer, RedisServer, die_with_parent, free_port
 
 log = logging.getLogger("trajmesh.launcher")
 
@@ -81,7 +81,10 @@ class Mesh:
             env.update(self.credentials.service_env(name, nats=self.nats is not None and sec.nats_auth,
                                                     redis=self.redis is not None and sec.redis_auth))
         with open(log_path, "ab") as fh:
-            popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # Own process group (the launcher stops it whole); SIGTERM when the launcher dies, even by
+            # SIGKILL, so no service outlives the run that started it.
+            popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=die_with_parent(signal.SIGTERM))
         proc = Proc(name, replica, popen, port, log_path, list(extra or []))
         self.procs.append(proc)
         return proc
