@@ -6,6 +6,7 @@ from typing import Any
 
 from trajmesh.graders.base import Grade, Grader, Sample
 from trajmesh.graders.code import CodeTestsGrader
+from trajmesh.graders.external_agent import ExternalAgentGrader
 from trajmesh.graders.math import MathGrader
 from trajmesh.graders.reasoning_gym import ReasoningGymGrader
 from trajmesh.graders.search import SearchGrader
@@ -13,7 +14,7 @@ from trajmesh.graders.workplace import WorkplaceGrader
 
 GRADERS: dict[str, type] = {
     "reasoning_gym": ReasoningGymGrader, "math": MathGrader, "code": CodeTestsGrader,
-    "search": SearchGrader, "workplace": WorkplaceGrader,
+    "search": SearchGrader, "workplace": WorkplaceGrader, "external_agent": ExternalAgentGrader,
 }
 
 

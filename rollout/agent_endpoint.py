@@ -32,6 +32,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -133,7 +134,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     _require(isinstance(msgs, list) and bool(msgs), "'messages' must be a non-empty list", "messages")
     out = []
-    for m in msgs:
+    for m in msgs or []:
         _require(isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant", "tool"),
                  "each message needs a role: system, developer, user, assistant or tool", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
@@ -163,7 +164,7 @@ def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [*out, {"role": "user", "content": items}]
     _require(isinstance(items, list) and bool(items), "'input' must be a string or a non-empty list", "input")
-    for item in items:
+    for item in items or []:
         _require(isinstance(item, dict), "input items must be objects", "input")
         kind = item.get("type", "message")
         if kind == "function_call":
@@ -190,7 +191,7 @@ def anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _text_of(body["system"])})
     msgs = body.get("messages")
     _require(isinstance(msgs, list) and bool(msgs), "messages: field required (a non-empty list)", "messages")
-    for m in msgs:
+    for m in msgs or []:
         _require(isinstance(m, dict) and m.get("role") in ("user", "assistant"),
                  "messages: each message's role must be 'user' or 'assistant'", "messages")
         blocks = m.get("content")
@@ -538,8 +539,9 @@ def create_app(ep: AgentEndpoint) -> FastAPI:
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn inside a service's event loop: the service, not uvicorn, handles SIGTERM/SIGINT."""
 
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # uvicorn >= 0.29
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.29
+        yield
 
     def install_signal_handlers(self) -> None:  # older uvicorn
         return None

@@ -131,3 +131,25 @@ def test_plain_completions_continue_by_text(tools: tuple[Any, ChatFormat]) -> No
     p2 = s.text_prompt("What is 2+3? 5. Say hi.")
     assert p2.reason == "continued" and p2.prompt_ids == p1.prompt_ids + out + tok.encode(" Say hi.")
     assert s.text_prompt("What is 2+4?").reason == "history_changed"
+
+
+def test_external_agent_grader_scores_the_final_turn_and_never_a_timeout() -> None:
+    from trajmesh.graders import make_grader
+    from trajmesh.graders.base import Sample
+
+    from trajmesh.config import load_config
+    from trajmesh.tasks import load_split
+
+    cfg = load_config(None, {"tasks.sources": [{"type": "external_agent", "agent": "m:f", "family": "gcd"}]})
+    spec = load_split(cfg.tasks.sources[0], 2, 1)[0][0]
+    task = {"prompt": spec.prompt, "answer": spec.answer, "metadata": spec.metadata}
+    assert spec.metadata["grader"] == "external_agent" and spec.environment == "external_agent"
+    grader = make_grader("external_agent")
+    call = '<tool_call>\n{"name": "gcd", "arguments": {}}\n</tool_call>'
+    right = Sample(call + spec.answer, [call, spec.answer], True, [], "EOS")
+    assert grader.grade(right, task).reward == 1.0
+    wrong = Sample(call + spec.answer, [call + spec.answer, "I do not know."], True, [], "EOS")
+    assert grader.grade(wrong, task).reward == 0.0
+    timed_out = Sample(spec.answer, [spec.answer], True, [], "WALL_TIMEOUT")
+    grade = grader.grade(timed_out, task)
+    assert (grade.reward, grade.components["finished"]) == (0.0, 0.0)

@@ -64,7 +64,7 @@ def _draw(src: Any, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]
         from trajmesh.envs import reasoning_gym
 
         tasks = reasoning_gym.make_tasks(src.family, seed, n, dict(src.knobs), source=src.name, exclude=exclude)
-        agent = {"environment": "external_agent", "agent": src.agent, "budget_s": src.budget_s,
+        agent = {"environment": "external_agent", "grader": "external_agent", "agent": src.agent, "budget_s": src.budget_s,
                  "python_path": list(src.python_path)}
         return [{**t, "metadata": {**t["metadata"], **agent}} for t in tasks]
     raise ValueError(f"unknown task source type {type(src).__name__}")
