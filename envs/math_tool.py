@@ -50,6 +50,8 @@ NATIVE_INSTRUCTION = native_instruction(TOOLS, "reply <answer>x</answer>.")
 
 class MathToolEnv:
     revision = "math_tool-v1"
+    uses_sandbox = True
+    """Runs model-written code: the environment service checks the sandbox at start-up."""
     config_keys = ("max_tool_calls", "call_timeout_s", "max_output_bytes")
 
     def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:

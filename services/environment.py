@@ -80,6 +80,9 @@ class EnvironmentService(Service):
         self.server: grpc.aio.Server | None = None
 
     async def setup(self) -> None:
+        sandboxed = [s.type for s in self.cfg.tasks.sources if getattr(ENVIRONMENTS.get(s.type), "uses_sandbox", False)]
+        if sandboxed:  # refuse to start (SandboxUnavailable) rather than run model code under weaker limits
+            log.info("%s (for %s)", sandbox.preflight(self.cfg.sandbox.allow_without_cgroup), ", ".join(sandboxed))
         self.server = grpc.aio.server()
         services_pb2_grpc.add_EnvironmentServicer_to_server(_EnvServicer(self), self.server)
         self.grpc_port = security.add_grpc_port(self.server, f"0.0.0.0:{self.grpc_port}", self.cfg.infra.security.grpc_tls)
