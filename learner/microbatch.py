@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["GlobalCounts", "balanced_split", "global_counts", "pack_micro_batches"]
+__all__ = ["GlobalCounts", "balanced_split", "data_parallel", "global_counts", "max_over_ranks",
+           "pack_micro_batches", "sum_over_ranks"]
 
 
 @dataclass(frozen=True)
@@ -35,18 +36,40 @@ class GlobalCounts:
     """Sequences with at least one eligible token: S of the sequence-mean and constant losses."""
 
 
+def data_parallel(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _all_reduce(values: list[float], op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> list[float]:
+    if data_parallel(group)[1] == 1:
+        return values
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op, group=group)
+    return [float(v) for v in t.cpu()]
+
+
+def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Element-wise sum over the ranks of ``group`` (the values themselves with one rank)."""
+    return _all_reduce(values, dist.ReduceOp.SUM, group)
+
+
+def max_over_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The largest ``value`` of any rank (e.g. micro-batches per update: every rank must run as many
+    forwards and backwards, or ZeRO's collectives hang)."""
+    return int(_all_reduce([float(value)], dist.ReduceOp.MAX, group)[0])
+
+
 def global_counts(mask_BT: Tensor, group: dist.ProcessGroup | None = None) -> GlobalCounts:
     """Eligible tokens and sequences of ``mask_BT`` (this rank's share), all-reduced (sum) over
     ``group`` when torch.distributed is initialized with more than one rank in it."""
     on_BT = mask_BT > 0
-    local = torch.tensor([float(on_BT.sum()), float((on_BT.sum(-1) > 0).sum())], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        local = local.to(device)
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        local = local.cpu()
-    return GlobalCounts(tokens=float(local[0]), sequences=float(local[1]))
+    tokens, sequences = sum_over_ranks([float(on_BT.sum()), float((on_BT.sum(-1) > 0).sum())], group)
+    return GlobalCounts(tokens=tokens, sequences=sequences)
 
 
 def pack_micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]]:
@@ -70,13 +93,14 @@ def pack_micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]
     return out
 
 
-def balanced_split(lengths: list[int], parts: int) -> list[list[int]]:
+def balanced_split(lengths: list[int], parts: int, *, keep_empty: bool = False) -> list[list[int]]:
     """``parts`` groups of row indices with near-equal token sums (longest row onto the lightest
-    group; ties by index). Each group keeps ascending index order. Empty groups are dropped."""
+    group; ties by index). Each group keeps ascending index order. Empty groups are dropped unless
+    ``keep_empty`` (ranks: group k is rank k's share)."""
     loads = [0] * parts
     groups: list[list[int]] = [[] for _ in range(parts)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         k = min(range(parts), key=lambda j: (loads[j], j))
         groups[k].append(i)
         loads[k] += lengths[i]
-    return [sorted(g) for g in groups if g]
+    return [sorted(g) for g in groups if g or keep_empty]

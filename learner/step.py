@@ -14,7 +14,15 @@ from torch import Tensor
 from trajmesh.learner import advantages as adv
 from trajmesh.learner.logprobs import DEFAULT_CHUNK_TOKENS, PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import step_metrics, trust_region_metrics
-from trajmesh.learner.microbatch import GlobalCounts, balanced_split, global_counts, pack_micro_batches
+from trajmesh.learner.microbatch import (
+    GlobalCounts,
+    balanced_split,
+    data_parallel,
+    global_counts,
+    max_over_ranks,
+    pack_micro_batches,
+    sum_over_ranks,
+)
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
 
 from trajmesh.contract import Trajectory
@@ -176,16 +184,22 @@ def compute_loss(
     return loss, metrics
 
 
-def proximal_logprobs(model: Any, batch: Batch, temperature: float, micro_batch_tokens: int) -> Tensor:
+def proximal_logprobs(model: Any, batch: Batch | None, temperature: float, micro_batch_tokens: int,
+                      group: Any = None, filler: Batch | None = None) -> Tensor:
     """π_prox: log-probs of the current (pre-update) weights, eval mode, no grad, in micro-batches
-    → [B, T] float32 on the CPU."""
+    → [B, T] float32 on the CPU. With several ranks every rank runs as many forwards (ZeRO-3): a
+    rank with fewer micro-batches (or no rows: `batch` None) runs forwards of `filler`."""
     was_training = model.training
     model.eval()
-    out_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float32)
+    out_BT = torch.zeros(batch.mask_BT.shape if batch is not None else (0, 1), dtype=torch.float32)
+    micro = pack_micro_batches(batch.lengths(), micro_batch_tokens) if batch is not None else []
     with torch.no_grad():
-        for rows in pack_micro_batches(batch.lengths(), micro_batch_tokens):
-            logp_BT, _ = token_logprobs(model, batch.select(rows), temperature)
-            _scatter(out_BT, rows, logp_BT)
+        for j in range(max_over_ranks(len(micro), group)):
+            mb = batch.select(micro[j]) if j < len(micro) else filler  # type: ignore[union-attr]
+            assert mb is not None, "a rank without micro-batches needs a filler"
+            logp_BT, _ = token_logprobs(model, mb, temperature)
+            if j < len(micro):
+                _scatter(out_BT, micro[j], logp_BT)
     model.train(was_training)
     return out_BT
 
@@ -267,23 +281,35 @@ class StepPlan:
         return self.minibatches * self.epochs
 
 
-def accumulate_update(engine: Any, batch: Batch, adv_BT: Tensor, prox_BT: Tensor | None, cfg: ObjectiveConfig, *,
-                      temperature: float, entropy_coef: float, micro_batch_tokens: int,
-                      group: Any = None) -> list[tuple[list[int], _Part]]:
+def accumulate_update(engine: Any, batch: Batch | None, adv_BT: Tensor, prox_BT: Tensor | None,
+                      cfg: ObjectiveConfig, *, temperature: float, entropy_coef: float, micro_batch_tokens: int,
+                      group: Any = None, filler: Batch | None = None,
+                      loss_scale: float = 1.0) -> list[tuple[list[int], _Part]]:
     """Forward + backward of every micro-batch of `batch` (gradients accumulate; the caller steps).
 
     The losses are scaled by `batch`'s global counts (all-reduced over `group`), so the accumulated
-    gradient is the gradient of one forward over the whole batch (on all ranks)."""
-    counts = global_counts(batch.mask_BT, group)
-    micro = pack_micro_batches(batch.lengths(), micro_batch_tokens)
+    gradient is the gradient of one forward over the whole batch (on all ranks). With several ranks,
+    `loss_scale` = world size undoes the engine's gradient averaging, and a rank with fewer
+    micro-batches (or none: `batch` None) runs zero-loss forwards of `filler` so that every rank
+    runs as many forwards and backwards (ZeRO's collectives)."""
+    mask_BT = batch.mask_BT if batch is not None else torch.zeros((0, 1))
+    counts = global_counts(mask_BT, group)
+    micro = pack_micro_batches(batch.lengths(), micro_batch_tokens) if batch is not None else []
+    n = max_over_ranks(len(micro), group)
     parts = []
-    for j, rows in enumerate(micro):
-        mb = batch.select(rows)
+    for j in range(n):
+        if j >= len(micro):
+            assert filler is not None, "a rank without micro-batches needs a filler"
+            logp_BT, entropy_BT = token_logprobs(engine.module, filler, temperature)
+            engine.backward((logp_BT.sum() + entropy_BT.sum()) * 0.0, boundary=j == n - 1)
+            continue
+        rows = micro[j]
+        mb = batch.select(rows)  # type: ignore[union-attr]
         width = mb.input_ids_BT.shape[1]
         prox = None if prox_BT is None else _take(prox_BT, rows, width)
         loss, part = _micro_batch_loss(engine.module, mb, _take(adv_BT, rows, width), prox, cfg, counts,
                                        temperature, entropy_coef)
-        engine.backward(loss, boundary=j == len(micro) - 1)
+        engine.backward(loss * loss_scale if loss_scale != 1.0 else loss, boundary=j == n - 1)
         parts.append((rows, part))
     return parts
 
@@ -298,52 +324,105 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
     is the training forward detached (r ≡ 1: the clip is inert). Returns the step metrics (over
     the tokens of each minibatch's first epoch), the optimizer stats of the last update, and
     ``ppo_updates``: per update its loss, clip fractions, ratio spread and KL(π_prox ‖ π_θ).
+
+    With several ranks in `group` every rank passes the same whole `batch` and `adv_BT`; each
+    minibatch is split over the ranks balanced by tokens (so an update sees the same rows as with
+    one rank) and the denominators are global. Update losses are summed over ranks; the other
+    metrics are over this rank's rows.
     """
+    world = _check_ranks(engine, batch, group)
+    shares = _rank_shares(batch, plan.minibatches, group)
+    mine = sorted({i for rows in shares for i in rows})
+    filler = batch.select([0])
     model = engine.module
-    one_pass = plan.updates == 1 and is_deterministic(model)
-    prox_all = None if one_pass else proximal_logprobs(model, batch, temperature, plan.micro_batch_tokens)
-    logp_all, prox_seen, ent_all = (torch.zeros(batch.mask_BT.shape) for _ in range(3))
+    prox_BT = None
+    if not (plan.updates == 1 and is_deterministic(model)):
+        prox_mine = proximal_logprobs(model, batch.select(mine) if mine else None, temperature,
+                                      plan.micro_batch_tokens, group, filler)
+        prox_BT = torch.zeros(batch.mask_BT.shape)
+        if mine:
+            _scatter(prox_BT, mine, prox_mine)
+    logp_BT, prox_seen_BT, ent_BT = (torch.zeros(batch.mask_BT.shape) for _ in range(3))
     stats_all: list[dict[str, Tensor]] = []
     updates: list[dict[str, float]] = []
     opt: dict[str, float] = {}
-    minibatches = balanced_split(batch.lengths(), plan.minibatches)
     for epoch in range(plan.epochs):
-        for rows in minibatches:
-            sub = batch.select(rows)
-            width = sub.input_ids_BT.shape[1]
+        for rows in shares:
+            sub = batch.select(rows) if rows else None
+            width = sub.input_ids_BT.shape[1] if sub is not None else 1
             parts = accumulate_update(engine, sub, _take(adv_BT, rows, width),
-                                      None if prox_all is None else _take(prox_all, rows, width), cfg,
+                                      None if prox_BT is None else _take(prox_BT, rows, width), cfg,
                                       temperature=temperature, entropy_coef=entropy_coef,
-                                      micro_batch_tokens=plan.micro_batch_tokens, group=group)
+                                      micro_batch_tokens=plan.micro_batch_tokens, group=group, filler=filler,
+                                      loss_scale=float(world))
             opt = engine.step()
-            updates.append(_update_record(sub, parts, opt))
+            updates.append(_update_record(sub, parts, opt, group))
             stats_all.extend(p.stats for _, p in parts)
-            if epoch == 0:
-                for mrows, p in parts:
-                    full_rows = [rows[i] for i in mrows]
-                    _scatter(logp_all, full_rows, p.logp_BT)
-                    _scatter(prox_seen, full_rows, p.prox_BT)
-                    _scatter(ent_all, full_rows, p.entropy_BT)
+            for mrows, p in parts if epoch == 0 else []:
+                full_rows = [rows[i] for i in mrows]
+                _scatter(logp_BT, full_rows, p.logp_BT)
+                _scatter(prox_seen_BT, full_rows, p.prox_BT)
+                _scatter(ent_BT, full_rows, p.entropy_BT)
+    return _step_record(batch, mine, adv_BT, (logp_BT, prox_seen_BT, ent_BT), stats_all, updates, opt, cfg,
+                        version, max_lag)
+
+
+def _step_record(batch: Batch, mine: list[int], adv_BT: Tensor, seen: tuple[Tensor, Tensor, Tensor],
+                 stats_all: list[dict[str, Tensor]], updates: list[dict[str, float]], opt: dict[str, float],
+                 cfg: ObjectiveConfig, version: int, max_lag: int) -> dict[str, Any]:
+    """The step's metrics over this rank's rows, plus the optimizer and per-update records."""
+    local = batch.select(mine)
+    width = local.input_ids_BT.shape[1]
+    logp_BT, prox_BT, ent_BT = (_take(x, mine, width) for x in seen)
     merged = _merge_stats(stats_all)
     merged["loss"] = torch.tensor(sum(u["loss"] for u in updates) / len(updates))  # mean over updates
-    metrics: dict[str, Any] = _metrics(batch, adv_BT, logp_all, prox_seen, ent_all, merged, cfg, version, max_lag)
+    metrics: dict[str, Any] = _metrics(local, _take(adv_BT, mine, width), logp_BT, prox_BT, ent_BT, merged, cfg,
+                                       version, max_lag)
     metrics.update(opt)
     metrics.update(_trust_region_summary(updates))
     metrics["ppo_updates"] = updates
     return metrics
 
 
-def _update_record(sub: Batch, parts: list[tuple[list[int], _Part]], opt: dict[str, float]) -> dict[str, float]:
-    """Loss, clip fractions, ratio spread and KL(π_prox ‖ π_θ) of one update, as its loss saw them."""
-    logp_BT, prox_BT = torch.zeros(sub.mask_BT.shape), torch.zeros(sub.mask_BT.shape)
-    for rows, p in parts:
-        _scatter(logp_BT, rows, p.logp_BT)
-        _scatter(prox_BT, rows, p.prox_BT)
-    stats = _merge_stats([p.stats for _, p in parts])
-    record = {"loss": float(stats["loss"]), "grad_norm": float(opt.get("grad_norm", 0.0)),
-              **{k: float(stats[k]) for k in ("clip_low_frac", "clip_high_frac", "dual_clip_frac",
-                                             "ratio_outside_frac")}}
-    record.update(trust_region_metrics(logp_BT, prox_BT, sub.mask_BT))
+def _check_ranks(engine: Any, batch: Batch, group: Any) -> int:
+    """The world size, after checking the engine averages gradients over ranks when there are several."""
+    world = data_parallel(group)[1]
+    if world > 1 and not getattr(engine, "data_parallel", False):
+        raise ValueError(f"{type(engine).__name__} does not average gradients over ranks; use deepspeed")
+    if len(batch.trajectory_ids) < world:
+        raise ValueError(f"a batch of {len(batch.trajectory_ids)} trajectories cannot feed {world} ranks")
+    return world
+
+
+def _rank_shares(batch: Batch, minibatches: int, group: Any) -> list[list[int]]:
+    """Per minibatch (balanced by tokens over the batch), this rank's rows (balanced by tokens over
+    the ranks; possibly none). With one rank: the minibatches themselves."""
+    rank, world = data_parallel(group)
+    lengths = batch.lengths()
+    out = []
+    for rows in balanced_split(lengths, minibatches):
+        share = balanced_split([lengths[i] for i in rows], world, keep_empty=True)[rank]
+        out.append([rows[i] for i in share])
+    return out
+
+
+def _update_record(sub: Batch | None, parts: list[tuple[list[int], _Part]], opt: dict[str, float],
+                   group: Any = None) -> dict[str, float]:
+    """Loss, clip fractions, ratio spread and KL(π_prox ‖ π_θ) of one update, as its loss saw them
+    (the loss summed over ranks, the rest over this rank's share)."""
+    keys = ("clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_outside_frac")
+    if sub is None or not parts:
+        record = {"loss": 0.0, **dict.fromkeys(keys, 0.0), **trust_region_metrics(*(torch.zeros(1, 1),) * 3)}
+    else:
+        logp_BT, prox_BT = torch.zeros(sub.mask_BT.shape), torch.zeros(sub.mask_BT.shape)
+        for rows, p in parts:
+            _scatter(logp_BT, rows, p.logp_BT)
+            _scatter(prox_BT, rows, p.prox_BT)
+        stats = _merge_stats([p.stats for _, p in parts])
+        record = {"loss": float(stats["loss"]), **{k: float(stats[k]) for k in keys}}
+        record.update(trust_region_metrics(logp_BT, prox_BT, sub.mask_BT))
+    record["loss"] = sum_over_ranks([record["loss"]], group)[0]
+    record["grad_norm"] = float(opt.get("grad_norm", 0.0))
     return record
 
 

@@ -188,6 +188,7 @@ class TrainEngine(abc.ABC):
 
     config: EngineConfig
     global_step: int  # optimizer steps taken (restored by load_checkpoint)
+    data_parallel: bool = False  # averages gradients over the ranks of the default process group
 
     @property
     @abc.abstractmethod
@@ -439,7 +440,8 @@ def ensure_distributed(backend: str = "gloo") -> bool:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # Wrap the existing group in DeepSpeed's comm backend (no-op if it already is).
-        ctx = _no_shm_comm_op() if torch.distributed.get_world_size() == 1 else contextlib.nullcontext()
+        ctx = (_no_shm_comm_op() if torch.distributed.get_world_size() == 1 or not torch.cuda.is_available()
+               else contextlib.nullcontext())
         with ctx:
             deepspeed.init_distributed(dist_backend=backend)
         return False
@@ -451,7 +453,8 @@ def ensure_distributed(backend: str = "gloo") -> bool:
             LOCAL_RANK="0",
             WORLD_SIZE="1",
         )
-    single = os.environ.get("WORLD_SIZE") == "1"
+    # CPU: no shared-memory allreduce op at all (a JIT build; gloo does the job for the CPU tests).
+    single = os.environ.get("WORLD_SIZE") == "1" or not torch.cuda.is_available()
     ctx = _no_shm_comm_op() if single else contextlib.nullcontext()
     with ctx:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
@@ -502,6 +505,8 @@ class DeepSpeedTrainEngine(TrainEngine):
          "zero_allow_untested_optimizer": True, "fp16": {"enabled": False}, "bf16": {"enabled": precision == "bf16"},
          "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
     """
+
+    data_parallel = True
 
     def __init__(self, model: nn.Module, config: EngineConfig) -> None:
         self.config = config
