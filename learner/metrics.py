@@ -276,7 +276,7 @@ def step_metrics(
 
 
 TRUST_REGION_NAMES: tuple[str, ...] = (
-    f"{_P}proximal_kl_k3",
+    f"{_P}proximal_kl_k3_nats",
     f"{_P}policy_ratio_std",
     f"{_P}policy_ratio_min",
     f"{_P}policy_ratio_max",

@@ -53,11 +53,11 @@ def test_with_four_minibatches_later_updates_see_ratios_off_one_and_clip() -> No
     first, later = updates[0], updates[1:]
     # The first update runs at the weights π_prox was taken from: r ≡ 1, nothing clips.
     assert first["trajmesh_learner_policy_ratio_std"] < 1e-6
-    assert first["trajmesh_learner_proximal_kl_k3"] < 1e-10
+    assert first["trajmesh_learner_proximal_kl_k3_nats"] < 1e-10
     assert first["ratio_outside_frac"] == 0.0
     for u in later:
         assert u["trajmesh_learner_policy_ratio_std"] > 1e-3
-        assert u["trajmesh_learner_proximal_kl_k3"] > 0.0
+        assert u["trajmesh_learner_proximal_kl_k3_nats"] > 0.0
     assert sum(u["clip_low_frac"] + u["clip_high_frac"] for u in later) > 0.0
     assert metrics["trajmesh_learner_update_ratio_outside_max_ratio"] > 0.0
 
