@@ -382,7 +382,7 @@ def test_example_agent_runs_in_its_own_process_through_the_endpoint(h: Harness) 
     assert "ex1" not in h.ep.sessions  # closed: later calls are refused
 
 
-def test_crashed_and_timed_out_agents_are_never_rewarded(h: Harness, tmp_path: Path) -> None:
+def test_crashed_agent_is_an_infra_failure(h: Harness, tmp_path: Path) -> None:
     from trajmesh.envs.external_agent import AgentRunner
 
     (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
@@ -390,8 +390,66 @@ def test_crashed_and_timed_out_agents_are_never_rewarded(h: Harness, tmp_path: P
     trajs, outcome = asyncio.run(runner.run(_task("Hi"), "agents_for_test:call_then_crash", 300, session_id="crash1"))
     assert outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE and "the agent broke" in outcome.detail
     assert [t.pb.terminal_reason for t in trajs] == [trajectory_pb2.INFRA_FAILURE]
+    trajs, outcome = asyncio.run(runner.run(_task("Hi"), "agents_for_test:no_such_agent", 300, session_id="bad2"))
+    assert outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE and trajs == []
+
+
+@pytest.mark.slow
+def test_timed_out_agent_is_killed_and_never_rewarded(h: Harness, tmp_path: Path) -> None:
+    """Waits out a 30 s budget (the agent's one call must fit in it on a loaded machine)."""
+    from trajmesh.envs.external_agent import AgentRunner
+
+    (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
+    runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path)])
     trajs, outcome = asyncio.run(runner.run(_task("Hi"), "agents_for_test:call_then_hang", 30, session_id="hang1"))
     assert outcome.terminal_reason == trajectory_pb2.WALL_TIMEOUT
     assert [(t.pb.terminal_reason, t.pb.truncated) for t in trajs] == [(trajectory_pb2.WALL_TIMEOUT, True)]
-    trajs, outcome = asyncio.run(runner.run(_task("Hi"), "agents_for_test:no_such_agent", 300, session_id="bad2"))
-    assert outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE and trajs == []
+
+
+def test_http_agent(h: Harness) -> None:
+    from aiohttp import web
+    from trajmesh.envs.external_agent import AgentRunner
+
+    async def agent(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["task"]["prompt"] == "fail":
+            return web.Response(status=500)
+        client = openai.AsyncOpenAI(base_url=body["base_url"], api_key=body["api_key"])
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": body["task"]["prompt"]}], max_tokens=3)
+        return web.json_response({"answer": reply.choices[0].message.content})
+
+    async def scenario() -> list[Any]:
+        runner_http = web.AppRunner(web.Application())
+        runner_http.app.router.add_post("/run", agent)
+        await runner_http.setup()
+        port = free_port()
+        await web.TCPSite(runner_http, "127.0.0.1", port).start()
+        try:
+            runner = AgentRunner(h.ep, h.url)
+            ok = await runner.run(_task("Say hi."), f"http://127.0.0.1:{port}/run", 120, session_id="http1")
+            bad = await runner.run(_task("fail"), f"http://127.0.0.1:{port}/run", 120, session_id="http2")
+            return [ok, bad]
+        finally:
+            await runner_http.cleanup()
+
+    before = len(h.engine.records)
+    (trajs, outcome), (bad_trajs, bad) = asyncio.run(scenario())
+    assert outcome.terminal_reason == trajectory_pb2.EOS, outcome.detail
+    (traj,) = trajs
+    assert _sampled(traj) == [h.engine.records[before][1]]
+    assert bad.terminal_reason == trajectory_pb2.INFRA_FAILURE and bad_trajs == []
+
+
+def test_api_key_is_checked_when_set(h: Harness) -> None:
+    h.ep.open_session("key1")
+    h.ep.api_key = "secret"
+    try:
+        with pytest.raises(openai.AuthenticationError) as err:
+            h.openai("key1", max_retries=0).completions.create(model="tiny", prompt="Say hi.", max_tokens=2)
+        assert err.value.response.json()["error"]["type"] == "authentication_error"
+        ok = openai.OpenAI(base_url=h.base("key1"), api_key="secret").completions.create(
+            model="tiny", prompt="Say hi.", max_tokens=2, logprobs=1)
+        assert ok.choices[0].logprobs is not None and len(ok.choices[0].logprobs.token_logprobs) >= 1
+    finally:
+        h.ep.api_key = None
