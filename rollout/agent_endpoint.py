@@ -39,7 +39,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from trajmesh.rollout.agent_session import AgentSession, Call, PromptPlan
 from trajmesh.rollout.chat_format import ChatFormat
 from trajmesh.rollout.generation import EngineFailed, PauseClock, Turn, TurnSampler
@@ -385,7 +385,6 @@ async def chat_completions(ep: AgentEndpoint, session: AgentSession, body: dict[
     messages, tools = chat_messages(body), _tool_schemas(body.get("tools"), "chat")
     n = body.get("n") or 1
     _require(isinstance(n, int) and 1 <= n <= 16, "n must be an integer in [1, 16]", "n")
-    _require(not body.get("stream"), "stream is not supported", "stream")
     params = ep.sampling(body, max_key="max_tokens")
     plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
     call, samples = await ep.generate(session, "chat", plan, params, n, request)
@@ -458,7 +457,6 @@ async def responses(ep: AgentEndpoint, session: AgentSession, body: dict[str, An
 
 async def messages(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any], request: Request) -> dict[str, Any]:
     _require(isinstance(body.get("max_tokens"), int), "max_tokens: field required", "max_tokens")
-    _require(not body.get("stream"), "stream is not supported", "stream")
     msgs, tools = anthropic_messages(body), _tool_schemas(body.get("tools"), "messages")
     params = ep.sampling(body, max_key="max_tokens", stop_key="stop_sequences")
     plan = session.chat_prompt(msgs, tools, lambda m, gen: ep.render(m, tools, gen))
@@ -473,6 +471,54 @@ async def messages(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any
             "model": ep.model_name, "content": content, "stop_reason": stop, "stop_sequence": s.stop_string,
             "usage": {"input_tokens": p, "output_tokens": n}}
 
+
+def _sse(data: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def chat_stream(resp: dict[str, Any], include_usage: bool) -> list[str]:
+    """A finished chat completion as Server-Sent Events chunks (generated first, then sent: the
+    stream carries the whole answer in one delta per choice)."""
+    head = {k: resp[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    out = []
+    for c in resp["choices"]:
+        msg = c["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+        if msg.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
+        out.append(_sse({**head, "choices": [{"index": c["index"], "delta": delta, "logprobs": c["logprobs"],
+                                              "finish_reason": None}]}))
+        out.append(_sse({**head, "choices": [{"index": c["index"], "delta": {}, "logprobs": None,
+                                              "finish_reason": c["finish_reason"]}]}))
+    if include_usage:
+        out.append(_sse({**head, "choices": [], "usage": resp["usage"]}))
+    return [*out, _sse("[DONE]")]
+
+
+def messages_stream(resp: dict[str, Any], include_usage: bool) -> list[str]:
+    """A finished Anthropic message as its streaming events (one delta per content block)."""
+    start = {**resp, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": resp["usage"]["input_tokens"], "output_tokens": 0}}
+    out = [_sse({"type": "message_start", "message": start}, "message_start")]
+    for i, block in enumerate(resp["content"]):
+        first: dict[str, Any]
+        if block["type"] == "text":
+            first, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+        else:
+            first = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        out.append(_sse({"type": "content_block_start", "index": i, "content_block": first}, "content_block_start"))
+        out.append(_sse({"type": "content_block_delta", "index": i, "delta": delta}, "content_block_delta"))
+        out.append(_sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
+    out.append(_sse({"type": "message_delta", "delta": {"stop_reason": resp["stop_reason"],
+                                                        "stop_sequence": resp["stop_sequence"]},
+                     "usage": {"output_tokens": resp["usage"]["output_tokens"]}}, "message_delta"))
+    return [*out, _sse({"type": "message_stop"}, "message_stop")]
+
+
+STREAMED = {"chat": chat_stream, "messages": messages_stream}
+"""APIs that take ``stream: true`` (the answer is generated, then sent as events)."""
 
 HANDLERS = {"chat/completions": ("chat", chat_completions), "completions": ("completions", completions),
             "responses": ("responses", responses), "messages": ("messages", messages)}
@@ -492,7 +538,7 @@ def _authorized(ep: AgentEndpoint, request: Request) -> bool:
     return bearer == f"Bearer {ep.api_key}" or request.headers.get("x-api-key") == ep.api_key
 
 
-async def _dispatch(ep: AgentEndpoint, path: str, sid: str | None, request: Request) -> JSONResponse:
+async def _dispatch(ep: AgentEndpoint, path: str, sid: str | None, request: Request) -> Response:
     api, handler = HANDLERS[path]
     try:
         if not _authorized(ep, request):
@@ -505,7 +551,12 @@ async def _dispatch(ep: AgentEndpoint, path: str, sid: str | None, request: Requ
         except ValueError:
             raise ApiError(400, "the body is not valid JSON") from None
         _require(isinstance(body, dict), "the body must be a JSON object")
-        return JSONResponse(await handler(ep, session, body, request))
+        _require(not body.get("stream") or api in STREAMED, f"stream is not supported on {path}", "stream")
+        result = await handler(ep, session, body, request)
+        if body.get("stream"):
+            events = STREAMED[api](result, bool((body.get("stream_options") or {}).get("include_usage")))
+            return StreamingResponse(iter(events), media_type="text/event-stream")
+        return JSONResponse(result)
     except ApiError as err:
         return JSONResponse(_error_body(api, err), status_code=err.status)
 
@@ -515,10 +566,10 @@ def create_app(ep: AgentEndpoint) -> FastAPI:
     app = FastAPI(title="trajmesh agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
     def bind(path: str) -> None:
-        async def with_sid(sid: str, request: Request) -> JSONResponse:
+        async def with_sid(sid: str, request: Request) -> Response:
             return await _dispatch(ep, path, sid, request)
 
-        async def with_header(request: Request) -> JSONResponse:
+        async def with_header(request: Request) -> Response:
             return await _dispatch(ep, path, None, request)
 
         app.add_api_route(f"/sessions/{{sid}}/v1/{path}", with_sid, methods=["POST"])

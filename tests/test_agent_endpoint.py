@@ -453,3 +453,24 @@ def test_api_key_is_checked_when_set(h: Harness) -> None:
         assert ok.choices[0].logprobs is not None and len(ok.choices[0].logprobs.token_logprobs) >= 1
     finally:
         h.ep.api_key = None
+
+
+def test_streaming_clients_get_the_whole_answer(h: Harness) -> None:
+    h.ep.open_session("stream1")
+    tools = [{"type": "function", "function": ADD_FN}]
+    chunks = list(h.openai("stream1").chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": QUESTION}], tools=tools, temperature=0, max_tokens=64,
+        stream=True, stream_options={"include_usage": True}))
+    calls = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("add", {"a": 2, "b": 3})]
+    assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["tool_calls"]
+    assert chunks[-1].usage.completion_tokens == len(h.script["call"])
+    h.ep.open_session("stream2")
+    client = anthropic.Anthropic(base_url=f"{h.url}/sessions/stream2", api_key="unused", timeout=120)
+    a_tools = [{"name": ADD_FN["name"], "description": ADD_FN["description"], "input_schema": ADD_FN["parameters"]}]
+    with client.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": QUESTION}],
+                                tools=a_tools, extra_body={"temperature": 0}) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == [("add", {"a": 2, "b": 3})]
+    assert message.usage.output_tokens == len(h.script["call"])
