@@ -67,7 +67,7 @@ INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
 ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
                        "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
-AGENT_SEGMENTS_DROPPED = Counter("trajmesh_rollout_agent_segments_dropped_total",
+AGENT_SEGMENTS_DROPPED = Counter("trajmesh_rollout_agent_dropped_trajectories_total",
                                  "Segments of an external agent's session other than its final one (not published)")
 ENV_STEP_TIMEOUT_S = 120.0
 """gRPC deadline of one Reset/Step (a sandboxed tool call is bounded well below it)."""
