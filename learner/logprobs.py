@@ -95,7 +95,7 @@ def naive_token_stats(logits_BTV: Tensor, input_ids_BT: Tensor, temperature: flo
     return torch.cat([zeros, logp], dim=1), torch.cat([zeros, ent], dim=1)
 
 
-def _splittable(model: nn.Module) -> bool:
+def _splittable(model: Any) -> bool:
     """Whether logits == get_output_embeddings()(get_decoder()(...).last_hidden_state)."""
     if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
         return False
@@ -113,7 +113,7 @@ class PolicyLogprobs(nn.Module):
 
     def __init__(self, policy: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__()
-        self.policy = policy
+        self.policy: Any = policy  # the HF model (typed Any: nn.Module attributes type as Tensor | Module)
         self.chunk_tokens = int(chunk_tokens)
         self.split_head = _splittable(policy)
 

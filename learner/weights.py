@@ -121,7 +121,8 @@ def export_policy(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: t
             fh.close()
     if not write:
         return None
-    config = copy.deepcopy(model.config)
+    hf_config: Any = model.config  # a PretrainedConfig (nn.Module's typing says Tensor | Module)
+    config = copy.deepcopy(hf_config)
     if dtype is not None:  # the dtype the weights are stored in, as from_pretrained(dtype="auto") reads it
         setattr(config, next(iter(dtype_kwarg(dtype))), dtype)
     config.save_pretrained(str(out))

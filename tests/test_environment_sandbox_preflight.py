@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from trajmesh.services.environment import EnvironmentService
 
 from trajmesh import sandbox
 from trajmesh.config import load_config
-from trajmesh.services.environment import EnvironmentService
 
 
 def _setup(overrides: dict) -> EnvironmentService:
