@@ -112,6 +112,13 @@ def lr_at(step: int, lr: float, warmup_steps: int) -> float:
     return lr * warmup_factor(step, warmup_steps)
 
 
+def wants_deterministic(setting: str, *, cuda: bool) -> bool:
+    """`learner.deterministic`: "on"/"off", or "auto" = on on CPU (bitwise resume), off on CUDA."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"learner.deterministic must be auto, on or off, got {setting!r}")
+    return setting == "on" or (setting == "auto" and not cuda)
+
+
 def seed_everything(seed: int, *, deterministic: bool = True) -> None:
     """Seed python ``random``, numpy and torch; optionally ask torch for deterministic kernels.
 

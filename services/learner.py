@@ -38,7 +38,7 @@ from trajmesh.learner.models import load_causal_lm
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.step import StepPlan, advantages_BT, build_batch, split_stale, train_batch
-from trajmesh.learner.train_engine import build_train_engine
+from trajmesh.learner.train_engine import build_train_engine, wants_deterministic
 from trajmesh.learner.weights import export_policy, sha256_file
 
 from trajmesh import security
@@ -162,6 +162,7 @@ class LearnerService(Service):
             PolicyLogprobs(model, lc.logprob_chunk_tokens), type=lc.engine.type, lr=lc.lr,
             warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay, grad_clip=lc.grad_clip,
             zero_stage=lc.engine.zero_stage, seed=lc.seed, precision=precision,
+            deterministic=wants_deterministic(lc.deterministic, cuda=cuda),
         )
         self.precision = precision
         self.plan = StepPlan(micro_batch_tokens=lc.micro_batch_tokens, minibatches=lc.ppo.minibatches,

@@ -294,3 +294,18 @@ def test_accumulated_micro_batches_equal_one_batch(world, typ, stage):
     pa, pb = a.full_state_dict(), b.full_state_dict()
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("setting", "cuda", "expected"), [
+    ("auto", False, True), ("auto", True, False), ("on", True, True), ("off", False, False)])
+def test_deterministic_kernels_only_when_asked_on_gpu(setting: str, cuda: bool, expected: bool) -> None:
+    from trajmesh.learner.train_engine import wants_deterministic
+
+    assert wants_deterministic(setting, cuda=cuda) is expected
+
+
+def test_deterministic_setting_rejects_unknown_values() -> None:
+    from trajmesh.learner.train_engine import wants_deterministic
+
+    with pytest.raises(ValueError, match="auto, on or off"):
+        wants_deterministic("sometimes", cuda=False)

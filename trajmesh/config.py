@@ -414,6 +414,9 @@ class LearnerConfig(_Strict):
     slower than eager at the demo's tiny shapes on CPU)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward (HF gradient checkpointing)."""
+    deterministic: Literal["auto", "on", "off"] = "auto"
+    """torch.use_deterministic_algorithms in the learner: auto = on on CPU (bitwise resume, the fault
+    tests' comparison), off on CUDA (deterministic GPU kernels are slower and some ops have none)."""
     micro_batch_tokens: int = Field(16384, ge=1)
     """Padded tokens (rows x longest row) per forward/backward; an update's micro-batches
     accumulate gradients, each loss scaled by the update's global counts (exact). The default
