@@ -12,7 +12,6 @@ the prompt part is what ``encode_prompt`` returns, the assistant part what ``enc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -141,19 +140,6 @@ def load_model(model_dir: str | os.PathLike) -> tuple[Any, Any]:
     model = load_causal_lm(model_dir, dtype=torch.float32, attn_implementation="eager")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return model, tokenizer
-
-
-def eos_token_ids(model_dir: str | os.PathLike, tokenizer: Any) -> list[int]:
-    """Every id that ends a generation: the tokenizer's EOS and ``generation_config.json``'s
-    ``eos_token_id`` (an int or a list: chat models often stop on an end-of-turn token too)."""
-    ids = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
-        extra = json.loads(path.read_text()).get("eos_token_id")
-        for i in extra if isinstance(extra, list) else [extra] if extra is not None else []:
-            if int(i) not in ids:
-                ids.append(int(i))
-    return ids
 
 
 def num_parameters(model: torch.nn.Module) -> int:

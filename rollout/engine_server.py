@@ -52,6 +52,16 @@ log = logging.getLogger("trajmesh.rollout.engine_server")
 QUEUE_LIMIT = 4096
 
 
+def model_eos_ids(model: Any, tokenizer_eos_id: int | None) -> set[int]:
+    """Every EOS id of the loaded model — its config's, its generation config's (generation_config.json:
+    chat models stop on an end-of-turn token too) — and the tokenizer's. SGLang stops on all of them."""
+    ids = {int(tokenizer_eos_id)} if tokenizer_eos_id is not None else set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        ids |= {int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None}
+    return ids
+
+
 @dataclass
 class _Request:
     rid: str
@@ -196,17 +206,11 @@ class TorchEngineServer:
             [r.input_ids for r in batch],
             [r.params for r in batch],
             pad_id=self.tokenizer.pad_token_id,
-            eos_ids=self._eos_ids(model),
+            eos_ids=model_eos_ids(model, self.tokenizer.eos_token_id),
             decode=self.tokenizer.decode,
             generator=self._generator,
             should_abort=self._abort_round.is_set,
         )
-
-    def _eos_ids(self, model: Any) -> set[int]:
-        """Every EOS id of the model's config and tokenizer (SGLang stops on all of them)."""
-        ids = model.config.eos_token_id
-        ids = set(ids) if isinstance(ids, (list, tuple)) else {ids} if ids is not None else set()
-        return ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
 
     @property
     def context_len(self) -> int:

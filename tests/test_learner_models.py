@@ -21,7 +21,6 @@ from trajmesh.learner.models import (
     build_char_tokenizer,
     dtype_kwarg,
     encode_prompt,
-    eos_token_ids,
     load_causal_lm,
     load_model,
 )
@@ -127,8 +126,13 @@ def test_from_pretrained_dtype_keyword_by_transformers_version() -> None:
 
 
 def test_eos_ids_include_generation_config(qwen2_dir: Path) -> None:
+    from trajmesh.rollout.chat_format import model_stop_ids
+    from trajmesh.rollout.engine_server import model_eos_ids
+
     tok = AutoTokenizer.from_pretrained(str(qwen2_dir))
-    assert eos_token_ids(qwen2_dir, tok) == [tok.eos_token_id, EXTRA_EOS]
+    assert EXTRA_EOS != tok.eos_token_id
+    assert model_stop_ids(qwen2_dir, tok.eos_token_id) >= {tok.eos_token_id, EXTRA_EOS}  # the rollout's stops
+    assert model_eos_ids(load_causal_lm(qwen2_dir), tok.eos_token_id) >= {tok.eos_token_id, EXTRA_EOS}  # the engine's
 
 
 def _free_port() -> int:
