@@ -91,6 +91,12 @@ for _reason in trajectory_pb2.TerminalReason.keys():  # exported at 0 so rates e
 class RolloutService(Service):
     name = "rollout"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots = asyncio.Semaphore(self.cfg.rollout.concurrent_tasks)
+        """One permit per task this process works on at once (rollout.concurrent_tasks)."""
+        self.inflight: set[asyncio.Task[None]] = set()
+
     async def setup(self) -> None:
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.model.path
@@ -100,8 +106,9 @@ class RolloutService(Service):
         # and every id that ends a turn (EOS ids of the tokenizer and generation config, end of turn).
         self.chat = ChatFormat.load(cfg.model.path)
         self.stop_ids = model_stop_ids(cfg.model.path, self.tokenizer.eos_token_id)
-        if self.chat is not None and self.tokenizer.tokenizer.token_to_id(self.chat.turn_end()) is not None:
-            self.stop_ids.add(int(self.tokenizer.tokenizer.token_to_id(self.chat.turn_end())))
+        turn_end_id = self.tokenizer.tokenizer.token_to_id(self.chat.turn_end()) if self.chat is not None else None
+        if turn_end_id is not None:
+            self.stop_ids.add(int(turn_end_id))
         # The engine starts from the base model (always present) as version 0; a late joiner then
         # loads the newest announced weights in weights_loop before it samples any task admitted
         # at that version (_wait_for_version).
@@ -129,8 +136,6 @@ class RolloutService(Service):
         self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
-        self.slots = asyncio.Semaphore(cfg.rollout.concurrent_tasks)
-        self.inflight: set[asyncio.Task[None]] = set()
         POLICY_VERSION.set(self.version)
         self.agents: AgentRunner | None = None
         """Runs external agents through the agent endpoint (None: no external_agent source)."""
@@ -253,9 +258,10 @@ class RolloutService(Service):
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.inflight.discard(task)
         self.slots.release()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("rollout task crashed: %r", task.exception())
-            self.stopping.set()  # fail loudly: the launcher sees the exit and the task is redelivered
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.error("rollout task crashed: %r", error)
+            self.fail(error)  # exit non-zero naming the error; the launcher restarts, the task is redelivered
 
     async def _handle(self, msg: Any) -> None:
         INFLIGHT.inc()
