@@ -363,7 +363,7 @@ class RolloutService(Service):
         traj.pb.environment_revision = reset.environment_revision  # the serving environment's own
         traj.pb.state_hashes.append(reset.state_hash)
         seed = sampling_seed(self.cfg.seed, task.task_id, index)
-        context = self._prompt_ids(reset.observation)
+        context = self._prompt_ids(reset.observation, json.loads(task.metadata_json or "{}").get("tools"))
         traj.append_prompt(context, turn_index=0)
         reason = trajectory_pb2.MAX_TURNS
         env_seconds = 0.0
@@ -416,10 +416,11 @@ class RolloutService(Service):
         EPISODE_SECONDS.observe(time.perf_counter() - start)
         return traj
 
-    def _prompt_ids(self, observation: str) -> list[int]:
-        """The first context: the chat template's user turn + generation prompt, or BOS + text."""
+    def _prompt_ids(self, observation: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The first context: the chat template's user turn + generation prompt (with the task's tool
+        schemas for a template that renders them), or BOS + text."""
         if self.chat is not None:
-            return self.tokenizer.encode(self.chat.prompt(observation))
+            return self.tokenizer.encode(self.chat.prompt(observation, tools=tools))
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         return bos + self.tokenizer.encode(observation)
 
