@@ -132,13 +132,21 @@ class Mesh:
         return started
 
     def stop_services(self, grace_s: float = 30.0) -> None:
-        """SIGTERM every service, wait up to ``grace_s``, then SIGKILL each one's whole process group
-        (its engine and anything else it started), whether the service stopped in time or not."""
-        for p in reversed(self.procs):
+        """SIGTERM the learner first and wait for it (it finishes its step and reports it to the
+        store, then checkpoints: with the store stopped at the same moment a trained step could go
+        unreported), then every other service; each gets up to ``grace_s``, then SIGKILL of its whole
+        process group (its engine and anything else it started), stopped in time or not."""
+        learners = [p for p in self.procs if p.name == "learner"]
+        self._stop(learners, grace_s)
+        self._stop([p for p in self.procs if p.name != "learner"], grace_s)
+
+    @staticmethod
+    def _stop(procs: list[Proc], grace_s: float) -> None:
+        for p in reversed(procs):
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for p in reversed(self.procs):
+        for p in reversed(procs):
             try:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
