@@ -100,6 +100,22 @@ def native_request(call: ToolCall) -> str:
     return json.dumps({"name": call.name, "arguments": call.arguments}, sort_keys=True)
 
 
+def single_string_argument(native: NativeAction, h: str, tool: str, argument: str) -> str | StepResult:
+    """For an environment with one tool taking one string argument: that argument of the turn's
+    native call, or the StepResult answering a malformed block (parser error) or a call of another
+    shape (invalid action `schema`)."""
+    if native.call is None:
+        return StepResult(f"error: {native.error}", False, h, info={"action_type": "TOOL_CALL", "parser_error": True})
+    value = native.call.arguments.get(argument)
+    if native.call.name != tool or not isinstance(value, str) or set(native.call.arguments) != {argument}:
+        obs = f'error: the only tool is {tool} with one string argument "{argument}"; got {native.call.name!r}'
+        return StepResult(obs, False, h, info={
+            "action_type": "TOOL_CALL", "invalid_action": "schema",
+            "tool_call": {"name": native.call.name, "request": native_request(native.call), "response": obs,
+                          "status": "invalid", "latency_s": 0.0, "native": True}})
+    return value
+
+
 class SingleAnswerEnv:
     """One turn: the observation is the prompt, the action is the answer, then the episode ends.
 

@@ -28,8 +28,8 @@ from trajmesh.envs.base import (
     first_tag,
     function_schemas,
     native_instruction,
-    native_request,
     parse_native,
+    single_string_argument,
     state_hash,
 )
 
@@ -75,17 +75,8 @@ class MathToolEnv:
 
     def _native(self, native: NativeAction, h: str) -> StepResult:
         """A ``<tool_call>`` turn: the python tool's ``code`` argument runs like a ``<code>`` block."""
-        if native.call is None:
-            return StepResult(f"error: {native.error}", False, h,
-                              info={"action_type": "TOOL_CALL", "parser_error": True})
-        code = native.call.arguments.get("code")
-        if native.call.name != "python" or not isinstance(code, str) or set(native.call.arguments) != {"code"}:
-            obs = f'error: the only tool is python with one string argument "code"; got {native.call.name!r}'
-            return StepResult(obs, False, h, info={
-                "action_type": "TOOL_CALL", "invalid_action": "schema",
-                "tool_call": {"name": native.call.name, "request": native_request(native.call), "response": obs,
-                              "status": "invalid", "latency_s": 0.0, "native": True}})
-        return self._run(code, h, native=True)
+        code = single_string_argument(native, h, "python", "code")
+        return code if isinstance(code, StepResult) else self._run(code, h, native=True)
 
     def _run(self, code: str, h: str, *, native: bool) -> StepResult:
         """Runs `code` in the sandbox; the answer is wrapped in ``<output>`` unless it goes back as a

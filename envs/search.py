@@ -25,8 +25,8 @@ from trajmesh.envs.base import (
     first_tag,
     function_schemas,
     native_instruction,
-    native_request,
     parse_native,
+    single_string_argument,
     state_hash,
 )
 
@@ -138,17 +138,8 @@ class SearchEnv:
 
     def _native(self, native: NativeAction, h: str) -> StepResult:
         """A ``<tool_call>`` turn: the search tool's ``query`` argument searches like ``<search>``."""
-        if native.call is None:
-            return StepResult(f"error: {native.error}", False, h,
-                              info={"action_type": "TOOL_CALL", "parser_error": True})
-        query = native.call.arguments.get("query")
-        if native.call.name != "search" or not isinstance(query, str) or set(native.call.arguments) != {"query"}:
-            obs = f'error: the only tool is search with one string argument "query"; got {native.call.name!r}'
-            return StepResult(obs, False, h, info={
-                "action_type": "TOOL_CALL", "invalid_action": "schema",
-                "tool_call": {"name": native.call.name, "request": native_request(native.call), "response": obs,
-                              "status": "invalid", "latency_s": 0.0, "native": True}})
-        return self._search(query, h, native=True)
+        query = single_string_argument(native, h, "search", "query")
+        return query if isinstance(query, StepResult) else self._search(query, h, native=True)
 
     def _search(self, query: str, h: str, *, native: bool) -> StepResult:
         """The top-k passages, inside ``<information>`` unless they go back as a native tool message."""

@@ -28,9 +28,9 @@ import redis.asyncio
 
 __all__ = ["AsyncStalenessGate", "GateCounters", "StalenessGate"]
 
-# KEYS: version, accepted, running. ARGV: n, eta, batch_size, max_concurrent (-1 = no cap).
-# Returns {admitted (0/1), capacity before admitting}.
-_TRY_ADMIT = """
+# The capacity both admission scripts compute. KEYS[1..3]: version, accepted, running. ARGV[1..4]:
+# n, eta, batch_size, max_concurrent (-1 = no cap). capacity = (eta + v + 1)·B − (accepted + running).
+_CAPACITY = """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local running = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -38,6 +38,10 @@ local n = tonumber(ARGV[1])
 local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3]) - (accepted + running)
 local max_concurrent = tonumber(ARGV[4])
 if max_concurrent >= 0 then cap = math.min(cap, max_concurrent - running) end
+"""
+
+# KEYS and ARGV as _CAPACITY. Returns {admitted (0/1), capacity before admitting}.
+_TRY_ADMIT = _CAPACITY + """
 if cap >= n then
   redis.call('INCRBY', KEYS[3], n)
   return {1, cap}
@@ -60,14 +64,7 @@ return redis.call('GET', KEYS[2])
 # admission version (the score of the group in the pending set).
 # try_admit plus the admission's record in one step: a store killed between admitting and
 # recording can no longer leave `running` counting a task nobody will ever finish.
-_TRY_ADMIT_RECORDED = """
-local v = tonumber(redis.call('GET', KEYS[1]) or '0')
-local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
-local running = tonumber(redis.call('GET', KEYS[3]) or '0')
-local n = tonumber(ARGV[1])
-local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3]) - (accepted + running)
-local max_concurrent = tonumber(ARGV[4])
-if max_concurrent >= 0 then cap = math.min(cap, max_concurrent - running) end
+_TRY_ADMIT_RECORDED = _CAPACITY + """
 if cap < n then return {0, cap} end
 redis.call('INCRBY', KEYS[3], n)
 redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
