@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_llama import tiny_llama
 from trajmesh.learner import step
 from trajmesh.learner.microbatch import balanced_split, global_counts, pack_micro_batches
 from trajmesh.learner.objective import ObjectiveConfig, decoupled_ppo_loss
 from trajmesh.learner.train_engine import build_train_engine
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).float()
+    return tiny_llama()
 
 
 def _batch() -> step.Batch:

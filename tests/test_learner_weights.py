@@ -12,20 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_llama import tiny_llama
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed
 from trajmesh.learner.weights import export_policy
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).float()
+    return tiny_llama()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
