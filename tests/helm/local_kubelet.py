@@ -195,9 +195,10 @@ class LocalKubelet:
     def _argv(self, pod: Pod, container: dict[str, Any], mounts: list[tuple[str, Path]]) -> list[str]:
         command = list(container.get("command") or [])
         args = [self.rewrite(a, pod, mounts) for a in container.get("args") or []]
-        if not command:  # the image's entrypoint: the chart runs nats with args only
-            command = [self.binaries[container["name"]]]
-        command = [self.rewrite(c, pod, mounts) for c in command]
+        if command:
+            command = [self.rewrite(c, pod, mounts) for c in command]
+        else:  # the image's entrypoint (the chart runs nats with args only): a host path, never
+            command = [self.binaries[container["name"]]]  # rewritten (a checkout under /tmp is not the pod's /tmp)
         if command[0] == "python":
             command[0] = sys.executable
         named = " ".join(command + args)
