@@ -406,6 +406,12 @@ class PpoConfig(_Strict):
 class LearnerConfig(_Strict):
     engine: TrainEngineConfig = Field(default_factory=TrainEngineConfig)
     """Optimizer backend and ZeRO stage."""
+    world_size: int = Field(1, ge=1, le=4096)
+    """Data-parallel learner ranks (torch.distributed; gloo on CPU, NCCL on GPU). Locally the launcher
+    starts this many learner processes; on Kubernetes it is learner.replicaCount x learner.gpus.
+    Rank 0 alone talks to the store and publishes weights; each batch is split over the ranks by
+    tokens. More than 1 needs learner.engine.type deepspeed and a batch of at least this many
+    trajectories."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Training dtype: bf16 compute with fp32 master weights, or fp32; auto = bf16 on CUDA, fp32 on
     CPU. Weights are published in the training dtype."""
@@ -564,6 +570,13 @@ class RunConfig(_Strict):
         obj = self.learner.objective
         if obj.mis_low >= obj.mis_high:
             raise ValueError("learner.objective: mis_low must be < mis_high")
+        ws = self.learner.world_size
+        if ws > 1 and self.learner.engine.type != "deepspeed":
+            raise ValueError(f"learner.world_size {ws} needs learner.engine.type: deepspeed "
+                             "(the torch engine does not average gradients over ranks)")
+        if ws > self.batch_trajectories:
+            raise ValueError(f"learner.world_size {ws} is larger than a batch ({self.batch_trajectories} "
+                             "trajectories = learner.batch_groups x tasks.group_size): every rank needs rows")
         return self
 
     @property
