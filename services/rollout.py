@@ -96,11 +96,28 @@ class RolloutService(Service):
         self.slots = asyncio.Semaphore(self.cfg.rollout.concurrent_tasks)
         """One permit per task this process works on at once (rollout.concurrent_tasks)."""
         self.inflight: set[asyncio.Task[None]] = set()
+        # What setup() opens, None (empty) until then, so stop() after a failed setup closes only what exists.
+        self.bus: busmod.Bus | None = None
+        self.engine: CoalescingEngine | SyntheticEngine | None = None
+        self.engine_proc: subprocess.Popen[bytes] | None = None
+        """The built-in torch engine this process started (None: an external or synthetic engine)."""
+        self.channels: list[grpc.aio.Channel] = []
+        self.agent_server: Any = None
+        """The agent endpoint's uvicorn server (None: no external_agent source)."""
+        self.agent_serve_task: asyncio.Task[None] | None = None
+
+    def _live_bus(self) -> busmod.Bus:
+        assert self.bus is not None, "used before setup()"
+        return self.bus
+
+    def _live_engine(self) -> CoalescingEngine | SyntheticEngine:
+        assert self.engine is not None, "used before setup()"
+        return self.engine
 
     async def setup(self) -> None:
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.model.path
-        self.bus = await security.connect_bus(cfg, "rollout", name=self.worker_id)
+        bus = self.bus = await security.connect_bus(cfg, "rollout", name=self.worker_id)
         self.tokenizer = load_tokenizer(cfg.model.path)
         # The model's own chat format when it has a template (None: BOS + raw observation text),
         # and every id that ends a turn (EOS ids of the tokenizer and generation config, end of turn).
@@ -114,28 +131,27 @@ class RolloutService(Service):
         # at that version (_wait_for_version).
         self.version = 0
         model_path = cfg.model.path
-        self.engine_proc: subprocess.Popen[bytes] | None = None
-        self.engine: CoalescingEngine | SyntheticEngine
+        engine: CoalescingEngine | SyntheticEngine
         if cfg.rollout.engine.type == "synthetic":
-            self.engine = SyntheticEngine(self.tokenizer.vocab_size, self.tokenizer.eos_token_id,
+            engine = self.engine = SyntheticEngine(self.tokenizer.vocab_size, self.tokenizer.eos_token_id,
                                           seed=cfg.seed * 101 + self.replica, version=self.version)
         else:
             url = cfg.rollout.engine.url
             if url is None:
                 url = self._start_torch_engine(model_path, self.version)
             # The G samples of a group (and of concurrent groups) reach the engine as batch requests.
-            self.engine = CoalescingEngine(EngineClient(url), window_s=cfg.rollout.engine.batch_window_ms / 1000)
+            engine = self.engine = CoalescingEngine(EngineClient(url), window_s=cfg.rollout.engine.batch_window_ms / 1000)
             await self._wait_engine()
         # Pauses for weight loads: a request the pause aborts waits and resubmits; the time paused
         # does not count against request_timeout_s.
         self.pause = PauseClock()
-        context_len = await self.engine.context_length()
-        self.sampler = TurnSampler(self.engine, cfg.rollout.engine, stop_ids=self.stop_ids,
+        context_len = await engine.context_length()
+        self.sampler = TurnSampler(engine, cfg.rollout.engine, stop_ids=self.stop_ids,
                                    pause=self.pause, context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
         self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
-        self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
+        self.consumer = await bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
         POLICY_VERSION.set(self.version)
         self.agents: AgentRunner | None = None
         """Runs external agents through the agent endpoint (None: no external_agent source)."""
@@ -166,29 +182,28 @@ class RolloutService(Service):
         while time.monotonic() < deadline:
             if self.engine_proc is not None and self.engine_proc.poll() is not None:
                 raise RuntimeError(f"torch engine exited with {self.engine_proc.returncode}; see logs/engine-*.log")
-            if await self.engine.health():
+            if await self._live_engine().health():
                 return
             await asyncio.sleep(0.2)
-        raise TimeoutError(f"engine at {self.engine.base_url} not healthy after {timeout_s}s")
+        raise TimeoutError(f"engine at {self._live_engine().base_url} not healthy after {timeout_s}s")
 
     async def run(self) -> None:
         await supervise(self.weights_loop(), self.task_loop(), self.utilization_loop())
 
     async def stop(self) -> None:
-        for t in list(getattr(self, "inflight", ())):
+        for t in list(self.inflight):
             t.cancel()
-        if self.__dict__.get("agent_server") is not None:
+        if self.agent_server is not None and self.agent_serve_task is not None:
             self.agent_server.should_exit = True
             await self.agent_serve_task
-        if hasattr(self, "engine"):
+        if self.engine is not None:
             await self.engine.close()
-        for c in getattr(self, "channels", []):
+        for c in self.channels:
             await c.close()
-        if hasattr(self, "bus"):
+        if self.bus is not None:
             await self.bus.close()
-        if self.__dict__.get("engine_proc") is not None:
+        if self.engine_proc is not None:
             proc = self.engine_proc
-            assert proc is not None
             proc.terminate()
             try:
                 proc.wait(timeout=10)
@@ -204,7 +219,7 @@ class RolloutService(Service):
 
         async def watch() -> None:
             """Consumes the KV watch; replaces the pending announcement; unblocks load()."""
-            async for raw in self.bus.watch_weights(include_current=True):
+            async for raw in self._live_bus().watch_weights(include_current=True):
                 newest.offer(trajectory_pb2.WeightsAnnouncement.FromString(raw))
 
         async def load() -> None:
@@ -221,21 +236,22 @@ class RolloutService(Service):
         continue; they resubmit prompt + partial output under the new version."""
         start = time.perf_counter()
         self.pause.pause()
-        await self.engine.pause()
+        engine = self._live_engine()
+        await engine.pause()
         try:
-            await self.engine.update_weights_from_disk(ann.path, int(ann.version))
+            await engine.update_weights_from_disk(ann.path, int(ann.version))
         except EngineError as exc:
             # E.g. the learner pruned that version before we got to it: a newer announcement
             # follows; the per-token lag check bounds what the old weights sample meanwhile.
             WEIGHT_UPDATE_FAILURES.inc()
             log.warning("could not load weights v%d (%s); waiting for the next version", ann.version, exc)
-            await self.engine.resume()
+            await engine.resume()
             self.pause.resume()
             return
         self.version = int(ann.version)
         async with self.version_changed:
             self.version_changed.notify_all()
-        await self.engine.resume()
+        await engine.resume()
         self.pause.resume()
         WEIGHT_UPDATES.inc()
         WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - start)
@@ -275,7 +291,7 @@ class RolloutService(Service):
             finally:
                 heartbeat.cancel()
             for traj in trajs:
-                await self.bus.publish(busmod.SUBJECT_TRAJ_RAW, traj.to_bytes(), msg_id=traj.trajectory_id)
+                await self._live_bus().publish(busmod.SUBJECT_TRAJ_RAW, traj.to_bytes(), msg_id=traj.trajectory_id)
                 TRAJECTORIES.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
             await msg.ack()
         finally:
