@@ -227,10 +227,33 @@ class GateConfig(_Strict):
     """Optional cap on trajectories in flight."""
 
 
+class SyntheticTiming(_Strict):
+    """Benchmark model of a GPU inference engine for the synthetic engine (bench/bench_systems.py):
+    it sleeps the modelled time instead of computing, so it takes no CPU from the other services.
+    Running sequences decode together, one token each per step (continuous batching: a request
+    joins at the next step boundary); a step of B sequences takes
+    decode_step_s + step_s_per_sequence·B seconds. All zero: instant answers (load tests)."""
+
+    decode_step_s: float = Field(0.0, ge=0)
+    """Seconds of one decode step, whatever the batch (a memory-bound GPU step); 0: no decode time."""
+    step_s_per_sequence: float = Field(0.0, ge=0)
+    """Extra seconds per running sequence in each decode step (the batch's share of compute)."""
+    max_batch: int = Field(256, ge=1)
+    """Sequences decoded at once; further requests queue until one finishes."""
+    length_median: int = Field(0, ge=0)
+    """Median response length in tokens, log-normal (long-tailed), capped at the turn's
+    max_new_tokens; a shorter response ends with EOS. 0: every response runs to max_new_tokens."""
+    length_sigma: float = Field(1.0, ge=0)
+    """Log-normal shape of the response length (p99 ≈ median·e^(2.33σ) before the cap)."""
+
+
 class EngineConfig(_Strict):
     type: Literal["torch", "sglang", "synthetic"] = "torch"
     """torch: the built-in CPU engine, started by each rollout process. sglang: an external server at
-    url. synthetic: instant uniform tokens, for load tests and benchmarks (no model)."""
+    url. synthetic: uniform random tokens, no model, for load tests and benchmarks (instant unless
+    `synthetic` models decode time and response lengths)."""
+    synthetic: SyntheticTiming = Field(default_factory=lambda: SyntheticTiming())
+    """Timing and length model of the synthetic engine (ignored by the others)."""
     url: str | None = None
     """Base URL of an already running engine (required for sglang)."""
     batch_window_ms: float = Field(2.0, ge=0, le=1000)
@@ -403,6 +426,27 @@ class PpoConfig(_Strict):
     """E: sweeps over the batch per learner step."""
 
 
+class SimulatedStepCost(_Strict):
+    """Benchmark model of a GPU learner step (bench/bench_systems.py): when either figure is above
+    0 the learner does not train; each step sleeps seconds_per_step + seconds_per_token·(trained
+    tokens) instead, so a benchmark's learner takes no CPU from rollout. Everything else of a step
+    (staleness split, version + 1, weights saved and announced, the store's report) is unchanged;
+    the weights never change. Never set in a real run."""
+
+    seconds_per_token: float = Field(0.0, ge=0)
+    """Modelled seconds per trained (sampled, non-stale) token."""
+    seconds_per_step: float = Field(0.0, ge=0)
+    """Modelled fixed seconds per step (optimizer step, weight sync)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.seconds_per_token > 0 or self.seconds_per_step > 0
+
+    def seconds(self, tokens: int) -> float:
+        """The modelled duration of a step that trains ``tokens`` tokens."""
+        return self.seconds_per_step + self.seconds_per_token * tokens
+
+
 class LearnerConfig(_Strict):
     engine: TrainEngineConfig = Field(default_factory=TrainEngineConfig)
     """Optimizer backend and ZeRO stage."""
@@ -462,6 +506,8 @@ class LearnerConfig(_Strict):
     """Trajectories per step the engine-consistency probe re-scores (0 disables the probe)."""
     seed: int = 0
     """Learner seed: torch's RNG in the learner process (dropout, minibatch order) and DeepSpeed's."""
+    simulated_step: SimulatedStepCost = Field(default_factory=lambda: SimulatedStepCost())
+    """Benchmarks only: a modelled step duration in place of training (off by default)."""
 
 
 class StoreConfig(_Strict):
