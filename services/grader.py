@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from trajmesh.graders import GRADERS, Grader, Sample, grader_kind, make_grader
 
 from trajmesh import bus as busmod
-from trajmesh import security
+from trajmesh import sandbox, security, tasks
 from trajmesh.contract import ContractError, Trajectory
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
@@ -52,6 +52,21 @@ for _reason in trajectory_pb2.TerminalReason.keys():
     TERMINAL.labels(_reason)
 
 
+SANDBOXED_GRADERS = frozenset({"code"})
+"""Grader kinds that run model-written code in trajmesh.sandbox (graders/code.py)."""
+
+
+def sandboxed_sources(cfg: Any) -> list[str]:
+    """Names of the configured task sources whose tasks a sandboxed grader grades. A task's grader is
+    its metadata (`grader_kind`), so one task of each source is drawn to read it (milliseconds)."""
+    out = []
+    for src in cfg.tasks.sources:
+        train, heldout = tasks.load_split(src, 1, 1)
+        if any(grader_kind({"metadata": t.metadata}) in SANDBOXED_GRADERS for t in train + heldout):
+            out.append(src.name)
+    return out
+
+
 class GraderService(Service):
     name = "grader"
 
@@ -69,6 +84,9 @@ class GraderService(Service):
     async def setup(self) -> None:
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
+        sandboxed = sandboxed_sources(cfg)
+        if sandboxed:  # refuse to start (SandboxUnavailable) rather than grade model code under weaker limits
+            log.info("%s (for %s)", sandbox.preflight(cfg.sandbox.allow_without_cgroup), ", ".join(sandboxed))
         self.redis = security.redis_client(cfg)
         self.bus = await security.connect_bus(cfg, "grader", name=self.worker_id)
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=30.0)
@@ -165,4 +183,5 @@ class GraderService(Service):
             whole = self.tokenizer.decode(ids)
         ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
         return Sample(whole, per_turn, ended_with_eos, list(traj.pb.state_hashes),
-                      trajectory_pb2.TerminalReason.Name(traj.terminal_reason))
+                      trajectory_pb2.TerminalReason.Name(traj.terminal_reason),
+                      traj.pb.final_answer if traj.pb.HasField("final_answer") else None)
