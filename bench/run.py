@@ -15,6 +15,7 @@ BENCHES = {
     "math": "bench_math.py",            # learner math vs one forward+backward (goal ≤ 0.03)
     "mesh": "bench_mesh.py",            # mesh throughput vs raw JetStream (goal ≥ 0.5)
     "async": "bench_async.py",          # async (η=2) vs sync wall time to the same accuracy (goal ≥ 2×)
+    "learning": "bench_learning.py",    # async vs sync held-out accuracy vs wall clock, 3 seeds each, 95% CIs (~45 min)
     "verify": "bench_verify.py",        # math / sandboxed-code verifications per second
     "learner": "bench_learner.py",      # learner peak memory: 4x/1x batch (goal ≤ 1.2), chunked/naive log-probs (≤ 0.25)
 }

@@ -111,15 +111,19 @@ def train_run(eval_every_s: float = 60.0) -> RunFn:
 
 
 def run_sweep(config: str | Path | None, grids: list[tuple[str, list[Any]]], seeds: int, out_dir: str | Path,
-              *, run_fn: RunFn | None = None, overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Runs every unfinished (cell, seed) and writes the results; returns one record per run."""
+              *, run_fn: RunFn | None = None, overrides: dict[str, Any] | None = None,
+              interleave: bool = False) -> list[dict[str, Any]]:
+    """Runs every unfinished (cell, seed) and writes the results; returns one record per run (cell
+    by cell). `interleave`: run seed by seed instead (cell A s0, cell B s0, cell A s1, …), so a
+    machine's load drifting over the sweep affects every cell alike."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     run_fn = run_fn or train_run()
-    records = []
-    for cell in cells(grids):
-        for seed in range(seeds):
-            records.append(_run_one(config, cell, seed, out, run_fn, overrides or {}))
+    grid_cells = cells(grids)
+    order = ([(c, s) for s in range(seeds) for c in grid_cells] if interleave
+             else [(c, s) for c in grid_cells for s in range(seeds)])
+    done = {(c.label, s): _run_one(config, c, s, out, run_fn, overrides or {}) for c, s in order}
+    records = [done[(c.label, s)] for c in grid_cells for s in range(seeds)]
     write_results(records, out)
     return records
 
