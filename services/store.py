@@ -606,6 +606,9 @@ class TrajectoryStore(Service):
             v_T = t.behavior_versions_T[t.loss_mask_T == 1]
             if v_T.size and learner_version - int(v_T.min()) > eta:
                 STALE_HANDED_OUT.inc()
+                log.warning("handing out stale %s to the learner at v%d: sampled at v%d..v%d, admitted at v%d",
+                            t.trajectory_id, learner_version, int(v_T.min()), int(v_T.max()),
+                            self.state.handed_meta.get(t.group_id, (0, -1))[1])
 
     async def report(self, req: services_pb2.ReportRequest) -> None:
         """The learner's verdict on a batch: final outcomes, committed before the reply.

@@ -106,6 +106,8 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 # Deliveries of one message before it counts as poison (see Consumer.fetch); config:
 # infra.max_deliveries.
 DEFAULT_MAX_DELIVERIES = 8
+# How often a weights watch also reads the current announcement (Bus.watch_weights).
+WEIGHTS_POLL_S = 2.0
 # Seconds an ack of a blob message may take to be confirmed before its blob is deleted.
 _BLOB_ACK_TIMEOUT_S = 5.0
 
@@ -548,30 +550,74 @@ class Bus:
         return bytes(entry.value) if entry.value is not None else None
 
     async def watch_weights(
-        self, *, include_current: bool = True, caught_up: asyncio.Event | None = None
+        self, *, include_current: bool = True, caught_up: asyncio.Event | None = None,
+        poll_s: float = WEIGHTS_POLL_S,
     ) -> AsyncGenerator[bytes, None]:
         """Yield each new announcement as it is written (KV watch on ``latest``).
 
         With ``include_current`` the latest existing announcement (if any) comes first. The
         ``caught_up`` event is set once the existing value has been delivered (or skipped): every
-        announcement written after that is yielded. Stops the watcher when the iterator is closed.
+        announcement written after that is yielded, each once, in revision order (an older one
+        arriving late is skipped). Stops the watcher when the iterator is closed.
+
+        The watch alone does not survive a NATS restart reliably: its server-side consumer is
+        ephemeral and in memory, and nats-py re-creates it only after two missed idle heartbeats
+        (≥ 10 s), retrying each 10 s while JetStream recovers; a rollout meanwhile kept sampling
+        with old weights while the learner moved on, and its tasks, admitted at the newer
+        version, were trained stale (issue 16). So once caught up the current value is also read
+        every ``poll_s`` seconds (failures while NATS is down are ignored) and yielded when its
+        revision is newer than the last one yielded.
         """
         kv = await self._ensure_kv()
+        # (revision, value) in arrival order; None: the watch delivered the existing value.
+        found: asyncio.Queue[tuple[int, bytes] | None | BaseException] = asyncio.Queue()
         watcher = await kv.watch(KV_WEIGHTS_KEY)
-        seen_current = False  # the watcher sends None once the existing value has been delivered
+
+        async def watch() -> None:
+            try:
+                async for entry in watcher:
+                    if entry is None:  # the watcher sends None once the existing value was delivered
+                        await found.put(None)
+                        continue
+                    if entry.operation in ("DEL", "PURGE") or entry.value is None:
+                        continue
+                    await found.put((int(entry.revision or 0), bytes(entry.value)))
+            except Exception as exc:  # noqa: BLE001 - raised to the generator's consumer
+                await found.put(exc)
+
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(poll_s)
+                try:
+                    entry = await kv.get(KV_WEIGHTS_KEY)
+                except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
+                    continue  # NATS down or the key deleted: a later poll (or the watch) sees it
+                if entry.value is not None:
+                    await found.put((int(entry.revision or 0), bytes(entry.value)))
+
+        tasks = [asyncio.ensure_future(watch())]
+        last, seen_current = 0, False
         try:
-            async for entry in watcher:
-                if entry is None:
-                    seen_current = True
-                    if caught_up is not None:
-                        caught_up.set()
+            while True:
+                item = await found.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    if not seen_current:
+                        seen_current = True
+                        tasks.append(asyncio.ensure_future(poll()))
+                        if caught_up is not None:
+                            caught_up.set()
                     continue
-                if not (seen_current or include_current):
-                    continue
-                if entry.operation in ("DEL", "PURGE") or entry.value is None:
-                    continue
-                yield bytes(entry.value)
+                revision, value = item
+                if revision <= last:
+                    continue  # already yielded (the watch and the poll both saw it), or older
+                last = revision
+                if seen_current or include_current:
+                    yield value
         finally:
+            for t in tasks:
+                t.cancel()
             await watcher.stop()
 
     # -- introspection --------------------------------------------------------------------

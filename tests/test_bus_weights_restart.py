@@ -1,0 +1,46 @@
+"""The weights watch survives a NATS restart (issue 16).
+
+A rollout follows the learner's weights through `Bus.watch_weights`. nats-py's KV watch runs on an
+ephemeral, in-memory consumer that a NATS restart destroys; nats-py re-creates it only after two
+missed idle heartbeats (≥ 10 s, retried every 10 s while JetStream recovers). Meanwhile a rollout
+kept sampling tasks admitted at the new version with old weights, and the learner quarantined
+them as stale. The watch now also reads the current announcement every `poll_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from trajmesh import bus as busmod
+from trajmesh.infra import NatsServer
+
+WATCH_ALONE_RECOVERY_S = 10.0
+"""The earliest nats-py's own watch re-creates its consumer after a restart (2 × 5 s heartbeat)."""
+
+
+def test_weights_watch_sees_announcements_made_after_a_nats_restart(nats_server: NatsServer) -> None:
+    async def body() -> None:
+        rollout = await busmod.connect(nats_server.url, name="rollout")
+        await rollout.ensure_streams()
+        learner = await busmod.connect(nats_server.url, name="learner")
+        await learner.publish_weights(1, b"v1")
+        watch = rollout.watch_weights(include_current=True, poll_s=0.3)
+        assert await asyncio.wait_for(anext(watch), 10) == b"v1"
+
+        nats_server.kill()
+        nats_server.restart()
+        while True:  # the learner retries its announcement until NATS is back
+            try:
+                await learner.publish_weights(2, b"v2")
+                break
+            except (busmod.nats.errors.Error, asyncio.TimeoutError):
+                await asyncio.sleep(0.2)
+        # Well within the time the nats-py watch alone takes to come back.
+        assert await asyncio.wait_for(anext(watch), WATCH_ALONE_RECOVERY_S - 1) == b"v2"
+        await learner.publish_weights(3, b"v3")
+        assert await asyncio.wait_for(anext(watch), 10) == b"v3"  # each once, in order: no v2 again
+        await watch.aclose()
+        await learner.close()
+        await rollout.close()
+
+    asyncio.run(asyncio.wait_for(body(), 120))
