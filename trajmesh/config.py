@@ -107,11 +107,13 @@ class MathToolSource(_Strict):
     """Wall-clock deadline of one code run (CPU limit 0.8x)."""
     max_output_bytes: int = Field(1024, gt=0)
     """Tool output returned to the policy per call."""
-    tool_format: Literal["tags", "native"] = "tags"
+    tool_format: Literal["auto", "tags", "native"] = "auto"
     """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
     character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
     format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
-    accepts both forms either way (envs/base.py)."""
+    accepts both forms either way (envs/base.py). ``auto``: native when the model's chat template knows
+    tool calls, else tags (resolved when the config is loaded with an existing ``model.path``;
+    `_resolve_tool_format`)."""
 
 
 class WorkplaceSource(_Strict):
@@ -131,11 +133,13 @@ class WorkplaceSource(_Strict):
     """Work items in each generated database."""
     pool_size: int = Field(2000, gt=0)
     """Training tasks generated at most (each builds a database); the sampler cycles through them."""
-    tool_format: Literal["tags", "native"] = "tags"
+    tool_format: Literal["auto", "tags", "native"] = "auto"
     """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
     character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
     format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
-    accepts both forms either way (envs/base.py)."""
+    accepts both forms either way (envs/base.py). ``auto``: native when the model's chat template knows
+    tool calls, else tags (resolved when the config is loaded with an existing ``model.path``;
+    `_resolve_tool_format`)."""
 
 
 class SearchSource(_Strict):
@@ -157,11 +161,13 @@ class SearchSource(_Strict):
     """Towns in the generated corpus (4 questions each)."""
     corpus_seed: int = 7
     """Seed of the generated corpus (the corpus, not the questions, is fixed by it)."""
-    tool_format: Literal["tags", "native"] = "tags"
+    tool_format: Literal["auto", "tags", "native"] = "auto"
     """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
     character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
     format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
-    accepts both forms either way (envs/base.py)."""
+    accepts both forms either way (envs/base.py). ``auto``: native when the model's chat template knows
+    tool calls, else tags (resolved when the config is loaded with an existing ``model.path``;
+    `_resolve_tool_format`)."""
 
 
 class ExternalAgentSource(_Strict):
@@ -605,6 +611,11 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation protocol, checkpoint choice and the held-out regression stop."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_format(cls, data: Any) -> Any:
+        return _resolve_tool_format(data)
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         adv = self.learner.advantage
@@ -635,6 +646,29 @@ class RunConfig(_Strict):
 
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _resolve_tool_format(data: Any) -> Any:
+    """A source's ``tool_format: auto`` (or unset) becomes the model's own: ``native`` when its chat
+    template knows tool calls (rollout/chat_format.native_tool_calls), else ``tags``, once
+    ``model.path`` is a local directory (every service loads the same model, so all agree). Without
+    one (the demo model is built later; it has no template) auto stays and reads as tags."""
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict) or not isinstance(data.get("tasks"), dict):
+        return data
+    path, tasks = data["model"].get("path"), data["tasks"]
+    sources = tasks.get("sources")
+    if not path or not isinstance(sources, list) or not Path(path).is_dir():
+        return data
+    tool_sources = {"math_tool", "workplace", "search"}
+    if not any(isinstance(s, dict) and s.get("type") in tool_sources and s.get("tool_format", "auto") == "auto"
+               for s in sources):
+        return data
+    from trajmesh.rollout.chat_format import native_tool_calls
+
+    fmt = "native" if native_tool_calls(path) else "tags"
+    resolved = [{**s, "tool_format": fmt} if isinstance(s, dict) and s.get("type") in tool_sources
+                and s.get("tool_format", "auto") == "auto" else s for s in sources]
+    return {**data, "tasks": {**tasks, "sources": resolved}}
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
