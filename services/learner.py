@@ -38,7 +38,7 @@ from trajmesh.learner.models import load_causal_lm
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.step import StepPlan, advantages_BT, build_batch, split_stale, train_batch
-from trajmesh.learner.train_engine import build_train_engine, wants_deterministic
+from trajmesh.learner.train_engine import TrainEngine, build_train_engine, wants_deterministic
 from trajmesh.learner.weights import export_policy, sha256_file
 
 from trajmesh import security
@@ -97,36 +97,93 @@ for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO,
 
 
 class LearnerService(Service):
+    """One learner rank. With ``learner.world_size`` > 1 (RANK/WORLD_SIZE from the launcher or
+    torchrun) rank 0 is the leader: it alone talks to the store, Redis and NATS, saves and replays
+    batches, publishes weights and writes metrics.jsonl. It drives the others with commands
+    broadcast over torch.distributed (:meth:`_command`): ``step`` (the batch's bytes and the
+    entropy coefficient), ``idle`` (no batch yet: the heartbeat that keeps the followers' collective
+    from timing out), ``checkpoint`` and ``stop``. Every rank runs every collective in that order."""
+
     name = "learner"
     graceful_stop_s = 120.0  # finish the step in progress: train, publish, report, then checkpoint
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank = int(os.environ.get("RANK", "0")) if self.cfg.learner.world_size > 1 else 0
+        """This process's rank (0: the leader)."""
+        self.world_size = self.cfg.learner.world_size
+        self.run_dir = Path(self.cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.keys = RedisKeys(self.cfg.infra.namespace)
+        self.version = 0
+        self.steps_done = 0
+        self.rl_seconds = 0.0
+        self.trajectories_trained = 0
+        self.checkpointed_version = -1
+        """The version the last checkpoint holds (-1: none written by this process)."""
+        self.stopped_group = False
+        """Leader: the followers were told to stop (sent once)."""
+        # What setup() opens, None until then (the leader's connections; followers open none).
+        self.redis: Any = None
+        self.gate: AsyncStalenessGate | None = None
+        self.bus: Any = None
+        self.channel: grpc.aio.Channel | None = None
+        self.store: Any = None
+        self.engine: TrainEngine | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def _engine(self) -> TrainEngine:
+        assert self.engine is not None, "used before setup()"
+        return self.engine
+
+    def _gate(self) -> AsyncStalenessGate:
+        assert self.gate is not None, "used before setup()"
+        return self.gate
+
+    def request_stop(self, sig: int) -> None:
+        """A follower notes the signal but keeps following: the leader decides when the group stops
+        (``stop`` command), so no rank leaves a collective the others are in."""
+        if self.leader:
+            super().request_stop(sig)
+        else:
+            self.stop_signal = sig
 
     async def setup(self) -> None:
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
         torch.manual_seed(cfg.learner.seed)
-        self.run_dir = Path(cfg.run_dir)
-        self.keys = RedisKeys(cfg.infra.namespace)
-        self.redis = security.redis_client(cfg)
-        self.gate = AsyncStalenessGate(self.redis, key_prefix=self.keys.gate_prefix, eta=cfg.effective_eta,
-                                       batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
-        self.bus = await security.connect_bus(cfg, "learner", name=self.worker_id)
-        self.channel = security.grpc_channel(cfg.infra.store_address, cfg.infra.security.grpc_tls)
-        self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)
+        if self.leader:
+            self.redis = security.redis_client(cfg)
+            self.gate = AsyncStalenessGate(self.redis, key_prefix=self.keys.gate_prefix, eta=cfg.effective_eta,
+                                           batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
+            self.bus = await security.connect_bus(cfg, "learner", name=self.worker_id)
+            self.channel = security.grpc_channel(cfg.infra.store_address, cfg.infra.security.grpc_tls)
+            self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)
 
+        # Every rank: the process group (DeepSpeed engine) and the model; a resumed group loads the
+        # same checkpoint on every rank (DeepSpeed reads each rank's shards and rank 0's client state).
         self._build_trainer()
-        self.ckpt_dir = self.run_dir / "checkpoints"
-        self.version = 0
-        self.steps_done = 0
-        self.rl_seconds = 0.0
-        self.trajectories_trained = 0
-        if (self.ckpt_dir / "latest").exists():
-            state = self.engine.load_checkpoint(str(self.ckpt_dir / "latest"))
+        engine = self._engine()
+        resumed = (self.ckpt_dir / "latest").exists()
+        if resumed:
+            state = await asyncio.to_thread(engine.load_checkpoint, str(self.ckpt_dir / "latest"))
             self.version = int(state["version"])
             self.steps_done = int(state["steps_done"])
             self.rl_seconds = float(state["rl_seconds"])
             self.trajectories_trained = int(state["trajectories_trained"])
+            self.checkpointed_version = self.version
             if self.entropy_ctl is not None and state.get("entropy_controller"):
                 self.entropy_ctl.load_state_dict(state["entropy_controller"])
+            log.info("rank %d resumed from checkpoint at version %d", self.rank, self.version)
+        if not self.leader:
+            if resumed:
+                await asyncio.to_thread(self._export_weights, self.version)  # the leader's publish (ZeRO-3 gathers)
+            return
+        if resumed:
             # The data cursor lives in Redis; a wiped Redis must not replay already-drawn tasks.
             await self.redis.set(self.keys.sampler_cursor,
                                  max(int(await self.redis.get(self.keys.sampler_cursor) or 0),
@@ -135,14 +192,12 @@ class LearnerService(Service):
             # idempotently, so they stay true across a learner restart; the batches trained since
             # the checkpoint are replayed from disk (run()), bringing the version back to where
             # it was. (StalenessGate.rebase_after_recovery is for a Redis that lost its data.)
-            log.info("resumed from checkpoint at version %d", self.version)
             await self._publish_weights()
         elif await self.bus.latest_weights() is None:
             await self._announce(self.version, cfg.model.path)
-        await self.gate.set_version(self.version)
+        await self._gate().set_version(self.version)
         await self.redis.delete(self.keys.run_finished)  # a resumed run with a larger budget admits again
         VERSION.set(self.version)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
 
     def _build_trainer(self) -> None:
         """Model, train engine, objective and entropy controller from config (no network: the
@@ -179,7 +234,11 @@ class LearnerService(Service):
 
     async def run(self) -> None:
         """Steps until the step or time budget is spent. Waits on NextBatch (the store blocks until
-        a batch is ready); what unblocks it is rollout + grading of admitted groups."""
+        a batch is ready); what unblocks it is rollout + grading of admitted groups. A follower
+        rank runs the leader's commands instead (:meth:`_follow`)."""
+        if not self.leader:
+            await self._follow()
+            return
         lc = self.cfg.learner
         eta = self.cfg.effective_eta
         temperature = self.cfg.tasks.sampling.temperature or 1.0
@@ -200,11 +259,14 @@ class LearnerService(Service):
             waited = time.perf_counter() - wait_start
             WAIT_SECONDS.inc(waited)
             if not resp.trajectories:
+                await self._command("idle")
                 continue
             self._save_batch(resp)
             trajs = [Trajectory(pb) for pb in resp.trajectories]
+            alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
+            await self._command("step", resp.SerializeToString(), alpha)
             start = time.perf_counter()
-            metrics = await asyncio.to_thread(self._train_step, trajs, eta, temperature)
+            metrics = await asyncio.to_thread(self._train_step, trajs, eta, temperature, alpha)
             step_s = time.perf_counter() - start
             BUSY_SECONDS.inc(step_s)
             STEP_SECONDS.observe(step_s)
@@ -219,6 +281,8 @@ class LearnerService(Service):
             self.rl_seconds = time.monotonic() - loop_start
             metrics.update(step=self.steps_done, version=self.version, rl_seconds=self.rl_seconds,
                            wait_seconds=waited, step_seconds=step_s, time=time.time())
+            if self.world_size > 1:
+                metrics["learner_ranks"] = self.world_size
             with open(self.metrics_path, "a") as fh:
                 fh.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
             if self.steps_done % lc.checkpoint_every == 0:
@@ -229,6 +293,55 @@ class LearnerService(Service):
         if not self.stopping.is_set():  # budget spent: the run is over, the store stops admitting
             await self.redis.set(self.keys.run_finished, "budget")
         log.info("learner done: %d steps, version %d", self.steps_done, self.version)
+
+    # ------------------------------------------------------------------ ranks
+    def _broadcast(self, command: list[Any]) -> list[Any]:
+        """The leader's command (rank 0's `command`; the others pass a placeholder) on every rank."""
+        import torch.distributed as dist
+
+        box = [command]
+        dist.broadcast_object_list(box, src=0)
+        return list(box[0])
+
+    async def _command(self, op: str, *args: Any) -> None:
+        """Leader: send a command to the followers (nothing with one rank). They run it in the same
+        order as the leader, so every collective it involves meets its peers."""
+        if self.world_size == 1:
+            return
+        assert self.leader
+        if op == "stop":
+            if self.stopped_group:
+                return
+            self.stopped_group = True
+        await asyncio.to_thread(self._broadcast, [op, *args])
+
+    async def _follow(self) -> None:
+        """A follower rank: run the leader's commands until it says ``stop``. A dead leader makes
+        the broadcast fail (the process exits non-zero and the launcher restarts the group)."""
+        eta = self.cfg.effective_eta
+        temperature = self.cfg.tasks.sampling.temperature or 1.0
+        while True:
+            op, *args = await asyncio.to_thread(self._broadcast, [None])
+            if op == "idle":
+                continue
+            if op == "step":
+                resp = services_pb2.NextBatchResponse.FromString(args[0])
+                trajs = [Trajectory(pb) for pb in resp.trajectories]
+                await asyncio.to_thread(self._train_step, trajs, eta, temperature, float(args[1]))
+                await asyncio.to_thread(self._export_weights, self.version)
+            elif op == "checkpoint":
+                await asyncio.to_thread(self._checkpoint)
+            elif op == "stop":
+                log.info("rank %d: the leader stopped the group at version %d", self.rank, self.version)
+                return
+            else:
+                raise RuntimeError(f"rank {self.rank}: unknown command {op!r} from the leader")
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     async def _rpc(self, call: Any, request: Any) -> Any:
         """A store call that rides out a store restart (UNAVAILABLE) until this learner stops."""
@@ -280,13 +393,16 @@ class LearnerService(Service):
             log.error("stop gate breached at step %d: %s", self.steps_done, b.message)
         write_stop_reason(self.run_dir, stop_record(breaches, step=self.steps_done, version=self.version))
         await self._checkpoint_async()
-        self.checkpointed_version = self.version
         return True
 
-    def _train_step(self, trajs: list[Trajectory], eta: int, temperature: float) -> dict[str, Any]:
+    def _train_step(self, trajs: list[Trajectory], eta: int, temperature: float,
+                    entropy_coef: float | None = None) -> dict[str, Any]:
+        """One step on every rank (each passes the whole batch; train_batch takes this rank's
+        share). `entropy_coef`: the leader's α (None: this process's controller)."""
         lc = self.cfg.learner
+        leader = self.leader
         keep, stale = split_stale(trajs, self.version, eta)
-        for _ in stale:
+        for _ in stale if leader else []:
             QUARANTINED.labels(reason="stale").inc()
         metrics: dict[str, Any] = {"trajectories_in_batch": len(trajs), "trajectories_stale": len(stale),
                                    "_stale_ids": [t.trajectory_id for t in stale], "_trained_ids": []}
@@ -295,14 +411,18 @@ class LearnerService(Service):
             batch = build_batch(keep, self.pad_id)
             adv_BT = advantages_BT(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
                                    eps=lc.advantage.eps)
-            model = self.engine.module
+            engine = self._engine()
+            model = engine.module
             model.train()
-            alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
+            if entropy_coef is not None:
+                alpha = entropy_coef
+            else:
+                alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
             if lc.consistency_probe_trajectories > 0:  # pre-update weights = version self.version
                 metrics.update(consistency.probe(model, keep, version=self.version, pad_id=self.pad_id,
                                                  temperature=temperature,
                                                  max_trajectories=lc.consistency_probe_trajectories))
-            step_metrics = train_batch(self.engine, batch, adv_BT, self.objective, self.plan,
+            step_metrics = train_batch(engine, batch, adv_BT, self.objective, self.plan,
                                        temperature=temperature, version=self.version,
                                        max_lag=max(eta, 1) + 1, entropy_coef=alpha)
             if self.entropy_ctl is not None:
@@ -310,7 +430,7 @@ class LearnerService(Service):
                 step_metrics["trajmesh_learner_entropy_coef"] = alpha
             mask = batch.mask_BT > 0
             lags = (self.version - batch.versions_BT[mask]).tolist()
-            for lag in lags:
+            for lag in lags if leader else []:
                 LAG.observe(lag)
             metrics.update(step_metrics)
             metrics.update(
@@ -318,16 +438,19 @@ class LearnerService(Service):
                 tokens_trained=int(mask.sum()), trajectories_trained=len(keep),
             )
             metrics["_trained_ids"] = batch.trajectory_ids
-            TRAINED.inc(len(keep))
-            TOKENS_TRAINED.inc(int(mask.sum()))
-            now = time.time()
-            for t in keep:
-                if t.pb.timing.created_unix_seconds > 0:
-                    TRAJECTORY_AGE.observe(max(0.0, now - t.pb.timing.created_unix_seconds))
             self.trajectories_trained += len(keep)
+            if leader:  # the service's counters count each step once, on rank 0
+                TRAINED.inc(len(keep))
+                TOKENS_TRAINED.inc(int(mask.sum()))
+                now = time.time()
+                for t in keep:
+                    if t.pb.timing.created_unix_seconds > 0:
+                        TRAJECTORY_AGE.observe(max(0.0, now - t.pb.timing.created_unix_seconds))
         # The version advances by exactly one per step, even if every trajectory was stale.
         self.version += 1
         self.steps_done += 1
+        if not leader:
+            return metrics
         STEPS.inc()
         VERSION.set(self.version)
         for k, v in metrics.items():
@@ -339,7 +462,14 @@ class LearnerService(Service):
     async def _publish_weights(self) -> None:
         path = await asyncio.to_thread(self._save_weights, self.version)
         await self._announce(self.version, str(path))
-        await self.gate.set_version(self.version)
+        await self._gate().set_version(self.version)
+
+    def _export_weights(self, version: int) -> None:
+        """A follower's part in the leader's weights export: under ZeRO-3 the per-module gathers
+        are collective, so it gathers without writing; otherwise nothing."""
+        if self.cfg.learner.engine.zero_stage == 3:
+            export_policy(policy_of(self._engine().model), self.run_dir / "weights" / f".v{version:06d}.none",
+                          zero3=True, write=False, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32)
 
     def _save_weights(self, version: int) -> Path:
         """HF safetensors dir for `version`, written to a temp dir and renamed (atomic); the file's
@@ -352,7 +482,7 @@ class LearnerService(Service):
         tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         # Streamed in the training dtype, hashed while written, ZeRO-3 gathered module by module.
-        sha = export_policy(policy_of(self.engine.model), tmp, zero3=self.cfg.learner.engine.zero_stage == 3,
+        sha = export_policy(policy_of(self._engine().model), tmp, zero3=self.cfg.learner.engine.zero_stage == 3,
                             dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32)
         assert sha is not None
         (tmp / "model.safetensors.sha256").write_text(sha + "\n")
@@ -383,40 +513,54 @@ class LearnerService(Service):
 
     def _checkpoint(self, gate: dict[str, int] | None = None, cursor: int = 0) -> None:
         """Model, optimizer, scheduler and RNG (engine), plus version, entropy controller, gate
-        counters and data cursor (client state); written to a temp dir, then renamed."""
+        counters and data cursor (client state); written to a temp dir, then renamed. Every rank
+        writes its part (DeepSpeed: ZeRO shards per rank, the client state from rank 0) into the
+        same directory; the leader prepares it and renames it once all have written."""
         tmp = self.ckpt_dir / f".tmp-{self.version}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.engine.save_checkpoint(str(tmp), client_state={
+        if self.leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        self._engine().save_checkpoint(str(tmp), client_state={
             "version": self.version, "steps_done": self.steps_done, "rl_seconds": self.rl_seconds,
             "trajectories_trained": self.trajectories_trained, "objective": asdict(self.objective),
             "entropy_controller": self.entropy_ctl.state_dict() if self.entropy_ctl is not None else None,
-            "gate_counters": gate or {}, "sampler_cursor": cursor})
-        latest = self.ckpt_dir / "latest"
-        old = self.ckpt_dir / ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if latest.exists():
-            os.replace(latest, old)
-        os.replace(tmp, latest)
-        shutil.rmtree(old, ignore_errors=True)
-        for path in self.batches_dir.glob("step-*.pb") if self.batches_dir.exists() else []:
-            if int(path.stem.split("-")[1]) < self.steps_done and not self.cfg.learner.keep_batches:
-                path.unlink()
-        log.info("checkpoint at version %d", self.version)
+            "gate_counters": gate or {}, "sampler_cursor": cursor, "world_size": self.world_size})
+        self._barrier()
+        if self.leader:
+            latest = self.ckpt_dir / "latest"
+            old = self.ckpt_dir / ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            if latest.exists():
+                os.replace(latest, old)
+            os.replace(tmp, latest)
+            shutil.rmtree(old, ignore_errors=True)
+            for path in self.batches_dir.glob("step-*.pb") if self.batches_dir.exists() else []:
+                if int(path.stem.split("-")[1]) < self.steps_done and not self.cfg.learner.keep_batches:
+                    path.unlink()
+            log.info("checkpoint at version %d", self.version)
+        self._barrier()
+        self.checkpointed_version = self.version
 
     async def _checkpoint_async(self) -> None:
-        c = await self.gate.counters()
+        """Leader: every rank checkpoints (``checkpoint`` command), with the gate's counters and the
+        data cursor from Redis in the client state."""
+        await self._command("checkpoint")
+        c = await self._gate().counters()
         cursor = int(await self.redis.get(self.keys.sampler_cursor) or 0)
         gate = {"version": c.version, "accepted": c.accepted, "running": c.running}
         await asyncio.to_thread(self._checkpoint, gate, cursor)
 
     async def stop(self) -> None:
-        if hasattr(self, "engine") and getattr(self, "steps_done", 0) > 0 and \
-                getattr(self, "checkpointed_version", -1) != self.version:  # a stop gate already saved it
-            await self._checkpoint_async()
-        if hasattr(self, "channel"):
+        if self.leader and self.engine is not None:
+            try:
+                if self.steps_done > 0 and self.checkpointed_version != self.version:  # a stop gate saved it
+                    await self._checkpoint_async()
+            finally:
+                await self._command("stop")  # the followers leave their loop (once)
+        if self.channel is not None:
             await self.channel.close()
-        if hasattr(self, "bus"):
+        if self.bus is not None:
             await self.bus.close()
-        if hasattr(self, "redis"):
+        if self.redis is not None:
             await self.redis.aclose()

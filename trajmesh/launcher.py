@@ -49,6 +49,8 @@ class Proc:
     metrics_port: int
     log_path: Path
     extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment (a learner rank's RANK, WORLD_SIZE, MASTER_ADDR/PORT...)."""
 
     @property
     def label(self) -> str:
@@ -68,14 +70,16 @@ class Mesh:
     credentials: security.LocalCredentials | None = None
     """Generated passwords of this run (auth on); each service gets its own by environment."""
 
-    def start_service(self, name: str, replica: int, extra: list[str] | None = None) -> Proc:
+    def start_service(self, name: str, replica: int, extra: list[str] | None = None,
+                      env_extra: dict[str, str] | None = None) -> Proc:
         run_dir = Path(self.cfg.run_dir)
         port = free_port()
         log_path = run_dir / "logs" / f"{name}-{replica}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "trajmesh.cli", "serve", name, "--config", str(self.config_path),
                "--replica", str(replica), "--metrics-port", str(port), *(extra or [])]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               **(env_extra or {})}
         if self.credentials is not None:
             sec = self.cfg.infra.security
             env.update(self.credentials.service_env(name, nats=self.nats is not None and sec.nats_auth,
@@ -85,9 +89,21 @@ class Mesh:
             # SIGKILL, so no service outlives the run that started it.
             popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      preexec_fn=die_with_parent(signal.SIGTERM))
-        proc = Proc(name, replica, popen, port, log_path, list(extra or []))
+        proc = Proc(name, replica, popen, port, log_path, list(extra or []), dict(env_extra or {}))
         self.procs.append(proc)
         return proc
+
+    def start_learners(self) -> list[Proc]:
+        """The learner group: ``learner.world_size`` processes (replica = rank) with the standard
+        torch.distributed environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a
+        fresh MASTER_PORT per start); one process without it when the world is one rank."""
+        world = self.cfg.learner.world_size
+        if world == 1:
+            return [self.start_service("learner", 0)]
+        master = str(free_port())
+        return [self.start_service("learner", rank, env_extra={
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master}) for rank in range(world)]
 
     def wait_healthy(self, procs: list[Proc], timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -111,14 +127,18 @@ class Mesh:
     def restart_dead(self, max_restarts: int = 5) -> list[Proc]:
         """Restart every service process that died (a learner only if it failed: exit 0 is done),
         as Kubernetes would restart a pod. Returns the new processes; raises after `max_restarts`
-        restarts of one service."""
+        restarts of one service. The learner ranks are one group: one failed rank kills every
+        rank's process group and the group starts again together (resuming from its checkpoint);
+        the new ranks come back last, rank 0 last of all, so a caller keeping the last learner it
+        sees watches the leader."""
         started = []
         for server in (self.nats, self.redis):  # same ports and data dir: state survives on disk
             if server is not None and not server.running:
                 log.warning("%s died; restarting it", type(server).__name__)
                 server.restart()
+        failed_ranks = [p for p in self.dead() if p.name == "learner" and p.popen.returncode != 0]
         for p in self.dead():
-            if p.name == "learner" and p.popen.returncode == 0:
+            if p.name == "learner":
                 continue
             key = (p.name, p.replica)
             self.restarts[key] = self.restarts.get(key, 0) + 1
@@ -128,7 +148,21 @@ class Mesh:
             log.warning("%s exited with %s; restarting (%d)", p.label, p.popen.returncode, self.restarts[key])
             kill_group(p.popen)  # what the dead service started (its engine) dies with it
             self.procs.remove(p)
-            started.append(self.start_service(p.name, p.replica, p.extra))
+            started.append(self.start_service(p.name, p.replica, p.extra, p.env))
+        if failed_ranks:
+            key = ("learner", 0)
+            self.restarts[key] = self.restarts.get(key, 0) + 1
+            first = failed_ranks[0]
+            if self.restarts[key] > max_restarts:
+                raise RuntimeError(f"{first.label} died {max_restarts + 1} times; last exit {first.popen.returncode}:\n"
+                                   f"{tail(first.log_path)}")
+            group = [p for p in self.procs if p.name == "learner"]
+            log.warning("%s exited with %s; restarting the learner group of %d (%d)", first.label,
+                        first.popen.returncode, len(group), self.restarts[key])
+            for p in group:  # every rank and whatever it started, whether it noticed the failure yet or not
+                kill_group(p.popen)
+                self.procs.remove(p)
+            started.extend(reversed(self.start_learners()))
         return started
 
     def stop_services(self, grace_s: float = 30.0) -> None:
@@ -228,12 +262,14 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
         if mesh.nats is not None and creds is not None and sec.nats_auth:
             asyncio.run(security.provision(resolved))  # services may only bind, not create
         replicas = {"environment": cfg.environment.replicas, "store": 1, "grader": cfg.grader.replicas,
-                    "rollout": cfg.rollout.replicas, "learner": 1}
+                    "rollout": cfg.rollout.replicas, "learner": 0}
         for wave in (("environment", "store"), ("grader", "rollout"), ("learner",)):
             started = []
             for name in wave:
                 if name not in services:
                     continue
+                if name == "learner":
+                    started.extend(mesh.start_learners())
                 for i in range(replicas[name]):
                     extra = ["--grpc-port", str(env_ports[i])] if name == "environment" else []
                     started.append(mesh.start_service(name, i, extra))
