@@ -1,4 +1,4 @@
-"""The environment interface (DESIGN.md §6) and the registry keyed by `type`. No torch.
+"""The environment interface (DESIGN.md §6); environments are looked up by key in `trajmesh.plugins`. No torch.
 
 An environment is deterministic given (task, seed, action log): replaying the actions on a fresh
 instance reproduces every observation and state hash, so a session can move to another pod.
@@ -139,10 +139,7 @@ class SingleAnswerEnv:
 
 
 def make_environment(kind: str) -> Environment:
-    """An environment by registry key (`trajmesh.envs.registry.ENVIRONMENTS`)."""
-    from trajmesh.envs.registry import ENVIRONMENTS
+    """An environment by key (a task's ``environment``), from the plug-in registry (`trajmesh.plugins`)."""
+    from trajmesh import plugins
 
-    try:
-        return ENVIRONMENTS[kind]()  # type: ignore[no-any-return]
-    except KeyError:
-        raise ValueError(f"unknown environment {kind!r}; available: {sorted(ENVIRONMENTS)}") from None
+    return plugins.environment_class(kind)()  # type: ignore[no-any-return]

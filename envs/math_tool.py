@@ -34,10 +34,11 @@ from trajmesh.envs.base import (
 )
 
 from trajmesh import sandbox
+from trajmesh.config import MathToolSource
+from trajmesh.plugins import SourcePlugin
 
 CONTAINMENT = ("network", "fs_write", "secret_access", "signal", "process_limit", "orphan_process", "setup")
 """Sandbox subclasses that end the episode (the rest are returned to the policy as tool errors)."""
-DEFAULT_TOOL = {"max_tool_calls": 3, "call_timeout_s": 5.0, "max_output_bytes": 1024}
 INSTRUCTION = "Run python with <code>...</code>; reply <answer>x</answer>.\n"
 TOOLS: dict[str, dict[str, Any]] = {
     "python": {"description": "Run a Python program in a sandbox; returns what it prints (stdout, or the error).",
@@ -53,10 +54,12 @@ class MathToolEnv:
     uses_sandbox = True
     """Runs model-written code: the environment service checks the sandbox at start-up."""
     config_keys = ("max_tool_calls", "call_timeout_s", "max_output_bytes")
+    invalid_actions = ("schema", "tool_budget")
+    """`info.invalid_action` reasons its steps report (the environment service pre-creates their series)."""
 
     def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
         self.task = task
-        self.tool = {**DEFAULT_TOOL, **task.get("metadata", {}).get("tool", {})}
+        self.tool = {**tool_settings(), **task.get("metadata", {}).get("tool", {})}
         self.prompt = str(task["prompt"])
         self.calls = 0
         self.actions: list[str] = []
@@ -158,6 +161,25 @@ def make_tasks(seed: int, n: int, *, difficulty: int = 1, tool: dict[str, Any] |
         tid = hashlib.sha256(f"{source}|{seed}|{prompt}".encode()).hexdigest()[:16]
         out.append({"prompt": prompt, "answer": answer, "task_id": tid,
                     "metadata": {"source": source, "grader": "math", "environment": "math_tool",
-                                 "tool": {**DEFAULT_TOOL, **(tool or {})}, "question": question,
+                                 "tool": {**tool_settings(), **(tool or {})}, "question": question,
                                  **({"tools": function_schemas(TOOLS)} if tool_format == "native" else {})}})
     return out
+
+
+def tool_settings(src: MathToolSource | None = None) -> dict[str, Any]:
+    """The tool budgets a task carries (``metadata.tool``), from the source's config (None: its defaults)."""
+    src = src or MathToolSource()
+    return {key: getattr(src, key) for key in MathToolEnv.config_keys}
+
+
+def draw(src: MathToolSource, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
+    """The source's task generator (`trajmesh.plugins.SourcePlugin.draw`); ``exclude`` holds whole
+    prompts, compared here by question (the instruction line depends on tool_format)."""
+    return make_tasks(seed, n, difficulty=src.difficulty, tool=tool_settings(src), source=src.name,
+                      exclude={p.split("\n", 1)[-1] for p in exclude}, tool_format=src.tool_format)
+
+
+PLUGIN = SourcePlugin(
+    type="math_tool", config=MathToolSource, draw=draw, environments={"math_tool": MathToolEnv},
+    graders={"math": "trajmesh.graders.math:MathGrader"},
+    description="math with a sandboxed Python tool, graded by math-verify")

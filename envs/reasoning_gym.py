@@ -16,6 +16,10 @@ import json
 from typing import Any
 
 import reasoning_gym
+from trajmesh.envs.base import SingleAnswerEnv
+
+from trajmesh.config import ReasoningGymSource
+from trajmesh.plugins import SourcePlugin
 
 ANSWER_SUFFIX = "\nAnswer only."
 
@@ -59,3 +63,26 @@ def score(response_text: str, task: dict[str, Any]) -> float:
         raise ValueError(f"task {m['family']}#{m['index']} no longer matches its generator (revision drift)")
     ds = _dataset(m["family"], int(m["seed"]), int(m["size"]), json.dumps(m.get("knobs", {}), sort_keys=True))
     return float(ds.score_answer(response_text.strip(), e))
+
+
+def draw(src: ReasoningGymSource, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
+    """The source's task generator (`trajmesh.plugins.SourcePlugin.draw`)."""
+    return make_tasks(src.family, seed, n, dict(src.knobs), source=src.name, exclude=exclude)
+
+
+def split(src: ReasoningGymSource, n_train: int, n_heldout: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """chain_sum keeps its compact demo format and its own split (envs/chain_sum.py); other
+    families use the generic one (None)."""
+    if src.family != "chain_sum":
+        return None
+    from trajmesh.envs import chain_sum
+
+    return chain_sum.make_split(n_train, n_heldout, **src.knobs)
+
+
+PLUGIN = SourcePlugin(
+    type="reasoning_gym", config=ReasoningGymSource, draw=draw, split=split,
+    environments={"chain_sum": SingleAnswerEnv, "single_answer": SingleAnswerEnv, "reasoning_gym": SingleAnswerEnv},
+    graders={"reasoning_gym": "trajmesh.graders.reasoning_gym:ReasoningGymGrader"},
+    default_environment="chain_sum",
+    description="a reasoning-gym task family, one answer, scored by the family's score_answer")

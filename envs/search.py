@@ -30,9 +30,11 @@ from trajmesh.envs.base import (
     state_hash,
 )
 
+from trajmesh.config import SearchSource
+from trajmesh.plugins import SourcePlugin
+
 SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "vel", "sa", "dun", "bri", "hol", "quen", "zor", "ath", "ix", "mor"]
 PEOPLE = ["Ilsa", "Oren", "Maro", "Tessa", "Ulric", "Wren", "Yara", "Piet", "Nadia", "Soren"]
-DEFAULT_SEARCH = {"top_k": 3, "max_searches": 3, "corpus_size": 200, "corpus_seed": 7}
 
 
 def tokenize(text: str) -> list[str]:
@@ -116,9 +118,11 @@ NATIVE_INSTRUCTION = native_instruction(TOOLS, "reply <answer>x</answer>.")
 class SearchEnv:
     revision = "search-bm25-v1"
     config_keys = ("top_k", "max_searches", "corpus_size", "corpus_seed")
+    invalid_actions = ("schema", "search_budget")
+    """`info.invalid_action` reasons its steps report (the environment service pre-creates their series)."""
 
     def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
-        self.cfg = {**DEFAULT_SEARCH, **task.get("metadata", {}).get("search", {})}
+        self.cfg = {**search_settings(), **task.get("metadata", {}).get("search", {})}
         self.index = index(int(self.cfg["corpus_size"]), int(self.cfg["corpus_seed"]))
         self.prompt = str(task["prompt"])
         self.searches = 0
@@ -159,7 +163,7 @@ class SearchEnv:
 
 def make_tasks(seed: int, n: int, *, search: dict[str, Any] | None = None, source: str = "search",
                exclude: set[str] | None = None, tool_format: str = "tags") -> list[dict[str, Any]]:
-    cfg = {**DEFAULT_SEARCH, **(search or {})}
+    cfg = {**search_settings(), **(search or {})}
     facts, _ = corpus(int(cfg["corpus_size"]), int(cfg["corpus_seed"]))
     rng = random.Random(f"search-tasks|{seed}")
     pairs = [(f, k) for f in facts for k in sorted(QUESTIONS)]
@@ -182,3 +186,22 @@ def make_tasks(seed: int, n: int, *, search: dict[str, Any] | None = None, sourc
     if not out:  # fewer than n: the sampler cycles through what the corpus holds
         raise ValueError("the search corpus holds no question outside the excluded ones; raise corpus_size")
     return out
+
+
+def search_settings(src: SearchSource | None = None) -> dict[str, Any]:
+    """The search settings a task carries (``metadata.search``), from the source's config (None: its defaults)."""
+    src = src or SearchSource()
+    return {key: getattr(src, key) for key in SearchEnv.config_keys}
+
+
+def draw(src: SearchSource, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
+    """The source's task generator (`trajmesh.plugins.SourcePlugin.draw`); ``exclude`` holds whole
+    prompts, compared here by question (the instruction line depends on tool_format)."""
+    return make_tasks(seed, n, search=search_settings(src), source=src.name,
+                      exclude={p.split("\n", 1)[-1] for p in exclude}, tool_format=src.tool_format)
+
+
+PLUGIN = SourcePlugin(
+    type="search", config=SearchSource, draw=draw, environments={"search": SearchEnv},
+    graders={"search": "trajmesh.graders.search:SearchGrader"},
+    description="Search-R1 style QA over a generated corpus with BM25, normalized exact match")

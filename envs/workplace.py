@@ -26,6 +26,9 @@ from typing import Any
 
 from trajmesh.envs.base import StepResult, first_tag, function_schemas, native_instruction, parse_native
 
+from trajmesh.config import WorkplaceSource
+from trajmesh.plugins import SourcePlugin
+
 FIRST = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena"]
 DEPTS = ["eng", "ops", "sales"]
 TITLES = ["budget review", "fix login", "hire intern", "ship v2", "audit logs", "plan offsite",
@@ -160,6 +163,8 @@ def parse_action(action: str) -> tuple[str, dict[str, Any]] | None:
 class WorkplaceEnv:
     revision = "workplace-v1"
     config_keys = ("n_employees", "n_tasks")
+    invalid_actions = ("schema",)
+    """`info.invalid_action` reasons its steps report (the environment service pre-creates their series)."""
 
     def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
         meta = task.get("metadata", {})
@@ -268,3 +273,16 @@ def make_tasks(seed: int, n: int, *, n_employees: int = 6, n_tasks: int = 8, sou
         out.append({"prompt": prompt, "answer": expected_state_hash(meta),
                     "task_id": hashlib.sha256(f"{source}|{key}".encode()).hexdigest()[:16], "metadata": meta})
     return out
+
+
+def draw(src: WorkplaceSource, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
+    """The source's task generator (`trajmesh.plugins.SourcePlugin.draw`): at most ``pool_size`` tasks."""
+    tasks = make_tasks(seed, min(n, src.pool_size), n_employees=src.n_employees, n_tasks=src.n_tasks,
+                       source=src.name, tool_format=src.tool_format)
+    return [t for t in tasks if t["prompt"] not in exclude]
+
+
+PLUGIN = SourcePlugin(
+    type="workplace", config=WorkplaceSource, draw=draw, environments={"workplace": WorkplaceEnv},
+    graders={"workplace": "trajmesh.graders.workplace:WorkplaceGrader"},
+    description="SQLite workplace assistant, verified by the database's final state")

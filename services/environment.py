@@ -24,9 +24,8 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.envs.base import Environment, StepResult, make_environment
-from trajmesh.envs.registry import ENVIRONMENTS
 
-from trajmesh import sandbox, security
+from trajmesh import plugins, sandbox, security
 from trajmesh.service import Service
 from trajmesh.v1 import services_pb2, services_pb2_grpc
 
@@ -43,13 +42,33 @@ PARSER_ERRORS = Counter("trajmesh_environment_parser_errors_total", "Unparseable
 TOOL_TIMEOUTS = Counter("trajmesh_environment_tool_timeouts_total", "Tool calls past their deadline", ["environment"])
 SANDBOX_VIOLATIONS = Counter("trajmesh_environment_sandbox_violations_total", "Sandbox errors by subclass",
                              ["environment", "subclass"])
-for _env in ENVIRONMENTS:  # initial zeros so dashboards see every known series
-    PARSER_ERRORS.labels(_env)
-    TOOL_TIMEOUTS.labels(_env)
-for _sub in sandbox.SUBCLASSES:
-    SANDBOX_VIOLATIONS.labels("math_tool", _sub)
-for _reason in ("schema", "tool_budget", "search_budget"):
-    INVALID_ACTIONS.labels("workplace" if _reason == "schema" else ("math_tool" if _reason == "tool_budget" else "search"), _reason)
+
+
+def label_series() -> dict[str, list[tuple[str, ...]]]:
+    """The label values of every known series, by metric, from the plug-in registry: each
+    environment's parser errors and timeouts, its invalid-action reasons (`invalid_actions`), and
+    the sandbox subclasses of environments that run code (`uses_sandbox`)."""
+    envs = plugins.environments()
+    return {
+        "parser_errors": [(e,) for e in envs],
+        "tool_timeouts": [(e,) for e in envs],
+        "invalid_actions": [(e, r) for e, cls in envs.items() for r in getattr(cls, "invalid_actions", ())],
+        "sandbox_violations": [(e, s) for e, cls in envs.items() if getattr(cls, "uses_sandbox", False)
+                               for s in sandbox.SUBCLASSES],
+    }
+
+
+def init_series() -> None:
+    """Initial zeros so dashboards see every known series (at import, and again at service start
+    for sources registered since)."""
+    metrics = {"parser_errors": PARSER_ERRORS, "tool_timeouts": TOOL_TIMEOUTS, "invalid_actions": INVALID_ACTIONS,
+               "sandbox_violations": SANDBOX_VIOLATIONS}
+    for name, labels in label_series().items():
+        for values in labels:
+            metrics[name].labels(*values)
+
+
+init_series()
 
 
 def record_step(kind: str, res: StepResult) -> None:
@@ -80,7 +99,9 @@ class EnvironmentService(Service):
         self.server: grpc.aio.Server | None = None
 
     async def setup(self) -> None:
-        sandboxed = [s.type for s in self.cfg.tasks.sources if getattr(ENVIRONMENTS.get(s.type), "uses_sandbox", False)]
+        init_series()
+        sandboxed = [s.type for s in self.cfg.tasks.sources
+                     if any(getattr(cls, "uses_sandbox", False) for cls in plugins.source(s.type).environments.values())]
         if sandboxed:  # refuse to start (SandboxUnavailable) rather than run model code under weaker limits
             log.info("%s (for %s)", sandbox.preflight(self.cfg.sandbox.allow_without_cgroup), ", ".join(sandboxed))
         self.server = grpc.aio.server()

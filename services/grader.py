@@ -19,10 +19,10 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 from redis.asyncio import Redis
-from trajmesh.graders import GRADERS, Grader, Sample, grader_kind, make_grader
+from trajmesh.graders import Grader, Sample, grader_kind, make_grader
 
 from trajmesh import bus as busmod
-from trajmesh import sandbox, security, tasks
+from trajmesh import plugins, sandbox, security, tasks
 from trajmesh.contract import ContractError, Trajectory
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
@@ -41,10 +41,26 @@ VERIFIER_ERRORS = Counter("trajmesh_grader_verifier_errors_total", "Verifier cra
 AUDITS = Counter("trajmesh_grader_metamorphic_audits_total", "Metamorphic audits (never reward)",
                  ["audit", "result"])
 TERMINAL = Counter("trajmesh_grader_terminal_reasons_total", "Trajectories graded by terminal reason", ["reason"])
-for _kind, _cls in GRADERS.items():  # initial zeros for every known series
-    VERIFIER_ERRORS.labels(_kind, "exception")
-    for _comp in getattr(_cls, "components", ()):
-        RAW_COMPONENT.labels(_kind, _comp)
+
+
+def label_series() -> dict[str, list[tuple[str, ...]]]:
+    """The label values of every per-grader series, from the plug-in registry: each grader's
+    verifier errors and its raw reward components (`components`)."""
+    graders = plugins.graders()
+    return {"verifier_errors": [(kind, "exception") for kind in graders],
+            "raw_component": [(kind, comp) for kind, cls in graders.items() for comp in getattr(cls, "components", ())]}
+
+
+def init_series() -> None:
+    """Initial zeros for every known series (at import, and again at service start for sources
+    registered since)."""
+    for values in label_series()["verifier_errors"]:
+        VERIFIER_ERRORS.labels(*values)
+    for values in label_series()["raw_component"]:
+        RAW_COMPONENT.labels(*values)
+
+
+init_series()
 for _audit in ("math_rename_invariant", "search_rename_invariant"):
     for _result in ("agree", "disagree"):
         AUDITS.labels(_audit, _result)
@@ -84,6 +100,7 @@ class GraderService(Service):
     async def setup(self) -> None:
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
+        init_series()
         sandboxed = sandboxed_sources(cfg)
         if sandboxed:  # refuse to start (SandboxUnavailable) rather than grade model code under weaker limits
             log.info("%s (for %s)", sandbox.preflight(cfg.sandbox.allow_without_cgroup), ", ".join(sandboxed))

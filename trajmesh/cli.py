@@ -63,19 +63,21 @@ def _build_service(name: str, args: argparse.Namespace) -> Any:
 
 
 def _list_envs() -> int:
-    """Prints every environment and grader with its revision and config keys (docs/ENVIRONMENTS.md)."""
-    from trajmesh.config import MathToolSource, ReasoningGymSource, SearchSource, WorkplaceSource
-    from trajmesh.envs.registry import ENVIRONMENTS
-    from trajmesh.graders import GRADERS
+    """Prints every task source, environment and grader of the plug-in registry (`trajmesh.plugins`)
+    with its revision and config keys (docs/ENVIRONMENTS.md)."""
+    from trajmesh import plugins
 
-    sources: dict[str, Any] = {"reasoning_gym": ReasoningGymSource, "math_tool": MathToolSource, "workplace": WorkplaceSource,
-               "search": SearchSource}
-    print("environments (tasks.sources[].type -> config keys):")
-    for name, cls in sorted(ENVIRONMENTS.items()):
-        keys = [k for k in sources[name].model_fields if k != "type"] if name in sources else []
-        print(f"  {name:14s} {cls.__name__:16s} {cls.revision:20s} {', '.join(keys)}")
+    print("task sources (tasks.sources[].type -> config keys, environments, graders):")
+    for name, plugin in plugins.sources().items():
+        keys = [k for k in plugin.config.model_fields if k != "type"]
+        print(f"  {name:14s} {plugin.config.__name__:20s} {', '.join(keys)}")
+        print(f"  {'':14s} environments: {', '.join(sorted(plugin.environments))}; "
+              f"graders: {', '.join(sorted(plugin.graders))}")
+    print("environments (task environment -> class, revision, task metadata keys):")
+    for name, cls in plugins.environments().items():
+        print(f"  {name:14s} {cls.__name__:16s} {cls.revision:20s} {', '.join(getattr(cls, 'config_keys', ()))}")
     print("graders (task metadata.grader -> raw reward components):")
-    for name, gcls in sorted(GRADERS.items()):
+    for name, gcls in plugins.graders().items():
         print(f"  {name:14s} {gcls.__name__:18s} {gcls.revision:26s} {', '.join(getattr(gcls, 'components', ()))}")
     return 0
 

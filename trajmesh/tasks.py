@@ -1,8 +1,8 @@
 """Task sources and the mixture sampler the store draws from (no torch).
 
 `TaskSampler.task_at(i)` is a pure function of (config, seed, i): the store keeps only the cursor
-i in Redis, so a restarted store continues the same sequence. Every source type has a generator in
-`envs/`; `load_split` draws the held-out split first (its own seed) and keeps training disjoint.
+i in Redis, so a restarted store continues the same sequence. Every source type's generator is its
+plug-in's (`trajmesh.plugins`); `load_split` draws the held-out split first (its own seed) and keeps training disjoint.
 """
 
 from __future__ import annotations
@@ -11,14 +11,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from trajmesh.config import (
-    ExternalAgentSource,
-    MathToolSource,
-    ReasoningGymSource,
-    SearchSource,
-    TasksConfig,
-    WorkplaceSource,
-)
+from trajmesh import plugins
+from trajmesh.config import TasksConfig
 
 TRAIN_SEED, HELDOUT_SEED = 1234, 98765
 
@@ -35,58 +29,27 @@ class TaskSpec:
 
 
 def _draw(src: Any, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
-    """``n`` task dicts of one source; ``exclude`` holds prompts that must not appear."""
-    if isinstance(src, ReasoningGymSource):
-        from trajmesh.envs import reasoning_gym
-
-        return reasoning_gym.make_tasks(src.family, seed, n, dict(src.knobs), source=src.name, exclude=exclude)
-    if isinstance(src, MathToolSource):
-        from trajmesh.envs import math_tool
-
-        tool = {"max_tool_calls": src.max_tool_calls, "call_timeout_s": src.call_timeout_s,
-                "max_output_bytes": src.max_output_bytes}
-        return math_tool.make_tasks(seed, n, difficulty=src.difficulty, tool=tool, source=src.name,
-                                    exclude={p.split("\n", 1)[-1] for p in exclude}, tool_format=src.tool_format)
-    if isinstance(src, WorkplaceSource):
-        from trajmesh.envs import workplace
-
-        tasks = workplace.make_tasks(seed, min(n, src.pool_size), n_employees=src.n_employees,
-                                     n_tasks=src.n_tasks, source=src.name, tool_format=src.tool_format)
-        return [t for t in tasks if t["prompt"] not in exclude]
-    if isinstance(src, SearchSource):
-        from trajmesh.envs import search
-
-        cfg = {"top_k": src.top_k, "max_searches": src.max_searches, "corpus_size": src.corpus_size,
-               "corpus_seed": src.corpus_seed}
-        return search.make_tasks(seed, n, search=cfg, source=src.name,
-                                 exclude={p.split("\n", 1)[-1] for p in exclude}, tool_format=src.tool_format)
-    if isinstance(src, ExternalAgentSource):
-        from trajmesh.envs import reasoning_gym
-
-        tasks = reasoning_gym.make_tasks(src.family, seed, n, dict(src.knobs), source=src.name, exclude=exclude)
-        agent = {"environment": "external_agent", "grader": "external_agent", "agent": src.agent, "budget_s": src.budget_s,
-                 "python_path": list(src.python_path)}
-        return [{**t, "metadata": {**t["metadata"], **agent}} for t in tasks]
-    raise ValueError(f"unknown task source type {type(src).__name__}")
+    """``n`` task dicts of one source (its plug-in's generator); ``exclude`` holds prompts that must not appear."""
+    return plugins.source(src.type).draw(src, seed, n, exclude)
 
 
 def load_split(src: Any, n_train: int, n_heldout: int) -> tuple[list[TaskSpec], list[TaskSpec]]:
-    """(train, held-out) tasks of one source; the two are disjoint by prompt."""
-    if isinstance(src, ReasoningGymSource) and src.family == "chain_sum":
-        from trajmesh.envs import chain_sum
-
-        train_d, held_d = chain_sum.make_split(n_train, n_heldout, **src.knobs)
-        env = "chain_sum"
+    """(train, held-out) tasks of one source; the two are disjoint by prompt. A plug-in with a
+    `split` of its own draws both (chain_sum); otherwise the held-out split is drawn first with its
+    own seed and training tasks exclude its prompts."""
+    plugin = plugins.source(src.type)
+    own = plugin.split(src, n_train, n_heldout) if plugin.split is not None else None
+    if own is not None:
+        train_d, held_d = own
     else:
         held_d = _draw(src, HELDOUT_SEED, n_heldout, set())
         held_prompts = {t["prompt"] for t in held_d}
         train_d = [t for t in _draw(src, TRAIN_SEED, n_train, held_prompts) if t["prompt"] not in held_prompts]
         if not train_d:
             raise ValueError(f"tasks.sources[{src.name}]: no training task outside the held-out split")
-        env = ""
 
     def spec(t: dict[str, Any]) -> TaskSpec:
-        environment = env or t["metadata"]["environment"]
+        environment = t["metadata"].get("environment") or plugin.default_environment
         return TaskSpec(t["task_id"], src.name, src.revision, t["prompt"], t["answer"], environment, t["metadata"])
 
     return [spec(t) for t in train_d], [spec(t) for t in held_d]

@@ -58,8 +58,8 @@ def eval_budgets(cfg: RunConfig) -> tuple[int, int]:
 def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """What an evaluation figure means (recorded in the manifest): samples, sampling, budgets, and
     per source its environment and grader with their revisions."""
-    from trajmesh.envs.registry import ENVIRONMENTS
-    from trajmesh.graders import GRADERS, grader_kind
+    from trajmesh import plugins
+    from trajmesh.graders import grader_kind
     from trajmesh.tasks import HELDOUT_SEED
 
     max_new_tokens, max_turns = eval_budgets(cfg)
@@ -68,8 +68,8 @@ def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -
         envs = sorted({str(t["environment"] or "single_answer") for t in tasks})
         graders = sorted({grader_kind(t) for t in tasks})
         sources[name] = {"problems": len(tasks),
-                         "environments": {e: ENVIRONMENTS[e].revision for e in envs},
-                         "graders": {g: GRADERS[g].revision for g in graders}}
+                         "environments": {e: plugins.environment_class(e).revision for e in envs},
+                         "graders": {g: plugins.grader_class(g).revision for g in graders}}
     return {"greedy": {"temperature": 0.0, "samples_per_problem": 1},
             "sampled": {"temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
                         "samples_per_problem": cfg.eval.samples, "samples_per_problem_during_rl": cfg.eval.samples_during},

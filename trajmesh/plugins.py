@@ -1,0 +1,148 @@
+"""The plug-in registry of task sources (config, tasks, environments, graders, revisions), keyed by
+the source config's `type`. No torch.
+
+A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the end of
+``envs/<source>.py``) and owns everything the mesh needs to know about it:
+
+* ``config``       the source's config class (a `trajmesh.config.SourceConfig`); `tasks.sources`
+                   entries are parsed by the class registered for their `type`, and an unknown type
+                   is rejected at load time naming the registered ones;
+* ``draw``         the task generator ``draw(src, seed, n, exclude_prompts) -> [task dict]``;
+* ``split``        optional (train, held-out) split of its own (chain_sum's compact format); tasks
+                   without ``metadata.environment`` get ``default_environment``;
+* ``environments`` environment key (a task's ``metadata.environment``) -> environment class;
+* ``graders``      grader kind (a task's ``metadata.grader``) -> grader class, as "module:Class"
+                   (loaded on first use: graders import environments, not the other way round).
+                   The grader is also the source's held-out scorer (learner/evaluate.py);
+* revisions        every environment and grader class carries ``revision``; `revisions` reads them.
+
+Everything that lists or dispatches on sources reads this registry: `trajmesh envs`, task
+generation (trajmesh/tasks.py), the environment and grader services (dispatch and the metric
+label series they pre-create), held-out evaluation, and the manifest's revisions. Adding a source
+is one module in ``envs/`` (plus its grader in ``graders/``) and one line in `BUILTIN_SOURCES`;
+`register_source` adds one at run time (tests, out-of-tree plug-ins imported before the config
+is loaded).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+BUILTIN_SOURCES = (
+    "trajmesh.envs.reasoning_gym",
+    "trajmesh.envs.math_tool",
+    "trajmesh.envs.workplace",
+    "trajmesh.envs.search",
+    "trajmesh.envs.external_agent_source",
+)
+"""Modules whose ``PLUGIN`` is registered on first use of the registry (one line per source)."""
+
+STANDALONE_GRADERS: dict[str, str] = {"code": "trajmesh.graders.code:CodeTestsGrader"}
+"""Graders no built-in source generates tasks for (a task may still name one in ``metadata.grader``)."""
+
+@dataclass(frozen=True)
+class SourcePlugin:
+    """One task-source type: see the module docstring."""
+
+    type: str
+    config: type
+    draw: Callable[[Any, int, int, set[str]], list[dict[str, Any]]]
+    environments: Mapping[str, type]
+    graders: Mapping[str, str]
+    split: Callable[[Any, int, int], tuple[list[dict[str, Any]], list[dict[str, Any]]] | None] | None = None
+    default_environment: str = "single_answer"
+    description: str = ""
+
+
+_SOURCES: dict[str, SourcePlugin] = {}
+_LOADED = False
+
+
+def _load_builtins() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for module in BUILTIN_SOURCES:
+        plugin = importlib.import_module(module).PLUGIN
+        _SOURCES.setdefault(plugin.type, plugin)
+
+
+def register_source(plugin: SourcePlugin) -> None:
+    """Adds a source type (an existing type is an error: one entry per type)."""
+    _load_builtins()
+    if plugin.type in _SOURCES and _SOURCES[plugin.type] is not plugin:
+        raise ValueError(f"task source type {plugin.type!r} is already registered")
+    if getattr(plugin.config.model_fields.get("type"), "default", None) != plugin.type:
+        raise ValueError(f"{plugin.config.__name__}.type must default to {plugin.type!r}")
+    _SOURCES[plugin.type] = plugin
+
+
+def unregister_source(type_: str) -> None:
+    """Removes a source type registered with `register_source` (tests)."""
+    _SOURCES.pop(type_, None)
+
+
+def sources() -> dict[str, SourcePlugin]:
+    """Every registered source type, sorted by type."""
+    _load_builtins()
+    return dict(sorted(_SOURCES.items()))
+
+
+def source(type_: str) -> SourcePlugin:
+    """The plug-in of one source type; an unknown type names the registered ones."""
+    known = sources()
+    try:
+        return known[type_]
+    except KeyError:
+        raise ValueError(f"unknown task source type {type_!r}; registered: {sorted(known)}") from None
+
+
+def environments() -> dict[str, type]:
+    """Environment key -> class, over every source."""
+    out: dict[str, type] = {}
+    for plugin in sources().values():
+        out.update(plugin.environments)
+    return dict(sorted(out.items()))
+
+
+def _load(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def grader_paths() -> dict[str, str]:
+    """Grader kind -> "module:Class", over every source and the standalone graders."""
+    out = dict(STANDALONE_GRADERS)
+    for plugin in sources().values():
+        out.update(plugin.graders)
+    return dict(sorted(out.items()))
+
+
+def graders() -> dict[str, type]:
+    """Grader kind -> class (imports every grader module)."""
+    return {kind: _load(path) for kind, path in grader_paths().items()}
+
+
+def grader_class(kind: str) -> type:
+    paths = grader_paths()
+    if kind not in paths:
+        raise ValueError(f"unknown grader {kind!r}; available: {sorted(paths)}")
+    return _load(paths[kind])
+
+
+def environment_class(kind: str) -> type:
+    envs = environments()
+    if kind not in envs:
+        raise ValueError(f"unknown environment {kind!r}; available: {sorted(envs)}")
+    return envs[kind]
+
+
+def revisions(type_: str) -> dict[str, dict[str, str]]:
+    """``{"environments": {key: revision}, "graders": {kind: revision}}`` of one source type."""
+    plugin = source(type_)
+    return {"environments": {k: str(c.revision) for k, c in sorted(plugin.environments.items())},
+            "graders": {k: str(_load(p).revision) for k, p in sorted(plugin.graders.items())}}
