@@ -220,7 +220,7 @@ def test_service_monitors_need_the_api() -> None:
         ({"rolout": {"replicaCount": 2}}, "rolout"),
         ({"rollout": {"replicaCount": "two"}}, "/rollout/replicaCount"),
         ({"rollout": {"sglang": {"gpu": 1}}}, "gpu"),
-        ({"learner": {"replicaCount": 4}}, "/learner/replicaCount"),
+        ({"learner": {"replicaCount": 0}}, "/learner/replicaCount"),
         ({"grader": {"image": {"tag": "latest"}}}, "/grader/image/tag"),
         ({"keda": {"enabled": "yes"}}, "/keda/enabled"),
         ({"model": {"source": "s3://bucket/model"}}, "/model/source"),
@@ -516,6 +516,60 @@ def test_rendered_run_config_loads() -> None:
         if engine == "sglang":  # sized for real models, not the CPU demo's defaults
             assert cfg.tasks.sampling.max_new_tokens >= 256
         assert "password" not in cm["data"]["config.yaml"]
+
+
+def _learner_launch(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(learner container, its env by name, the rendered RunConfig) of a render with `values`."""
+    from trajmesh.config import RunConfig
+
+    objs = _objects_of(_merged(IMAGES, values))
+    sts = next(o for o in objs if o["kind"] == "StatefulSet" and _component(o) == "learner")
+    container = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "learner")
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and "config.yaml" in o.get("data", {}))
+    return container, {e["name"]: e for e in container["env"]}, RunConfig.model_validate(
+        yaml.safe_load(cm["data"]["config.yaml"]))
+
+
+@pytest.mark.parametrize(("pods", "gpus"), [(2, 4), (3, 1), (1, 2), (2, 0)])
+def test_learner_launches_replicas_times_gpus_ranks(pods: int, gpus: int) -> None:
+    """learner.replicaCount pods x learner.gpus processes (at least one per pod): torchrun with
+    nnodes = pods, nproc-per-node = gpus, the node rank from the pod ordinal and the rendezvous at
+    pod 0's headless name; the config's learner.world_size is the product."""
+    container, env, cfg = _learner_launch({"learner": {"replicaCount": pods, "gpus": gpus},
+                                           "trajmesh": {"config": {"learner": {"batch_groups": 8}}}})
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in container["args"] if a.startswith("--") and "=" in a}
+    assert container["command"] == ["torchrun"]
+    assert int(args["--nnodes"]) * int(args["--nproc-per-node"]) == pods * max(gpus, 1) == cfg.learner.world_size
+    assert int(args["--nnodes"]) == pods
+    assert args["--node-rank"] == "$(NODE_RANK)"
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert (args["--master-addr"], args["--master-port"]) == ("$(MASTER_ADDR)", "$(MASTER_PORT)")
+    assert env["MASTER_ADDR"]["value"] == f"{RELEASE}-learner-0.{RELEASE}-learner-headless"
+    script = container["args"].index("/etc/trajmesh/entrypoint.py")
+    assert container["args"][script + 1] == "learner"
+
+
+def test_one_learner_rank_runs_without_torchrun() -> None:
+    container, _, cfg = _learner_launch({})
+    assert container["command"] == ["python", "/etc/trajmesh/entrypoint.py", "learner"]
+    assert cfg.learner.world_size == 1
+
+
+def test_entrypoint_gives_each_local_rank_its_own_metrics_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several ranks in one pod: local rank k serves metrics on the pod's port + k (rank 0 on the
+    probed port itself)."""
+    objs = _objects_of(_merged(IMAGES, {"learner": {"replicaCount": 1, "gpus": 4}}))
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and "entrypoint.py" in o.get("data", {}))
+    (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
+    code = cm["data"]["entrypoint.py"].replace("/etc/trajmesh/config.yaml", str(tmp_path / "config.yaml")) \
+        .replace("/run/trajmesh/config.yaml", str(tmp_path / "out.yaml"))
+    seen = {}
+    for local_rank in (0, 3):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setattr("sys.argv", ["entrypoint.py", "learner", "--metrics-port=9400"])
+        monkeypatch.setattr(os, "execvp", lambda _f, argv, k=local_rank: seen.__setitem__(k, argv))
+        exec(compile(code, "entrypoint.py", "exec"), {"__name__": "__main__"})
+    assert seen[0][-1] == "--metrics-port=9400" and seen[3][-1] == "--metrics-port=9403"
 
 
 def test_secrets_only_when_created() -> None:
