@@ -27,6 +27,10 @@ top-k/top-p truncation (greedy: T = 1); see ``trajmesh.learner.evaluate``. The d
 T = 1, where they equal the learner's ``log π_θ``. All tokens of one request come from one weight
 version: weights are only swapped between rounds.
 
+Weights are loaded in the dtype they were written (``stored_dtype``: the safetensors header, else
+``config.json``), as SGLang's ``--dtype auto`` would: the learner publishes in its training dtype
+(bf16 on GPU, fp32 on CPU), so the engine samples with the numerics the learner trained.
+
 Run: ``python -m trajmesh.rollout.engine_server --model PATH --port P --host 127.0.0.1 --version V``.
 """
 
@@ -34,17 +38,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import struct
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from aiohttp import web
 from trajmesh.learner.evaluate import Sampled
-from trajmesh.learner.models import load_model
+from trajmesh.learner.models import load_causal_lm
 from trajmesh.rollout.torch_sampler import RequestSampling, decode_batch
 
 log = logging.getLogger("trajmesh.rollout.engine_server")
@@ -61,6 +68,44 @@ def model_eos_ids(model: Any, tokenizer_eos_id: int | None) -> set[int]:
         ids |= {int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None}
     return ids
 
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_CONFIG_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def stored_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype a checkpoint's floating tensors were written in: the first floating tensor in the
+    safetensors header (``model.safetensors``, or the first shard of its index), else
+    ``config.json``'s ``torch_dtype`` / ``dtype``, else float32."""
+    root = Path(model_dir)
+    shard = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    if not shard.is_file() and index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        shard = root / shards[0] if shards else shard
+    if shard.is_file():
+        with open(shard, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__" and meta.get("dtype") in _SAFETENSORS_DTYPES:
+                return _SAFETENSORS_DTYPES[meta["dtype"]]
+    config = root / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        value = cfg.get("torch_dtype") or cfg.get("dtype")
+        if value in _CONFIG_DTYPES:
+            return _CONFIG_DTYPES[value]
+    return torch.float32
+
+
+def load_served_model(model_dir: str) -> tuple[Any, Any]:
+    """(model in eval mode on the CPU, in the dtype its weights were written; tokenizer)."""
+    from transformers import AutoTokenizer
+
+    model = load_causal_lm(model_dir, dtype=stored_dtype(model_dir), attn_implementation="eager")
+    return model, AutoTokenizer.from_pretrained(model_dir)
 
 @dataclass
 class _Request:
@@ -112,7 +157,7 @@ class TorchEngineServer:
 
     async def setup(self) -> None:
         loop = asyncio.get_running_loop()
-        self.model, self.tokenizer = await loop.run_in_executor(self._executor, load_model, self.model_path)
+        self.model, self.tokenizer = await loop.run_in_executor(self._executor, load_served_model, self.model_path)
         self._generator = torch.Generator().manual_seed(self.seed)
         self._queue: asyncio.Queue[_Request] = asyncio.Queue(maxsize=QUEUE_LIMIT)
         self._not_paused = asyncio.Event()
@@ -299,7 +344,7 @@ class TorchEngineServer:
         loop = asyncio.get_running_loop()
         async with self._round_lock:
             try:
-                model, _ = await loop.run_in_executor(self._executor, load_model, model_path)
+                model, _ = await loop.run_in_executor(self._executor, load_served_model, model_path)
             except (OSError, ValueError) as exc:
                 return web.json_response(
                     {"success": False, "message": f"Failed to load weights from {model_path}: {exc}"},

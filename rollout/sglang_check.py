@@ -4,10 +4,11 @@
 Run on a machine with a CUDA GPU and SGLang installed (the GPU image has both)::
 
     python -m trajmesh.rollout.sglang_check --model /models/Qwen2.5-0.5B-Instruct [--port 30000]
-        [--sglang-arg=--enable-deterministic-inference ...] [-- PYTEST ARGS]
+        [--precision auto|bf16|fp32] [--sglang-arg=--enable-deterministic-inference ...] [-- PYTEST ARGS]
 
-The server is launched as ``python -m sglang.launch_server --model-path MODEL --port PORT`` (plus
-``--sglang-arg`` values), its /health is awaited for ``--startup-s`` seconds, the tests see it via
+The server is launched as ``python -m sglang.launch_server --model-path MODEL --port PORT --dtype D``
+(D from ``--precision``, the learner.precision the run trains with: the dtype its weights are
+published in, ``sglang_dtype``; the Helm chart sets the same; plus ``--sglang-arg`` values), its /health is awaited for ``--startup-s`` seconds, the tests see it via
 ``TRAJMESH_SGLANG_URL`` and ``TRAJMESH_SGLANG_MODEL``, and the server is stopped by its pid (its
 process group) whatever the tests do. Exit status: pytest's, or 2 if the server never came up.
 """
@@ -26,6 +27,15 @@ from pathlib import Path
 from trajmesh.rollout.engine_client import EngineClient
 
 ROOT = Path(__file__).resolve().parents[1]
+SGLANG_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def sglang_dtype(precision: str, cuda: bool = True) -> str:
+    """SGLang's ``--dtype`` for a learner trained at ``learner.precision`` (auto: bf16 on CUDA, fp32
+    on CPU): the dtype the learner publishes its weights in (learner/weights.export_policy)."""
+    if precision == "auto":
+        precision = "bf16" if cuda else "fp32"
+    return SGLANG_DTYPES[precision]
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
@@ -54,12 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="HF model directory SGLang serves (also read by the tests)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--startup-s", type=float, default=1800.0, help="how long to wait for /health")
+    parser.add_argument("--precision", choices=["auto", *SGLANG_DTYPES], default="auto",
+                        help="learner.precision of the run (sets SGLang's --dtype; auto: bf16, a GPU learner's)")
     parser.add_argument("--sglang-arg", action="append", default=[], help="extra launch_server argument")
     parser.add_argument("--log", default="sglang-check.log", help="SGLang's stdout/stderr")
     args, pytest_args = parser.parse_known_args(argv)
+    if any(a.startswith("--dtype") for a in args.sglang_arg):
+        parser.error("--dtype follows --precision (the dtype the learner publishes weights in); set that")
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--host", "127.0.0.1",
-           "--port", str(args.port), *args.sglang_arg]
+           "--port", str(args.port), "--dtype", sglang_dtype(args.precision), *args.sglang_arg]
     with open(args.log, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

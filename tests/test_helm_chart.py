@@ -350,6 +350,65 @@ def test_sglang_probes_never_generate_and_the_agent_waits_as_long(case: str) -> 
         assert _allowance_s(agent["startupProbe"]) >= wait_s
 
 
+def _sglang_dtypes(objects: list[dict[str, Any]]) -> list[str]:
+    return [a.removeprefix("--dtype=") for o in objects if (pod := _pod_spec(o)) is not None
+            for c in pod["containers"] if c["name"] == "sglang" for a in c["args"] if a.startswith("--dtype")]
+
+
+def _learner_on_gpu(objects: list[dict[str, Any]]) -> bool:
+    learner = next(_pod_spec(o) for o in objects if _component(o) == "learner" and _pod_spec(o) is not None)
+    return any("nvidia.com/gpu" in (c.get("resources", {}).get("limits") or {}) for c in learner["containers"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sglang_serves_in_the_dtype_the_learner_publishes(case: str) -> None:
+    """Weights are published in the training dtype (learner.precision; auto is bf16 on a GPU): SGLang's
+    --dtype is that dtype, once, and `make gpu-check` (rollout/sglang_check.py) maps it the same way."""
+    from trajmesh.rollout.sglang_check import sglang_dtype
+
+    objects = _objects(case)
+    dtypes = _sglang_dtypes(objects)
+    if not dtypes:
+        return
+    precision = (_run_config(case).get("learner") or {}).get("precision", "auto")
+    assert _learner_on_gpu(objects)
+    assert dtypes == [sglang_dtype(precision, cuda=True)] * len(dtypes), (precision, dtypes)
+    assert dtypes[0] == ("bfloat16" if precision in ("auto", "bf16") else "float32")
+
+
+def test_sglang_dtype_follows_learner_precision_and_is_not_overridden() -> None:
+    fp32 = _objects_of(_merged(IMAGES, {"trajmesh": {"config": {"learner": {"precision": "fp32"}}}}))
+    assert _sglang_dtypes(fp32) == ["float32"]
+    bf16 = _objects_of(_merged(IMAGES, {"trajmesh": {"config": {"learner": {"precision": "bf16"}}}}))
+    assert _sglang_dtypes(bf16) == ["bfloat16"]
+    with pytest.raises(Exception, match="learner.precision"):  # noqa: B017 - the SDK wraps Helm's error
+        _objects_of(_merged(IMAGES, {"rollout": {"sglang": {"extraArgs": ["--dtype=float16"]}}}))
+
+
+def test_gpu_check_launches_sglang_with_the_learners_dtype(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``make gpu-check`` (no GPU here): the launch_server command it builds, captured."""
+    from trajmesh.rollout import sglang_check
+
+    launched: list[list[str]] = []
+
+    class Exited:  # a server that exits at once: main() reports it and returns 2
+        pid, returncode = 0, 1
+
+        def __init__(self, cmd: list[str], **_: Any) -> None:
+            launched.append(cmd)
+
+        def poll(self) -> int:
+            return 1
+
+    monkeypatch.setattr(sglang_check.subprocess, "Popen", Exited)
+    log = str(tmp_path / "sglang.log")
+    assert sglang_check.main(["--model", "/m", "--log", log]) == 2
+    assert sglang_check.main(["--model", "/m", "--log", log, "--precision", "fp32"]) == 2
+    assert [c[c.index("--dtype") + 1] for c in launched] == ["bfloat16", "float32"]
+    with pytest.raises(SystemExit):
+        sglang_check.main(["--model", "/m", "--log", log, "--sglang-arg=--dtype=half"])
+
+
 def _model_readers() -> set[str]:
     """Services whose code reads model.path (tokenizer or weights), found in their source."""
     return {p.stem for p in (ROOT / "services").glob("*.py") if re.search(r"cfg\.model\.path", p.read_text())}
