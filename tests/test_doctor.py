@@ -211,3 +211,26 @@ def test_cli_prints_findings_with_fixes_and_exits_nonzero(monkeypatch: pytest.Mo
     sets = [f"--set={k}={json.dumps(v)}" for k, v in HEALTHY_VALUES.items()]
     assert main(["doctor", "-n", NS, "--release", RELEASE, *sets]) == 0
     assert capsys.readouterr().out.endswith("8 checks: 0 blocking, 0 warnings\n")
+
+
+def test_a_shared_claim_without_read_write_many_blocks_unless_single_node() -> None:
+    """sharedVolume.accessModes without ReadWriteMany: the chart refuses to render it
+    (test_helm_chart.py), the doctor blocks; sharedVolume.singleNode allows ReadWriteOnce on a one-node
+    cluster (recorded: one Ready node, a local-path default class) and warns where there are more."""
+    rwo = {"sharedVolume.accessModes": ["ReadWriteOnce"]}
+    blocked, _ = _run("healthy", {**HEALTHY_VALUES, **rwo}, release=None)
+    storage = [f for f in blocked if f.check == "storage"]
+    assert _summary(storage) == [("storage", "block")]
+    assert storage[0].message.startswith("sharedVolume.accessModes ['ReadWriteOnce'] has no ReadWriteMany")
+    assert "sharedVolume.singleNode: true" in storage[0].fix
+    one, rest = _run("single-node", {**rwo, "sharedVolume.singleNode": True}, release=None)
+    assert [(f.severity, f.message) for f in one if f.check == "storage"] == [
+        ("ok", "shared volume: class 'local-path' (the default) (rancher.io/local-path), ReadWriteOnce on a "
+               "one-node cluster (sharedVolume.singleNode)")]
+    assert "/api/v1/nodes" in [p for p, _ in rest.calls]
+    many, _ = _run("healthy", {**HEALTHY_VALUES, **rwo, "sharedVolume.singleNode": True}, release=None)
+    warned = [f for f in many if f.check == "storage"]
+    assert _summary(warned) == [("storage", "warn")] and "the cluster has 2 Ready nodes" in warned[0].message
+    # ReadWriteMany asked of a class that serves ReadWriteOnce only still blocks on one node
+    rwx_on_local, _ = _run("single-node", {}, release=None)
+    assert _summary([f for f in rwx_on_local if f.check == "storage"]) == [("storage", "block")]

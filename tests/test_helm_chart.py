@@ -459,6 +459,22 @@ def test_images_are_required_values_with_instructions() -> None:
         _chart().render(values=partial, name=RELEASE, namespace=NAMESPACE)
 
 
+def test_shared_claim_must_be_read_write_many_unless_single_node() -> None:
+    """The learner, rollout and store pods mount the shared claim from different nodes: a claim the
+    values make ReadWriteOnce fails at render time, unless sharedVolume.singleNode (a one-node
+    cluster). `trajmesh doctor` checks that the class can serve it (tests/test_doctor.py)."""
+    def shared(values: dict[str, Any]) -> list[dict[str, Any]]:
+        return [o for o in _objects_of(_merged(IMAGES, values)) if o["kind"] == "PersistentVolumeClaim"
+                and o["metadata"]["name"].endswith("-shared")]
+
+    assert [c["spec"]["accessModes"] for c in shared({})] == [["ReadWriteMany"]]
+    with pytest.raises(Exception, match="has no ReadWriteMany"):  # noqa: B017 - the SDK wraps Helm's error
+        shared({"sharedVolume": {"accessModes": ["ReadWriteOnce"]}})
+    single = shared({"sharedVolume": {"accessModes": ["ReadWriteOnce"], "singleNode": True}})
+    assert [c["spec"]["accessModes"] for c in single] == [["ReadWriteOnce"]]
+    assert shared({"sharedVolume": {"existingClaim": "mine", "accessModes": ["ReadWriteOnce"]}}) == []  # the doctor checks it
+
+
 SANDBOX_COMPONENTS = {"environment", "grader"}
 
 

@@ -224,9 +224,19 @@ def _rwx_names(classes: list[Any]) -> str:
     return ", ".join(names) if names else "none: install one (NFS subdir provisioner, CephFS, EFS, Filestore, Azure Files)"
 
 
-def _shared_class(values: dict[str, Any], classes: list[Any]) -> Finding:
-    """The class the chart's shared ReadWriteMany claim gets, and whether it can serve it."""
-    wanted = values.get("sharedVolume", {}).get("storageClass") or ""
+def _shared_class(values: dict[str, Any], classes: list[Any], core: Any = None) -> Finding:
+    """The class the chart's shared ReadWriteMany claim gets, and whether it can serve it. A claim
+    without ReadWriteMany (``sharedVolume.accessModes``) blocks unless ``sharedVolume.singleNode``
+    says every pod runs on one node (the chart refuses to render it otherwise, too)."""
+    shared = values.get("sharedVolume", {})
+    modes = list(shared.get("accessModes") or ["ReadWriteMany"])
+    if "ReadWriteMany" not in modes and not shared.get("singleNode"):
+        return Finding("storage", BLOCK, f"sharedVolume.accessModes {modes} has no ReadWriteMany: learner, rollout "
+                                         "and store pods on different nodes cannot share the claim (the chart "
+                                         "refuses to render it)",
+                       "set sharedVolume.accessModes [ReadWriteMany] with a ReadWriteMany class, or "
+                       "sharedVolume.singleNode: true on a one-node cluster")
+    wanted = shared.get("storageClass") or ""
     by_name = {sc.metadata.name: sc for sc in classes}
     default = next((sc for sc in classes if _is_default(sc)), None)
     sc = by_name.get(wanted) if wanted else default
@@ -236,6 +246,15 @@ def _shared_class(values: dict[str, Any], classes: list[Any]) -> Finding:
                        f"set sharedVolume.storageClass to a ReadWriteMany class (RWX-capable here: {_rwx_names(classes)}) "
                        "or sharedVolume.existingClaim")
     label = f"shared volume: class {sc.metadata.name!r}{'' if wanted else ' (the default)'} ({sc.provisioner})"
+    if "ReadWriteMany" not in modes:  # sharedVolume.singleNode: one node mounts it, RWO is enough
+        nodes = [n.metadata.name for n in core.list_node().items if _node_ready(n)] if core is not None else []
+        if len(nodes) > 1:
+            return Finding("storage", WARN, f"{label}, {modes[0]} (sharedVolume.singleNode), but the cluster has "
+                                            f"{len(nodes)} Ready nodes: pods scheduled on another node than the "
+                                            "claim's cannot mount it",
+                           "pin the learner, rollout and store pods to one node (nodeSelector), or use a "
+                           "ReadWriteMany class and drop sharedVolume.singleNode")
+        return Finding("storage", OK, f"{label}, {modes[0]} on a one-node cluster (sharedVolume.singleNode)")
     rwx = rwx_support(sc.provisioner)
     if rwx is False:
         return Finding("storage", BLOCK, f"{label} serves ReadWriteOnce only; learner and rollout pods on "
@@ -284,7 +303,7 @@ def _rwo_claims_need_default(values: dict[str, Any]) -> list[str]:
 def check_storage(core: Any, storage: Any, values: dict[str, Any], namespace: str) -> list[Finding]:
     classes = storage.list_storage_class().items
     existing = values.get("sharedVolume", {}).get("existingClaim") or ""
-    out = [_existing_claim(core, namespace, existing) if existing else _shared_class(values, classes)]
+    out = [_existing_claim(core, namespace, existing) if existing else _shared_class(values, classes, core)]
     rwo = _rwo_claims_need_default(values)
     if rwo and not any(_is_default(sc) for sc in classes):
         out.append(Finding("storage", BLOCK, f"{', '.join(rwo)} name no storage class and the cluster has no default",
