@@ -11,7 +11,8 @@ Per token: ``w = π_prox/π_beh`` (behavior correction, no grad), ``r = π_θ/π
     L_t = −w · min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â)
     L_t = min(L_t_ppo, c·|Â|)  for Â < 0 when dual clip c is set (AReaL / verl), before w.
 
-The loss is ``Σ_t m_t·L_t / D`` (or the per-sequence form), with D from ``ObjectiveConfig``:
+The loss is ``Σ_t m_t·L_t / D`` (or the per-sequence form), with D from ``ObjectiveConfig``
+(`trajmesh.config.ObjectiveConfig`, the config's `learner.objective` type, used here as is):
 
 * ``token_global``  — D = N, the number of eligible tokens in the WHOLE batch. Pass
   ``global_token_count`` when the call sees one micro-batch or one data-parallel shard; then the
@@ -30,49 +31,14 @@ forward pass. ``mask_BT`` may be bool or 0/1 float; it is read as ``mask > 0``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor
+
+from trajmesh.config import ObjectiveConfig
 
 __all__ = ["ObjectiveConfig", "behavior_weight", "decoupled_ppo_loss", "ppo_clip_loss"]
 
 _LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here before exp (as verl) so garbage cannot overflow
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    """Knobs of the policy loss. Defaults: DAPO's clip-higher, verl's dual clip, TIS on."""
-
-    eps_low: float = 0.2
-    """Lower clip: r is held at 1 − eps_low when Â < 0."""
-    eps_high: float = 0.28
-    """Upper clip (clip-higher, DAPO §3.7): r is held at 1 + eps_high when Â > 0."""
-    dual_clip: float | None = 3.0
-    """c > 1: for Â < 0 the per-token loss is at most c·|Â|. None disables it."""
-    behavior_correction: Literal["tis", "mis", "none"] = "tis"
-    """How w = π_prox/π_beh enters: truncated at tis_cap, masked outside [mis_low, mis_high], or off."""
-    tis_cap: float = 2.0
-    """TIS: w = min(w, tis_cap)."""
-    mis_low: float = 0.5
-    """MIS: tokens with w < mis_low are dropped from the loss (still counted in D)."""
-    mis_high: float = 2.0
-    """MIS: tokens with w > mis_high are dropped from the loss (still counted in D)."""
-    denominator: Literal["token_global", "sequence_mean", "constant"] = "token_global"
-    """Loss aggregation; see the module docstring."""
-    constant_denominator: float = 1024.0
-    """C for ``denominator="constant"`` (Dr.GRPO): usually the maximum response length."""
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
-            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.tis_cap <= 0 or not (0 <= self.mis_low < 1.0 < self.mis_high):
-            raise ValueError("need tis_cap > 0 and 0 <= mis_low < 1 < mis_high")
-        if self.constant_denominator <= 0:
-            raise ValueError("constant_denominator must be > 0")
 
 
 def behavior_weight(

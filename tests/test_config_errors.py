@@ -24,7 +24,7 @@ CASES = [
     ({"tasks.sampling.temperature": -0.5}, ["tasks.sampling.temperature"]),
     ({"rollout.engine.type": "sglang"}, ["engine.url", "SGLang"]),
     ({"rollout.engine.type": "vllm"}, ["rollout.engine.type", "'vllm'"]),
-    ({"learner.objective.mis_low": 3.0}, ["mis_low must be < mis_high"]),
+    ({"learner.objective.mis_low": 3.0}, ["learner.objective.mis_low", "less than 1"]),  # MIS keeps w in [lo < 1 < hi]
     ({"mode": "eventually"}, ["mode", "'eventually'"]),
     ({"learner.engine.zero_stage": 4}, ["learner.engine.zero_stage"]),
     ({"tasks.sources": [{"type": "nope"}]}, ["tasks.sources"]),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -165,7 +164,7 @@ def test_splitting_one_action_into_two_spans_keeps_token_global_loss() -> None:
     gap_idx = torch.tensor([[0, 1, -1, -1, 2, 3, 4, 5]])
     assert loss_of(gap_idx, (gap_idx >= 0).to(F64)) == pytest.approx(one_row, abs=1e-14)
     # The per-sequence mean is NOT split-invariant (3 tokens + 3 tokens vs 2 + 4): expected.
-    seq = replace(cfg, denominator="sequence_mean")
+    seq = cfg.model_copy(update={"denominator": "sequence_mean"})
     uneven_idx = torch.tensor([[0, 1, -1, -1], [2, 3, 4, 5]])
     assert loss_of(uneven_idx, (uneven_idx >= 0).to(F64), seq) != pytest.approx(
         loss_of(torch.arange(6)[None], torch.ones(1, 6), seq), abs=1e-6)
@@ -299,5 +298,5 @@ def test_config_validation() -> None:
         ObjectiveConfig(dual_clip=0.5)
     with pytest.raises(ValueError):
         ObjectiveConfig(mis_low=1.5)
-    with pytest.raises(Exception):  # noqa: B017 - frozen dataclass raises FrozenInstanceError
+    with pytest.raises(Exception):  # noqa: B017 - the frozen config model refuses assignment
         ObjectiveConfig().eps_low = 0.1  # type: ignore[misc]

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -72,7 +80,22 @@ class InfraConfig(_Strict):
     once per store restart)."""
 
 
-class ReasoningGymSource(_Strict):
+class SourceConfig(_Strict):
+    """What every task source's config has. A source type is a plug-in (`trajmesh.plugins`): its
+    config class derives from this one, and `tasks.sources` entries are parsed by the class
+    registered for their `type` (an unregistered type is rejected at load time)."""
+
+    type: str
+    """Selects the source's plug-in (`trajmesh envs` lists the registered types)."""
+    name: str
+    """Source name recorded on every task and trajectory (unique across sources)."""
+    weight: float = Field(1.0, gt=0)
+    """Mixture weight of this source."""
+    revision: str = "v1"
+    """Task revision recorded on every trajectory."""
+
+
+class ReasoningGymSource(SourceConfig):
     type: Literal["reasoning_gym"] = "reasoning_gym"
     """Selects this source: a reasoning-gym task family."""
     name: str = "chain_sum"
@@ -80,25 +103,17 @@ class ReasoningGymSource(_Strict):
     family: str = "chain_sum"
     """reasoning-gym task family by name (e.g. chain_sum, gcd, basic_arithmetic); chain_sum keeps its
     compact demo format, every other family is served as single-answer with its own score_answer."""
-    weight: float = Field(1.0, gt=0)
-    """Mixture weight of this source."""
     knobs: dict[str, Any] = Field(default_factory=dict)
     """Difficulty knobs passed to the family's generator (e.g. min_terms, max_digits)."""
-    revision: str = "v1"
-    """Task revision recorded on every trajectory."""
 
 
-class MathToolSource(_Strict):
+class MathToolSource(SourceConfig):
     """Math problems solved with a sandboxed Python tool (envs/math_tool.py, graded by math-verify)."""
 
     type: Literal["math_tool"] = "math_tool"
     """Selects this source: math with a sandboxed Python tool."""
     name: str = "math_tool"
     """Source name recorded on every task and trajectory (unique across sources)."""
-    weight: float = Field(1.0, gt=0)
-    """Mixture weight of this source."""
-    revision: str = "v1"
-    """Task revision recorded on every trajectory."""
     difficulty: int = Field(1, ge=1, le=4)
     """Operand size: about 10**(1+difficulty)."""
     max_tool_calls: int = Field(3, ge=0)
@@ -116,17 +131,13 @@ class MathToolSource(_Strict):
     `_resolve_tool_format`)."""
 
 
-class WorkplaceSource(_Strict):
+class WorkplaceSource(SourceConfig):
     """The SQLite workplace assistant (envs/workplace.py), verified by final state."""
 
     type: Literal["workplace"] = "workplace"
     """Selects this source: the SQLite workplace assistant."""
     name: str = "workplace"
     """Source name recorded on every task and trajectory (unique across sources)."""
-    weight: float = Field(1.0, gt=0)
-    """Mixture weight of this source."""
-    revision: str = "v1"
-    """Task revision recorded on every trajectory."""
     n_employees: int = Field(6, ge=2, le=12)
     """Employees in each generated database."""
     n_tasks: int = Field(8, ge=1)
@@ -142,17 +153,13 @@ class WorkplaceSource(_Strict):
     `_resolve_tool_format`)."""
 
 
-class SearchSource(_Strict):
+class SearchSource(SourceConfig):
     """Search-R1 style QA over a generated corpus with BM25 (envs/search.py)."""
 
     type: Literal["search"] = "search"
     """Selects this source: Search-R1 style QA with BM25 search."""
     name: str = "search"
     """Source name recorded on every task and trajectory (unique across sources)."""
-    weight: float = Field(1.0, gt=0)
-    """Mixture weight of this source."""
-    revision: str = "v1"
-    """Task revision recorded on every trajectory."""
     top_k: int = Field(3, ge=1)
     """Passages returned per search."""
     max_searches: int = Field(3, ge=0)
@@ -170,7 +177,7 @@ class SearchSource(_Strict):
     `_resolve_tool_format`)."""
 
 
-class ExternalAgentSource(_Strict):
+class ExternalAgentSource(SourceConfig):
     """A user's own agent solves reasoning-gym tasks through the rollout's OpenAI/Anthropic-compatible
     endpoint (envs/external_agent.py, docs/AGENTS.md); its LLM calls become the trajectories."""
 
@@ -178,10 +185,6 @@ class ExternalAgentSource(_Strict):
     """Selects this source: tasks solved by an external agent through the agent endpoint."""
     name: str = "external_agent"
     """Source name recorded on every task and trajectory (unique across sources)."""
-    weight: float = Field(1.0, gt=0)
-    """Mixture weight of this source."""
-    revision: str = "v1"
-    """Task revision recorded on every trajectory."""
     agent: str
     """``package.module:function`` called as ``function(task, base_url, api_key)`` in its own
     process (returns the final answer), or the URL of an HTTP agent (POST {task, base_url, api_key},
@@ -196,8 +199,21 @@ class ExternalAgentSource(_Strict):
     """Difficulty knobs passed to the family's generator."""
 
 
-TaskSource = Annotated[ReasoningGymSource | MathToolSource | WorkplaceSource | SearchSource | ExternalAgentSource,
-                       Field(discriminator="type")]
+def _registered_source(value: Any) -> Any:
+    """A `tasks.sources` entry parsed by the config class of its type's plug-in (`trajmesh.plugins`)."""
+    if isinstance(value, SourceConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"a task source is a mapping with a type, got {type(value).__name__}")
+    from trajmesh import plugins
+
+    if "type" not in value:
+        raise ValueError(f"a task source needs a type (one of {sorted(plugins.sources())})")
+    return plugins.source(str(value["type"])).config.model_validate(value)
+
+
+TaskSource = Annotated[SerializeAsAny[SourceConfig], BeforeValidator(_registered_source)]
+"""One `tasks.sources` entry: the config class registered for its `type` (`trajmesh.plugins`)."""
 
 
 class SamplingConfig(_Strict):
@@ -352,8 +368,11 @@ class AdvantageConfig(_Strict):
     """Added to the group std before dividing (GRPO with scale_by_std)."""
 
 
-class ObjectiveSettings(_Strict):
-    eps_low: float = Field(0.2, ge=0)
+class ObjectiveConfig(_Strict):
+    """The learner's policy loss (learner/objective.py builds from this type). Defaults: DAPO's
+    clip-higher, verl's dual clip, TIS on."""
+
+    eps_low: float = Field(0.2, ge=0, lt=1)
     """Lower PPO clip: r is clipped at 1 - eps_low (binds only with ppo.minibatches x epochs > 1)."""
     eps_high: float = Field(0.28, ge=0)
     """Upper PPO clip: r is clipped at 1 + eps_high (DAPO's clip-higher)."""
@@ -363,10 +382,10 @@ class ObjectiveSettings(_Strict):
     """Behavior weight w = π_prox/π_beh: truncated (tis), masked outside [lo, hi] (mis), or off."""
     tis_cap: float = Field(2.0, gt=0)
     """tis: the behavior weight w is truncated at this cap."""
-    mis_low: float = Field(0.5, gt=0)
-    """mis: tokens with w below this are masked out."""
-    mis_high: float = Field(2.0, gt=0)
-    """mis: tokens with w above this are masked out."""
+    mis_low: float = Field(0.5, ge=0, lt=1)
+    """mis: tokens with w below this are masked out (still counted in D)."""
+    mis_high: float = Field(2.0, gt=1)
+    """mis: tokens with w above this are masked out (still counted in D)."""
     denominator: Literal["token_global", "sequence_mean", "constant"] = "token_global"
     """D: token_global = Σ loss-mask tokens over the whole batch (all micro-batches and ranks); sequence_mean = mean over sequences of each sequence's token mean; constant = constant_denominator (Dr.GRPO)."""
     constant_denominator: float = Field(1024.0, gt=0)
@@ -502,7 +521,7 @@ class LearnerConfig(_Strict):
     checkpoint are kept, for replay after a crash); for audits and determinism tests."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     """Advantage estimator."""
-    objective: ObjectiveSettings = Field(default_factory=ObjectiveSettings)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     """Decoupled-PPO objective: clips, behavior correction, denominator."""
     entropy: EntropyConfig = Field(default_factory=EntropyConfig)
     """Entropy bonus and its controller."""
@@ -624,9 +643,6 @@ class RunConfig(_Strict):
                 "learner.advantage: GRPO std scaling needs tasks.group_size >= 2 "
                 "(set group_size >= 2 or advantage.scale_by_std: false)"
             )
-        obj = self.learner.objective
-        if obj.mis_low >= obj.mis_high:
-            raise ValueError("learner.objective: mis_low must be < mis_high")
         ws = self.learner.world_size
         if ws > 1 and self.learner.engine.type != "deepspeed":
             raise ValueError(f"learner.world_size {ws} needs learner.engine.type: deepspeed "
