@@ -46,7 +46,7 @@ from torch import nn
 __all__ = [
     "TRAIN_ENGINES",
     "DeepSpeedTrainEngine",
-    "EngineConfig",
+    "TrainSettings",
     "TorchTrainEngine",
     "TrainEngine",
     "build_train_engine",
@@ -73,7 +73,10 @@ _TORCH_CKPT_FILE = "torch_engine.pt"
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class TrainSettings:
+    """The optimizer settings an engine is built with, resolved from `learner` and `learner.engine`
+    of the run config by `build_train_engine` (not a config type: the config's are in trajmesh/config.py)."""
+
     lr: float
     warmup_steps: int
     weight_decay: float
@@ -157,7 +160,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _make_optimizer(model: nn.Module, cfg: EngineConfig) -> torch.optim.AdamW:
+def _make_optimizer(model: nn.Module, cfg: TrainSettings) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
@@ -173,7 +176,7 @@ def _make_optimizer(model: nn.Module, cfg: EngineConfig) -> torch.optim.AdamW:
     )
 
 
-def _make_scheduler(optimizer: torch.optim.Optimizer, cfg: EngineConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def _make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainSettings) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = cfg.warmup_steps
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, warmup))
 
@@ -193,7 +196,7 @@ def _total_grad_norm(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> flo
 class TrainEngine(abc.ABC):
     """What the learner needs from an optimizer backend."""
 
-    config: EngineConfig
+    config: TrainSettings
     global_step: int  # optimizer steps taken (restored by load_checkpoint)
     data_parallel: bool = False  # averages gradients over the ranks of the default process group
 
@@ -278,7 +281,7 @@ def build_train_engine(
         cls = TRAIN_ENGINES[type]
     except KeyError:
         raise ValueError(f"unknown train engine type {type!r}; known: {sorted(TRAIN_ENGINES)}") from None
-    cfg = EngineConfig(
+    cfg = TrainSettings(
         lr=lr,
         warmup_steps=warmup_steps,
         weight_decay=weight_decay,
@@ -316,7 +319,7 @@ class TorchTrainEngine(TrainEngine):
     """Plain ``torch.optim.AdamW`` + ``clip_grad_norm_`` + LambdaLR warmup. ``zero_stage`` is ignored.
     ``precision="bf16"``: forward under bf16 autocast, parameters and optimizer state in fp32."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, config: TrainSettings) -> None:
         self.config = config
         seed_everything(config.seed, deterministic=config.deterministic)
         self._model = model
@@ -515,7 +518,7 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     data_parallel = True
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, config: TrainSettings) -> None:
         self.config = config
         ensure_distributed("gloo" if not torch.cuda.is_available() else "nccl")
         import deepspeed
