@@ -45,7 +45,8 @@ GPU_COMPONENTS = {"rollout", "learner"}
 CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
 
 
-# trajmesh publishes no images: every install sets them (values.yaml "Images"); the tests use these.
+# No default images: every install sets them (values.yaml "Images"); the tests use the names the
+# release workflow pushes (.github/workflows/release.yml, tests/test_release_workflow.py).
 _GPU_IMAGE = {"repository": "ghcr.io/trajmesh/trajmesh-gpu", "tag": "0.1.0"}
 _CPU_IMAGE = {"repository": "ghcr.io/trajmesh/trajmesh-cpu", "tag": "0.1.0"}
 IMAGES: dict[str, Any] = {
@@ -450,12 +451,14 @@ def test_every_workload_that_reads_the_model_mounts_it(case: str) -> None:
 
 
 def test_images_are_required_values_with_instructions() -> None:
-    """trajmesh publishes no images: an install without them fails at render time, saying what to build."""
+    """No default images: an install without them fails at render time, naming the release workflow's
+    images and the Dockerfiles."""
     with pytest.raises(Exception) as err:  # noqa: B017 - the SDK wraps Helm's template error
         _chart().render(values={}, name=RELEASE, namespace=NAMESPACE)
-    assert "trajmesh publishes no images" in str(err.value) and "docker/Dockerfile.gpu" in str(err.value)
+    assert "the chart has no default images" in str(err.value) and "docker/Dockerfile.gpu" in str(err.value)
+    assert ".github/workflows/release.yml" in str(err.value)
     partial = _merged(IMAGES, {"store": {"image": {"repository": ""}}})
-    with pytest.raises(Exception, match="trajmesh publishes no images"):  # noqa: B017
+    with pytest.raises(Exception, match="the chart has no default images"):  # noqa: B017
         _chart().render(values=partial, name=RELEASE, namespace=NAMESPACE)
 
 

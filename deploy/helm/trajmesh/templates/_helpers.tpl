@@ -59,7 +59,7 @@ matchLabels:
 {{/* A pinned image reference; refuses a missing repository, `latest` and empty tags. */}}
 {{- define "trajmesh.image" -}}
 {{- if not .repository -}}
-{{- fail "an image is not set: trajmesh publishes no images. Build docker/Dockerfile.gpu (set rollout.image, rollout.sglang.image, learner.image) and docker/Dockerfile.cpu (set environment.image, grader.image, store.image, tests.image) from the repository root, push them, and set repository and a pinned tag for each (docs/KUBERNETES.md, Images)" -}}
+{{- fail "an image is not set: the chart has no default images. Use those the release workflow (.github/workflows/release.yml) pushes on a version tag, ghcr.io/OWNER/trajmesh-gpu from docker/Dockerfile.gpu (set rollout.image, rollout.sglang.image, learner.image) and ghcr.io/OWNER/trajmesh-cpu from docker/Dockerfile.cpu (set environment.image, grader.image, store.image, tests.image), or build both from the repository root and push them yourself; set repository and a pinned tag for each (docs/KUBERNETES.md, Images)" -}}
 {{- end -}}
 {{- if or (not .tag) (eq (toString .tag) "latest") -}}
 {{- fail (printf "image %s needs a pinned tag (got %q)" .repository (toString .tag)) -}}
