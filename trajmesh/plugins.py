@@ -11,7 +11,7 @@ A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the 
 * ``split``        optional (train, held-out) split of its own (chain_sum's compact format); tasks
                    without ``metadata.environment`` get ``default_environment``;
 * ``environments`` environment key (a task's ``metadata.environment``) -> environment class;
-* ``graders``      grader kind (a task's ``metadata.grader``) -> grader class, as "module:Class"
+* ``graders``      grader kind (a task's ``metadata.grader``) -> grader class, or "module:Class"
                    (loaded on first use: graders import environments, not the other way round).
                    The grader is also the source's held-out scorer (learner/evaluate.py);
 * revisions        every environment and grader class carries ``revision``; `revisions` reads them.
@@ -31,6 +31,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
+ConfigClass = type[BaseModel]
+"""A source's config class (a `trajmesh.config.SourceConfig` subclass)."""
+
 BUILTIN_SOURCES = (
     "trajmesh.envs.reasoning_gym",
     "trajmesh.envs.math_tool",
@@ -48,10 +53,10 @@ class SourcePlugin:
     """One task-source type: see the module docstring."""
 
     type: str
-    config: type
+    config: ConfigClass
     draw: Callable[[Any, int, int, set[str]], list[dict[str, Any]]]
-    environments: Mapping[str, type]
-    graders: Mapping[str, str]
+    environments: Mapping[str, Any]
+    graders: Mapping[str, Any]
     split: Callable[[Any, int, int], tuple[list[dict[str, Any]], list[dict[str, Any]]] | None] | None = None
     default_environment: str = "single_answer"
     description: str = ""
@@ -101,40 +106,42 @@ def source(type_: str) -> SourcePlugin:
         raise ValueError(f"unknown task source type {type_!r}; registered: {sorted(known)}") from None
 
 
-def environments() -> dict[str, type]:
+def environments() -> dict[str, Any]:
     """Environment key -> class, over every source."""
-    out: dict[str, type] = {}
+    out: dict[str, Any] = {}
     for plugin in sources().values():
         out.update(plugin.environments)
     return dict(sorted(out.items()))
 
 
-def _load(path: str) -> type:
+def _load(path: Any) -> Any:
+    if not isinstance(path, str):
+        return path  # a class given directly
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), name)
 
 
-def grader_paths() -> dict[str, str]:
-    """Grader kind -> "module:Class", over every source and the standalone graders."""
-    out = dict(STANDALONE_GRADERS)
+def grader_paths() -> dict[str, Any]:
+    """Grader kind -> "module:Class" (or the class), over every source and the standalone graders."""
+    out: dict[str, Any] = dict(STANDALONE_GRADERS)
     for plugin in sources().values():
         out.update(plugin.graders)
     return dict(sorted(out.items()))
 
 
-def graders() -> dict[str, type]:
+def graders() -> dict[str, Any]:
     """Grader kind -> class (imports every grader module)."""
     return {kind: _load(path) for kind, path in grader_paths().items()}
 
 
-def grader_class(kind: str) -> type:
+def grader_class(kind: str) -> Any:
     paths = grader_paths()
     if kind not in paths:
         raise ValueError(f"unknown grader {kind!r}; available: {sorted(paths)}")
     return _load(paths[kind])
 
 
-def environment_class(kind: str) -> type:
+def environment_class(kind: str) -> Any:
     envs = environments()
     if kind not in envs:
         raise ValueError(f"unknown environment {kind!r}; available: {sorted(envs)}")

@@ -1,0 +1,175 @@
+"""The plug-in registry (trajmesh/plugins.py): a task source registered in ONE place (here, in the
+test) reaches config loading, task generation, `trajmesh envs`, the environment and grader
+services' metric label series, the manifest's revisions and held-out evaluation; and the manifest
+records the revisions of the graders the configured sources actually use."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+from trajmesh.envs.base import SingleAnswerEnv
+from trajmesh.graders import Grade, Sample
+
+from trajmesh import plugins
+from trajmesh.config import ConfigError, SourceConfig, load_config
+
+TOY_ENV_REVISION = "toy-env-v7"
+TOY_GRADER_REVISION = "toy-grader-v3"
+
+
+class ToySource(SourceConfig):
+    """A test-only source: "a+b=" sums, answered by the sum."""
+
+    type: Literal["toy"] = "toy"
+    """Selects this source."""
+    name: str = "toy"
+    """Source name recorded on every task."""
+    offset: int = 0
+    """Added to every left operand (a knob the generator must honour)."""
+
+
+class ToyEnv(SingleAnswerEnv):
+    revision = TOY_ENV_REVISION
+    invalid_actions = ("toy_reason",)
+
+
+class ToyGrader:
+    revision = TOY_GRADER_REVISION
+    components = ("toy_correct",)
+
+    def grade(self, sample: Sample, task: dict[str, Any]) -> Grade:
+        ok = float(sample.text.strip() == task["answer"])
+        return Grade(ok, {"toy_correct": ok}, sample.text, self.revision)
+
+
+def _draw(src: ToySource, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
+    out = []
+    for i in range(n):
+        a, b = src.offset + seed % 97 + i, i % 5
+        prompt = f"{a}+{b}="
+        if prompt not in exclude:
+            out.append({"prompt": prompt, "answer": str(a + b), "task_id": f"toy-{seed}-{i}",
+                        "metadata": {"source": src.name, "grader": "toy", "environment": "toy_env"}})
+    return out
+
+
+@pytest.fixture
+def toy() -> Iterator[plugins.SourcePlugin]:
+    plugin = plugins.SourcePlugin(type="toy", config=ToySource, draw=_draw,
+                                  environments={"toy_env": ToyEnv}, graders={"toy": ToyGrader})
+    plugins.register_source(plugin)  # the one registration
+    yield plugin
+    plugins.unregister_source("toy")
+
+
+def test_unregistered_type_is_rejected_at_load_naming_the_registered_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"tasks.sources": [{"type": "toy"}]})
+    assert "unknown task source type 'toy'" in str(err.value) and "math_tool" in str(err.value)
+
+
+def test_a_registered_source_reaches_config_tasks_cli_and_services(toy: plugins.SourcePlugin,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_config(overrides={"tasks.sources": [{"type": "toy", "offset": 40}], "tasks.train_size": 6,
+                                 "tasks.heldout_size": 3})
+    (src,) = cfg.tasks.sources
+    assert isinstance(src, ToySource) and src.offset == 40
+    assert cfg.model_dump(mode="json")["tasks"]["sources"][0]["offset"] == 40  # dumped as its own class
+    with pytest.raises(ConfigError, match="offset"):
+        load_config(overrides={"tasks.sources": [{"type": "toy", "offset": "many"}]})
+
+    from trajmesh.tasks import TaskSampler, load_split
+
+    train, held = load_split(src, 6, 3)
+    assert {t.environment for t in train + held} == {"toy_env"}
+    assert not {t.prompt for t in train} & {t.prompt for t in held}
+    assert all(int(t.prompt.split("+")[0]) >= 40 for t in train + held)  # the knob reached the generator
+    task = TaskSampler(cfg.tasks, seed=0).task_at(0)
+    assert task.source == "toy" and task.prompt in {t.prompt for t in train}
+
+    from trajmesh.cli import main
+
+    assert main(["envs"]) == 0
+    out = capsys.readouterr().out
+    assert "ToySource" in out and TOY_ENV_REVISION in out and TOY_GRADER_REVISION in out and "toy_correct" in out
+
+    from trajmesh.services import environment, grader
+
+    env_series = environment.label_series()
+    assert ("toy_env",) in env_series["parser_errors"] and ("toy_env", "toy_reason") in env_series["invalid_actions"]
+    assert ("toy", "toy_correct") in grader.label_series()["raw_component"]
+    assert ("toy", "exception") in grader.label_series()["verifier_errors"]
+
+    from trajmesh.envs.base import make_environment
+    from trajmesh.graders import make_grader
+
+    assert isinstance(make_environment("toy_env"), ToyEnv) and isinstance(make_grader("toy"), ToyGrader)
+
+
+def test_manifest_records_the_toy_sources_revisions(toy: plugins.SourcePlugin, tmp_path: Path) -> None:
+    from trajmesh.train import _write_manifest, heldout_tasks
+
+    cfg = load_config(overrides={"tasks.sources": [{"type": "toy"}], "tasks.heldout_size": 3,
+                                 "run_dir": str(tmp_path)})
+    _write_manifest(cfg, heldout_tasks(cfg))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["grader_revisions"] == {"toy": TOY_GRADER_REVISION}
+    assert manifest["environment_revisions"] == {"toy_env": TOY_ENV_REVISION}
+
+
+def test_manifest_records_the_graders_that_run_not_reasoning_gym(tmp_path: Path) -> None:
+    from trajmesh.graders.math import MathGrader
+    from trajmesh.graders.search import SearchGrader
+
+    from trajmesh.train import _write_manifest, heldout_tasks
+
+    cfg = load_config(overrides={"tasks.sources": [{"type": "math_tool"}, {"type": "search"}],
+                                 "tasks.heldout_size": 2, "run_dir": str(tmp_path)})
+    _write_manifest(cfg, heldout_tasks(cfg))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["grader_revisions"] == {"math": MathGrader.revision, "search": SearchGrader.revision}
+    assert set(manifest["environment_revisions"]) == {"math_tool", "search"}
+
+
+class _CharCodec:
+    """One id per character; 0 is EOS."""
+
+    eos_token_id = 0
+    bos_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plugins.SourcePlugin) -> None:
+    from trajmesh.learner.evaluate import Sampled, SamplingParams, evaluate_tasks
+
+    from trajmesh.train import heldout_tasks
+
+    cfg = load_config(overrides={"tasks.sources": [{"type": "toy"}], "tasks.heldout_size": 4})
+    tasks = heldout_tasks(cfg)["toy"]
+    codec = _CharCodec()
+
+    class SumPolicy:
+        """Answers a+b= with the sum, right for the first two tasks and off by one for the rest."""
+
+        def generate(self, contexts: list[list[int]], params: SamplingParams) -> list[Sampled]:
+            out = []
+            for ctx in contexts:
+                a, b = codec.decode(ctx).rstrip("=").split("+")
+                right = any(t["prompt"] == codec.decode(ctx) for t in tasks[:2])
+                ids = codec.encode(str(int(a) + int(b) + (0 if right else 1))) + [0]
+                out.append(Sampled(ids, [-1.0] * len(ids), {"type": "stop", "matched": 0}))
+            return out
+
+    res = evaluate_tasks(SumPolicy(), codec, tasks, temperature=1.0, samples=1, max_new_tokens=16, max_turns=1)
+    assert res["accuracy"] == pytest.approx(0.5)
+    assert res["grader_revisions"] == {"toy": TOY_GRADER_REVISION}
+    assert res["environment_revisions"] == {"toy_env": TOY_ENV_REVISION}
