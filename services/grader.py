@@ -106,7 +106,7 @@ class GraderService(Service):
             log.info("%s (for %s)", sandbox.preflight(cfg.sandbox.allow_without_cgroup), ", ".join(sandboxed))
         self.redis = security.redis_client(cfg)
         self.bus = await security.connect_bus(cfg, "grader", name=self.worker_id)
-        self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=30.0)
+        self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=busmod.GRADER_ACK_WAIT_S)
         self.tokenizer = load_tokenizer(cfg.model.path)
 
     async def run(self) -> None:

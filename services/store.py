@@ -100,12 +100,16 @@ STALE_HANDED_OUT = Counter("trajmesh_store_stale_handed_out_trajectories_total",
                            "quarantine them as stale; a healthy run keeps this at 0)")
 STRAGGLERS_GIVEN_UP = Gauge("trajmesh_store_stragglers_given_up_groups",
                             "Due groups (admitted at <= learner version - eta) the learner stopped waiting for")
-GRADER_ACK_WAIT_S = 30.0
-"""The grader's TRAJ_RAW ack wait (services/grader.py): a dead grader's messages come back after it."""
+STALE_ON_ARRIVAL = ("filtered", "stale_on_arrival")
+"""Final outcome of a member that reached the store already staler than η at the learner's current
+version (it could only be quarantined as stale): cut, never handed out, its group completes
+without it. A healthy run has none; an outage longer than the straggler hold can cause them."""
+POISON = "poison"
+"""Quarantine reason of a TRAJ_GRADED message delivered more than `infra.max_deliveries` times."""
 QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
 """(stream, durable consumer) pairs whose backlog the store exports."""
 for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too_small"),
-                          ("quarantined", "stale"), ("failed_infra", "infra_failure"),
+                          ("quarantined", "stale"), ("quarantined", POISON), STALE_ON_ARRIVAL, ("failed_infra", "infra_failure"),
                           ("in_flight_at_stop", "held_at_stop"), ("in_flight_at_stop", "not_returned")):
     OUTCOMES.labels(outcome=_outcome, reason=_reason)  # exported at 0 so rates exist before the first one
 for _stream, _ in QUEUES:
@@ -151,12 +155,15 @@ class TrajectoryStore(Service):
         super().__init__(*args, **kwargs)
         self.io: _Wiring | None = None
         """Connections (None until `setup()`)."""
-        # A due straggler is waited for as long as it can take to come back after any one crash on
-        # its way (a rollout's task, a grader's TRAJ_RAW message and a store's TRAJ_GRADED message
-        # each redelivered after its ack wait), plus one more store ack wait of slack; then the
-        # learner goes on (and the straggler, if it ever comes, is trained stale).
+        # A due straggler is waited for as long as it can take to come back after one crash on its
+        # way (the slowest redelivery: a rollout's task, a grader's TRAJ_RAW message or a store's
+        # TRAJ_GRADED message, each after its ack wait), plus one store ack wait of slack (90 s
+        # with the defaults; it was the sum of every hop's, 150 s). Then the learner goes on; the
+        # straggler's members that come back too stale to train are cut at intake
+        # (`filtered:stale_on_arrival`), never handed to the learner to be quarantined.
         c = self.cfg
-        straggler_wait_s = c.rollout.task_ack_wait_s + GRADER_ACK_WAIT_S + 2 * c.store.intake_ack_wait_s
+        straggler_wait_s = (max(c.rollout.task_ack_wait_s, busmod.GRADER_ACK_WAIT_S, c.store.intake_ack_wait_s)
+                            + c.store.intake_ack_wait_s)
         self.state = StoreState(straggler_wait_s)
         """Every held trajectory's and group's state (pure)."""
         self.vocab_size = 0
@@ -185,7 +192,8 @@ class TrajectoryStore(Service):
         repo = StoreRepo(r, keys, gate)
         bus = await security.connect_bus(cfg, "store", name=self.worker_id)
         intake = await bus.pull_subscribe(
-            busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000)
+            busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000,
+            on_poison=self._on_poison)
         self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
         self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed)
         archive = ArchiveWriter(Path(cfg.run_dir) / "archive", writer=f"store{self.replica}")
@@ -374,7 +382,23 @@ class TrajectoryStore(Service):
                 await self._intake_run(run)
             self._note_recovery()
 
-    async def _intake_run(self, items: list[_Incoming]) -> None:
+    async def _on_poison(self, msg: Any) -> None:
+        """A TRAJ_GRADED message delivered more than `infra.max_deliveries` times (it kept crashing
+        or stalling stores); the bus terminates it right after this. Its trajectory ends as a final
+        outcome, `quarantined:poison` (archived, counted, marked final), a member of its group like
+        any invalid one, so the group still completes and the gate releases it. An id already
+        final is a duplicate, as on the normal path; one this store still holds stays held."""
+        data = await self.w.intake.resolve(msg)
+        peek = parse(data)
+        log.warning("poison message (%d deliveries): %s", msg.metadata.num_delivered,
+                    peek.trajectory_id if peek is not None else f"{len(data)} bytes, not a trajectory")
+        await self._intake_run([_Incoming(data, None, peek, peek.trajectory_id if peek is not None else "")],
+                               poison=True)
+        await self._commit_final()
+
+    async def _intake_run(self, items: list[_Incoming], *, poison: bool = False) -> None:
+        """Judges a run of messages without repeated ids. `poison`: they are terminated by the
+        bus (no message to ack) and end as `quarantined:poison`."""
         todo = []
         for item in items:
             if self.state.holds(item.tid):  # redelivered while we still hold it
@@ -397,17 +421,22 @@ class TrajectoryStore(Service):
                 continue
             verdict = judge_parsed(it.peek, task, vocab_size=self.vocab_size, learner_version=learner_version)
             traj = verdict.trajectory
+            outcome, reason = ("quarantined", POISON) if poison else (verdict.outcome, verdict.reason)
             if traj is None:
-                self._quarantine_bytes(it.data, verdict.reason, "not a trajectory")
+                self._quarantine_bytes(it.data, reason, "not a trajectory")
                 self.state.finalize("", it.msg, mark=False)
                 continue
             if not verdict.member:  # unknown task, or not one of its G samples: must not touch a group
-                self._finalize(traj, verdict.outcome, verdict.reason, it.msg, mark=False)
+                self._finalize(traj, outcome, reason, it.msg, mark=False)
                 continue
             assert task is not None
+            if outcome == OUTCOME_VALID and self._too_stale(traj, learner_version):
+                outcome, reason = STALE_ON_ARRIVAL
+                log.warning("cut %s on arrival: sampled at v%d, learner at v%d (eta %d)", traj.trajectory_id,
+                            self._oldest_version(traj), learner_version, self.cfg.effective_eta)
             if traj.truncated:
                 TRUNCATED.labels(source=traj.pb.task_source).inc()
-            members.append((it, traj, verdict.outcome, verdict.reason, task))
+            members.append((it, traj, outcome, reason, task))
         if members:
             await self._take_members(members)
 
@@ -600,14 +629,23 @@ class TrajectoryStore(Service):
         self.ready_changed.set()
         return out
 
+    @staticmethod
+    def _oldest_version(traj: Trajectory) -> int:
+        """The oldest policy version among the trajectory's sampled tokens (-1: none sampled)."""
+        v_T = traj.behavior_versions_T[traj.loss_mask_T == 1]
+        return int(v_T.min()) if v_T.size else -1
+
+    def _too_stale(self, traj: Trajectory, learner_version: int) -> bool:
+        """Whether the learner, at `learner_version` or later, could only quarantine it as stale."""
+        oldest = self._oldest_version(traj)
+        return oldest >= 0 and learner_version - oldest > self.cfg.effective_eta
+
     def _count_stale(self, trajs: list[Trajectory], learner_version: int) -> None:
-        eta = self.cfg.effective_eta
         for t in trajs:
-            v_T = t.behavior_versions_T[t.loss_mask_T == 1]
-            if v_T.size and learner_version - int(v_T.min()) > eta:
+            if self._too_stale(t, learner_version):
                 STALE_HANDED_OUT.inc()
-                log.warning("handing out stale %s to the learner at v%d: sampled at v%d..v%d, admitted at v%d",
-                            t.trajectory_id, learner_version, int(v_T.min()), int(v_T.max()),
+                log.warning("handing out stale %s to the learner at v%d: sampled at v%d, admitted at v%d",
+                            t.trajectory_id, learner_version, self._oldest_version(t),
                             self.state.handed_meta.get(t.group_id, (0, -1))[1])
 
     async def report(self, req: services_pb2.ReportRequest) -> None:

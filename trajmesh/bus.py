@@ -106,6 +106,9 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_-]*$")
 # Deliveries of one message before it counts as poison (see Consumer.fetch); config:
 # infra.max_deliveries.
 DEFAULT_MAX_DELIVERIES = 8
+GRADER_ACK_WAIT_S = 30.0
+"""The grader's TRAJ_RAW ack wait: a dead grader's messages come back after it (the store's
+straggler hold is sized by it)."""
 # How often a weights watch also reads the current announcement (Bus.watch_weights).
 WEIGHTS_POLL_S = 2.0
 # Seconds an ack of a blob message may take to be confirmed before its blob is deleted.

@@ -129,19 +129,22 @@ class StoreRepo:
         """Each member's group membership, then the group's (received, valid) counts as they stand
         right after it — one MULTI (commands run in order, so counts are per member). Both sets
         are written together: a store killed between two separate writes once left a valid member
-        counted as received but not valid, and its group completed without it."""
+        counted as received but not valid, and its group completed without it. An invalid member
+        leaves `valid` (a poison message whose trajectory an earlier store recorded valid)."""
         pipe = self.r.pipeline(transaction=True)
         for m in members:
             pipe.sadd(self.keys.open_groups, m.group_id)
             pipe.sadd(self.keys.group_received(m.group_id), m.trajectory_id)
             if m.valid:
                 pipe.sadd(self.keys.group_valid(m.group_id), m.trajectory_id)
+            else:  # e.g. poison: a member an earlier store recorded valid counts valid no more
+                pipe.srem(self.keys.group_valid(m.group_id), m.trajectory_id)
             pipe.scard(self.keys.group_received(m.group_id))
             pipe.scard(self.keys.group_valid(m.group_id))
         results = await pipe.execute()
         out, k = [], 0
-        for m in members:
-            k += 3 if m.valid else 2
+        for _ in members:
+            k += 3
             out.append((int(results[k]), int(results[k + 1])))
             k += 2
         return out
