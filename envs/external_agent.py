@@ -9,10 +9,12 @@
                │ wall-clock budget: past it the process is killed (by pid) / the request dropped
                ▼
              close session ── session.trajectories(task): one per segment, every one finished as
-               EOS          the agent returned an answer
+               EOS          the agent returned an answer (a string): recorded on every trajectory
+                            as ``final_answer``, which the grader scores (graders/external_agent.py)
                WALL_TIMEOUT the budget ran out (truncated; its calls so far are kept, never rewarded
                             as an answer: the final answer is empty)
-               INFRA_FAILURE the agent crashed, returned garbage or its HTTP service failed
+               INFRA_FAILURE the agent crashed, returned nothing (None) or garbage, or its HTTP
+                            service failed
                             (forwarded ungraded by the grader, never trained on a reward)
 
 ``base_url`` is the endpoint's ``/sessions/<sid>/v1``: the official ``openai`` client takes it as
@@ -52,7 +54,7 @@ class AgentOutcome:
     terminal_reason: int
     """trajectory_pb2.TerminalReason: EOS, WALL_TIMEOUT or INFRA_FAILURE."""
     answer: str
-    """The agent's final answer ("" unless it returned one)."""
+    """The agent's final answer ("" unless it returned one; only EOS runs have one)."""
     detail: str = ""
     """Why it failed (exit status, stderr tail, HTTP error)."""
     seconds: float = 0.0
@@ -98,6 +100,8 @@ class AgentRunner:
         outcome.final_segment = session.final_segment()
         for traj in trajs:
             traj.finish(outcome.terminal_reason, truncated=outcome.terminal_reason == trajectory_pb2.WALL_TIMEOUT)
+            if outcome.terminal_reason == trajectory_pb2.EOS:
+                traj.pb.final_answer = outcome.answer  # what the grader scores
         return trajs, outcome
 
     async def _process(self, entry: str, task: trajectory_pb2.Task, base_url: str, budget_s: float,
@@ -121,6 +125,8 @@ class AgentRunner:
             answer = json.loads(out.decode().strip().splitlines()[-1])["answer"]
         except (ValueError, IndexError, KeyError, TypeError):
             return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", "agent printed no answer line")
+        if answer is None:
+            return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", "agent returned nothing (None)")
         return AgentOutcome(trajectory_pb2.EOS, str(answer))
 
     async def _http(self, url: str, task: trajectory_pb2.Task, base_url: str, budget_s: float) -> AgentOutcome:
@@ -157,10 +163,11 @@ def load_entry(entry: str) -> Any:
 
 
 def main() -> None:
-    """The agent's process: reads {entry, task, base_url, api_key} on stdin, prints {"answer": ...}."""
+    """The agent's process: reads {entry, task, base_url, api_key} on stdin, prints {"answer": ...}
+    (null when the function returned None: the run is then an INFRA_FAILURE, never graded)."""
     spec = json.loads(sys.stdin.read())
     answer = load_entry(spec["entry"])(spec["task"], spec["base_url"], spec["api_key"])
-    print(json.dumps({"answer": "" if answer is None else str(answer)}), flush=True)
+    print(json.dumps({"answer": None if answer is None else str(answer)}), flush=True)
 
 
 if __name__ == "__main__":

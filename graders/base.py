@@ -21,6 +21,9 @@ class Sample:
     ended_with_eos: bool = False
     state_hashes: list[str] = field(default_factory=list)
     terminal_reason: str = "EOS"
+    final_answer: str | None = None
+    """The answer an external agent returned (``Trajectory.final_answer``; envs/external_agent.py),
+    None for the project's own agent loop, whose answer is the sampled text."""
 
 
 @dataclass(frozen=True)

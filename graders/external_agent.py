@@ -1,9 +1,13 @@
-"""Grader for external agents' runs (envs/external_agent.py): the final answer, never a timeout (no torch).
+"""Grader for external agents' runs (envs/external_agent.py): the agent's returned answer (no torch).
 
-An agent's final answer is its model's last message in the typical loop (examples/openai_agent.py
-returns it), so the final sampled turn is scored with the task family's own scorer — not the
-concatenation of every turn, which holds tool calls. A run that did not end EOS (WALL_TIMEOUT:
-budget exceeded; INFRA_FAILURE never reaches a grader) scores 0 whatever its text says.
+What an agent returns — ``function(task, base_url, api_key)``'s return value, or an HTTP agent's
+``{"answer": ...}`` — is recorded on the trajectory (``Trajectory.final_answer``) and is what gets
+scored, by the grader of the source the task came from (``metadata.answer_grader``; the
+reasoning-gym families of the ``external_agent`` source: ``reasoning_gym``). The model's own turns
+are not scored: an agent that post-processes the model's text (extracts a number, runs a tool last)
+is graded on what it answered. A run that did not end EOS (WALL_TIMEOUT: budget exceeded;
+INFRA_FAILURE: the agent crashed or returned nothing, which never reaches a grader) or that carries
+no recorded answer scores 0 whatever its text says.
 """
 
 from __future__ import annotations
@@ -11,20 +15,32 @@ from __future__ import annotations
 from typing import Any
 
 from trajmesh.graders.base import Grade, Sample
-from trajmesh.graders.reasoning_gym import ReasoningGymGrader
+
+ANSWER_GRADERS = ("reasoning_gym", "math")
+"""Source graders that score a text answer (the answer takes the place of the sampled text)."""
 
 
 class ExternalAgentGrader:
-    """The family's scorer on the final turn; 0 for a run that did not finish."""
+    """The source's grader on the agent's returned answer; 0 for a run that did not finish."""
 
-    revision = "external_agent-final_turn-v1"
+    revision = "external_agent-final_answer-v2"
     components = ("correct", "finished")
 
     def grade(self, sample: Sample, task: dict[str, Any]) -> Grade:
         if sample.terminal_reason != "EOS":
             return Grade(0.0, {"correct": 0.0, "finished": 0.0},
                          f"not scored: the agent run ended {sample.terminal_reason}", self.revision)
-        final = sample.turns[-1] if sample.turns else sample.text
-        inner = ReasoningGymGrader().grade(Sample(final, [final], sample.ended_with_eos), task)
-        return Grade(inner.reward, {"correct": inner.components["correct"], "finished": 1.0},
-                     inner.verifier_output, self.revision)
+        if sample.final_answer is None:
+            return Grade(0.0, {"correct": 0.0, "finished": 0.0},
+                         "not scored: no agent answer recorded on the trajectory", self.revision)
+        kind = str(task.get("metadata", {}).get("answer_grader") or "reasoning_gym")
+        if kind not in ANSWER_GRADERS:
+            raise ValueError(f"external_agent: answer grader {kind!r} does not score a text answer "
+                             f"(one of {ANSWER_GRADERS})")
+        from trajmesh.graders import make_grader  # the registry imports this module
+
+        answer = sample.final_answer
+        inner = make_grader(kind).grade(Sample(answer, [answer], True, list(sample.state_hashes), "EOS"), task)
+        correct = inner.components.get("correct", inner.reward)
+        return Grade(inner.reward, {"correct": float(correct), "finished": 1.0},
+                     f"answer={answer[:200]!r} {inner.verifier_output}", self.revision, inner.audit)

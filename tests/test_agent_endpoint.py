@@ -12,6 +12,7 @@ sampled tokens are checked against those records.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,15 +51,38 @@ ADD_FN = {"name": "add", "description": "Add two integers.",
 TEXTS = [QUESTION, CALL_TEXT, ANSWER, json.dumps(ADD_FN), "You are a helpful assistant."] * 30
 
 
+class Interrupt:
+    """Cuts the next /generate after `cut` tokens and holds its answer until `release`, then hands
+    it back as the engine answers a request aborted by /pause_generation (partial output, finish
+    reason abort): a request that is generating when a weight update starts, at a known token."""
+
+    def __init__(self, cut: int) -> None:
+        self.cut = cut
+        self.generated = threading.Event()
+        """The first `cut` tokens came back from the engine (under the old weights)."""
+        self.release = threading.Event()
+
+
 class RecordingEngine(EngineClient):
     """The engine client, keeping (input ids, output ids) of every /generate answer."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.records: list[tuple[list[int], list[int]]] = []
+        self.interrupt: Interrupt | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The endpoint's event loop (uvicorn's thread): where the test runs its weight update."""
 
     async def generate(self, input_ids: Any, sampling: Any, return_logprob: bool = True) -> Any:
-        res = await super().generate(input_ids, sampling, return_logprob)
+        self.loop = asyncio.get_running_loop()
+        cut, self.interrupt = self.interrupt, None
+        if cut is None:
+            res = await super().generate(input_ids, sampling, return_logprob)
+        else:
+            res = await super().generate(input_ids, {**sampling, "max_new_tokens": cut.cut}, return_logprob)
+            cut.generated.set()
+            await asyncio.to_thread(cut.release.wait, 120)
+            res = dataclasses.replace(res, finish_reason={"type": "abort", "message": "generation paused"})
         self.records.append((list(input_ids), list(res.output_ids)))
         return res
 
@@ -360,6 +385,14 @@ def call_then_hang(task, base_url, api_key):
     OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
         model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
     time.sleep(3600)
+
+
+def tool_loop_then_return(task, base_url, api_key):
+    """The example's tool loop (the model's last turn is its answer), then returns something else."""
+    from openai_agent import solve
+
+    solve(task, base_url, api_key)
+    return task["metadata"]["agent_returns"]
 '''
 
 
@@ -474,3 +507,124 @@ def test_streaming_clients_get_the_whole_answer(h: Harness) -> None:
     assert message.stop_reason == "tool_use"
     assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == [("add", {"a": 2, "b": 3})]
     assert message.usage.output_tokens == len(h.script["call"])
+
+
+EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+
+
+def test_the_agents_returned_answer_is_graded_not_the_models_last_turn(h: Harness, tmp_path: Path) -> None:
+    """The agent runs the example tool loop (the model's last turn: "The answer is 5.") and returns
+    another string; the grader service's view of the trajectory carries that string and the
+    external_agent grader scores it with the task source's scorer (chain_sum: exact answer)."""
+    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.graders.external_agent import ExternalAgentGrader
+    from trajmesh.graders.reasoning_gym import ReasoningGymGrader
+    from trajmesh.services.grader import GraderService
+
+    from trajmesh.contract import Trajectory
+
+    (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
+    runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path), EXAMPLES])
+    service = SimpleNamespace(tokenizer=h.tok)  # what GraderService._sample reads
+
+    def run(n: int, answer: str, returned: str | None) -> tuple[list[Trajectory], Any, dict[str, Any]]:
+        meta = {"source": "agents_chain_sum", "grader": "external_agent", "agent_returns": returned}
+        task = trajectory_pb2.Task(task_id=f"ans{n}", group_id="g1", source="agents_chain_sum", revision="r1",
+                                   prompt=QUESTION, answer=answer, metadata_json=json.dumps(meta))
+        trajs, outcome = asyncio.run(runner.run(task, "agents_for_test:tool_loop_then_return", 300,
+                                                session_id=f"ans{n}"))
+        return trajs, outcome, {"prompt": QUESTION, "answer": answer, "metadata": meta}
+
+    # (task answer, what the agent returns, reward): right answer / wrong last turn, and the reverse
+    for n, (answer, returned, reward) in enumerate([("5", "5", 1.0), (ANSWER, "5", 0.0)]):
+        trajs, outcome, record = run(n, answer, returned)
+        assert (outcome.terminal_reason, outcome.answer) == (trajectory_pb2.EOS, returned), outcome.detail
+        (traj,) = trajs
+        assert traj.pb.final_answer == returned  # recorded in the trajectory
+        sample = GraderService._sample(service, Trajectory.from_bytes(traj.to_bytes()))  # type: ignore[arg-type]
+        assert sample.final_answer == returned and sample.turns[-1] == ANSWER  # the model's last turn
+        assert ReasoningGymGrader().grade(sample.turns[-1], record).reward == 1.0 - reward  # last turn: the reverse
+        grade = ExternalAgentGrader().grade(sample, record)
+        assert (grade.reward, grade.components["correct"], grade.components["finished"]) == (reward, reward, 1.0)
+    # returns nothing: an infrastructure failure, no answer recorded (the grader never scores it)
+    trajs, outcome, _ = run(2, "5", None)
+    assert outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE and "returned nothing" in outcome.detail
+    assert [(t.pb.terminal_reason, t.pb.HasField("final_answer")) for t in trajs] == [
+        (trajectory_pb2.INFRA_FAILURE, False)]
+
+
+def _on_endpoint_loop(h: Harness, fn: Any) -> Any:
+    """Runs `fn()` (a coroutine function) on the endpoint's event loop, where the rollout service
+    runs its weight loads (PauseClock's events belong to that loop); returns its result."""
+    assert h.engine.loop is not None
+    return asyncio.run_coroutine_threadsafe(fn(), h.engine.loop).result(timeout=120)
+
+
+def test_call_in_flight_across_a_weight_update(h: Harness) -> None:
+    """A call is generating (3 tokens out, under v0) when a weight update starts. The update runs
+    the rollout's sequence (RolloutService._load_weights: PauseClock.pause, engine
+    /pause_generation, /update_weights_from_disk v1, /continue_generation, PauseClock.resume); the
+    request comes back aborted, the sampler resubmits prompt + partial output under v1 and the call
+    completes: its tokens record v0 for the first 3 and v1 after. A call started during the update
+    is answered 503 + Retry-After and the official client retries it transparently under v1."""
+    before = len(h.engine.records)
+    session, late = h.ep.open_session("update1"), h.ep.open_session("update2")
+    tools = [{"type": "function", "function": ADD_FN}]
+    interrupt = h.engine.interrupt = Interrupt(cut=3)
+    result: dict[str, Any] = {}
+
+    def ask(sid: str) -> None:
+        try:
+            result[sid] = h.openai(sid, max_retries=8).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": QUESTION}], tools=tools, temperature=0,
+                max_tokens=64)
+        except Exception as exc:  # reported by the asserts below
+            result[sid] = exc
+
+    first = threading.Thread(target=ask, args=("update1",))
+    first.start()
+    assert interrupt.generated.wait(120), "the call never reached the engine"
+
+    async def pause() -> None:
+        h.pause.pause()
+        async with EngineClient(h.engine.base_url) as ctl:
+            await ctl.pause()
+
+    async def load_and_resume() -> None:
+        async with EngineClient(h.engine.base_url) as ctl:
+            await ctl.update_weights_from_disk(str(h.model), version=1)
+            await ctl.resume()
+        h.pause.resume()
+
+    _on_endpoint_loop(h, pause)
+    interrupt.release.set()  # the in-flight request returns its partial output, aborted
+    refused = h.ep.retryable_answers
+    second = threading.Thread(target=ask, args=("update2",))
+    second.start()
+    deadline = time.monotonic() + 60
+    while h.ep.retryable_answers == refused:  # the late call's first attempt was refused (retryable)
+        assert time.monotonic() < deadline and second.is_alive(), "the late call was not refused"
+        time.sleep(0.02)
+    assert first.is_alive()  # still waiting for the load, not failed
+    _on_endpoint_loop(h, load_and_resume)
+    first.join(timeout=120)
+    second.join(timeout=120)
+
+    call = result["update1"].choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+    (comp,) = session.calls[0].completions
+    assert comp.output_ids == h.script["call"]  # the same tokens as an uninterrupted generation
+    assert comp.versions == [0] * 3 + [1] * (len(comp.output_ids) - 3)
+    prompt = session.calls[0].prompt_ids
+    mine = [(i, o) for i, o in h.engine.records[before:] if i[:len(prompt)] == prompt]
+    # the interrupted request, its resubmission (prompt + the partial output) and the late call's
+    assert sorted(len(i) - len(prompt) for i, _ in mine) == [0, 0, 3]
+    assert prompt + comp.output_ids[:3] in [i for i, _ in mine]
+    (traj,) = session.trajectories(_task(QUESTION), base_id="u")
+    traj.finish(trajectory_pb2.EOS)
+    sampled = [v for v, m in zip(traj.pb.behavior_versions, traj.pb.loss_mask, strict=True) if m]
+    assert sampled == comp.versions and traj.validate(vocab_size=h.tok.vocab_size, learner_version=1) == []
+    assert len(late.calls) == 1 and late.calls[0].completions[0].versions == [1] * len(h.script["call"])
+    assert result["update2"].choices[0].message.tool_calls[0].function.name == "add"
+    h.ep.close_session("update1")
+    h.ep.close_session("update2")

@@ -133,7 +133,7 @@ def test_plain_completions_continue_by_text(tools: tuple[Any, ChatFormat]) -> No
     assert s.text_prompt("What is 2+4?").reason == "history_changed"
 
 
-def test_external_agent_grader_scores_the_final_turn_and_never_a_timeout() -> None:
+def test_external_agent_grader_scores_the_returned_answer_and_never_a_timeout() -> None:
     from trajmesh.graders import make_grader
     from trajmesh.graders.base import Sample
 
@@ -145,11 +145,16 @@ def test_external_agent_grader_scores_the_final_turn_and_never_a_timeout() -> No
     task = {"prompt": spec.prompt, "answer": spec.answer, "metadata": spec.metadata}
     assert spec.metadata["grader"] == "external_agent" and spec.environment == "external_agent"
     grader = make_grader("external_agent")
-    call = '<tool_call>\n{"name": "gcd", "arguments": {}}\n</tool_call>'
-    right = Sample(call + spec.answer, [call, spec.answer], True, [], "EOS")
-    assert grader.grade(right, task).reward == 1.0
-    wrong = Sample(call + spec.answer, [call + spec.answer, "I do not know."], True, [], "EOS")
-    assert grader.grade(wrong, task).reward == 0.0
-    timed_out = Sample(spec.answer, [spec.answer], True, [], "WALL_TIMEOUT")
+    wrong = str(int(spec.answer) + 1)
+    # the model's last turn is right, the agent returned something else: scored on the return value
+    returned_wrong = Sample(spec.answer, [spec.answer], True, [], "EOS", final_answer=wrong)
+    assert grader.grade(returned_wrong, task).reward == 0.0
+    returned_right = Sample(wrong, [wrong], True, [], "EOS", final_answer=spec.answer)
+    grade = grader.grade(returned_right, task)
+    assert (grade.reward, grade.components["correct"], grade.components["finished"]) == (1.0, 1.0, 1.0)
+    assert repr(spec.answer) in grade.verifier_output
+    # no answer recorded (not an agent run's trajectory), or a timed-out run: never rewarded
+    assert grader.grade(Sample(spec.answer, [spec.answer], True, [], "EOS"), task).reward == 0.0
+    timed_out = Sample(spec.answer, [spec.answer], True, [], "WALL_TIMEOUT", final_answer=spec.answer)
     grade = grader.grade(timed_out, task)
     assert (grade.reward, grade.components["finished"]) == (0.0, 0.0)
