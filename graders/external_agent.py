@@ -6,8 +6,10 @@ scored, by the grader of the source the task came from (``metadata.answer_grader
 reasoning-gym families of the ``external_agent`` source: ``reasoning_gym``). The model's own turns
 are not scored: an agent that post-processes the model's text (extracts a number, runs a tool last)
 is graded on what it answered. A run that did not end EOS (WALL_TIMEOUT: budget exceeded;
-INFRA_FAILURE: the agent crashed or returned nothing, which never reaches a grader) or that carries
-no recorded answer scores 0 whatever its text says.
+INFRA_FAILURE: the agent crashed or returned nothing, which never reaches a grader) scores 0
+whatever its text says. Every EOS trajectory of an agent run carries its answer; a sample without
+one is held-out evaluation (learner/evaluate.py: the policy answers the prompt itself, no agent),
+scored on its final sampled turn.
 """
 
 from __future__ import annotations
@@ -30,9 +32,6 @@ class ExternalAgentGrader:
         if sample.terminal_reason != "EOS":
             return Grade(0.0, {"correct": 0.0, "finished": 0.0},
                          f"not scored: the agent run ended {sample.terminal_reason}", self.revision)
-        if sample.final_answer is None:
-            return Grade(0.0, {"correct": 0.0, "finished": 0.0},
-                         "not scored: no agent answer recorded on the trajectory", self.revision)
         kind = str(task.get("metadata", {}).get("answer_grader") or "reasoning_gym")
         if kind not in ANSWER_GRADERS:
             raise ValueError(f"external_agent: answer grader {kind!r} does not score a text answer "
@@ -40,7 +39,10 @@ class ExternalAgentGrader:
         from trajmesh.graders import make_grader  # the registry imports this module
 
         answer = sample.final_answer
+        if answer is None:  # held-out evaluation: no agent, the model's final turn is the answer
+            answer = sample.turns[-1] if sample.turns else sample.text
         inner = make_grader(kind).grade(Sample(answer, [answer], True, list(sample.state_hashes), "EOS"), task)
         correct = inner.components.get("correct", inner.reward)
         return Grade(inner.reward, {"correct": float(correct), "finished": 1.0},
-                     f"answer={answer[:200]!r} {inner.verifier_output}", self.revision, inner.audit)
+                     f"{'agent' if sample.final_answer is not None else 'final turn'} answer={answer[:200]!r} "
+                     f"{inner.verifier_output}", self.revision, inner.audit)

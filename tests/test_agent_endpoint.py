@@ -443,6 +443,8 @@ def test_http_agent(h: Harness) -> None:
     from aiohttp import web
     from trajmesh.envs.external_agent import AgentRunner
 
+    answered: list[str] = []
+
     async def agent(request: web.Request) -> web.Response:
         body = await request.json()
         if body["task"]["prompt"] == "fail":
@@ -450,7 +452,8 @@ def test_http_agent(h: Harness) -> None:
         client = openai.AsyncOpenAI(base_url=body["base_url"], api_key=body["api_key"])
         reply = await client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": body["task"]["prompt"]}], max_tokens=3)
-        return web.json_response({"answer": reply.choices[0].message.content})
+        answered.append(f"agent says: {reply.choices[0].message.content}")
+        return web.json_response({"answer": answered[-1]})
 
     async def scenario() -> list[Any]:
         runner_http = web.AppRunner(web.Application())
@@ -471,6 +474,7 @@ def test_http_agent(h: Harness) -> None:
     assert outcome.terminal_reason == trajectory_pb2.EOS, outcome.detail
     (traj,) = trajs
     assert _sampled(traj) == [h.engine.records[before][1]]
+    assert traj.pb.final_answer == outcome.answer == answered[0]  # the HTTP agent's answer is what is graded
     assert bad.terminal_reason == trajectory_pb2.INFRA_FAILURE and bad_trajs == []
 
 

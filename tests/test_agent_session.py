@@ -153,8 +153,11 @@ def test_external_agent_grader_scores_the_returned_answer_and_never_a_timeout() 
     grade = grader.grade(returned_right, task)
     assert (grade.reward, grade.components["correct"], grade.components["finished"]) == (1.0, 1.0, 1.0)
     assert repr(spec.answer) in grade.verifier_output
-    # no answer recorded (not an agent run's trajectory), or a timed-out run: never rewarded
-    assert grader.grade(Sample(spec.answer, [spec.answer], True, [], "EOS"), task).reward == 0.0
+    # no agent answer: held-out evaluation (the policy answers itself), scored on the final turn
+    call = '<tool_call>\n{"name": "gcd", "arguments": {}}\n</tool_call>'
+    assert grader.grade(Sample(call + spec.answer, [call, spec.answer], True, [], "EOS"), task).reward == 1.0
+    assert grader.grade(Sample(spec.answer + wrong, [spec.answer, wrong], True, [], "EOS"), task).reward == 0.0
+    # a timed-out run: never rewarded
     timed_out = Sample(spec.answer, [spec.answer], True, [], "WALL_TIMEOUT", final_answer=spec.answer)
     grade = grader.grade(timed_out, task)
     assert (grade.reward, grade.components["finished"]) == (0.0, 0.0)
