@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from trajmesh.learner.microbatch import max_over_ranks
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "PolicyLogprobs", "chunked_token_stats", "naive_token_stats", "policy_of"]
 
@@ -50,7 +51,8 @@ def _worth_recomputing(head: nn.Module | None, hidden: int) -> bool:
 
 
 def chunked_token_stats(
-    hidden_BTH: Tensor, input_ids_BT: Tensor, head: nn.Module | None, temperature: float, chunk_tokens: int
+    hidden_BTH: Tensor, input_ids_BT: Tensor, head: nn.Module | None, temperature: float, chunk_tokens: int,
+    min_chunks: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(logp_BT, entropy_BT): position t scored by the output at t−1, position 0 gets 0.
 
@@ -60,6 +62,9 @@ def chunked_token_stats(
     ``hidden_BTH`` is kept for the backward; with a vocabulary narrower than the hidden state (the
     demo's 50 characters vs 128) the chunk's fp32 logits are smaller than its hidden states, and the
     recomputation would only cost time.
+
+    ``min_chunks``: run at least that many chunks (the ones past the last position are empty): under
+    ZeRO-3 every call of ``head`` gathers its weight, so every rank must make as many calls.
     """
     b, t = input_ids_BT.shape
     h_NH = hidden_BTH[:, :-1].reshape(b * (t - 1), hidden_BTH.shape[-1])
@@ -68,7 +73,9 @@ def chunked_token_stats(
     step = max(int(chunk_tokens), 1)
     recompute = torch.is_grad_enabled() and h_NH.requires_grad and _worth_recomputing(head, h_NH.shape[-1])
     logps, ents = [], []
-    for start in range(0, h_NH.shape[0], step):
+    n = h_NH.shape[0]
+    for i in range(max(-(-n // step), int(min_chunks))):
+        start = min(i * step, n)
         h, tgt = h_NH[start:start + step], target_N[start:start + step]
         if recompute:
             lp, en = checkpoint(_chunk_stats, h, tgt, head, temp, use_reentrant=False)
@@ -106,7 +113,7 @@ def _splittable(model: Any) -> bool:
 
 
 class PolicyLogprobs(nn.Module):
-    """An HF causal LM whose forward returns ``(logp_BT, entropy_BT)`` of the input tokens.
+    """An HF causal LM whose forward returns the log-probs and entropy of the input tokens (``[2, B, T]``).
 
     The train engine wraps this module; ``policy`` is the HF model (saved, exported, evaluated).
     """
@@ -117,14 +124,30 @@ class PolicyLogprobs(nn.Module):
         self.chunk_tokens = int(chunk_tokens)
         self.split_head = _splittable(policy)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+        """``[2, B, T]``: log p(token) and entropy, stacked (unpack as ``logp_BT, entropy_BT = ...``).
+
+        One output tensor, not a tuple: ZeRO-3 hooks each output of a module with a pre-backward
+        fetch, so a loss using only the log-probs and a loss using both (a rank's zero-loss filler)
+        would record different module traces on different ranks, and ranks whose traces disagree
+        run different collectives (a hang)."""
         if self.split_head:
             out = self.policy.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
             head = self.policy.get_output_embeddings()
-            return chunked_token_stats(hidden, input_ids, head, temperature, self.chunk_tokens)
+            positions = input_ids.shape[0] * max(input_ids.shape[1] - 1, 0)
+            chunks = -(-positions // max(self.chunk_tokens, 1))
+            if _zero3_partitioned(head):  # every rank calls the head (a ZeRO-3 gather each) as often
+                chunks = max_over_ranks(chunks)
+            return torch.stack(chunked_token_stats(hidden, input_ids, head, temperature, self.chunk_tokens,
+                                                   min_chunks=chunks))
         logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return chunked_token_stats(logits, input_ids, None, temperature, self.chunk_tokens)
+        return torch.stack(chunked_token_stats(logits, input_ids, None, temperature, self.chunk_tokens))
+
+
+def _zero3_partitioned(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are ZeRO-3 partitions (gathered by a collective per call)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
 
 
 def policy_of(model: Any) -> nn.Module:
