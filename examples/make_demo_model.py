@@ -14,16 +14,18 @@ import time
 
 from trajmesh.envs import chain_sum
 from trajmesh.learner.evaluate import evaluate
-from trajmesh.learner.models import DEMO_SFT, load_model, prepare_demo_model
+from trajmesh.learner.models import load_model, prepare_demo_model
+
+from trajmesh.config import DemoModelConfig
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=DEMO_SFT["steps"], help="SFT steps")
+    parser.add_argument("--steps", type=int, default=DemoModelConfig().sft_steps, help="SFT steps")
     args = parser.parse_args()
-    stats = prepare_demo_model(args.out_dir, args.seed, steps=args.steps)
+    stats = prepare_demo_model(args.out_dir, args.seed, DemoModelConfig(sft_steps=args.steps))
     model, tokenizer = load_model(stats["model_dir"])
     _, heldout = chain_sum.make_split(1, 256, **stats["knobs"])
     start = time.perf_counter()

@@ -29,6 +29,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from trajmesh.config import DemoModelConfig
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 CHARS = "0123456789+-*/=()., abcdefghijklmnopqrstuvwxyz"
@@ -236,23 +238,23 @@ def sft(
 
 # --------------------------------------------------------------------------- the demo warm start
 
-DEMO_MODEL_DIMS: dict[str, int] = {"hidden": 128, "layers": 4, "heads": 4}
-DEMO_SFT: dict[str, Any] = {"steps": 800, "batch_size": 64, "lr": 3e-3, "n_train": 20000}
-
-
-def prepare_demo_model(out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> dict[str, Any]:
+def prepare_demo_model(out_dir: str | os.PathLike, seed: int = 0, demo: DemoModelConfig | None = None,
+                       knobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Tokenizer + tiny Llama + SFT warm start for the demo, under ``out_dir``.
 
     Writes ``out_dir/tokenizer``, ``out_dir/init`` (random weights) and ``out_dir/sft`` (the warm
-    start the demo serves as version 0). ``overrides`` may change ``DEMO_MODEL_DIMS``, ``DEMO_SFT``
-    and ``knobs`` (chain_sum difficulty). Returns the SFT stats plus the paths.
+    start the demo serves as version 0). ``demo`` is the config's `model.demo` (None: its
+    defaults); ``knobs`` the chain_sum difficulty (None: ``chain_sum.DEMO_KNOBS``). Returns the SFT
+    stats plus the paths.
     """
     from trajmesh.envs import chain_sum
 
     out = Path(out_dir)
-    dims = {k: overrides.get(k, v) for k, v in DEMO_MODEL_DIMS.items()}
-    cfg = {k: overrides.get(k, v) for k, v in DEMO_SFT.items()}
-    knobs = overrides.get("knobs", chain_sum.DEMO_KNOBS)
+    demo = demo or DemoModelConfig()
+    dims = {"hidden": demo.hidden_size, "layers": demo.layers, "heads": demo.heads}
+    cfg: dict[str, Any] = {"steps": demo.sft_steps, "batch_size": demo.sft_batch_size, "lr": demo.sft_lr,
+                           "n_train": demo.sft_size}
+    knobs = knobs or chain_sum.DEMO_KNOBS
     build_char_tokenizer(out / "tokenizer")
     model = build_tiny_model(out / "init", out / "tokenizer", seed=seed, **dims)
     train, _ = chain_sum.make_split(cfg["n_train"], 256, **knobs)

@@ -88,8 +88,11 @@ def _build_tiny_model(root: object) -> str:
 
     from trajmesh.learner.models import prepare_demo_model
 
+    from trajmesh.config import DemoModelConfig
+
     out = Path(str(root))
-    prepare_demo_model(out, seed=0, hidden=32, layers=1, heads=2, steps=40, batch_size=32, lr=3e-3, n_train=500)
+    prepare_demo_model(out, seed=0, demo=DemoModelConfig(hidden_size=32, layers=1, heads=2, sft_steps=40, sft_batch_size=32,
+                                                         sft_lr=3e-3, sft_size=500))
     return str((out / "sft").resolve())
 
 

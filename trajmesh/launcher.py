@@ -418,10 +418,7 @@ def build_demo_model(cfg: RunConfig, dest: Path) -> None:
     log.info("building the demo model (tiny Llama + SFT) in %s", dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    stats = prepare_demo_model(
-        tmp, seed=cfg.seed, hidden=d.hidden_size, layers=d.layers, heads=d.heads, steps=d.sft_steps,
-        batch_size=d.sft_batch_size, lr=d.sft_lr, n_train=d.sft_size, **({"knobs": knobs} if knobs else {}),
-    )
+    stats = prepare_demo_model(tmp, seed=cfg.seed, demo=d, knobs=knobs or None)
     (tmp / "sft_stats.json").write_text(json.dumps({k: v for k, v in stats.items() if k != "losses"},
                                                    default=str, indent=1))
     shutil.rmtree(dest, ignore_errors=True)
