@@ -142,4 +142,4 @@ def make_environment(kind: str) -> Environment:
     """An environment by key (a task's ``environment``), from the plug-in registry (`trajmesh.plugins`)."""
     from trajmesh import plugins
 
-    return plugins.environment_class(kind)()  # type: ignore[no-any-return]
+    return plugins.environment_class(kind)()

@@ -20,7 +20,7 @@ def grader_kind(task: dict[str, Any]) -> str:
 
 def make_grader(kind: str) -> Grader:
     """A grader by kind (`trajmesh.plugins.grader_class`); an unknown kind names the registered ones."""
-    return plugins.grader_class(kind)()  # type: ignore[no-any-return]
+    return plugins.grader_class(kind)()
 
 
 __all__ = ["Grade", "Grader", "Sample", "grader_kind", "make_grader"]
