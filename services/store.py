@@ -98,6 +98,9 @@ RECOVERY_MISSING = Counter("trajmesh_store_recovery_missing_trajectories_total",
 STALE_HANDED_OUT = Counter("trajmesh_store_stale_handed_out_trajectories_total",
                            "Trajectories handed to the learner already staler than the bound η (it will "
                            "quarantine them as stale; a healthy run keeps this at 0)")
+HELD = Gauge("trajmesh_store_held_trajectories",
+             "Trajectories the store holds unacked, by state (received: group still assembling; ready; "
+             "handed_out: given to the learner, not reported)", ["state"])
 STRAGGLERS_GIVEN_UP = Gauge("trajmesh_store_stragglers_given_up_groups",
                             "Due groups (admitted at <= learner version - eta) the learner stopped waiting for")
 STALE_ON_ARRIVAL = ("filtered", "stale_on_arrival")
@@ -115,6 +118,8 @@ for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too
 for _stream, _ in QUEUES:
     for _g in (QUEUE_PENDING, QUEUE_ACK_PENDING, QUEUE_AGE):
         _g.labels(stream=_stream)
+for _state in ("received", "ready", "handed_out"):
+    HELD.labels(state=_state)
 
 
 @dataclass
@@ -555,6 +560,8 @@ class TrajectoryStore(Service):
                 QUEUE_AGE.labels(stream=stream).set(await self._oldest_age(stream))
             ready = self.state.ready
             READY_AGE.set(time.time() - min(g.ready_at for g in ready) if ready else 0.0)
+            for state, n in self.state.held_counts().items():
+                HELD.labels(state=state).set(n)
             self._note_recovery()
             await asyncio.sleep(every_s)
 

@@ -128,6 +128,12 @@ class StoreState:
     def holds(self, tid: str) -> bool:
         return bool(tid) and (tid in self.held or tid in self.handed_out)
 
+    def held_counts(self) -> dict[str, int]:
+        """Trajectories held in each state (for the store's gauge)."""
+        ready = sum(len(g.members) for g in self.ready)
+        return {TrajectoryState.RECEIVED.value: len(self.held) - ready, TrajectoryState.READY.value: ready,
+                TrajectoryState.HANDED_OUT.value: len(self.handed_out)}
+
     @property
     def ready_count(self) -> int:
         return len(self.ready)
