@@ -31,13 +31,16 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from trajmesh.envs.base import SingleAnswerEnv
 
 from trajmesh.contract import Trajectory
 from trajmesh.v1 import trajectory_pb2
+
+if TYPE_CHECKING:
+    from trajmesh.rollout.agent_session import HostedEnvironment
 
 
 class ExternalAgentEnv(SingleAnswerEnv):
@@ -62,10 +65,30 @@ class AgentOutcome:
     """Index in the run's trajectories of the session's final segment (None: no LLM call)."""
 
 
+HIDDEN_METADATA = ("solution", "answer", "entry")
+"""Task metadata the agent never sees (reference solutions and answers)."""
+
+
 def task_dict(task: trajectory_pb2.Task) -> dict[str, Any]:
-    """What the agent gets: the task without its reference answer."""
-    return {"task_id": task.task_id, "source": task.source, "prompt": task.prompt,
-            "metadata": json.loads(task.metadata_json or "{}")}
+    """What the agent gets: the task without its reference answer or solution."""
+    meta = {k: v for k, v in json.loads(task.metadata_json or "{}").items() if k not in HIDDEN_METADATA}
+    return {"task_id": task.task_id, "source": task.source, "prompt": task.prompt, "metadata": meta}
+
+
+def hosted_environment(task: trajectory_pb2.Task) -> HostedEnvironment | None:
+    """The task's own environment, reset on it, when its metadata names one (``agent_environment``:
+    the external_agent source's workplace tasks); the agent acts on it through the endpoint."""
+    meta = json.loads(task.metadata_json or "{}")
+    name = meta.get("agent_environment")
+    if not name:
+        return None
+    from trajmesh.rollout.agent_session import HostedEnvironment
+
+    from trajmesh import plugins  # the registry imports this module's source entry
+
+    env = plugins.environment_class(str(name))()
+    _, state = env.reset({"prompt": task.prompt, "answer": task.answer, "metadata": meta}, int(task.seed))
+    return HostedEnvironment(env, [state])
 
 
 class AgentRunner:
@@ -85,6 +108,7 @@ class AgentRunner:
         """Runs `agent` on `task`; every trajectory is finished with the outcome's reason.
         `python_path`: this run's extra agent module folders (before the runner's own)."""
         session = self.endpoint.open_session(session_id)
+        session.environment = hosted_environment(task)
         base_url = f"{self.endpoint_url}/sessions/{session_id}/v1"
         start = time.monotonic()
         try:
@@ -102,6 +126,8 @@ class AgentRunner:
             traj.finish(outcome.terminal_reason, truncated=outcome.terminal_reason == trajectory_pb2.WALL_TIMEOUT)
             if outcome.terminal_reason == trajectory_pb2.EOS:
                 traj.pb.final_answer = outcome.answer  # what the grader scores
+            if session.environment is not None:  # the hosted environment's states; the last one is graded
+                traj.pb.state_hashes.extend(session.environment.state_hashes)
         return trajs, outcome
 
     async def _process(self, entry: str, task: trajectory_pb2.Task, base_url: str, budget_s: float,

@@ -14,6 +14,10 @@
       ▼ the answer in the API's own shape; tool calls parsed from the model's native format
         (Hermes <tool_call>, rollout/tool_calls.py) into each API's tool-call objects
 
+A session whose task comes with an environment (the ``external_agent`` source's workplace tasks)
+also serves ``POST /sessions/{sid}/env/step``: the agent's actions on the environment the runner
+hosts for it (``AgentSession.environment``), whose final state grades the run.
+
 The session id travels in the base URL path (``/sessions/{sid}/v1/...``) so the official clients
 work unchanged; ``/v1/...`` with an ``X-Trajmesh-Session`` header works too. Sessions are opened by
 whoever runs the agent (``open_session``); a call to an unknown or closed session is a 404 in the
@@ -561,6 +565,31 @@ async def _dispatch(ep: AgentEndpoint, path: str, sid: str | None, request: Requ
         return JSONResponse(_error_body(api, err), status_code=err.status)
 
 
+def env_step(ep: AgentEndpoint, session: AgentSession, body: Any) -> dict[str, Any]:
+    """One action on the session's hosted environment: ``{"tool_call": {"name", "arguments"}}``
+    (written in the model's native tool-call format, as the environment reads a model's turn) or
+    ``{"action": text}``. Answers the observation, whether the episode is over and the state hash."""
+    hosted = session.environment
+    _require(hosted is not None, "this session has no hosted environment (its task is graded by the agent's "
+             "answer)")
+    assert hosted is not None
+    _require(not hosted.done, "the environment's episode is over")
+    _require(isinstance(body, dict), "the body must be a JSON object")
+    if body.get("tool_call") is not None:
+        call = body["tool_call"]
+        _require(isinstance(call, dict) and isinstance(call.get("name"), str) and bool(call["name"]),
+                 "tool_call needs a name", "tool_call")
+        action = render_tool_calls([ToolCall("call_0", call["name"], _call_dict(call)["arguments"])])
+    else:
+        action = body.get("action")
+        _require(isinstance(action, str), "give 'tool_call' {name, arguments} or 'action' (text)", "action")
+    res = hosted.env.step(action)
+    hosted.steps += 1
+    hosted.done = bool(res.done)
+    hosted.state_hashes.append(res.state_hash)
+    return {"observation": res.observation, "done": hosted.done, "state_hash": res.state_hash, "step": hosted.steps}
+
+
 def create_app(ep: AgentEndpoint) -> FastAPI:
     """The FastAPI app: every API under ``/sessions/{sid}/v1/`` and under ``/v1/`` (session header)."""
     app = FastAPI(title="trajmesh agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
@@ -577,6 +606,21 @@ def create_app(ep: AgentEndpoint) -> FastAPI:
 
     for path in HANDLERS:
         bind(path)
+
+    async def environment_step(sid: str, request: Request) -> Response:
+        try:
+            if not _authorized(ep, request):
+                raise ApiError(401, "invalid API key", kind="authentication_error")
+            session = ep.session(sid)
+            try:
+                body = json.loads(await request.body())
+            except ValueError:
+                raise ApiError(400, "the body is not valid JSON") from None
+            return JSONResponse(env_step(ep, session, body))
+        except ApiError as err:
+            return JSONResponse(_error_body("env", err), status_code=err.status)
+
+    app.add_api_route("/sessions/{sid}/env/step", environment_step, methods=["POST"])
 
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": ep.model_name, "object": "model", "created": 0,

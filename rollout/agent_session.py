@@ -122,6 +122,20 @@ class Segment:
     links: list[Completion] = field(default_factory=list)
 
 
+@dataclass
+class HostedEnvironment:
+    """The task's own environment (e.g. workplace), hosted by the runner for one session: the agent
+    acts on it through the endpoint (``POST /sessions/<sid>/env/step``); every state is recorded and
+    the last one is what the run is graded by."""
+
+    env: Any
+    """A project environment (``reset``/``step``, envs/base.py), reset on the task."""
+    state_hashes: list[str]
+    """The state after reset, then after each step."""
+    steps: int = 0
+    done: bool = False
+
+
 class AgentSession:
     """Every call of one session, how each prompt was built, and the trajectories they make."""
 
@@ -136,6 +150,8 @@ class AgentSession:
         self.started = time.time()
         self.closed = False
         """No more calls are taken (the task ended, timed out or was abandoned)."""
+        self.environment: HostedEnvironment | None = None
+        """The environment the agent acts on (None: the agent brings its own, graded by its answer)."""
         self._chat_continuations: dict[str, tuple[Completion, list[dict[str, Any]]]] = {}
         """conversation key of (request messages + returned assistant message) -> (completion, messages)."""
         self._text_continuations: dict[str, Completion] = {}

@@ -632,3 +632,74 @@ def test_call_in_flight_across_a_weight_update(h: Harness) -> None:
     assert result["update2"].choices[0].message.tool_calls[0].function.name == "add"
     h.ep.close_session("update1")
     h.ep.close_session("update2")
+
+
+WORKPLACE_AGENT = '''
+import json
+import urllib.request
+
+from openai import OpenAI
+
+ACTIONS = __ACTIONS__
+
+
+def act(task, base_url, api_key):
+    """One model call, then the scripted tool calls on the environment the runner hosts."""
+    OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
+    for name, arguments in ACTIONS:
+        body = json.dumps({"tool_call": {"name": name, "arguments": arguments}}).encode()
+        req = urllib.request.Request(base_url.removesuffix("/v1") + "/env/step", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as resp:
+            json.load(resp)
+    return json.dumps(sorted(task["metadata"]))
+'''
+
+
+def test_workplace_task_is_graded_by_the_hosted_environments_final_state(h: Harness, tmp_path: Path) -> None:
+    """The external_agent source's workplace tasks: the runner hosts a workplace environment for the
+    session, the agent acts on it through the endpoint's env route (never seeing the reference
+    solution), and the grader compares the recorded final state with the reference solution's."""
+    import urllib.error
+    import urllib.request
+
+    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.envs.workplace import WorkplaceEnv
+    from trajmesh.graders.external_agent import ExternalAgentGrader
+    from trajmesh.services.grader import GraderService
+
+    from trajmesh.config import load_config
+    from trajmesh.contract import Trajectory
+    from trajmesh.tasks import load_split
+
+    cfg = load_config(None, {"tasks.sources": [{"type": "external_agent", "agent": "unused:act",
+                                                "tasks_from": "workplace"}]})
+    spec = load_split(cfg.tasks.sources[0], 2, 1)[0][0]
+    record = {"prompt": spec.prompt, "answer": spec.answer, "metadata": spec.metadata}
+    task = trajectory_pb2.Task(task_id="wp", group_id="g1", source=spec.source, revision="r1", prompt=spec.prompt,
+                               answer=spec.answer, metadata_json=json.dumps(spec.metadata), seed=3)
+    initial = WorkplaceEnv().reset(record, 0)[1]
+    runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path)])
+    wrong = [["create_task", {"title": "nobody asked for this", "assignee_id": 1}]]
+    for n, (actions, reward) in enumerate([(spec.metadata["solution"], 1.0), (wrong, 0.0)]):
+        (tmp_path / f"agent_wp{n}.py").write_text(WORKPLACE_AGENT.replace("__ACTIONS__", repr(actions)))
+        trajs, outcome = asyncio.run(runner.run(task, f"agent_wp{n}:act", 300, session_id=f"wp{n}"))
+        assert outcome.terminal_reason == trajectory_pb2.EOS, outcome.detail
+        seen = json.loads(outcome.answer)  # the metadata keys the agent was given
+        assert "tools" in seen and "solution" not in seen and "answer" not in seen
+        (traj,) = trajs
+        hashes = list(traj.pb.state_hashes)
+        assert len(hashes) == len(actions) + 1 and hashes[0] == initial and hashes[-1] != initial
+        sample = GraderService._sample(SimpleNamespace(tokenizer=h.tok),  # type: ignore[arg-type]
+                                       Trajectory.from_bytes(traj.to_bytes()))
+        grade = ExternalAgentGrader().grade(sample, record)
+        assert (grade.reward, grade.components["correct"]) == (reward, reward), grade.verifier_output
+    # a session without a hosted environment: the env route answers 400 in the OpenAI error shape
+    h.ep.open_session("noenv")
+    req = urllib.request.Request(f"{h.url}/sessions/noenv/env/step", data=b'{"action": "x"}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400 and "no hosted environment" in json.load(err.value)["error"]["message"]
+    h.ep.close_session("noenv")

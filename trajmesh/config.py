@@ -197,6 +197,11 @@ class ExternalAgentSource(SourceConfig):
     """reasoning-gym task family the agent is given (graded by its own score_answer)."""
     knobs: dict[str, Any] = Field(default_factory=dict)
     """Difficulty knobs passed to the family's generator."""
+    tasks_from: Literal["reasoning_gym", "workplace"] = "reasoning_gym"
+    """Where the agent's tasks come from: ``reasoning_gym`` (the ``family``'s tasks; the answer the
+    agent returns is graded by the family's scorer) or ``workplace`` (workplace tasks; the agent acts
+    on a workplace environment the runner hosts for its session, ``POST <base_url without /v1>/env/step``,
+    and the run is graded by that environment's final state)."""
 
 
 def _registered_source(value: Any) -> Any:
