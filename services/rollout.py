@@ -134,7 +134,8 @@ class RolloutService(Service):
         engine: CoalescingEngine | SyntheticEngine
         if cfg.rollout.engine.type == "synthetic":
             engine = self.engine = SyntheticEngine(self.tokenizer.vocab_size, self.tokenizer.eos_token_id,
-                                          seed=cfg.seed * 101 + self.replica, version=self.version)
+                                          seed=cfg.seed * 101 + self.replica, version=self.version,
+                                          timing=cfg.rollout.engine.synthetic)
         else:
             url = cfg.rollout.engine.url
             if url is None:
