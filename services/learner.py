@@ -422,10 +422,15 @@ class LearnerService(Service):
                 metrics.update(consistency.probe(model, keep, version=self.version, pad_id=self.pad_id,
                                                  temperature=temperature,
                                                  max_trajectories=lc.consistency_probe_trajectories))
-            step_metrics = train_batch(engine, batch, adv_BT, self.objective, self.plan,
-                                       temperature=temperature, version=self.version,
-                                       max_lag=max(eta, 1) + 1, entropy_coef=alpha)
-            if self.entropy_ctl is not None:
+            if lc.simulated_step.enabled:  # benchmark model of a GPU step (bench/bench_systems.py): no training
+                seconds = lc.simulated_step.seconds(int((batch.mask_BT > 0).sum()))
+                time.sleep(seconds)  # in a worker thread (asyncio.to_thread): no CPU taken
+                step_metrics: dict[str, Any] = {"simulated_step_seconds": seconds}
+            else:
+                step_metrics = train_batch(engine, batch, adv_BT, self.objective, self.plan,
+                                           temperature=temperature, version=self.version,
+                                           max_lag=max(eta, 1) + 1, entropy_coef=alpha)
+            if self.entropy_ctl is not None and not lc.simulated_step.enabled:
                 self.entropy_ctl.update(step_metrics["trajmesh_learner_entropy_nats"])
                 step_metrics["trajmesh_learner_entropy_coef"] = alpha
             mask = batch.mask_BT > 0
