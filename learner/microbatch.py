@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["GlobalCounts", "balanced_split", "data_parallel", "global_counts", "max_over_ranks",
-           "pack_micro_batches", "sum_over_ranks"]
+           "pack_micro_batches", "sum_over_ranks", "sum_tensor_over_ranks"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,19 @@ def _all_reduce(values: list[float], op: dist.ReduceOp.RedOpType, group: dist.Pr
 def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
     """Element-wise sum over the ranks of ``group`` (the values themselves with one rank)."""
     return _all_reduce(values, dist.ReduceOp.SUM, group)
+
+
+def sum_tensor_over_ranks(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Element-wise sum of ``t`` over the ranks of ``group`` (``t`` itself with one rank), on
+    ``t``'s device and dtype. Rows that each rank fills for its own share (zeros elsewhere) come back
+    as the whole batch's."""
+    if data_parallel(group)[1] == 1:
+        return t
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    x = t.detach().to(device).clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x.to(t.device)
 
 
 def max_over_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:

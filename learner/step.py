@@ -22,6 +22,7 @@ from trajmesh.learner.microbatch import (
     max_over_ranks,
     pack_micro_batches,
     sum_over_ranks,
+    sum_tensor_over_ranks,
 )
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
 
@@ -268,6 +269,19 @@ def _merge_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return out
 
 
+def _merge_stats_over_ranks(parts: list[dict[str, Tensor]], group: Any) -> dict[str, Tensor]:
+    """:func:`_merge_stats` over the loss calls of every rank in `group` (a rank with none adds nothing)."""
+    sums = [sum(float(p["num_tokens"]) for p in parts), sum(float(p["loss"]) for p in parts),
+            *(sum(float(p[key]) * float(p["num_tokens"]) for p in parts) for key in _WEIGHTED_STATS)]
+    sums = sum_over_ranks(sums, group)
+    n = sums[0]
+    out = {"loss": torch.tensor(sums[1]), "num_tokens": torch.tensor(n),
+           "denominator": parts[-1]["denominator"] if parts else torch.zeros(())}
+    for key, total in zip(_WEIGHTED_STATS, sums[2:], strict=True):
+        out[key] = torch.tensor(total / max(n, 1.0))
+    return out
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """How one learner step spends its batch (from ``learner.*``; see trajmesh/config.py)."""
@@ -327,11 +341,13 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
 
     With several ranks in `group` every rank passes the same whole `batch` and `adv_BT`; each
     minibatch is split over the ranks balanced by tokens (so an update sees the same rows as with
-    one rank) and the denominators are global. Update losses are summed over ranks; the other
-    metrics are over this rank's rows.
+    one rank) and the denominators are global. The step metrics are over the whole batch (each
+    rank's rows and loss stats all-reduced: every rank reports what one rank would); in
+    ``ppo_updates`` each update's figures are over its whole minibatch too.
     """
     world = _check_ranks(engine, batch, group)
     shares = _rank_shares(batch, plan.minibatches, group)
+    minibatch_rows = balanced_split(batch.lengths(), plan.minibatches)  # every rank's rows of each update
     mine = sorted({i for rows in shares for i in rows})
     filler = batch.select([0])
     model = engine.module
@@ -347,7 +363,7 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
     updates: list[dict[str, float]] = []
     opt: dict[str, float] = {}
     for epoch in range(plan.epochs):
-        for rows in shares:
+        for u, rows in enumerate(shares):
             sub = batch.select(rows) if rows else None
             width = sub.input_ids_BT.shape[1] if sub is not None else 1
             parts = accumulate_update(engine, sub, _take(adv_BT, rows, width),
@@ -356,7 +372,10 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
                                       micro_batch_tokens=plan.micro_batch_tokens, group=group, filler=filler,
                                       loss_scale=float(world))
             opt = engine.step()
-            updates.append(_update_record(sub, parts, opt, group))
+            if world > 1:
+                updates.append(_update_record_over_ranks(batch, rows, minibatch_rows[u], parts, opt, group))
+            else:
+                updates.append(_update_record(sub, parts, opt, group))
             stats_all.extend(p.stats for _, p in parts)
             for mrows, p in parts if epoch == 0 else []:
                 full_rows = [rows[i] for i in mrows]
@@ -364,17 +383,25 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
                 _scatter(prox_seen_BT, full_rows, p.prox_BT)
                 _scatter(ent_BT, full_rows, p.entropy_BT)
     return _step_record(batch, mine, adv_BT, (logp_BT, prox_seen_BT, ent_BT), stats_all, updates, opt, cfg,
-                        version, max_lag)
+                        version, max_lag, across_ranks=world > 1, group=group)
 
 
 def _step_record(batch: Batch, mine: list[int], adv_BT: Tensor, seen: tuple[Tensor, Tensor, Tensor],
                  stats_all: list[dict[str, Tensor]], updates: list[dict[str, float]], opt: dict[str, float],
-                 cfg: ObjectiveConfig, version: int, max_lag: int) -> dict[str, Any]:
-    """The step's metrics over this rank's rows, plus the optimizer and per-update records."""
+                 cfg: ObjectiveConfig, version: int, max_lag: int, *, across_ranks: bool = False,
+                 group: Any = None) -> dict[str, Any]:
+    """The step's metrics over the whole batch, plus the optimizer and per-update records. With
+    several ranks (`group`), each rank's π_θ, π_prox and entropy of its rows (disjoint, zeros
+    elsewhere) and its loss stats are summed over the ranks first, so every rank reports what one
+    rank would."""
+    if across_ranks:
+        seen = (sum_tensor_over_ranks(seen[0], group), sum_tensor_over_ranks(seen[1], group),
+                sum_tensor_over_ranks(seen[2], group))
+        mine = list(range(len(batch.trajectory_ids)))
     local = batch.select(mine)
     width = local.input_ids_BT.shape[1]
     logp_BT, prox_BT, ent_BT = (_take(x, mine, width) for x in seen)
-    merged = _merge_stats(stats_all)
+    merged = _merge_stats_over_ranks(stats_all, group) if across_ranks else _merge_stats(stats_all)
     merged["loss"] = torch.tensor(sum(u["loss"] for u in updates) / len(updates))  # mean over updates
     metrics: dict[str, Any] = _metrics(local, _take(adv_BT, mine, width), logp_BT, prox_BT, ent_BT, merged, cfg,
                                        version, max_lag)
@@ -422,6 +449,28 @@ def _update_record(sub: Batch | None, parts: list[tuple[list[int], _Part]], opt:
         record = {"loss": float(stats["loss"]), **{k: float(stats[k]) for k in keys}}
         record.update(trust_region_metrics(logp_BT, prox_BT, sub.mask_BT))
     record["loss"] = sum_over_ranks([record["loss"]], group)[0]
+    record["grad_norm"] = float(opt.get("grad_norm", 0.0))
+    return record
+
+
+def _update_record_over_ranks(batch: Batch, rows: list[int], minibatch_rows: list[int],
+                              parts: list[tuple[list[int], _Part]], opt: dict[str, float],
+                              group: Any) -> dict[str, float]:
+    """:func:`_update_record` over the whole minibatch (`minibatch_rows`): this rank's π_θ and π_prox
+    of its `rows` and its loss stats are summed with the other ranks' (rows are disjoint)."""
+    logp_BT, prox_BT = torch.zeros(batch.mask_BT.shape), torch.zeros(batch.mask_BT.shape)
+    for mrows, p in parts:
+        full_rows = [rows[i] for i in mrows]
+        _scatter(logp_BT, full_rows, p.logp_BT)
+        _scatter(prox_BT, full_rows, p.prox_BT)
+    logp_BT, prox_BT = sum_tensor_over_ranks(logp_BT, group), sum_tensor_over_ranks(prox_BT, group)
+    stats = _merge_stats_over_ranks([p.stats for _, p in parts], group)
+    keys = ("clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_outside_frac")
+    record = {"loss": float(stats["loss"]), **{k: float(stats[k]) for k in keys}}
+    sub = batch.select(minibatch_rows)
+    width = sub.input_ids_BT.shape[1]
+    record.update(trust_region_metrics(_take(logp_BT, minibatch_rows, width), _take(prox_BT, minibatch_rows, width),
+                                       sub.mask_BT))
     record["grad_norm"] = float(opt.get("grad_norm", 0.0))
     return record
 

@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -222,12 +221,7 @@ class LearnerService(Service):
         self.precision = precision
         self.plan = StepPlan(micro_batch_tokens=lc.micro_batch_tokens, minibatches=lc.ppo.minibatches,
                              epochs=lc.ppo.epochs)
-        o = lc.objective
-        self.objective = ObjectiveConfig(
-            eps_low=o.eps_low, eps_high=o.eps_high, dual_clip=o.dual_clip, behavior_correction=o.behavior_correction,
-            tis_cap=o.tis_cap, mis_low=o.mis_low, mis_high=o.mis_high, denominator=o.denominator,
-            constant_denominator=o.constant_denominator,
-        )
+        self.objective: ObjectiveConfig = lc.objective  # the config's type, used by the loss as is
         ec = lc.entropy
         self.entropy_ctl = (MagicEntropyController(target_entropy=ec.target_entropy, delta=ec.delta,
                                                    max_coef=ec.max_coef) if ec.type == "magic" else None)
@@ -528,7 +522,7 @@ class LearnerService(Service):
         self._barrier()
         self._engine().save_checkpoint(str(tmp), client_state={
             "version": self.version, "steps_done": self.steps_done, "rl_seconds": self.rl_seconds,
-            "trajectories_trained": self.trajectories_trained, "objective": asdict(self.objective),
+            "trajectories_trained": self.trajectories_trained, "objective": self.objective.model_dump(),
             "entropy_controller": self.entropy_ctl.state_dict() if self.entropy_ctl is not None else None,
             "gate_counters": gate or {}, "sampler_cursor": cursor, "world_size": self.world_size})
         self._barrier()
