@@ -387,6 +387,11 @@ class RolloutService(Service):
         closed = False  # a Step that ends the episode closes the session on the environment's side
         try:
             for turn in range(max(1, sp.max_turns)):
+                if turn and self._too_stale(traj):  # the learner could only quarantine it: stop here
+                    log.info("cut %s short at turn %d: sampled since v%d, weights now v%d", tid, turn,
+                             int(traj.behavior_versions_T[traj.loss_mask_T == 1].min()), self.version)
+                    reason = trajectory_pb2.STALE
+                    break
                 ids, logps, versions, finish = await self._generate(context, sp, seed)
                 context = context + ids
                 if finish == "length":
@@ -427,11 +432,19 @@ class RolloutService(Service):
                     await env.Close(services_pb2.CloseRequest(session_id=tid), timeout=5.0)
             except grpc.aio.AioRpcError:
                 ENV_FAILURES.labels("close").inc()
-        traj.finish(reason)
+        traj.finish(reason, truncated=True if reason == trajectory_pb2.STALE else None)
         traj.pb.timing.rollout_seconds = time.perf_counter() - start
         traj.pb.timing.environment_seconds = env_seconds
         EPISODE_SECONDS.observe(time.perf_counter() - start)
         return traj
+
+    def _too_stale(self, traj: Trajectory) -> bool:
+        """Whether a trajectory's oldest sampled token lags the loaded weights by more than η: the
+        learner (at this version or later) could only quarantine it as stale, so generating more
+        of it is wasted (issue 16: such stragglers are cut short, ending STALE; the store records
+        them as `filtered:stale_cut_short`)."""
+        v_T = traj.behavior_versions_T[traj.loss_mask_T == 1]
+        return bool(v_T.size) and self.version - int(v_T.min()) > self.cfg.effective_eta
 
     def _prompt_ids(self, observation: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The first context: the chat template's user turn + generation prompt (with the task's tool

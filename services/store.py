@@ -107,12 +107,15 @@ STALE_ON_ARRIVAL = ("filtered", "stale_on_arrival")
 """Final outcome of a member that reached the store already staler than η at the learner's current
 version (it could only be quarantined as stale): cut, never handed out, its group completes
 without it. A healthy run has none; an outage longer than the straggler hold can cause them."""
+STALE_CUT_SHORT = ("filtered", "stale_cut_short")
+"""Final outcome of a member the rollout stopped generating (terminal reason STALE): its oldest
+token lagged the loaded weights by more than η."""
 POISON = "poison"
 """Quarantine reason of a TRAJ_GRADED message delivered more than `infra.max_deliveries` times."""
 QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
 """(stream, durable consumer) pairs whose backlog the store exports."""
 for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too_small"),
-                          ("quarantined", "stale"), ("quarantined", POISON), STALE_ON_ARRIVAL, ("failed_infra", "infra_failure"),
+                          ("quarantined", "stale"), ("quarantined", POISON), STALE_ON_ARRIVAL, STALE_CUT_SHORT, ("failed_infra", "infra_failure"),
                           ("in_flight_at_stop", "held_at_stop"), ("in_flight_at_stop", "not_returned")):
     OUTCOMES.labels(outcome=_outcome, reason=_reason)  # exported at 0 so rates exist before the first one
 for _stream, _ in QUEUES:
@@ -435,7 +438,9 @@ class TrajectoryStore(Service):
                 self._finalize(traj, outcome, reason, it.msg, mark=False)
                 continue
             assert task is not None
-            if outcome == OUTCOME_VALID and self._too_stale(traj, learner_version):
+            if outcome == OUTCOME_VALID and traj.terminal_reason == trajectory_pb2.STALE:
+                outcome, reason = STALE_CUT_SHORT
+            elif outcome == OUTCOME_VALID and self._too_stale(traj, learner_version):
                 outcome, reason = STALE_ON_ARRIVAL
                 log.warning("cut %s on arrival: sampled at v%d, learner at v%d (eta %d)", traj.trajectory_id,
                             self._oldest_version(traj), learner_version, self.cfg.effective_eta)

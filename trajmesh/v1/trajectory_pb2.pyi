@@ -18,6 +18,7 @@ class TerminalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_ERROR: _ClassVar[TerminalReason]
     INFRA_FAILURE: _ClassVar[TerminalReason]
     SAFETY: _ClassVar[TerminalReason]
+    STALE: _ClassVar[TerminalReason]
 
 class ActionType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +46,7 @@ WALL_TIMEOUT: TerminalReason
 SANDBOX_ERROR: TerminalReason
 INFRA_FAILURE: TerminalReason
 SAFETY: TerminalReason
+STALE: TerminalReason
 ACTION_TYPE_UNSPECIFIED: ActionType
 PROMPT: ActionType
 TEXT: ActionType
