@@ -35,7 +35,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.envs.external_agent import AgentRunner
 from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids
-from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient, EngineError
+from trajmesh.rollout.engine_client import CoalescingEngine, EngineError
 from trajmesh.rollout.generation import (
     ENGINE_FAILURES,
     EngineFailed,
@@ -47,7 +47,7 @@ from trajmesh.rollout.generation import (
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
 from trajmesh import bus as busmod
-from trajmesh import security
+from trajmesh import plugins, security
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
 from trajmesh.service import Service, supervise
@@ -130,19 +130,9 @@ class RolloutService(Service):
         # loads the newest announced weights in weights_loop before it samples any task admitted
         # at that version (_wait_for_version).
         self.version = 0
-        model_path = cfg.model.path
+        # The engine by type (`trajmesh.plugins.ENGINES`, factories in rollout/engines.py).
         engine: CoalescingEngine | SyntheticEngine
-        if cfg.rollout.engine.type == "synthetic":
-            engine = self.engine = SyntheticEngine(self.tokenizer.vocab_size, self.tokenizer.eos_token_id,
-                                          seed=cfg.seed * 101 + self.replica, version=self.version,
-                                          timing=cfg.rollout.engine.synthetic)
-        else:
-            url = cfg.rollout.engine.url
-            if url is None:
-                url = self._start_torch_engine(model_path, self.version)
-            # The G samples of a group (and of concurrent groups) reach the engine as batch requests.
-            engine = self.engine = CoalescingEngine(EngineClient(url), window_s=cfg.rollout.engine.batch_window_ms / 1000)
-            await self._wait_engine()
+        engine = self.engine = await plugins.load(plugins.engine(cfg.rollout.engine.type).start)(self)
         # Pauses for weight loads: a request the pause aborts waits and resubmits; the time paused
         # does not count against request_timeout_s.
         self.pause = PauseClock()

@@ -173,3 +173,74 @@ def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plug
     assert res["accuracy"] == pytest.approx(0.5)
     assert res["grader_revisions"] == {"toy": TOY_GRADER_REVISION}
     assert res["environment_revisions"] == {"toy_env": TOY_ENV_REVISION}
+
+
+# --------------------------------------------------------------------------- rollout engines
+
+
+def test_unregistered_engine_type_is_rejected_at_load() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"rollout.engine.type": "vllm"})
+    assert "rollout.engine.type" in str(err.value) and all(t in str(err.value) for t in ("torch", "sglang", "synthetic"))
+    with pytest.raises(ConfigError, match="needs engine.url"):
+        load_config(overrides={"rollout.engine.type": "sglang"})
+
+
+class _FakeRollout:
+    """What the engine factories read of the rollout service; records a started torch engine."""
+
+    def __init__(self, **engine: Any) -> None:
+        from types import SimpleNamespace
+
+        self.cfg = load_config(overrides={f"rollout.engine.{k}": v for k, v in engine.items()}
+                               | {"model.path": "/models/m"})
+        self.tokenizer = SimpleNamespace(vocab_size=50, eos_token_id=2)
+        self.replica, self.version, self.engine = 1, 3, None
+        self.started: list[tuple[str, int]] = []
+        self.waited = 0
+
+    def _start_torch_engine(self, model_path: str, version: int) -> str:
+        self.started.append((model_path, version))
+        return "http://127.0.0.1:9/"
+
+    async def _wait_engine(self) -> None:
+        self.waited += 1
+
+
+def _start(svc: _FakeRollout) -> Any:
+    import asyncio
+
+    return asyncio.run(plugins.load(plugins.engine(svc.cfg.rollout.engine.type).start)(svc))
+
+
+@pytest.mark.parametrize(("engine", "started", "url"), [
+    ({"type": "torch"}, [("/models/m", 3)], "http://127.0.0.1:9"),
+    ({"type": "torch", "url": "http://engine:30000"}, [], "http://engine:30000"),
+    ({"type": "sglang", "url": "http://sglang:30000/"}, [], "http://sglang:30000"),
+])
+def test_http_engines_start_or_connect_by_type(engine: dict[str, Any], started: list[Any], url: str) -> None:
+    from trajmesh.rollout.engine_client import CoalescingEngine
+
+    svc = _FakeRollout(**engine)
+    eng = _start(svc)
+    assert isinstance(eng, CoalescingEngine) and eng.client.base_url == url
+    assert svc.started == started and svc.waited == 1 and svc.engine is eng
+
+
+def test_synthetic_engine_is_built_in_process() -> None:
+    from trajmesh.rollout.synthetic_engine import SyntheticEngine
+
+    svc = _FakeRollout(type="synthetic")
+    eng = _start(svc)
+    assert isinstance(eng, SyntheticEngine) and svc.started == [] and svc.waited == 0
+
+
+def test_manifest_records_the_external_engine_release_by_engine_type() -> None:
+    from trajmesh.infra import free_port
+    from trajmesh.train import _framework_versions
+
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: the release reads "unreachable"
+    sglang = _framework_versions(load_config(overrides={"rollout.engine.type": "sglang", "rollout.engine.url": closed}))
+    assert sglang["sglang_server"] == "unreachable"
+    torch_run = _framework_versions(load_config(overrides={"rollout.engine.url": closed}))
+    assert not [k for k in torch_run if k.endswith("_server")]

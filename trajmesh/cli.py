@@ -79,6 +79,10 @@ def _list_envs() -> int:
     print("graders (task metadata.grader -> raw reward components):")
     for name, gcls in plugins.graders().items():
         print(f"  {name:14s} {gcls.__name__:18s} {gcls.revision:26s} {', '.join(getattr(gcls, 'components', ()))}")
+    print("rollout engines (rollout.engine.type -> what it is; how published weights reach it):")
+    for name, eng in sorted(plugins.ENGINES.items()):
+        print(f"  {name:14s} {eng.description}{' (needs rollout.engine.url)' if eng.needs_url else ''}")
+        print(f"  {'':14s} weights: {eng.weights}")
     return 0
 
 

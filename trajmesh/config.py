@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     SerializeAsAny,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -275,9 +276,10 @@ class SyntheticTiming(_Strict):
 
 
 class EngineConfig(_Strict):
-    type: Literal["torch", "sglang", "synthetic"] = "torch"
-    """torch: the built-in CPU engine, started by each rollout process. sglang: an external server at
-    url. synthetic: uniform random tokens, no model, for load tests and benchmarks (instant unless
+    type: str = "torch"
+    """A registered engine type (`trajmesh.plugins.ENGINES`, listed by `trajmesh envs`): torch, the
+    built-in CPU engine, started by each rollout process; sglang, an external server at url;
+    synthetic, uniform random tokens, no model, for load tests and benchmarks (instant unless
     `synthetic` models decode time and response lengths)."""
     synthetic: SyntheticTiming = Field(default_factory=lambda: SyntheticTiming())
     """Timing and length model of the synthetic engine (ignored by the others)."""
@@ -300,10 +302,21 @@ class EngineConfig(_Strict):
     abort_backoff_s: float = Field(0.5, ge=0)
     """First wait before resubmitting after such an abort; doubles per retry (at most 30 s)."""
 
+    @field_validator("type")
+    @classmethod
+    def _registered_engine(cls, value: str) -> str:
+        from trajmesh import plugins
+
+        plugins.engine(value)  # an unregistered type fails here, naming the registered ones
+        return value
+
     @model_validator(mode="after")
-    def _sglang_needs_url(self) -> EngineConfig:
-        if self.type == "sglang" and not self.url:
-            raise ValueError("engine.type 'sglang' needs engine.url (the SGLang server's base URL)")
+    def _engine_needs_url(self) -> EngineConfig:
+        from trajmesh import plugins
+
+        eng = plugins.engine(self.type)
+        if eng.needs_url and not self.url:
+            raise ValueError(f"engine.type {self.type!r} needs engine.url ({eng.description})")
         return self
 
 

@@ -153,3 +153,55 @@ def revisions(type_: str) -> dict[str, dict[str, str]]:
     plugin = source(type_)
     return {"environments": {k: str(c.revision) for k, c in sorted(plugin.environments.items())},
             "graders": {k: str(_load(p).revision) for k, p in sorted(plugin.graders.items())}}
+
+
+# ------------------------------------------------------------------ rollout engines
+
+
+@dataclass(frozen=True)
+class EnginePlugin:
+    """One rollout engine type (`rollout.engine.type`): how a rollout process gets its engine and how
+    the learner's weights reach it. Every engine speaks the same client interface (generate, pause,
+    resume, update_weights_from_disk, context_length, close), so the one weight publisher (the
+    learner's safetensors export + the WEIGHTS announcement, learner/weights.py) serves them all;
+    `weights` says what a load does for this type."""
+
+    type: str
+    description: str
+    start: str
+    """"module:function": ``async start(rollout_service) -> engine`` (rollout/engines.py)."""
+    weights: str
+    """What loading an announced version does on this engine (reported by `trajmesh envs`)."""
+    needs_url: bool = False
+    """True: `rollout.engine.url` is required (an external server)."""
+    server_version: str | None = None
+    """"module:function" ``(url) -> str``: the external server's release, recorded in the manifest."""
+
+
+ENGINES: dict[str, EnginePlugin] = {plugin.type: plugin for plugin in (
+    EnginePlugin("torch", "the built-in CPU engine (rollout/engine_server.py), a child of each rollout process "
+                 "unless rollout.engine.url points at a running one",
+                 start="trajmesh.rollout.engines:start_http",
+                 weights="the engine server loads the published safetensors (update_weights_from_disk)"),
+    EnginePlugin("sglang", "an external SGLang server at rollout.engine.url",
+                 start="trajmesh.rollout.engines:start_http",
+                 weights="SGLang's update_weights_from_disk loads the published safetensors", needs_url=True,
+                 server_version="trajmesh.manifest:engine_server_version"),
+    EnginePlugin("synthetic", "uniform random tokens, no model (rollout/synthetic_engine.py), for load tests "
+                 "and benchmarks", start="trajmesh.rollout.engines:start_synthetic",
+                 weights="the version number only (there are no weights)"),
+)}
+"""Rollout engines by `rollout.engine.type`; the config accepts exactly these types."""
+
+
+def engine(type_: str) -> EnginePlugin:
+    """The plug-in of one engine type; an unknown type names the registered ones."""
+    try:
+        return ENGINES[type_]
+    except KeyError:
+        raise ValueError(f"unknown rollout engine type {type_!r}; registered: {sorted(ENGINES)}") from None
+
+
+def load(path: str) -> Any:
+    """The object a "module:name" path names."""
+    return _load(path)

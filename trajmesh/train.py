@@ -391,12 +391,15 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
 
 
 def _framework_versions(cfg: RunConfig) -> dict[str, str]:
-    """Installed framework versions, plus the external SGLang server's when rollout uses one."""
-    from trajmesh.manifest import engine_server_version, framework_versions
+    """Installed framework versions, plus the external engine server's release when the engine type
+    has one (`trajmesh.plugins.ENGINES`: sglang's, recorded as sglang_server)."""
+    from trajmesh import plugins
+    from trajmesh.manifest import framework_versions
 
     versions = framework_versions()
-    if cfg.rollout.engine.type == "sglang" and cfg.rollout.engine.url:
-        versions["sglang_server"] = engine_server_version(cfg.rollout.engine.url)
+    eng = plugins.engine(cfg.rollout.engine.type)
+    if eng.server_version is not None and cfg.rollout.engine.url:
+        versions[f"{eng.type}_server"] = plugins.load(eng.server_version)(cfg.rollout.engine.url)
     return versions
 
 
