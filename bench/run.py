@@ -18,6 +18,7 @@ BENCHES = {
     "learning": "bench_learning.py",    # async vs sync held-out accuracy vs wall clock, 3 seeds each, 95% CIs (~45 min)
     "verify": "bench_verify.py",        # math / sandboxed-code verifications per second
     "learner": "bench_learner.py",      # learner peak memory: 4x/1x batch (goal ≤ 1.2), chunked/naive log-probs (≤ 0.25)
+    "systems": "bench_systems.py",      # async (η=1,2,4) vs sync trained tokens/s on a GPU-like timing model (goal ≥ 2×)
 }
 
 

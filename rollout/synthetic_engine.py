@@ -33,6 +33,8 @@ from trajmesh.config import SyntheticTiming
 BUSY_SECONDS = Counter("trajmesh_synthetic_engine_busy_seconds",
                        "Modelled seconds the synthetic engine spent decoding (steps x step time)")
 DECODE_STEPS = Counter("trajmesh_synthetic_engine_decode_steps", "Decode steps the synthetic engine modelled")
+DECODED_TOKENS = Counter("trajmesh_synthetic_engine_decoded_tokens",
+                         "Tokens the synthetic engine decoded (steps x running sequences: / steps = mean batch)")
 
 
 @dataclass
@@ -138,6 +140,7 @@ class SyntheticEngine:
             self.decode_steps += steps
             self.busy_seconds += steps * dt
             DECODE_STEPS.inc(steps)
+            DECODED_TOKENS.inc(steps * batch)
             BUSY_SECONDS.inc(steps * dt)
             still = []
             for s in self._running:
