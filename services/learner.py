@@ -31,6 +31,7 @@ import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.learner import consistency
+from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
 from trajmesh.learner.models import load_causal_lm
@@ -163,11 +164,14 @@ class LearnerService(Service):
             self.channel = security.grpc_channel(cfg.infra.store_address, cfg.infra.security.grpc_tls)
             self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)
 
+        resumed = (self.ckpt_dir / "latest").exists()
+        if resumed and self.leader:  # before the followers can load it: they wait in the group's start below
+            for path in add_policy_prefix(self.ckpt_dir / "latest"):
+                log.warning("checkpoint %s: model keys renamed to the policy.* form", path)
         # Every rank: the process group (DeepSpeed engine) and the model; a resumed group loads the
         # same checkpoint on every rank (DeepSpeed reads each rank's shards and rank 0's client state).
         self._build_trainer()
         engine = self._engine()
-        resumed = (self.ckpt_dir / "latest").exists()
         if resumed:
             state = await asyncio.to_thread(engine.load_checkpoint, str(self.ckpt_dir / "latest"))
             self.version = int(state["version"])
