@@ -3,7 +3,9 @@ finite loss, fp32 master weights behind bf16 parameters. Skipped without a CUDA 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -43,16 +45,25 @@ def test_two_bf16_zero3_steps_on_cuda() -> None:
             trajs.append(t)
         batch = step.build_batch(trajs, 0)  # built on the CPU, as the service does
         adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        assert step.model_device(engine.module) == device  # ZeRO-3 placeholders sit on the rank's GPU
+        moved = batch.to(step.model_device(engine.module))  # what every forward feeds the model
+        tensors = {f.name: getattr(moved, f.name) for f in dataclasses.fields(moved)
+                   if isinstance(getattr(moved, f.name), torch.Tensor)}
+        assert len(tensors) == 8 and all(t.device == device for t in tensors.values()), \
+            {k: t.device for k, t in tensors.items()}
         logp_BT, _ = step.token_logprobs(engine.module, batch, 1.0)
-        assert logp_BT.device.type == "cuda"
+        assert logp_BT.device == device
         assert consistency.probe(engine.module, trajs, version=0, pad_id=0, temperature=1.0, max_trajectories=2)
         for _ in range(2):
             metrics = step.train_batch(engine, batch, adv_BT, ObjectiveConfig(),
                                        step.StepPlan(micro_batch_tokens=16, minibatches=2), temperature=1.0,
                                        version=0, max_lag=3)
             assert torch.isfinite(torch.tensor([metrics["trajmesh_learner_loss"], metrics["grad_norm"]])).all()
-        assert next(engine.model.parameters()).device.type == "cuda"
+        assert next(engine.model.parameters()).device == device
         assert next(engine.model.parameters()).dtype == torch.bfloat16
+        masters = engine.engine.optimizer.fp32_partitioned_groups_flat  # ZeRO-3's fp32 master partitions
+        assert masters and all(m.dtype == torch.float32 for m in masters)
     finally:
         if created:
             shutdown_distributed()
