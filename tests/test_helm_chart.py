@@ -357,7 +357,7 @@ def _sglang_dtypes(objects: list[dict[str, Any]]) -> list[str]:
 
 
 def _learner_on_gpu(objects: list[dict[str, Any]]) -> bool:
-    learner = next(_pod_spec(o) for o in objects if _component(o) == "learner" and _pod_spec(o) is not None)
+    learner = next(p for o in objects if _component(o) == "learner" and (p := _pod_spec(o)) is not None)
     return any("nvidia.com/gpu" in (c.get("resources", {}).get("limits") or {}) for c in learner["containers"])
 
 
@@ -476,6 +476,28 @@ def test_shared_claim_must_be_read_write_many_unless_single_node() -> None:
     single = shared({"sharedVolume": {"accessModes": ["ReadWriteOnce"], "singleNode": True}})
     assert [c["spec"]["accessModes"] for c in single] == [["ReadWriteOnce"]]
     assert shared({"sharedVolume": {"existingClaim": "mine", "accessModes": ["ReadWriteOnce"]}}) == []  # the doctor checks it
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trajmesh_pods_run_as_the_images_uid_with_fs_group(case: str) -> None:
+    """The images run as uid 10001: their pods say so and set fsGroup, so the shared claim and the
+    store's are writable by it (a fresh volume's root is root-owned 0755 on most provisioners).
+    The chart-as-processes test runs the pods that way."""
+    ours = {_GPU_IMAGE["repository"], _CPU_IMAGE["repository"]}
+    seen = set()
+    for obj in _objects(case):
+        pod = _pod_spec(obj)
+        if pod is None:
+            continue
+        images = {c["image"].rsplit(":", 1)[0] for c in pod.get("initContainers", []) + pod["containers"]}
+        sc = pod.get("securityContext") or {}
+        if images & ours:
+            seen.add(_component(obj))
+            assert sc == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                          "fsGroupChangePolicy": "OnRootMismatch"}, (_component(obj), sc)
+        else:
+            assert "runAsUser" not in sc, _component(obj)  # NATS, Redis: their images' own users
+    assert {"environment", "grader", "store", "learner", "rollout"} <= seen
 
 
 SANDBOX_COMPONENTS = {"environment", "grader"}
@@ -1156,8 +1178,9 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     """The CPU chart's own workloads (commands, env, Secrets, ConfigMaps, volumes, ports) run as local
     processes (tests/helm/local_kubelet.py) and train with exact accounting; a sandboxed code call
     goes through the environment pod. A workload missing a mount, a variable or a port fails here
-    (the store without the model volume did). The processes run as this test's user, not as the
-    images' uid 10001 (this machine's interpreter is not readable by another uid)."""
+    (the store without the model volume did). Run as root, every trajmesh pod's processes run as
+    the pod's securityContext says (uid 10001, fsGroup volumes, no capabilities, no_new_privs), so
+    the code call runs the rootless sandbox as a pod would; not root, that part is skipped."""
     import shutil
 
     from mesh_checks import check_archive, check_gate_reconciles
@@ -1189,6 +1212,10 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
             kubelet.start(kubelet.pod(component), wait_ready_s=300, may_finish=component == "learner")
         observation, info = _code_call(kubelet.pod("environment"))
         assert "42" in observation and info["tool_call"]["status"] == "ok", (observation, info)
+        assert not info["tool_call"].get("sandbox_error"), info  # not SANDBOX_ERROR
+        users = {c: [kubelet.process_status(p) for p in kubelet.pod(c).procs]
+                 for c in ("environment", "grader", "store", "rollout", "learner") if kubelet.pod(c).procs
+                 and all(p.poll() is None for p in kubelet.pod(c).procs)}
         learner = kubelet.pod("learner")
         assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
         store = kubelet.pod("store")
@@ -1206,3 +1233,17 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     learner_run = tmp_path / "pvc" / "trajmesh-shared" / "run"  # the learner mounts the shared claim at /shared
     steps = [m for m in read_metrics(learner_run) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == list(range(1, CHART_RUN_STEPS + 1))
+    if not kubelet.users_emulated:
+        pytest.skip(f"the mesh trained as this test's user; the pods' uid part needs root: {kubelet.why_not_users}")
+    # The pods ran as the chart's podSecurityContext says: the code call above ran as uid 10001 with
+    # no capability and no_new_privs (allowPrivilegeEscalation: false), the sandbox in its rootless mode.
+    sc = next(p for o in _objects_of(values) if _component(o) == "environment" and (p := _pod_spec(o)))["securityContext"]
+    assert sc["runAsUser"] == 10001 and sc["fsGroup"] == 10001, sc
+    assert "environment" in users and "grader" in users, sorted(users)
+    for component, statuses in users.items():
+        for st in statuses:
+            assert st["Uid"].split() == ["10001"] * 4 and st["Gid"].split() == ["10001"] * 4, (component, st)
+            assert st["CapEff"] == st["CapPrm"] == st["CapBnd"] == "0000000000000000", (component, st)
+            assert st["NoNewPrivs"] == "1", (component, st)
+    written = [p for p in learner_run.rglob("*") if p.is_file()]  # the learner wrote the shared claim as 10001
+    assert written and {p.stat().st_uid for p in written} == {10001}

