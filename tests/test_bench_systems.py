@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from pathlib import Path
 
 import pytest
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
 from trajmesh.config import SimulatedStepCost, SyntheticTiming, load_config
+from trajmesh.contract import Trajectory
+from trajmesh.v1 import trajectory_pb2
 
 EOS = 0
 
@@ -95,3 +98,37 @@ def test_learner_step_cost_knob() -> None:
                              "rollout.engine.synthetic.decode_step_s": 0.01})
     assert cfg.learner.simulated_step.seconds(100) == pytest.approx(0.2)
     assert cfg.rollout.engine.synthetic.decode_step_s == 0.01
+
+
+def test_the_learner_sleeps_the_modelled_step_instead_of_training(tmp_path: Path, tiny_model_dir: str) -> None:
+    """learner.simulated_step in LearnerService._train_step (as the offline replay drives it): the
+    step reports a·(sampled tokens of the non-stale trajectories) + b seconds, the weights do not
+    change, and the version still advances by one; a stale trajectory's tokens do not count."""
+    import torch
+    from trajmesh.services.learner import LearnerService
+
+    a, b = 1e-4, 0.01
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": tiny_model_dir,
+                             "learner.engine.type": "torch", "learner.consistency_probe_trajectories": 0,
+                             "learner.simulated_step.seconds_per_token": a,
+                             "learner.simulated_step.seconds_per_step": b})
+    svc = LearnerService(cfg)
+    svc._build_trainer()
+    svc.version = 5
+
+    def traj(tid: str, sampled: int, version: int, reward: float) -> Trajectory:
+        t = Trajectory.new(trajectory_id=tid)
+        t.pb.group_id, t.pb.task_id = "g", "task"
+        t.append_prompt([1, 2, 3])
+        t.append_sampled([4] * sampled, [-1.0] * sampled, version)
+        t.finish(trajectory_pb2.EOS)
+        t.set_reward(reward)
+        return t
+
+    trajs = [traj("t0", 7, 5, 1.0), traj("t1", 4, 4, 0.0), traj("stale", 9, 1, 0.5)]
+    before = [p.detach().clone() for p in svc.engine.module.parameters()]
+    metrics = svc._train_step(trajs, eta=1, temperature=1.0)
+    assert metrics["trajectories_stale"] == 1 and metrics["tokens_trained"] == 11
+    assert metrics["simulated_step_seconds"] == pytest.approx(b + a * 11)
+    assert svc.version == 6
+    assert all(torch.equal(p, q) for p, q in zip(before, svc.engine.module.parameters(), strict=True))
