@@ -62,3 +62,16 @@ def test_every_example_config_loads(path: Path):
 
 def test_examples_folder_has_configs():
     assert sorted((ROOT / "examples").glob("*.yaml")), "no example config found"
+
+
+def test_every_registered_source_config_field_has_a_docstring():
+    # A source's config class may live in its own module (trajmesh/plugins.py); the check follows it.
+    import inspect
+
+    from trajmesh import plugins
+
+    for plugin in plugins.sources().values():
+        cls = plugin.config
+        source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
+        missing = [m for m in _undocumented_fields(source) if m.startswith(f"{cls.__name__}.")]
+        assert missing == [], plugin.type
