@@ -6,7 +6,10 @@
   and backward, from hidden states through a 32k-vocabulary head: chunked (learner/logprobs.py)
   over the naive fp32 [B, T, V] computation (goal ≤ 0.25);
 * ``demo_step_K4_over_K1_time_ratio`` — CPU time of a learner step at the demo's shapes (tiny
-  Llama d = 128, 256 sequences of ~22 tokens) with 4 PPO minibatches over 1 (for the demo's K).
+  Llama d = 128, 256 sequences of ~22 tokens) with 4 PPO minibatches over 1 (for the demo's K);
+* ``ranks_2_over_1_tokens_per_s_ratio`` — learner tokens/s (DeepSpeed ZeRO-3, gloo, one thread per
+  rank) of 2 ranks over 1 on the same batches at the demo's shapes, both worlds run back to back in
+  one run (report, no goal). On a machine with fewer than 2 free cores the ranks share cores.
 
 Memory is measured in fresh subprocesses (one per figure) as the rise of the process's peak RSS
 (``ru_maxrss``) over its RSS just before the measured call: torch's CPU allocations are invisible to
@@ -20,6 +23,7 @@ import gc
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -139,9 +143,75 @@ def _demo_step_times() -> tuple[float, float]:
     return best[0], best[1]
 
 
+RANK_STEPS = 3  # timed learner steps per world (after one untimed warm-up step)
+
+
+def _rank_child(steps: int) -> None:
+    """One rank of a ZeRO-3 learner world: a warm-up step, then `steps` timed steps of the same
+    batch; rank 0 prints the world's tokens (sum over ranks) and the wall time between barriers."""
+    from trajmesh.learner import step
+    from trajmesh.learner.logprobs import PolicyLogprobs
+    from trajmesh.learner.objective import ObjectiveConfig
+    from trajmesh.learner.train_engine import build_train_engine, ensure_distributed
+
+    torch.set_num_threads(1)
+    ensure_distributed("gloo")
+    dist = torch.distributed
+    engine = build_train_engine(PolicyLogprobs(_llama(50, 128, 4)), type="deepspeed", lr=1e-4, warmup_steps=0,
+                                weight_decay=0.0, grad_clip=1.0, zero_stage=3, seed=0)
+    batch = _batch(256, [20, 22, 24, 21], 50)  # the demo's shapes (as _demo_step_times)
+    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    plan = step.StepPlan(micro_batch_tokens=16384)
+
+    def one() -> None:
+        step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), plan, temperature=1.0, version=0, max_lag=3)
+
+    one()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    if dist.get_rank() == 0:  # every rank trains its share; together they train the whole batch
+        tokens = int(batch.attention_BT.sum()) * steps
+        print(json.dumps({"tokens": tokens, "seconds": seconds, "world": dist.get_world_size()}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ranks_tokens_per_s(world: int, steps: int = RANK_STEPS) -> float:
+    """Tokens/s of a `world`-rank learner (processes of this file, torch.distributed environment)."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-child", "--steps", str(steps)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+    try:
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"a rank failed: exit codes {[p.returncode for p in procs]}")
+    result = json.loads(outs[0].strip().splitlines()[-1])
+    return float(result["tokens"]) / float(result["seconds"])
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", choices=["step", "naive", "chunked"])
+    p.add_argument("--rank-child", action="store_true")
+    p.add_argument("--steps", type=int, default=RANK_STEPS)
+    p.add_argument("--only-ranks", action="store_true", help="only the 2-ranks-over-1 figure")
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=8192)
@@ -150,6 +220,18 @@ def main(argv: list[str]) -> None:
     if args.child:
         _child(args)
         return
+    if args.rank_child:
+        _rank_child(args.steps)
+        return
+    if not args.only_ranks:
+        _memory_and_k()
+    one, two = _ranks_tokens_per_s(1), _ranks_tokens_per_s(2)
+    print(f"learner tokens/s, DeepSpeed ZeRO-3 gloo, demo shapes, 1 thread per rank, {RANK_STEPS} steps, "
+          f"{os.cpu_count()} CPU cores: 1 rank {one:.0f}, 2 ranks {two:.0f}")
+    print(f"ranks_2_over_1_tokens_per_s_ratio={two / one:.2f} (report)")
+
+
+def _memory_and_k() -> None:
     mib = 1 / 2**20
     one = _measure("step", "--seqs", "16", "--budget", "1024")
     four = _measure("step", "--seqs", "64", "--budget", "1024")
