@@ -7,11 +7,18 @@ over seeds, with 95 % confidence intervals.
              (async s0, sync s0, async s1, …) so machine load drifts onto both modes alike;
              resumable (a finished run dir is skipped); each run from the SHIPPED SFT start
              (model.path pinned, so every seed starts from the same weights), RL_SECONDS of RL,
-             held-out evaluation every EVAL_EVERY_S seconds (EVAL_SAMPLES sampled answers per problem
-             at T = 1, and greedy), the machine's load average sampled to OUT/loadavg.jsonl
+             held-out evaluation every EVAL_EVERY_S seconds after the previous one ended
+             (EVAL_SAMPLES sampled answers per problem at T = 1, and greedy; before and after RL
+             EVAL_SAMPLES_BEFORE_AFTER, no extra noise seeds), the machine's load average sampled
+             to OUT/loadavg.jsonl
     analyze  reads each run dir's metrics.jsonl / summary.json and prints the table below
 
-Everything measured is fixed here, BEFORE the runs (2026-11-30, first session of this benchmark):
+Everything measured is fixed here, BEFORE the runs (2026-11-30, first session of this benchmark).
+The budget was cut once before any valid run (300 s of RL, evaluation every 30 s with 4 samples,
+smoothing over 3 → 200 s, 20 s with 2 samples, over 2): the first two starts were aborted because
+the services ran a working tree that other sessions were editing (a learner crash at every
+checkpoint), and the rest of the time did not fit 6 runs of the first budget on a loaded machine.
+The targets did not change. The runs now execute a frozen `git archive` of one commit.
 
 * **Curve.** A run's held-out sampled accuracy at RL second t: its evaluations (the before-RL one
   at t = 0, then one every EVAL_EVERY_S, each stamped with the learner's `rl_seconds` of the weights
@@ -58,10 +65,11 @@ CONFIG = REPO / "examples" / "demo.yaml"
 SHIPPED_START = REPO / "examples" / "demo-start" / "demo-model-8195caa0ae10" / "sft"
 MODES = ("async", "sync")
 SEEDS = 3
-RL_SECONDS = 300.0
-EVAL_EVERY_S = 30.0
-EVAL_SAMPLES = 4
-SMOOTH_WINDOW = 3
+RL_SECONDS = 200.0
+EVAL_EVERY_S = 20.0
+EVAL_SAMPLES = 2
+EVAL_SAMPLES_BEFORE_AFTER = 4
+SMOOTH_WINDOW = 2
 TARGET_DELTAS = (0.02, 0.04, 0.06)
 AUC_HORIZON_S = RL_SECONDS
 KEY = "sampled_accuracy"
@@ -279,7 +287,8 @@ def run(out: Path, seeds: int) -> None:
     try:
         run_sweep(CONFIG, [("mode", list(MODES))], seeds, out, run_fn=train_run(EVAL_EVERY_S), interleave=True,
                   overrides={"model.path": str(SHIPPED_START), "learner.max_seconds": RL_SECONDS,
-                             "learner.max_steps": 100000, "eval.samples_during": EVAL_SAMPLES})
+                             "learner.max_steps": 100000, "eval.samples_during": EVAL_SAMPLES,
+                             "eval.samples": EVAL_SAMPLES_BEFORE_AFTER, "eval.noise_seeds": 0})
     finally:
         stop.set()
         sampler.join()
