@@ -172,6 +172,7 @@ class LearnerService(Service):
         # same checkpoint on every rank (DeepSpeed reads each rank's shards and rank 0's client state).
         self._build_trainer()
         engine = self._engine()
+        self._check_world()
         if resumed:
             state = await asyncio.to_thread(engine.load_checkpoint, str(self.ckpt_dir / "latest"))
             self.version = int(state["version"])
@@ -334,6 +335,19 @@ class LearnerService(Service):
                 return
             else:
                 raise RuntimeError(f"rank {self.rank}: unknown command {op!r} from the leader")
+
+    def _check_world(self) -> None:
+        """The process group the engine joined is the configured one (a learner started by hand
+        without RANK/WORLD_SIZE would otherwise train alone while the config says otherwise)."""
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        got = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if got != (self.rank, self.world_size):
+            raise RuntimeError(f"learner.world_size is {self.world_size} and RANK {self.rank}, but this process "
+                               f"joined rank {got[0]} of {got[1]}: start the learner ranks with RANK, WORLD_SIZE, "
+                               "MASTER_ADDR and MASTER_PORT (trajmesh train or torchrun do)")
 
     def _barrier(self) -> None:
         if self.world_size > 1:

@@ -69,6 +69,21 @@ def test_world_size_is_checked_at_load(tmp_path: Path) -> None:
             load_config(None, {**base, **bad})
 
 
+def test_a_rank_outside_its_group_refuses_to_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """learner.world_size 2 but no process group of 2 (started by hand, no RANK/WORLD_SIZE): the
+    learner fails at setup instead of training alone."""
+    from trajmesh.services.learner import LearnerService
+
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = load_config(None, {"run_dir": str(tmp_path), "learner.world_size": 2})
+    svc = LearnerService(cfg)
+    assert svc.rank == 0 and svc.leader
+    with pytest.raises(RuntimeError, match="joined rank 0 of 1"):
+        svc._check_world()
+    monkeypatch.setenv("RANK", "1")
+    assert not LearnerService(cfg).leader
+
+
 def test_two_learner_ranks_train_with_exact_accounting(tmp_path: Path, tiny_model_dir: str) -> None:
     cfg = _build_config(tmp_path / "run", tiny_model_dir)
     Path(cfg.run_dir).mkdir(parents=True)
