@@ -8,7 +8,8 @@
                │ agent = "http(s)://..."            → POST {task, base_url, api_key}, answer {"answer": str}
                │ wall-clock budget: past it the process is killed (by pid) / the request dropped
                ▼
-             close session ── session.trajectories(task): one per segment, every one finished as
+             close session ── session.trajectory(task): ONE trajectory, every segment of the session
+                            in it (``sequence_starts``: the learner trains each as its own row), finished as
                EOS          the agent returned an answer (a string): recorded on every trajectory
                             as ``final_answer``, which the grader scores (graders/external_agent.py)
                WALL_TIMEOUT the budget ran out (truncated; its calls so far are kept, never rewarded
@@ -61,8 +62,9 @@ class AgentOutcome:
     detail: str = ""
     """Why it failed (exit status, stderr tail, HTTP error)."""
     seconds: float = 0.0
-    final_segment: int | None = None
-    """Index in the run's trajectories of the session's final segment (None: no LLM call)."""
+    segments: int = 0
+    """Segments (sequences) in the run's trajectory: > 1 where the agent changed history, branched
+    or asked for ``n`` > 1 samples (0: no LLM call, no trajectory)."""
 
 
 HIDDEN_METADATA = ("solution", "answer", "entry")
@@ -105,8 +107,9 @@ class AgentRunner:
     async def run(self, task: trajectory_pb2.Task, agent: str, budget_s: float, *, session_id: str,
                   rollout_worker: str = "", python_path: list[str] | None = None
                   ) -> tuple[list[Trajectory], AgentOutcome]:
-        """Runs `agent` on `task`; every trajectory is finished with the outcome's reason.
-        `python_path`: this run's extra agent module folders (before the runner's own)."""
+        """Runs `agent` on `task`: the session's one trajectory (none without an LLM call), finished
+        with the outcome's reason. `python_path`: this run's extra agent module folders (before the
+        runner's own)."""
         session = self.endpoint.open_session(session_id)
         session.environment = hosted_environment(task)
         base_url = f"{self.endpoint_url}/sessions/{session_id}/v1"
@@ -120,8 +123,9 @@ class AgentRunner:
         finally:
             self.endpoint.close_session(session_id)
         outcome.seconds = time.monotonic() - start
-        trajs = session.trajectories(task, base_id=session_id, rollout_worker=rollout_worker) if session.calls else []
-        outcome.final_segment = session.final_segment()
+        whole = session.trajectory(task, trajectory_id=session_id, rollout_worker=rollout_worker)
+        trajs = [whole] if whole is not None else []
+        outcome.segments = len(session.segments())
         for traj in trajs:
             traj.finish(outcome.terminal_reason, truncated=outcome.terminal_reason == trajectory_pb2.WALL_TIMEOUT)
             if outcome.terminal_reason == trajectory_pb2.EOS:

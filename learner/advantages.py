@@ -28,6 +28,7 @@ __all__ = [
     "gae_advantages",
     "gigpo_advantages",
     "grpo_advantages",
+    "per_trajectory",
     "reinforce_pp_advantages",
     "rloo_advantages",
 ]
@@ -77,13 +78,26 @@ def rloo_advantages(reward_B: Tensor, group_index_B: Tensor) -> Tensor:
     return torch.where(all_equal_B, torch.zeros_like(adv_B), adv_B)
 
 
+def per_trajectory(x_B: Tensor, trajectory_index_B: Tensor) -> Tensor:
+    """One value per trajectory from per-row values (rows of one trajectory — its segments — carry
+    the same reward and group): ``x_J[j]`` = x of trajectory j's first row. ``trajectory_index_B``
+    holds 0..J−1 (row i belongs to trajectory ``trajectory_index_B[i]``)."""
+    idx_B = trajectory_index_B.to(x_B.device)
+    num = int(idx_B.max().item()) + 1 if idx_B.numel() else 0
+    rows = torch.arange(idx_B.numel(), device=x_B.device)
+    first_J = torch.full((num,), idx_B.numel(), dtype=torch.long, device=x_B.device).scatter_reduce(
+        0, idx_B, rows, "amin")
+    return x_B.index_select(0, first_J)
+
+
 def expand_to_tokens(adv_B: Tensor, mask_BT: Tensor) -> Tensor:
     """Broadcast one advantage per sequence onto its loss-masked tokens (0 elsewhere) → adv_BT."""
     return torch.where(mask_BT > 0, adv_B[:, None], torch.zeros((), dtype=adv_B.dtype))
 
 
 def reinforce_pp_advantages(
-    reward_B: Tensor, group_index_B: Tensor, mask_BT: Tensor, eps: float = 1e-6
+    reward_B: Tensor, group_index_B: Tensor, mask_BT: Tensor, eps: float = 1e-6,
+    trajectory_index_B: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ with group baseline → adv_BT (token-level, because the whitening is).
 
@@ -93,9 +107,16 @@ def reinforce_pp_advantages(
        mask-weighted mean and population std (divide by N = Σm). Long sequences therefore weigh
        more in μ and σ, exactly as in the token-level loss. Unmasked tokens are 0.
 
-    With a micro-batched or sharded batch, call it once on the whole batch, not per shard.
+    With a micro-batched or sharded batch, call it once on the whole batch, not per shard. With
+    ``trajectory_index_B`` (rows that are segments of one trajectory, see :func:`per_trajectory`)
+    the group baseline of step 1 is over trajectories and each row gets its trajectory's ``a``; the
+    whitening of step 3 is over tokens, which the rows hold each once.
     """
-    centered_B = dr_grpo_advantages(reward_B, group_index_B)
+    if trajectory_index_B is None:
+        centered_B = dr_grpo_advantages(reward_B, group_index_B)
+    else:
+        idx_B = trajectory_index_B.to(reward_B.device)
+        centered_B = dr_grpo_advantages(per_trajectory(reward_B, idx_B), per_trajectory(group_index_B, idx_B))[idx_B]
     m_BT = (mask_BT > 0).to(reward_B.dtype)
     a_BT = centered_B[:, None] * m_BT
     n = m_BT.sum().clamp_min(1)

@@ -77,11 +77,16 @@ def max_over_ranks(value: int, group: dist.ProcessGroup | None = None) -> int:
     return int(_all_reduce([float(value)], dist.ReduceOp.MAX, group)[0])
 
 
-def global_counts(mask_BT: Tensor, group: dist.ProcessGroup | None = None) -> GlobalCounts:
+def global_counts(mask_BT: Tensor, group: dist.ProcessGroup | None = None,
+                  row_share_B: Tensor | None = None) -> GlobalCounts:
     """Eligible tokens and sequences of ``mask_BT`` (this rank's share), all-reduced (sum) over
-    ``group`` when torch.distributed is initialized with more than one rank in it."""
-    on_BT = mask_BT > 0
-    tokens, sequences = sum_over_ranks([float(on_BT.sum()), float((on_BT.sum(-1) > 0).sum())], group)
+    ``group`` when torch.distributed is initialized with more than one rank in it. With
+    ``row_share_B`` (rows that are segments of one trajectory, learner/step.py) a row with eligible
+    tokens counts as its share of its trajectory, so a trajectory counts once however its rows are
+    split over micro-batches and ranks."""
+    on_B = (mask_BT > 0).sum(-1) > 0
+    seqs = float(on_B.sum()) if row_share_B is None else float(row_share_B.to(on_B.device)[on_B].sum())
+    tokens, sequences = sum_over_ranks([float((mask_BT > 0).sum()), seqs], group)
     return GlobalCounts(tokens=tokens, sequences=sequences)
 
 

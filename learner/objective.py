@@ -18,7 +18,10 @@ The loss is ``Σ_t m_t·L_t / D`` (or the per-sequence form), with D from ``Obje
   ``global_token_count`` when the call sees one micro-batch or one data-parallel shard; then the
   shard losses (and gradients) SUM to the full-batch loss. Default N = Σ mask of this call.
 * ``sequence_mean`` — ``(1/S) Σ_i (Σ_t m_it L_it / Σ_t m_it)``; S = sequences with ≥ 1 eligible
-  token, ``global_sequence_count`` across shards.
+  token, ``global_sequence_count`` across shards. A sequence is a trajectory: when one is split
+  into rows (its segments, learner/step.py ``build_batch``), ``sequence_weight_B`` gives each row
+  its share N_row/N_trajectory of the trajectory's eligible tokens, so its rows' terms add up to the
+  trajectory's token mean and S counts it once (the shares sum to 1).
 * ``constant``      — Dr.GRPO: ``Σ_{i,t} m_it L_it / (C · S)`` with C = ``constant_denominator``
   (typically the maximum response length) and S as above, i.e. the per-sequence token SUM
   divided by the constant, averaged over sequences (verl's ``seq-mean-token-sum-norm`` with the
@@ -105,19 +108,23 @@ def _aggregate(
     cfg: ObjectiveConfig,
     global_token_count: float | None,
     global_sequence_count: float | None,
+    sequence_weight_B: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Reduce masked per-token losses to a scalar with the configured denominator → (loss, D)."""
     m_BT = on_BT.to(token_loss_BT.dtype)
     masked_BT = torch.where(on_BT, token_loss_BT, torch.zeros((), dtype=token_loss_BT.dtype))
     tokens_B = m_BT.sum(-1)
-    n_seq = float(global_sequence_count) if global_sequence_count is not None else float((tokens_B > 0).sum())
+    weight_B = (torch.ones_like(tokens_B) if sequence_weight_B is None
+                else sequence_weight_B.to(device=tokens_B.device, dtype=tokens_B.dtype))
+    n_seq = (float(global_sequence_count) if global_sequence_count is not None
+             else float(torch.where(tokens_B > 0, weight_B, torch.zeros_like(weight_B)).sum()))
     if cfg.denominator == "token_global":
         n_tok = float(global_token_count) if global_token_count is not None else float(m_BT.sum())
         denom = torch.tensor(max(n_tok, 1.0), dtype=token_loss_BT.dtype)
         return masked_BT.sum() / denom, denom
     if cfg.denominator == "sequence_mean":
         denom = torch.tensor(max(n_seq, 1.0), dtype=token_loss_BT.dtype)
-        per_seq_B = masked_BT.sum(-1) / tokens_B.clamp_min(1.0)
+        per_seq_B = masked_BT.sum(-1) / tokens_B.clamp_min(1.0) * weight_B
         return per_seq_B.sum() / denom, denom
     if cfg.denominator == "constant":
         denom = torch.tensor(cfg.constant_denominator * max(n_seq, 1.0), dtype=token_loss_BT.dtype)
@@ -150,8 +157,10 @@ def decoupled_ppo_loss(
     *,
     global_token_count: float | None = None,
     global_sequence_count: float | None = None,
+    sequence_weight_B: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO loss (AReaL) with behavior correction; see the module docstring.
+    """Decoupled PPO loss (AReaL) with behavior correction; see the module docstring
+    (``sequence_weight_B``: each row's share of its trajectory, for the per-sequence forms).
 
     Returns ``(loss, stats)``; stats are detached scalars: ``clip_low_frac`` (Â<0, r<1−ε_low),
     ``clip_high_frac`` (Â>0, r>1+ε_high), ``dual_clip_frac`` (dual bound active),
@@ -163,7 +172,8 @@ def decoupled_ppo_loss(
     w_BT, _, kept_BT = behavior_weight(prox_logp_BT, behavior_logp_BT, mask_BT, cfg)
     token_loss_BT, flags = _clipped_token_loss(logp_BT, prox_logp_BT, adv_BT, on_BT, cfg)
     # w is exactly 0 where MIS rejects, so those tokens add 0 (and get 0 grad) but stay in D.
-    loss, denom = _aggregate(w_BT * token_loss_BT, on_BT, cfg, global_token_count, global_sequence_count)
+    loss, denom = _aggregate(w_BT * token_loss_BT, on_BT, cfg, global_token_count, global_sequence_count,
+                             sequence_weight_B)
     stats = _stats(loss, denom, on_BT, (logp_BT, prox_logp_BT), flags)
     n = on_BT.sum().clamp_min(1).to(loss.dtype)
     stats["weight_mean"] = w_BT.sum() / n

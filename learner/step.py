@@ -43,6 +43,11 @@ def split_stale(trajs: list[Trajectory], version: int, eta: int) -> tuple[list[T
 
 @dataclass
 class Batch:
+    """One row per sequence. A trajectory holding several segments (``sequence_starts``: an external
+    agent's session whose history changed) gives one row per segment; the rows share its reward,
+    group and id, its advantage is computed once per trajectory (:func:`advantages_B`), and
+    ``row_share_B`` makes it weigh as ONE sequence in the sequence-mean and constant denominators."""
+
     input_ids_BT: Tensor
     attention_BT: Tensor
     mask_BT: Tensor          # loss mask, aligned with input_ids (1 on sampled tokens)
@@ -54,6 +59,12 @@ class Batch:
     # ActionType of the span covering each token (TEXT/TOOL_CALL/CODE on action tokens, PROMPT,
     # OBSERVATION); ACTION_TYPE_UNSPECIFIED (0) on padding and on tokens no span covers.
     action_type_BT: Tensor
+    trajectory_index_B: Tensor | None = None
+    """Per row, the index of its trajectory in the trajectories the batch was built from (None:
+    row i is trajectory i)."""
+    row_share_B: Tensor | None = None
+    """Per row, its share of its trajectory's loss-mask tokens (1.0 for a one-row trajectory): the
+    weight of the row's token mean in the sequence-mean loss and its count in S (None: all 1)."""
 
     def lengths(self) -> list[int]:
         """Unpadded length of each row."""
@@ -67,11 +78,31 @@ class Batch:
         def take(x_BT: Tensor) -> Tensor:
             return x_BT.index_select(0, idx.to(x_BT.device))[:, :width]
 
+        def rows_of(x_B: Tensor | None) -> Tensor | None:
+            return None if x_B is None else x_B.index_select(0, idx.to(x_B.device))
+
         return Batch(take(self.input_ids_BT), take(self.attention_BT), take(self.mask_BT),
                      take(self.behavior_logp_BT), take(self.versions_BT),
                      self.reward_B.index_select(0, idx.to(self.reward_B.device)),
                      self.group_index_B.index_select(0, idx.to(self.group_index_B.device)),
-                     [self.trajectory_ids[i] for i in rows], take(self.action_type_BT))
+                     [self.trajectory_ids[i] for i in rows], take(self.action_type_BT),
+                     rows_of(self.trajectory_index_B), rows_of(self.row_share_B))
+
+    def trajectory_rows(self) -> Tensor:
+        """Per row, its trajectory as 0..J−1 in order of first appearance ([B], long, CPU)."""
+        if self.trajectory_index_B is None:
+            return torch.arange(self.reward_B.shape[0])
+        first: dict[int, int] = {}
+        return torch.tensor([first.setdefault(int(j), len(first)) for j in self.trajectory_index_B.tolist()],
+                            dtype=torch.long)
+
+    def trajectory_rewards(self) -> Tensor:
+        """Each trajectory's reward once ([J], order of first appearance)."""
+        return adv.per_trajectory(self.reward_B, self.trajectory_rows())
+
+    def unique_trajectory_ids(self) -> list[str]:
+        """Each trajectory's id once, in row order (what the store is told was trained)."""
+        return list(dict.fromkeys(self.trajectory_ids))
 
     def to(self, device: torch.device | str) -> Batch:
         """Every tensor on `device` (the model's: DeepSpeed moved the model to cuda:LOCAL_RANK)."""
@@ -82,11 +113,14 @@ class Batch:
 
 
 def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
-    """Right-padded tensors; padding has mask 0, log-prob 0, version −1 and action type
-    ACTION_TYPE_UNSPECIFIED (0). Each span's action type fills its tokens (clipped to the
-    trajectory; a later span wins where spans overlap)."""
-    width = max(len(t) for t in trajs)
-    b = len(trajs)
+    """Right-padded tensors, one row per sequence: a trajectory is one row, or one row per segment
+    when ``sequence_starts`` splits it (each segment its own context: its prompt, mask 0, then its
+    turns; rows keep the trajectory's order). Padding has mask 0, log-prob 0, version −1 and action
+    type ACTION_TYPE_UNSPECIFIED (0). Each span's action type fills its tokens (clipped to the row;
+    a later span wins where spans overlap)."""
+    rows = [(i, a, e) for i, t in enumerate(trajs) for a, e in (t.segment_bounds() or [(0, len(t))])]
+    width = max(max(e - a for _, a, e in rows), 1)
+    b = len(rows)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     att = torch.zeros((b, width), dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.float32)
@@ -95,18 +129,27 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
     atype = torch.full((b, width), trajectory_pb2.ACTION_TYPE_UNSPECIFIED, dtype=torch.long)
     groups: dict[str, int] = {}
     gidx = torch.zeros(b, dtype=torch.long)
-    for i, t in enumerate(trajs):
-        n = len(t)
-        ids[i, :n] = torch.from_numpy(t.token_ids_T.astype("int64"))
-        att[i, :n] = 1
-        mask[i, :n] = torch.from_numpy(t.loss_mask_T.astype("float32"))
-        blogp[i, :n] = torch.from_numpy(t.behavior_logprobs_T)
-        vers[i, :n] = torch.from_numpy(t.behavior_versions_T)
+    share = torch.ones(b, dtype=torch.float32)
+    arrays = [(t.token_ids_T, t.loss_mask_T, t.behavior_logprobs_T, t.behavior_versions_T) for t in trajs]
+    for r, (i, a, e) in enumerate(rows):
+        t, n = trajs[i], e - a
+        tok_T, m_T, lp_T, v_T = (x[a:e] for x in arrays[i])
+        ids[r, :n] = torch.from_numpy(tok_T.astype("int64"))
+        att[r, :n] = 1
+        mask[r, :n] = torch.from_numpy(m_T.astype("float32"))
+        blogp[r, :n] = torch.from_numpy(lp_T)
+        vers[r, :n] = torch.from_numpy(v_T)
         for span in t.pb.spans:
-            atype[i, min(span.token_start, n):min(span.token_end, n)] = span.action_type
-        gidx[i] = groups.setdefault(t.group_id, len(groups))
-    reward = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    return Batch(ids, att, mask, blogp, vers, reward, gidx, [t.trajectory_id for t in trajs], atype)
+            lo, hi = max(span.token_start, a), min(span.token_end, e)
+            if lo < hi:
+                atype[r, lo - a:hi - a] = span.action_type
+        gidx[r] = groups.setdefault(t.group_id, len(groups))
+        total = int((arrays[i][1] == 1).sum())
+        if total and (a, e) != (0, len(t)):
+            share[r] = float((m_T == 1).sum()) / total
+    reward = torch.tensor([trajs[i].reward for i, _, _ in rows], dtype=torch.float32)
+    return Batch(ids, att, mask, blogp, vers, reward, gidx, [trajs[i].trajectory_id for i, _, _ in rows], atype,
+                 torch.tensor([i for i, _, _ in rows], dtype=torch.long), share)
 
 
 def token_logprobs(model: Any, batch: Batch, temperature: float,
@@ -130,19 +173,27 @@ def model_device(model: Any) -> torch.device:
 
 
 def advantages_B(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> Tensor:
+    """Per-row advantages: computed once per trajectory (the group baseline is over trajectories,
+    not rows: a trajectory split into segment rows counts once) and copied to each of its rows."""
+    row_traj_B = batch.trajectory_rows()
+    reward_J, group_J = adv.per_trajectory(batch.reward_B, row_traj_B), adv.per_trajectory(batch.group_index_B,
+                                                                                          row_traj_B)
     if kind == "grpo":
-        return adv.grpo_advantages(batch.reward_B, batch.group_index_B, scale_by_std=scale_by_std, eps=eps)
-    if kind == "dr_grpo":
-        return adv.dr_grpo_advantages(batch.reward_B, batch.group_index_B)
-    if kind == "rloo":
-        return adv.rloo_advantages(batch.reward_B, batch.group_index_B)
-    raise ValueError(f"advantage {kind!r} has no per-sequence form (use advantages_BT)")
+        adv_J = adv.grpo_advantages(reward_J, group_J, scale_by_std=scale_by_std, eps=eps)
+    elif kind == "dr_grpo":
+        adv_J = adv.dr_grpo_advantages(reward_J, group_J)
+    elif kind == "rloo":
+        adv_J = adv.rloo_advantages(reward_J, group_J)
+    else:
+        raise ValueError(f"advantage {kind!r} has no per-sequence form (use advantages_BT)")
+    return adv_J[row_traj_B.to(adv_J.device)]
 
 
 def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> Tensor:
     """Per-token advantages of the whole batch (before any split: REINFORCE++ whitens over it)."""
     if kind == "reinforce_pp":
-        return adv.reinforce_pp_advantages(batch.reward_B, batch.group_index_B, batch.mask_BT, eps=eps)
+        return adv.reinforce_pp_advantages(batch.reward_B, batch.group_index_B, batch.mask_BT, eps=eps,
+                                           trajectory_index_B=batch.trajectory_rows())
     return adv.expand_to_tokens(advantages_B(batch, kind, scale_by_std=scale_by_std, eps=eps), batch.mask_BT)
 
 
@@ -178,7 +229,7 @@ def compute_loss(
     """
     adv_BT = adv_B if adv_B.dim() == 2 else adv.expand_to_tokens(adv_B, batch.mask_BT)
     prox_BT = None if is_deterministic(model) else proximal_logprobs(model, batch, temperature, 2**62)
-    counts = global_counts(batch.mask_BT)
+    counts = global_counts(batch.mask_BT, row_share_B=batch.row_share_B)
     loss, part = _micro_batch_loss(model, batch, adv_BT, prox_BT, cfg, counts, temperature, entropy_coef)
     metrics = _metrics(batch, adv_BT, part.logp_BT, part.prox_BT, part.entropy_BT, part.stats, cfg,
                        version, max_lag)
@@ -233,7 +284,8 @@ def _micro_batch_loss(model: Any, mb: Batch, adv_BT: Tensor, prox_BT: Tensor | N
     dev = mb.to(device)
     prox = logp_BT.detach() if prox_BT is None else prox_BT.to(device)
     loss, stats = decoupled_ppo_loss(logp_BT, prox, dev.behavior_logp_BT, adv_BT.to(device), dev.mask_BT, cfg,
-                                     global_token_count=counts.tokens, global_sequence_count=counts.sequences)
+                                     global_token_count=counts.tokens, global_sequence_count=counts.sequences,
+                                     sequence_weight_B=dev.row_share_B)
     if entropy_coef:
         loss = loss - entropy_coef * (entropy_BT * dev.mask_BT).sum() / max(counts.tokens, 1.0)
     stats = {k: v.detach().cpu() for k, v in stats.items()}
@@ -307,7 +359,7 @@ def accumulate_update(engine: Any, batch: Batch | None, adv_BT: Tensor, prox_BT:
     micro-batches (or none: `batch` None) runs zero-loss forwards of `filler` so that every rank
     runs as many forwards and backwards (ZeRO's collectives)."""
     mask_BT = batch.mask_BT if batch is not None else torch.zeros((0, 1))
-    counts = global_counts(mask_BT, group)
+    counts = global_counts(mask_BT, group, batch.row_share_B if batch is not None else None)
     micro = pack_micro_batches(batch.lengths(), micro_batch_tokens) if batch is not None else []
     n = max_over_ranks(len(micro), group)
     parts = []

@@ -114,7 +114,8 @@ class PromptPlan:
 
 @dataclass
 class Segment:
-    """A chain of completions, each continuing the previous one: one trajectory."""
+    """A chain of completions, each continuing the previous one: one sequence of the session's
+    trajectory (``sequence_starts``), trained as a row of its own."""
 
     reason: str
     """first | history_changed | branch | sibling (another sample of the same call)."""
@@ -266,6 +267,39 @@ class AgentSession:
                 tail_of[id(comp)] = seg
         return segments
 
+    def trajectory(self, task: trajectory_pb2.Task | None, *, trajectory_id: str,
+                   rollout_worker: str = "") -> Trajectory | None:
+        """The whole session as ONE trajectory (one per sample: the store's and the gate's
+        accounting stay exact): every segment in ``segments()`` order, each its own sequence
+        (``sequence_starts``): its prompt (mask 0, earlier generated tokens included), then per link
+        the engine's tokens (mask 1, its log-probs and versions) and the text to the next (mask 0).
+        The learner trains each segment as a row of its own. None: no received completion."""
+        segments = self.segments()
+        if not segments:
+            return None
+        traj = Trajectory.new(task, trajectory_id=trajectory_id, rollout_worker=rollout_worker,
+                              created_unix_seconds=self.started)
+        span_of: dict[int, str] = {}
+        turn = 0
+        for seg in segments:
+            traj.start_segment()
+            traj.append_prompt(seg.prompt_ids, turn_index=turn)
+            pos = len(seg.prompt_ids)
+            for k, comp in enumerate(seg.links):
+                call = self._calls_by_completion[id(comp)]
+                if k:
+                    traj.append_observation(call.prompt_ids[pos:], turn_index=turn - 1)
+                span = traj.append_sampled(comp.output_ids, comp.logprobs, comp.versions, turn_index=turn)
+                if call.parent is not None and id(call.parent) in span_of:  # the call graph
+                    span.parent_span_id = span_of[id(call.parent)]
+                span_of[id(comp)] = span.span_id
+                pos = len(call.prompt_ids) + len(comp.output_ids)
+                turn += 1
+        if len(segments) == 1:  # one sequence: no starts (as the project's own agent loop)
+            traj.pb.ClearField("sequence_starts")
+        traj.pb.timing.rollout_seconds = max(c.finished for c in self.calls) - self.started
+        return traj
+
     def final_segment(self) -> int | None:
         """Index (in ``segments()``) of the segment holding the last completion the agent received."""
         segments = self.segments()
@@ -274,7 +308,8 @@ class AgentSession:
 
     def trajectories(self, task: trajectory_pb2.Task | None, *, base_id: str,
                      rollout_worker: str = "") -> list[Trajectory]:
-        """One trajectory per segment: prompt (mask 0), then per link its generated tokens (mask 1,
+        """Each segment as a trajectory of its own, named ``<base_id>-s<n>-<reason>`` (for inspecting
+        a session; what is published is :meth:`trajectory`, all segments in one): prompt (mask 0), then per link its generated tokens (mask 1,
         the engine's log-probs and versions) and the text between it and the next (mask 0)."""
         out = []
         span_of: dict[int, str] = {}

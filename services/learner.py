@@ -451,10 +451,10 @@ class LearnerService(Service):
                 LAG.observe(lag)
             metrics.update(step_metrics)
             metrics.update(
-                reward_mean=float(batch.reward_B.mean()), max_token_lag=int(max(lags)) if lags else 0,
+                reward_mean=float(batch.trajectory_rewards().mean()), max_token_lag=int(max(lags)) if lags else 0,
                 tokens_trained=int(mask.sum()), trajectories_trained=len(keep),
             )
-            metrics["_trained_ids"] = batch.trajectory_ids
+            metrics["_trained_ids"] = batch.unique_trajectory_ids()  # a segmented trajectory has several rows
             self.trajectories_trained += len(keep)
             if leader:  # the service's counters count each step once, on rank 0
                 TRAINED.inc(len(keep))

@@ -67,8 +67,8 @@ INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
 ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
                        "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
-AGENT_SEGMENTS_DROPPED = Counter("trajmesh_rollout_agent_dropped_trajectories_total",
-                                 "Segments of an external agent's session other than its final one (not published)")
+AGENT_SEGMENTED = Counter("trajmesh_rollout_agent_segmented_trajectories_total",
+                          "External agents' trajectories holding several segments (each trained as its own row)")
 ENV_STEP_TIMEOUT_S = 120.0
 """gRPC deadline of one Reset/Step (a sandboxed tool call is bounded well below it)."""
 _ACTION_TYPES = {"TEXT": trajectory_pb2.TEXT, "CODE": trajectory_pb2.CODE, "TOOL_CALL": trajectory_pb2.TOOL_CALL}
@@ -330,8 +330,8 @@ class RolloutService(Service):
 
     async def run_agent_episode(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
         """One sample of an external_agent task: the agent's run (envs/external_agent.py). The
-        session's final segment is the trajectory (one per sample keeps the gate's accounting);
-        other segments of the session are dropped and counted. No LLM call: INFRA_FAILURE."""
+        session's one trajectory, every segment in it (one per sample keeps the gate's accounting;
+        the learner trains each segment as a row). No LLM call: INFRA_FAILURE."""
         assert self.agents is not None, "external_agent task without the agent endpoint"
         meta = json.loads(task.metadata_json or "{}")
         tid = f"{task.task_id}-{index}"
@@ -341,14 +341,14 @@ class RolloutService(Service):
                                                python_path=list(meta.get("python_path") or []))
         if outcome.detail:
             log.warning("agent on %s: %s", tid, outcome.detail[-500:])
-        final = outcome.final_segment
-        if final is None:
+        if not trajs:
             traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id, created_unix_seconds=time.time())
             traj.append_prompt(self.tokenizer.encode(task.prompt))
             traj.finish(trajectory_pb2.INFRA_FAILURE)
             return traj
-        AGENT_SEGMENTS_DROPPED.inc(len(trajs) - 1)
-        traj = trajs[final]
+        if outcome.segments > 1:
+            AGENT_SEGMENTED.inc()
+        (traj,) = trajs
         traj.pb.trajectory_id = tid
         traj.pb.timing.rollout_seconds = outcome.seconds
         return traj

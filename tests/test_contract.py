@@ -274,6 +274,7 @@ VIOLATION_CASES: dict[str, tuple[Callable[[Trajectory], None], dict[str, int]]] 
     "span_out_of_range": (lambda t: setattr(t.pb.spans[3], "token_end", 10), {}),
     "span_mask_mismatch": (lambda t: setattr(t.pb.spans[2], "action_type", pb.CODE), {}),
     "reward_not_finite": (lambda t: setattr(t.pb, "reward", math.inf), {}),
+    "sequence_starts_invalid": (lambda t: t.pb.sequence_starts.extend([0, 3]), {}),  # 3 is sampled
 }
 
 

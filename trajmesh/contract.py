@@ -65,6 +65,7 @@ VIOLATION_NAMES: tuple[str, ...] = (
     "span_out_of_range",
     "span_mask_mismatch",
     "reward_not_finite",
+    "sequence_starts_invalid",
 )
 
 
@@ -249,6 +250,14 @@ class Trajectory:
         """Append prompt/system tokens (mask 0, log-prob 0.0, version -1) as one PROMPT span."""
         return self._append_unsampled(token_ids, trajectory_pb2.PROMPT, turn_index)
 
+    def start_segment(self) -> None:
+        """The tokens appended next begin a new sequence (an agent session's segment, see
+        ``sequence_starts``): the learner trains it as a row of its own. Append its prompt first."""
+        if not self.pb.sequence_starts:
+            self.pb.sequence_starts.append(0)
+        if len(self.pb.token_ids) > self.pb.sequence_starts[-1]:
+            self.pb.sequence_starts.append(len(self.pb.token_ids))
+
     def append_observation(
         self, token_ids: Sequence[int] | npt.ArrayLike, turn_index: int | None = None
     ) -> trajectory_pb2.Span:
@@ -415,6 +424,7 @@ class Trajectory:
             *self._check_terminal_reason(),
             *self._check_spans(),
             *self._check_reward(),
+            *self._check_sequence_starts(),
         ]
 
     def _check_identity(self) -> Iterator[Violation]:
@@ -499,6 +509,35 @@ class Trajectory:
         bad = sorted(k for k, v in rewards.items() if not math.isfinite(v))
         if bad:
             yield Violation("reward_not_finite", "non-finite: " + ", ".join(bad))
+
+
+    def _check_sequence_starts(self) -> Iterator[Violation]:
+        """``sequence_starts`` (an agent session's segments): first 0, strictly increasing, each
+        inside the tokens and on a mask-0 token (every segment opens with its prompt)."""
+        starts = list(self.pb.sequence_starts)
+        if not starts:
+            return
+        n = len(self.pb.token_ids)
+        problems = []
+        if starts[0] != 0:
+            problems.append(f"first start is {starts[0]}, not 0")
+        if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+            problems.append(f"not strictly increasing: {starts[:8]}")
+        if any(s >= n for s in starts):
+            problems.append(f"a start at or past the {n} tokens: {starts[-1]}")
+        mask = self.pb.loss_mask
+        opens = [s for s in starts if s < min(n, len(mask)) and mask[s] != 0]
+        if opens:
+            problems.append(f"segment(s) starting on a mask-1 token at {opens[:3]} (no prompt)")
+        if problems:
+            yield Violation("sequence_starts_invalid", "; ".join(problems))
+
+    def segment_bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of each sequence in the per-token arrays: one (0, T) unless
+        ``sequence_starts`` splits the trajectory into an agent session's segments."""
+        n = len(self.pb.token_ids)
+        starts = [s for s in self.pb.sequence_starts if s < n] or [0]
+        return [(a, b) for a, b in zip(starts, [*starts[1:], n], strict=True) if b > a]
 
 
 def _as_token_ids(token_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
