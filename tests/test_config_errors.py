@@ -27,6 +27,7 @@ CASES = [
     ({"learner.objective.mis_low": 3.0}, ["learner.objective.mis_low", "less than 1"]),  # MIS keeps w in [lo < 1 < hi]
     ({"mode": "eventually"}, ["mode", "'eventually'"]),
     ({"learner.engine.zero_stage": 4}, ["learner.engine.zero_stage"]),
+    ({"learner.engine.type": "torch", "learner.engine.zero_stage": 2}, ["zero_stage 2", "type: deepspeed"]),
     ({"tasks.sources": [{"type": "nope"}]}, ["tasks.sources"]),
 ]
 

@@ -427,6 +427,13 @@ class TrainEngineConfig(_Strict):
     zero_stage: int = Field(0, ge=0, le=3)
     """DeepSpeed ZeRO stage: 0 (none), 1/2 (optimizer state, gradients), 3 (parameters too)."""
 
+    @model_validator(mode="after")
+    def _zero_needs_deepspeed(self) -> TrainEngineConfig:
+        if self.type != "deepspeed" and self.zero_stage > 0:
+            raise ValueError(f"learner.engine.zero_stage {self.zero_stage} needs learner.engine.type: deepspeed "
+                             f"(the {self.type} engine is plain AdamW and would ignore it)")
+        return self
+
 
 class StopGatesConfig(_Strict):
     """Predeclared bounds checked after every learner step (survey §11.4); a breach stops the run.
