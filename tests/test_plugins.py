@@ -244,3 +244,17 @@ def test_manifest_records_the_external_engine_release_by_engine_type() -> None:
     assert sglang["sglang_server"] == "unreachable"
     torch_run = _framework_versions(load_config(overrides={"rollout.engine.url": closed}))
     assert not [k for k in torch_run if k.endswith("_server")]
+
+
+def test_manifest_records_the_grader_an_external_agent_run_delegates_to(tmp_path: Path) -> None:
+    from trajmesh.graders.external_agent import ExternalAgentGrader
+    from trajmesh.graders.reasoning_gym import ReasoningGymGrader
+
+    from trajmesh.train import _write_manifest, heldout_tasks
+
+    cfg = load_config(overrides={"tasks.sources": [{"type": "external_agent", "agent": "my_agent:solve"}],
+                                 "tasks.heldout_size": 2, "run_dir": str(tmp_path)})
+    _write_manifest(cfg, heldout_tasks(cfg))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["grader_revisions"] == {"external_agent": ExternalAgentGrader.revision,
+                                            "reasoning_gym": ReasoningGymGrader.revision}

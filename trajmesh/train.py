@@ -57,7 +57,9 @@ def eval_budgets(cfg: RunConfig) -> tuple[int, int]:
 
 def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """What an evaluation figure means (recorded in the manifest): samples, sampling, budgets, and
-    per source its environment and grader with their revisions."""
+    per source the environments and graders its tasks run, with their revisions: the task's own, and
+    those it delegates to (an external agent's run is scored by ``metadata.answer_grader`` and may act
+    on ``metadata.agent_environment``)."""
     from trajmesh import plugins
     from trajmesh.graders import grader_kind
     from trajmesh.tasks import HELDOUT_SEED
@@ -65,8 +67,10 @@ def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -
     max_new_tokens, max_turns = eval_budgets(cfg)
     sources = {}
     for name, tasks in held.items():
-        envs = sorted({str(t["environment"] or "single_answer") for t in tasks})
-        graders = sorted({grader_kind(t) for t in tasks})
+        envs = sorted({str(t["environment"] or "single_answer") for t in tasks}
+                      | {str(e) for t in tasks if (e := t["metadata"].get("agent_environment"))})
+        graders = sorted({grader_kind(t) for t in tasks}
+                         | {str(g) for t in tasks if (g := t["metadata"].get("answer_grader"))})
         sources[name] = {"problems": len(tasks),
                          "environments": {e: plugins.environment_class(e).revision for e in envs},
                          "graders": {g: plugins.grader_class(g).revision for g in graders}}
