@@ -1,6 +1,6 @@
 """The learner service across ranks: `learner.world_size=2` in the mesh (issue 11, item 1).
 
-Two learner processes (gloo, DeepSpeed ZeRO-0 on CPU) started by the launcher with RANK /
+Two learner processes (gloo, DeepSpeed ZeRO-0 on CPU; ZeRO-3 in a slow variant) started by the launcher with RANK /
 WORLD_SIZE / MASTER_ADDR / MASTER_PORT, real NATS, Redis and every other service:
 
 - a short run trains its steps with exact accounting (every admitted trajectory ends as exactly one
@@ -84,8 +84,10 @@ def test_a_rank_outside_its_group_refuses_to_train(tmp_path: Path, monkeypatch: 
     assert not LearnerService(cfg).leader
 
 
-def test_two_learner_ranks_train_with_exact_accounting(tmp_path: Path, tiny_model_dir: str) -> None:
-    cfg = _build_config(tmp_path / "run", tiny_model_dir)
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(3, marks=pytest.mark.slow)])
+def test_two_learner_ranks_train_with_exact_accounting(tmp_path: Path, tiny_model_dir: str, zero_stage: int) -> None:
+    """ZeRO-0 in make test; ZeRO-3 (every rank gathers for the probe and the export) slow."""
+    cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"learner.engine.zero_stage": zero_stage})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
