@@ -417,7 +417,8 @@ class TrajectoryStore(Service):
             return
         looked_up = [it for it in todo if it.peek is not None and it.peek.task_id]
         learner_version, found = await self.w.repo.lookup(
-            [(it.peek.task_id, it.tid) for it in looked_up if it.peek is not None])
+            [(it.peek.task_id, it.tid) for it in looked_up if it.peek is not None],
+            [it.peek.group_id for it in looked_up if it.peek is not None])
         records = {id(it): f for it, f in zip(looked_up, found, strict=True)}
         members: list[tuple[_Incoming, Trajectory, str, str, dict[str, Any]]] = []
         for it in todo:
@@ -440,7 +441,10 @@ class TrajectoryStore(Service):
             assert task is not None
             if outcome == OUTCOME_VALID and traj.terminal_reason == trajectory_pb2.STALE:
                 outcome, reason = STALE_CUT_SHORT
-            elif outcome == OUTCOME_VALID and self._too_stale(traj, learner_version):
+            elif (outcome == OUTCOME_VALID and rec is not None and rec.group_pending
+                  and self._too_stale(traj, learner_version)):
+                # Only while its group is pending: one handed out may have been trained already,
+                # its Report still on the way to this (restarted) store, which must record it.
                 outcome, reason = STALE_ON_ARRIVAL
                 log.warning("cut %s on arrival: sampled at v%d, learner at v%d (eta %d)", traj.trajectory_id,
                             self._oldest_version(traj), learner_version, self.cfg.effective_eta)

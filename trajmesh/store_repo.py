@@ -39,6 +39,9 @@ class Lookup:
     """Its task's record (None: unknown task id)."""
     already_final: bool
     """Whether its id has a final outcome (a redelivery of it is a duplicate)."""
+    group_pending: bool = True
+    """Whether its group is still pending (never handed to the learner). False: a learner may
+    have trained it already and not yet reported it (a store restarted in between)."""
 
 
 @dataclass(frozen=True)
@@ -111,18 +114,22 @@ class StoreRepo:
         return _text(await self.r.get(self.keys.manifest_id))
 
     # ------------------------------------------------------------------ intake
-    async def lookup(self, items: list[tuple[str, str]]) -> tuple[int, list[Lookup]]:
-        """The learner version, and for each (task id, trajectory id) its `Lookup` — one round trip."""
+    async def lookup(self, items: list[tuple[str, str]], group_ids: list[str] | None = None
+                     ) -> tuple[int, list[Lookup]]:
+        """The learner version, and for each (task id, trajectory id) its `Lookup` — one round trip.
+        With `group_ids` (one per item) also whether each group is still pending."""
         pipe = self.r.pipeline(transaction=False)
         pipe.get(self.version_key)
-        for task_id, tid in items:
+        for k, (task_id, tid) in enumerate(items):
             pipe.hget(self.keys.tasks, task_id)
             pipe.sismember(self.keys.final_trajectories, tid)
+            pipe.zscore(self.keys.pending_groups, group_ids[k] if group_ids is not None else "")
         version_raw, *found = await pipe.execute()
         out = []
         for k in range(len(items)):
-            raw, final = found[2 * k], found[2 * k + 1]
-            out.append(Lookup(json.loads(raw) if raw is not None else None, bool(final)))
+            raw, final, pending = found[3 * k], found[3 * k + 1], found[3 * k + 2]
+            out.append(Lookup(json.loads(raw) if raw is not None else None, bool(final),
+                              group_pending=group_ids is None or pending is not None))
         return int(version_raw or 0), out
 
     async def record_members(self, members: list[Membership]) -> list[tuple[int, int]]:
