@@ -700,7 +700,9 @@ def _resolve_tool_format(data: Any) -> Any:
     sources = tasks.get("sources")
     if not path or not isinstance(sources, list) or not Path(path).is_dir():
         return data
-    tool_sources = {"math_tool", "workplace", "search"}
+    from trajmesh import plugins
+
+    tool_sources = {t for t, p in plugins.sources().items() if "tool_format" in p.config.model_fields}
     if not any(isinstance(s, dict) and s.get("type") in tool_sources and s.get("tool_format", "auto") == "auto"
                for s in sources):
         return data
