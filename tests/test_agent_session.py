@@ -117,6 +117,17 @@ def test_edited_history_branch_and_retry(tools: tuple[Any, ChatFormat]) -> None:
     assert [i for i, m in zip(trajs[2].pb.token_ids, trajs[2].pb.loss_mask, strict=True) if m] == \
         tok.encode("fine") + [end]
     assert s.final_segment() == 2
+    # published: ONE trajectory, the three segments as sequences of their own
+    whole = s.trajectory(trajectory_pb2.Task(task_id="x", group_id="g"), trajectory_id="t")
+    assert whole is not None
+    hi, hello, fine = (tok.encode(w) + [end] for w in ("hi", "hello", "fine"))
+    seg0, seg1, seg2 = c2.prompt_ids + hi, c3.prompt_ids + hello, c5.prompt_ids + fine
+    assert list(whole.pb.token_ids) == seg0 + seg1 + seg2
+    assert list(whole.pb.sequence_starts) == [0, len(seg0), len(seg0) + len(seg1)]
+    trained = [i for i, m in zip(whole.pb.token_ids, whole.pb.loss_mask, strict=True) if m]
+    assert trained == tok.encode("5") + [end] + hi + hello + fine  # each generated token once
+    whole.finish(trajectory_pb2.EOS)
+    assert whole.validate() == []
 
 
 def test_plain_completions_continue_by_text(tools: tuple[Any, ChatFormat]) -> None:
