@@ -117,3 +117,11 @@ def test_sweep_interleaves_seeds_when_asked(tmp_path: Path) -> None:
     calls.clear()
     run_sweep(None, parse_grid(["mode=async,sync"]), 2, tmp_path / "c", run_fn=fake)
     assert calls == [("async", 0), ("async", 1), ("sync", 0), ("sync", 1)]
+
+
+def test_rebase_replaces_only_the_before_point() -> None:
+    runs = {"async": [_run(0, 0.30, [(10, 0.36, 4)], 10, 4, 0.44)]}
+    out = bl.rebase(runs, 0.25)
+    assert bl.curve(out["async"][0]["evals"]) == [(0.0, 0.25), (10.0, 0.36)]
+    assert bl.curve(runs["async"][0]["evals"])[0] == (0.0, 0.30)   # the input is untouched
+    assert bl.analyze_runs(out, deltas=(0.02,), window=1, horizon=10.0)["baseline"] == pytest.approx(0.25)
