@@ -83,8 +83,11 @@ def overrides(args: argparse.Namespace, mode: str, eta: int, run_dir: Path) -> d
 
 def run_cell(args: argparse.Namespace, mode: str, eta: int, root: Path) -> dict[str, Any]:
     name = f"{mode}" if mode == "sync" else f"async-eta{eta}"
-    cfg = load_config(args.config, overrides(args, mode, eta, root / name))
-    cfg = prepare_model(cfg)
+    over = overrides(args, mode, eta, root / name)
+    # The model only gives the tokenizer and the learner's (untrained) weights: the config's own
+    # (the demo's shipped warm start) whatever --seed, so no seed builds a new one.
+    model = prepare_model(load_config(args.config, {k: v for k, v in over.items() if k != "seed"})).model.path
+    cfg = load_config(args.config, {**over, "model.path": model})
     Path(cfg.run_dir).mkdir(parents=True)
     _write_manifest(cfg)
     mesh: Mesh = start_mesh(cfg)
