@@ -21,7 +21,9 @@ the template's framing) is tokenized, and it is masked out of the loss.
 Each completion is a node of the call graph; its parent is the completion its prompt continues.
 A completion continuing the tail of a segment extends that segment; any other (a branch from an
 earlier call, a second sample of ``n``) starts a new one whose prompt — earlier generated tokens
-included — has loss mask 0, so no token is trained twice. Completions the agent never received
+included — has loss mask 0, so no token is trained twice. The session is published as ONE
+trajectory (:meth:`AgentSession.trajectory`), its segments marked by ``sequence_starts``; the learner
+trains each segment as a row of its own. Completions the agent never received
 (its SDK retried the request, or it hung up before the answer) are orphans: dropped, never trained.
 """
 
