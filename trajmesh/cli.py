@@ -71,6 +71,8 @@ def _list_envs() -> int:
     for name, plugin in plugins.sources().items():
         keys = [k for k in plugin.config.model_fields if k != "type"]
         print(f"  {name:14s} {plugin.config.__name__:20s} {', '.join(keys)}")
+        if plugin.description:
+            print(f"  {'':14s} {plugin.description}")
         print(f"  {'':14s} environments: {', '.join(sorted(plugin.environments))}; "
               f"graders: {', '.join(sorted(plugin.graders))}")
     print("environments (task environment -> class, revision, task metadata keys):")

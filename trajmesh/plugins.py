@@ -14,7 +14,7 @@ A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the 
 * ``graders``      grader kind (a task's ``metadata.grader``) -> grader class, or "module:Class"
                    (loaded on first use: graders import environments, not the other way round).
                    The grader is also the source's held-out scorer (learner/evaluate.py);
-* revisions        every environment and grader class carries ``revision``; `revisions` reads them.
+* revisions        every environment and grader class carries ``revision`` (the manifest records them).
 
 Everything that lists or dispatches on sources reads this registry: `trajmesh envs`, task
 generation (trajmesh/tasks.py), the environment and grader services (dispatch and the metric
@@ -146,13 +146,6 @@ def environment_class(kind: str) -> Any:
     if kind not in envs:
         raise ValueError(f"unknown environment {kind!r}; available: {sorted(envs)}")
     return envs[kind]
-
-
-def revisions(type_: str) -> dict[str, dict[str, str]]:
-    """``{"environments": {key: revision}, "graders": {kind: revision}}`` of one source type."""
-    plugin = source(type_)
-    return {"environments": {k: str(c.revision) for k, c in sorted(plugin.environments.items())},
-            "graders": {k: str(_load(p).revision) for k, p in sorted(plugin.graders.items())}}
 
 
 # ------------------------------------------------------------------ rollout engines
