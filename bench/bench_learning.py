@@ -268,29 +268,31 @@ def load_runs(out: Path, modes: tuple[str, ...] = MODES, seeds: int = SEEDS) -> 
     return runs
 
 
-def rebase(runs: dict[str, list[dict[str, Any]]], start: float) -> dict[str, list[dict[str, Any]]]:
-    """The runs with every before-RL evaluation's sampled accuracy replaced by `start` (the start
-    weights scored on the during-RL evaluations' scale)."""
-    return {m: [{**r, "evals": [{**e, KEY: start} if e.get("phase") == "before" else e for e in r["evals"]]}
-                for r in rs] for m, rs in runs.items()}
+def rebase(runs: dict[str, list[dict[str, Any]]], start: dict[int, float]) -> dict[str, list[dict[str, Any]]]:
+    """The runs with every before-RL evaluation's sampled accuracy replaced by `start[seed]` (the
+    start weights scored on the during-RL evaluations' scale, with that run's seed)."""
+    return {m: [{**r, "evals": [{**e, KEY: start[r["seed"]]} if e.get("phase") == "before" else e
+                                for e in r["evals"]]} for r in rs] for m, rs in runs.items()}
 
 
-def start_accuracy(out: Path) -> float:
-    """Sampled held-out accuracy of the shipped start with EVAL_SAMPLES samples per problem (the
-    during-RL protocol; the before-RL evaluation uses EVAL_SAMPLES_BEFORE_AFTER, and the per-problem
-    sampling seeds make the first samples a fixed draw, so the two differ by a constant), cached in
-    OUT/start_eval.json."""
+def start_accuracy(out: Path, seeds: int = SEEDS) -> dict[int, float]:
+    """Per run seed, the sampled held-out accuracy of the shipped start with EVAL_SAMPLES samples per
+    problem (the during-RL protocol; the before-RL evaluation uses EVAL_SAMPLES_BEFORE_AFTER, and
+    the sampling seeds, fixed per run seed, problem and sample, make the first samples a fixed draw,
+    so the two differ by a constant per seed), cached in OUT/start_eval.json."""
     cache = out / "start_eval.json"
-    if cache.exists():
-        return float(json.loads(cache.read_text())[KEY])
-    from trajmesh.config import load_config
-    from trajmesh.train import evaluate_dir, heldout_tasks
+    got: dict[str, Any] = json.loads(cache.read_text()) if cache.exists() else {}
+    for seed in range(seeds):
+        if str(seed) in got:
+            continue
+        from trajmesh.config import load_config
+        from trajmesh.train import evaluate_dir, heldout_tasks
 
-    cfg = load_config(CONFIG, {"model.path": str(SHIPPED_START)})
-    res = evaluate_dir(str(SHIPPED_START), heldout_tasks(cfg), cfg, samples=EVAL_SAMPLES)
-    cache.write_text(json.dumps({KEY: res[KEY], "greedy_accuracy": res.get("greedy_accuracy"),
-                                 "samples": EVAL_SAMPLES}))
-    return float(res[KEY])
+        cfg = load_config(CONFIG, {"model.path": str(SHIPPED_START), "seed": seed})
+        res = evaluate_dir(str(SHIPPED_START), heldout_tasks(cfg), cfg, samples=EVAL_SAMPLES)
+        got[str(seed)] = {KEY: res[KEY], "greedy_accuracy": res.get("greedy_accuracy"), "samples": EVAL_SAMPLES}
+        cache.write_text(json.dumps(got, indent=1))
+    return {int(k): float(v[KEY]) for k, v in got.items()}
 
 
 def _sample_load(path: Path, stop: threading.Event, every: float = 15.0) -> None:
@@ -342,9 +344,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = analyze_runs(runs)
     print("== as fixed before the run (baseline: the before-RL evaluation, EVAL_SAMPLES_BEFORE_AFTER samples)")
     print(report(res))
-    start = start_accuracy(out)
+    start = start_accuracy(out, args.seeds)
     print(f"\n== on one scale (post hoc): the start weights evaluated as the during-RL evaluations are "
-          f"({EVAL_SAMPLES} samples, same sampling seeds): {start:.4f}; it replaces the t = 0 point and the baseline")
+          f"({EVAL_SAMPLES} samples, each run seed's sampling seeds): "
+          + ", ".join(f"seed {k} {v:.4f}" for k, v in sorted(start.items()))
+          + "; they replace the t = 0 point and give the baseline")
     print(report(analyze_runs(rebase(runs, start))))
     for mode, rs in runs.items():
         for r in rs:

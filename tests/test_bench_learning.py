@@ -120,8 +120,9 @@ def test_sweep_interleaves_seeds_when_asked(tmp_path: Path) -> None:
 
 
 def test_rebase_replaces_only_the_before_point() -> None:
-    runs = {"async": [_run(0, 0.30, [(10, 0.36, 4)], 10, 4, 0.44)]}
-    out = bl.rebase(runs, 0.25)
+    runs = {"async": [_run(0, 0.30, [(10, 0.36, 4)], 10, 4, 0.44), _run(1, 0.32, [(10, 0.37, 4)], 10, 4, 0.45)]}
+    out = bl.rebase(runs, {0: 0.25, 1: 0.27})
     assert bl.curve(out["async"][0]["evals"]) == [(0.0, 0.25), (10.0, 0.36)]
+    assert bl.curve(out["async"][1]["evals"]) == [(0.0, 0.27), (10.0, 0.37)]
     assert bl.curve(runs["async"][0]["evals"])[0] == (0.0, 0.30)   # the input is untouched
-    assert bl.analyze_runs(out, deltas=(0.02,), window=1, horizon=10.0)["baseline"] == pytest.approx(0.25)
+    assert bl.analyze_runs(out, deltas=(0.02,), window=1, horizon=10.0)["baseline"] == pytest.approx(0.26)
