@@ -202,6 +202,8 @@ def read_verdict(stdout: str, nonce: str, total: int) -> int | None:
 class CodeTestsGrader:
     revision = "code-tests-harness-v2"
     components = ("all_passed", "pass_ratio", "format_code_block", "sandbox_error")
+    uses_sandbox = True
+    """Runs model-written code: the grader service checks the sandbox at start-up."""
 
     def __init__(self, limits: sandbox.SandboxLimits | None = None) -> None:
         self.limits = limits or sandbox.SandboxLimits(wall_s=10.0, cpu_s=5)

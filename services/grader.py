@@ -68,17 +68,20 @@ for _reason in trajectory_pb2.TerminalReason.keys():
     TERMINAL.labels(_reason)
 
 
-SANDBOXED_GRADERS = frozenset({"code"})
-"""Grader kinds that run model-written code in trajmesh.sandbox (graders/code.py)."""
+def sandboxed_graders() -> frozenset[str]:
+    """Grader kinds that run model-written code in trajmesh.sandbox (`uses_sandbox` on the class,
+    from the plug-in registry; graders/code.py)."""
+    return frozenset(kind for kind, cls in plugins.graders().items() if getattr(cls, "uses_sandbox", False))
 
 
 def sandboxed_sources(cfg: Any) -> list[str]:
     """Names of the configured task sources whose tasks a sandboxed grader grades. A task's grader is
     its metadata (`grader_kind`), so one task of each source is drawn to read it (milliseconds)."""
     out = []
+    sandboxed = sandboxed_graders()
     for src in cfg.tasks.sources:
         train, heldout = tasks.load_split(src, 1, 1)
-        if any(grader_kind({"metadata": t.metadata}) in SANDBOXED_GRADERS for t in train + heldout):
+        if any(grader_kind({"metadata": t.metadata}) in sandboxed for t in train + heldout):
             out.append(src.name)
     return out
 

@@ -258,3 +258,20 @@ def test_manifest_records_the_grader_an_external_agent_run_delegates_to(tmp_path
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["grader_revisions"] == {"external_agent": ExternalAgentGrader.revision,
                                             "reasoning_gym": ReasoningGymGrader.revision}
+
+
+def test_a_source_whose_grader_runs_code_makes_the_grader_service_check_the_sandbox() -> None:
+    from trajmesh.services import grader
+
+    class SandboxedToyGrader(ToyGrader):
+        uses_sandbox = True
+
+    assert "toy" not in grader.sandboxed_graders() and "code" in grader.sandboxed_graders()
+    plugins.register_source(plugins.SourcePlugin(type="toy", config=ToySource, draw=_draw,
+                                                 environments={"toy_env": ToyEnv}, graders={"toy": SandboxedToyGrader}))
+    try:
+        assert "toy" in grader.sandboxed_graders()
+        cfg = load_config(overrides={"tasks.sources": [{"type": "math_tool"}, {"type": "toy", "name": "toy_a"}]})
+        assert grader.sandboxed_sources(cfg) == ["toy_a"]  # math_tool's grader (math-verify) runs no code
+    finally:
+        plugins.unregister_source("toy")
