@@ -267,6 +267,7 @@ def test_tool_call_round_trip_keeps_the_generated_tokens(h: Harness) -> None:
 def test_changed_history_starts_a_new_segment(h: Harness) -> None:
     session = h.ep.open_session("edit1")
     client = h.openai("edit1")
+    before = len(h.engine.records)
     first, _ = _tool_round_trip_chat(client)
     edited = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "I will not use tools."},
               {"role": "user", "content": "Why?"}]
@@ -274,6 +275,24 @@ def test_changed_history_starts_a_new_segment(h: Harness) -> None:
     reasons = [t.pb.trajectory_id.split("-")[-1] for t in session.trajectories(None, base_id="t")]
     assert reasons == ["first", "history_changed"]
     assert [c.reason for c in session.calls] == ["first", "continued", "history_changed"]
+    # the published trajectory holds both segments, each its own sequence of the engine's tokens
+    (in1, out1), (in2, out2), (in3, out3) = h.engine.records[before:before + 3]
+    traj = session.trajectory(trajectory_pb2.Task(task_id="x", group_id="g"), trajectory_id="edit1")
+    assert traj is not None
+    traj.finish(trajectory_pb2.EOS)
+    assert traj.validate() == []
+    assert list(traj.pb.sequence_starts) == [0, len(in2) + len(out2)]
+    assert list(traj.pb.token_ids) == in2 + out2 + in3 + out3
+    assert _sampled(traj) == [out1, out2, out3]
+    assert sum(traj.pb.loss_mask) == len(out1) + len(out2) + len(out3)  # no token trained twice
+    from trajmesh.learner.step import build_batch
+
+    batch = build_batch([traj], pad_id=0)
+    assert batch.trajectory_ids == ["edit1", "edit1"] and batch.unique_trajectory_ids() == ["edit1"]
+    rows = [batch.input_ids_BT[r, :n].tolist() for r, n in enumerate(batch.lengths())]
+    assert rows == [in2 + out2, in3 + out3]  # the edited call's row starts at its own prompt
+    trained = [[i for i, m in zip(row, batch.mask_BT[r].tolist(), strict=False) if m] for r, row in enumerate(rows)]
+    assert trained == [out1 + out2, out3]
 
 
 def test_responses_api_tool_round_trip(h: Harness) -> None:
@@ -393,6 +412,18 @@ def tool_loop_then_return(task, base_url, api_key):
 
     solve(task, base_url, api_key)
     return task["metadata"]["agent_returns"]
+
+
+def solve_then_edit_history(task, base_url, api_key):
+    """The example's tool loop, then one more call on a rewritten history (a new segment)."""
+    from openai_agent import solve
+
+    answer = solve(task, base_url, api_key)
+    OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["prompt"]},
+                             {"role": "assistant", "content": "I will not use tools."},
+                             {"role": "user", "content": "Why?"}], max_tokens=4)
+    return answer
 '''
 
 
@@ -413,6 +444,24 @@ def test_example_agent_runs_in_its_own_process_through_the_endpoint(h: Harness) 
     assert sum(traj.pb.loss_mask) == len(h.script["call"]) + len(h.script["answer"])
     assert traj.validate(vocab_size=h.tok.vocab_size, learner_version=0) == []
     assert "ex1" not in h.ep.sessions  # closed: later calls are refused
+
+
+def test_agent_that_edits_history_yields_one_trajectory_with_two_segments(h: Harness, tmp_path: Path) -> None:
+    from trajmesh.envs.external_agent import AgentRunner
+
+    (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
+    runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path), str(Path(__file__).resolve().parents[1] / "examples")])
+    before = len(h.engine.records)
+    trajs, outcome = asyncio.run(runner.run(_task(QUESTION), "agents_for_test:solve_then_edit_history", 300,
+                                            session_id="edit2"))
+    assert (outcome.terminal_reason, outcome.answer, outcome.segments) == (trajectory_pb2.EOS, ANSWER, 2), outcome.detail
+    (in1, out1), (in2, out2), (in3, out3) = h.engine.records[before:before + 3]
+    (traj,) = trajs  # one per sample, both segments in it
+    assert list(traj.pb.sequence_starts) == [0, len(in2) + len(out2)]
+    assert list(traj.pb.token_ids) == in2 + out2 + in3 + out3
+    assert _sampled(traj) == [out1, out2, out3] and (out1, out2) == (h.script["call"], h.script["answer"])
+    assert traj.pb.final_answer == ANSWER
+    assert traj.validate(vocab_size=h.tok.vocab_size, learner_version=0) == []
 
 
 def test_crashed_agent_is_an_infra_failure(h: Harness, tmp_path: Path) -> None:
