@@ -50,8 +50,10 @@ def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[s
 
 
 def check_no_stale(acct: dict[str, Any]) -> None:
-    """The gate kept the learner's consume-time check quiet: nothing quarantined as stale."""
-    stale = {k: v for k, v in acct["by_reason"].items() if k.startswith("quarantined:") and "stale" in k}
+    """The gate kept the learner's consume-time check quiet: nothing quarantined as stale, and
+    nothing cut by the store for arriving too stale to train (`filtered:stale_on_arrival`)."""
+    stale = {k: v for k, v in acct["by_reason"].items()
+             if k.startswith(("quarantined:", "filtered:")) and "stale" in k}
     assert not stale, f"stale quarantines in a healthy run: {stale} ({json.dumps(acct)})"
 
 
