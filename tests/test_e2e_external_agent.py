@@ -1,6 +1,6 @@
 """An external agent (examples/openai_agent.py, the official `openai` client and a tool loop) trains
 a few learner steps through the real mesh: the rollout serves the agent endpoint, runs the agent in
-its own process per sample, and publishes the session's final segment as the trajectory.
+its own process per sample, and publishes the session as one trajectory (every segment in it).
 
 Checked in the archive: exact accounting (every admitted trajectory ends as exactly one final
 outcome, nothing trained twice, every trained token's lag within η, the gate's counters reconcile),
@@ -80,3 +80,66 @@ def test_example_agent_trains_through_the_mesh(tmp_path: Path, chat_model_dir: s
         assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n"), prompt
         assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
         assert all(v >= 0 for v, m in zip(versions, mask, strict=True) if m)
+
+
+EDITING_AGENT = '''
+from openai import OpenAI
+from openai_agent import solve
+
+
+def solve_then_edit_history(task, base_url, api_key):
+    """The example's tool loop, then one call on a rewritten history: a second segment."""
+    answer = solve(task, base_url, api_key)
+    OpenAI(base_url=base_url, api_key=api_key, timeout=300).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": task["prompt"]},
+                                  {"role": "assistant", "content": "I will not use tools."},
+                                  {"role": "user", "content": "Why?"}], temperature=0, max_tokens=4)
+    return answer
+'''
+
+
+def test_agent_that_edits_history_trains_every_segment(tmp_path: Path, chat_model_dir: str) -> None:
+    """Every sample's trajectory holds two sequences (the tool loop, then the edited call, which
+    opens with its own prompt, masked 0); the store and the learner take them with exact accounting."""
+    (tmp_path / "edit_agent.py").write_text(EDITING_AGENT)
+    source = {**SOURCE, "agent": "edit_agent:solve_then_edit_history", "python_path": [str(tmp_path), EXAMPLES]}
+    cfg = load_config(None, {
+        "run_dir": str(tmp_path / "run"), "model.path": chat_model_dir, "gate.eta": 1,
+        "tasks.sources": [source], "tasks.group_size": 2, "tasks.train_size": 30, "tasks.heldout_size": 5,
+        "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "rollout.agent_endpoint.max_tokens": 24,
+        "grader.replicas": 1, "store.drop_zero_variance_groups": False,
+        "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": 2,
+        "learner.checkpoint_every": 2,
+    })
+    Path(cfg.run_dir).mkdir(parents=True)
+    write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=360) == 0, learner.log_path.read_text()[-3000:]
+        assert end_run(mesh) == 0
+        acct = accounting(mesh.cfg)
+        rows = check_archive(mesh.cfg, acct, eta=1)
+        check_no_stale(acct)
+        check_gate_reconciles(mesh.cfg, rows)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    assert [m["version"] for m in steps] == [1, 2]
+    from trajmesh.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(chat_model_dir)
+    trained_ids = {r["trajectory_id"] for r in rows if r["outcome"] == "trained"}
+    trained = [r for r in rows if r["outcome"] == "accepted" and r["trajectory_id"] in trained_ids]  # with tokens
+    assert trained and len(trained) == len(trained_ids)
+    for r in trained:
+        ids, mask = list(r["token_ids"]), list(r["loss_mask"])
+        last = max(i for i, m in enumerate(mask) if m == 0 and i < len(mask) - 1 and mask[i + 1] == 1)
+        earlier = [i for i in range(last + 1) if mask[i] == 1]
+        assert earlier, "the tool loop's segment is missing"  # (only the final segment was kept before)
+        start = earlier[-1] + 1  # the edited call's prompt
+        prompt = tok.tokenizer.decode(ids[start:last + 1], skip_special_tokens=False)
+        # it is a whole conversation of its own (not a continuation), masked 0, before its answer
+        assert prompt.startswith("<|im_start|>") and "I will not use tools." in prompt, prompt
+        assert prompt.endswith("Why?<|im_end|>\n<|im_start|>assistant\n"), prompt
