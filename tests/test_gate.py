@@ -222,3 +222,22 @@ def test_admission_with_its_record_is_one_atomic_step(redis_server: RedisServer)
         finally:
             await r.aclose()
     asyncio.run(main())
+
+
+def test_a_retried_admission_counts_once(redis_server: RedisServer) -> None:
+    """A client retrying try_admit_recorded after a timeout (the script ran, the reply was lost; a
+    SIGSTOPped store did this) must not admit the task twice: capacity 8, one task of 4 twice."""
+    async def main() -> None:
+        r = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            gate = AsyncStalenessGate(r, key_prefix="run0:gate", eta=1, batch_size=4)  # capacity 8
+            kw = {"tasks_key": "tasks", "unpublished_key": "unpub", "admitted_key": "admitted",
+                  "pending_key": "pending"}
+            for _ in range(2):
+                assert await gate.try_admit_recorded(4, task_id="t1", record="{}", data=b"x", group_id="g1",
+                                                     version=0, **kw)
+            c = await gate.counters()
+            assert (c.running, c.capacity, int(await r.get("admitted"))) == (4, 4, 4)
+        finally:
+            await r.aclose()
+    asyncio.run(main())

@@ -63,8 +63,14 @@ return redis.call('GET', KEYS[2])
 # ARGV: n, eta, batch_size, max_concurrent, task id, task record, task bytes, group id,
 # admission version (the score of the group in the pending set).
 # try_admit plus the admission's record in one step: a store killed between admitting and
-# recording can no longer leave `running` counting a task nobody will ever finish.
-_TRY_ADMIT_RECORDED = _CAPACITY + """
+# recording can no longer leave `running` counting a task nobody will ever finish. Idempotent per
+# task id: a client that retries the call after a timeout (the script ran, the reply was lost)
+# gets {1, -1} and counts nothing twice. Seen with the store SIGSTOPped 12 s: on resume its
+# pending call timed out, the retry admitted the same task again, and `admitted` and `running`
+# kept 4 trajectories that no group would ever finish (exact accounting broken).
+_TRY_ADMIT_RECORDED = """
+if redis.call('HEXISTS', KEYS[4], ARGV[5]) == 1 then return {1, -1} end
+""" + _CAPACITY + """
 if cap < n then return {0, cap} end
 redis.call('INCRBY', KEYS[3], n)
 redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
