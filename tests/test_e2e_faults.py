@@ -371,10 +371,15 @@ def _kill_learner_and_nats(mesh: Mesh) -> None:
 
 
 def _kill_store_repeatedly(mesh: Mesh) -> None:
+    def store_alive() -> bool:
+        return any(p.name == "store" and p.popen.poll() is None for p in mesh.procs)
+
     for _ in range(3):
         before = _steps(mesh.cfg)
         _kill(mesh, "store")
-        _supervise_until(mesh, lambda b=before: _steps(mesh.cfg) >= b + 1)
+        # Progress alone is not enough: the learner may step once more before the kill lands, and
+        # the next kill then found no live store (StopIteration in a run on a loaded machine).
+        _supervise_until(mesh, lambda b=before: _steps(mesh.cfg) >= b + 1 and store_alive())
 
 
 def _hang(name: str):  # type: ignore[no-untyped-def]
