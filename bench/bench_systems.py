@@ -53,7 +53,7 @@ def _scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
     for name in ("busy_seconds", "decode_steps", "decoded_tokens"):
-        m = re.search(rf"^trajmesh_synthetic_engine_{name}_total (\S+)$", text, re.M)
+        m = re.search(rf"^trajmesh_rollout_synthetic_{name}_total (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
 

@@ -13,7 +13,7 @@ stands in for a GPU engine in the systems benchmark (bench/bench_systems.py):
   step of B sequences takes ``decode_step_s + step_s_per_sequence·B`` seconds (:meth:`step_seconds`),
   a new request joins at the next step boundary, at most `max_batch` run at once (the rest queue);
 - it sleeps the modelled time, so it takes no CPU from the other services, and counts the modelled
-  busy time (steps × their step time) in ``trajmesh_synthetic_engine_busy_seconds_total``.
+  busy time (steps × their step time) in ``trajmesh_rollout_synthetic_busy_seconds_total``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from trajmesh.rollout.engine_client import GenerateResult
 
 from trajmesh.config import SyntheticTiming
 
-BUSY_SECONDS = Counter("trajmesh_synthetic_engine_busy_seconds",
+BUSY_SECONDS = Counter("trajmesh_rollout_synthetic_busy_seconds_total",
                        "Modelled seconds the synthetic engine spent decoding (steps x step time)")
-DECODE_STEPS = Counter("trajmesh_synthetic_engine_decode_steps", "Decode steps the synthetic engine modelled")
-DECODED_TOKENS = Counter("trajmesh_synthetic_engine_decoded_tokens",
+DECODE_STEPS = Counter("trajmesh_rollout_synthetic_decode_steps_total", "Decode steps the synthetic engine modelled")
+DECODED_TOKENS = Counter("trajmesh_rollout_synthetic_decoded_tokens_total",
                          "Tokens the synthetic engine decoded (steps x running sequences: / steps = mean batch)")
 
 
