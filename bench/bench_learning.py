@@ -153,6 +153,13 @@ def welch_ci95(a: list[float], b: list[float]) -> tuple[float, float | None]:
     return d, t_quantile_975(max(1, math.floor(df))) * math.sqrt(se2)
 
 
+def paired_ci95(a: dict[int, float], b: dict[int, float]) -> tuple[float, float | None] | None:
+    """Mean and 95 % t half-width of a[seed] − b[seed] over the seeds both have (a seed's runs share
+    its evaluation sampling draw); None when no seed is shared."""
+    diffs = [a[k] - b[k] for k in sorted(a) if k in b]
+    return mean_ci95(diffs) if diffs else None
+
+
 def analyze_runs(runs: dict[str, list[dict[str, Any]]], *, deltas: tuple[float, ...] = TARGET_DELTAS,
                  window: int = SMOOTH_WINDOW, horizon: float = AUC_HORIZON_S) -> dict[str, Any]:
     """`runs`: mode → list of {"seed", "evals", "steps", "summary"}. Returns every figure the table shows."""
@@ -238,7 +245,11 @@ def report(res: dict[str, Any], horizon: float = AUC_HORIZON_S) -> str:
                          ("gain at the common token budget (points)", lambda r: r["gain_at_common_tokens"] * 100),
                          ("sampled accuracy after RL (points)", lambda r: (r["after"] or 0) * 100)):
             d, h = welch_ci95([fn(r) for r in a], [fn(r) for r in b])
-            lines.append(f"{modes[0]} − {modes[1]}, {name}: {d:+.2f}" + (f" ± {h:.2f} (Welch 95 %)" if h is not None else ""))
+            line = f"{modes[0]} − {modes[1]}, {name}: {d:+.2f}" + (f" ± {h:.2f} (Welch 95 %)" if h is not None else "")
+            pd = paired_ci95({r["seed"]: fn(r) for r in a}, {r["seed"]: fn(r) for r in b})
+            if pd is not None:
+                line += f"; paired by seed {pd[0]:+.2f}" + (f" ± {pd[1]:.2f}" if pd[1] is not None else "")
+            lines.append(line)
     lines.append("")
     lines.append("per run: " + "; ".join(
         f"{m} s{r['seed']}: {r['steps']:.0f} steps, {r['trained_tokens']:.0f} tok, times "

@@ -126,3 +126,10 @@ def test_rebase_replaces_only_the_before_point() -> None:
     assert bl.curve(out["async"][1]["evals"]) == [(0.0, 0.27), (10.0, 0.37)]
     assert bl.curve(runs["async"][0]["evals"])[0] == (0.0, 0.30)   # the input is untouched
     assert bl.analyze_runs(out, deltas=(0.02,), window=1, horizon=10.0)["baseline"] == pytest.approx(0.26)
+
+
+def test_paired_difference_by_hand() -> None:
+    # differences 1, 2, 3 (seed 3 only in a: ignored): mean 2, s = 1, half = 4.303 / sqrt(3)
+    d, half = bl.paired_ci95({0: 5.0, 1: 6.0, 2: 7.0, 3: 9.0}, {0: 4.0, 1: 4.0, 2: 4.0})
+    assert d == pytest.approx(2.0) and half == pytest.approx(4.303 / math.sqrt(3))
+    assert bl.paired_ci95({0: 1.0}, {1: 1.0}) is None
