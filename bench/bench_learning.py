@@ -40,7 +40,8 @@ The targets did not change. The runs now execute a frozen `git archive` of one c
 * Per run: learner steps, trained tokens, RL seconds, before/after sampled and greedy accuracy.
 
 Intervals are over seeds: mean ± half-width of the 95 % Student t-interval (trajmesh.sweep.mean_ci95);
-the async − sync difference uses Welch's t-interval.
+the async − sync difference uses Welch's t-interval, and the t-interval of the differences paired by seed
+(a seed's two runs share the evaluation's sampling draw).
 """
 
 from __future__ import annotations
