@@ -624,7 +624,8 @@ class TrajectoryStore(Service):
             self.ready_changed.clear()
             due = await self.w.repo.due_groups(learner_version - self.cfg.effective_eta)
             was_held = self.state.held_for_stragglers()
-            out = self.state.hand_out(self.cfg.learner.batch_groups, max_trajectories, time.time(), due)
+            out = self.state.hand_out(self.cfg.learner.batch_groups, max_trajectories, time.time(), due,
+                                      learner_version)
             if self.state.held_for_stragglers() and not was_held:
                 log.info("learner at v%d held for due groups not ready: %s", learner_version,
                          sorted(due - {g.group_id for g in self.state.ready}))
@@ -690,9 +691,15 @@ class TrajectoryStore(Service):
         self._note_version(req.learner_version)
         self._note_recovery()
 
-    async def recycle_handed_out(self) -> None:
-        """A new learner process: what the previous one took and never reported (it died before it
-        saved the batch) goes back to the queue, whole groups in admission order."""
+    async def recycle_handed_out(self, learner_version: int) -> None:
+        """A new learner process at `learner_version`: what the previous one took at an older
+        version and never reported was trained (its checkpoint is past that step): recorded as
+        trained. The rest (it died before it saved the batch) goes back to the queue, whole
+        groups in admission order."""
+        for taken, ids in sorted(self.state.trained_unreported(learner_version).items()):
+            log.warning("a previous learner process trained %d trajectories at v%d without reporting them: "
+                        "recorded as trained", len(ids), taken)
+            await self.report(services_pb2.ReportRequest(learner_version=taken, trained_ids=ids))
         groups = self.state.recycle_handed_out(time.time())
         if groups:
             await self.w.repo.pending_again(groups)
@@ -711,7 +718,7 @@ class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
 
     async def NextBatch(self, request: Any, context: Any) -> services_pb2.NextBatchResponse:  # noqa: N802
         if request.learner_restarted:
-            await self.store.recycle_handed_out()
+            await self.store.recycle_handed_out(request.learner_version)
         trajs = await self.store.next_batch(
             request.learner_version, request.max_trajectories or 1 << 30, request.timeout_seconds or 5.0
         )

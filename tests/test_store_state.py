@@ -257,3 +257,14 @@ def test_filter_reason(rewards: list[float], drop: bool, reason: str) -> None:
 
 def test_member_ids_follow_rollout_naming() -> None:
     assert member_ids("t-c3", 3) == ["t-c3-0", "t-c3-1", "t-c3-2"]
+
+
+def test_a_batch_taken_before_the_new_learners_version_counts_as_trained_not_recycled() -> None:
+    """A learner that fails after training a step checkpoints on its way out, before reporting it:
+    the new process starts past that step. Its batch was trained (recording it is the caller's);
+    only a batch taken at the new process's version (never saved) goes back to the queue."""
+    s = StoreState()
+    _ready_group(s, "trained", order=1)
+    s.hand_out(1, 10, now=0.0, learner_version=5)
+    assert s.trained_unreported(5) == {}  # a learner back at v5 never got past that step
+    assert s.trained_unreported(6) == {5: ["trained-0", "trained-1"]}

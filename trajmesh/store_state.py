@@ -105,6 +105,8 @@ class StoreState:
         """HANDED_OUT trajectory id → the trajectory (to recycle it for a new learner)."""
         self.handed_meta: dict[str, tuple[int, int]] = {}
         """Group id → (admission order, admission version) of groups with members HANDED_OUT."""
+        self.handed_at: dict[str, int] = {}
+        """Group id → the learner version that took it (HANDED_OUT groups)."""
         self.pending_final: list[tuple[str, Any]] = []
         """(id to mark final or '', message to ack) of outcomes archived but not yet committed."""
         self.pending_cleanup: list[str] = []
@@ -201,7 +203,7 @@ class StoreState:
 
     # ------------------------------------------------------------------ the learner
     def hand_out(self, want_groups: int, max_trajectories: int, now: float,
-                 due: Iterable[str] = ()) -> list[Trajectory]:
+                 due: Iterable[str] = (), learner_version: int = 0) -> list[Trajectory]:
         """Whole READY groups, oldest admission first, up to `want_groups` groups and
         `max_trajectories`; [] unless `want_groups` are ready, no recovery is pending, and no
         `due` group (admitted so long ago that after this step it could only be trained stale)
@@ -228,6 +230,7 @@ class StoreState:
         for group in batch:
             out.extend(group.members)
             self.handed_meta[group.group_id] = (group.order, group.admitted_version)
+            self.handed_at[group.group_id] = learner_version
         for t in out:
             self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
             self.handed_traj[t.trajectory_id] = t
@@ -254,7 +257,22 @@ class StoreState:
         """Groups whose reported members are final: their Redis membership goes at the next commit."""
         for gid in group_ids:
             self.handed_meta.pop(gid, None)
+            self.handed_at.pop(gid, None)
             self.pending_cleanup.append(gid)
+
+    def trained_unreported(self, learner_version: int) -> dict[int, list[str]]:
+        """A new learner process at `learner_version`: HANDED_OUT groups taken at an older version
+        were trained — its checkpoint is past the step that took them (a learner that fails
+        checkpoints on its way out, before it reported that step). Returns taken-at version → ids;
+        the caller records them as the learner's Report would. Handing them out again would
+        train them twice or, lagging, quarantine them as stale (issue 16: a learner crashed on a
+        NATS timeout, and every batch after it came out stale)."""
+        out: dict[int, list[str]] = {}
+        for tid, traj in self.handed_traj.items():
+            taken = self.handed_at.get(traj.group_id, learner_version)
+            if taken < learner_version:
+                out.setdefault(taken, []).append(tid)
+        return out
 
     def recycle_handed_out(self, now: float) -> dict[str, int]:
         """A new learner process: what the previous one took and never reported goes back to
@@ -265,6 +283,7 @@ class StoreState:
         out = {}
         for gid, members in by_group.items():
             order, version = self.handed_meta.pop(gid, (1 << 62, 0))
+            self.handed_at.pop(gid, None)
             self.make_ready(Group(gid, len(members), order=order, admitted_version=version, members=members), now)
             out[gid] = version
             for t in members:
