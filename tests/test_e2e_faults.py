@@ -374,12 +374,16 @@ def _kill_store_repeatedly(mesh: Mesh) -> None:
     def store_alive() -> bool:
         return any(p.name == "store" and p.popen.poll() is None for p in mesh.procs)
 
+    def learner_done() -> bool:
+        return any(p.name == "learner" and p.popen.poll() == 0 for p in mesh.procs)
+
     for _ in range(3):
         before = _steps(mesh.cfg)
         _kill(mesh, "store")
         # Progress alone is not enough: the learner may step once more before the kill lands, and
-        # the next kill then found no live store (StopIteration in a run on a loaded machine).
-        _supervise_until(mesh, lambda b=before: _steps(mesh.cfg) >= b + 1 and store_alive())
+        # the next kill then found no live store (StopIteration in a run on a loaded machine). On
+        # an idle machine the learner may finish its budget before a third kill has a step to see.
+        _supervise_until(mesh, lambda b=before: (_steps(mesh.cfg) >= b + 1 or learner_done()) and store_alive())
 
 
 def _hang(name: str):  # type: ignore[no-untyped-def]
