@@ -121,6 +121,10 @@ class LearnerService(Service):
         self.rl_seconds = 0.0
         self.trajectories_trained = 0
         self.checkpointed_version = -1
+        self.announced_floor = -1
+        """On resume: the newest version announced before the crash. Replayed versions below it are
+        bitwise the ones already announced, so they are not announced again (a rollout would step
+        back to older weights and sample tasks admitted at the newer version with them)."""
         """The version the last checkpoint holds (-1: none written by this process)."""
         self.stopped_group = False
         """Leader: the followers were told to stop (sent once)."""
@@ -196,6 +200,9 @@ class LearnerService(Service):
             # idempotently, so they stay true across a learner restart; the batches trained since
             # the checkpoint are replayed from disk (run()), bringing the version back to where
             # it was. (StalenessGate.rebase_after_recovery is for a Redis that lost its data.)
+            latest = await self.bus.latest_weights()
+            if latest is not None:
+                self.announced_floor = trajectory_pb2.WeightsAnnouncement.FromString(latest).version
             await self._publish_weights()
         elif await self.bus.latest_weights() is None:
             await self._announce(self.version, cfg.model.path)
@@ -518,6 +525,10 @@ class LearnerService(Service):
         return final
 
     async def _announce(self, version: int, path: str) -> None:
+        if version < self.announced_floor:
+            log.info("replayed version %d not announced: v%d was announced before the restart",
+                     version, self.announced_floor)
+            return
         st = Path(path) / "model.safetensors"
         recorded = Path(path) / "model.safetensors.sha256"
         if recorded.exists():  # written by _save_weights while streaming the file

@@ -136,6 +136,17 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
     # versions with old weights (the likeliest cause; that run's artifacts were not kept).
     check_no_stale(acct)
     _assert_replay_is_bitwise(cfg)
+    _assert_rollout_weights_never_step_back(cfg)
+
+
+def _assert_rollout_weights_never_step_back(cfg: RunConfig) -> None:
+    """The rollout's loaded versions (its log, appended across its restarts) never decrease: a
+    resumed learner does not re-announce the versions it replays (it did: v12 -> v9, and the
+    rollout sampled tasks admitted at v12 with v9's weights)."""
+    for log_path in sorted((Path(cfg.run_dir) / "logs").glob("rollout-*.log")):
+        loaded = [int(v) for v in re.findall(r"loaded weights v(\d+)", log_path.read_text(errors="replace"))]
+        assert len(loaded) >= 2, f"{log_path.name}: no weight loads logged (the check would be empty)"
+        assert loaded == sorted(loaded), f"{log_path.name} stepped back: {loaded}"
 
 
 STOP_STEPS = 4

@@ -34,6 +34,7 @@ import asyncio
 import logging
 import re
 import ssl
+import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -113,7 +114,14 @@ straggler hold is sized by it)."""
 WEIGHTS_POLL_S = 2.0
 # Seconds an ack of a blob message may take to be confirmed before its blob is deleted.
 _BLOB_ACK_TIMEOUT_S = 5.0
+WEIGHTS_PUBLISH_RETRY_S = 120.0
+"""How long a weights announcement is retried while NATS is unreachable (restarting) before it
+fails; a JetStream restart with recovery takes seconds to tens of seconds."""
 
+WEIGHTS_PUBLISH_RETRIES = Counter(
+    "trajmesh_bus_weights_publish_retries_total",
+    "Weights announcements retried because NATS was unreachable or timed out",
+)
 POISON_MESSAGES = Counter(
     "trajmesh_bus_poison_messages_total",
     "Messages terminated (AckTerm) after more than max_deliveries deliveries",
@@ -530,18 +538,36 @@ class Bus:
                         max_deliveries=deliveries, on_poison=on_poison)
 
     # -- weights --------------------------------------------------------------------------
-    async def publish_weights(self, version: int, announcement: bytes) -> None:
+    async def publish_weights(self, version: int, announcement: bytes, *,
+                              retry_s: float = WEIGHTS_PUBLISH_RETRY_S) -> None:
         """Announce policy ``version``: ``announcement`` is the caller's serialized message
         (version, path, sha256). Written to KV ``latest`` first, so anyone who hears the stream
-        message and reads the KV sees it, then published on WEIGHTS (deduped per version)."""
-        kv = await self._ensure_kv()
-        await kv.put(KV_WEIGHTS_KEY, announcement)
-        await self.publish(
-            SUBJECT_WEIGHTS,
-            announcement,
-            msg_id=f"weights-v{version}",
-            headers={WEIGHTS_VERSION_HEADER: str(version)},
-        )
+        message and reads the KV sees it, then published on WEIGHTS (deduped per version).
+
+        A NATS error or timeout (NATS restarting) is retried with backoff for up to ``retry_s``
+        seconds, then raised: both writes are idempotent (the KV value is the same, the stream
+        dedupes on the version's message id), and a learner that exits here has already trained
+        the step it announces (issue 16)."""
+        deadline = time.monotonic() + retry_s
+        delay = 0.2
+        while True:
+            try:
+                kv = await self._ensure_kv()
+                await kv.put(KV_WEIGHTS_KEY, announcement)
+                await self.publish(
+                    SUBJECT_WEIGHTS,
+                    announcement,
+                    msg_id=f"weights-v{version}",
+                    headers={WEIGHTS_VERSION_HEADER: str(version)},
+                )
+                return
+            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as err:
+                if time.monotonic() + delay > deadline:
+                    raise
+                WEIGHTS_PUBLISH_RETRIES.inc()
+                _log.warning("announcing weights v%d failed (%s); retrying in %.1f s", version, err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def latest_weights(self) -> bytes | None:
         """The latest announcement from the KV bucket, None if no version was published yet."""
