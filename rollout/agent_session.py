@@ -285,22 +285,29 @@ class AgentSession:
         turn = 0
         for seg in segments:
             traj.start_segment()
-            traj.append_prompt(seg.prompt_ids, turn_index=turn)
-            pos = len(seg.prompt_ids)
-            for k, comp in enumerate(seg.links):
-                call = self._calls_by_completion[id(comp)]
-                if k:
-                    traj.append_observation(call.prompt_ids[pos:], turn_index=turn - 1)
-                span = traj.append_sampled(comp.output_ids, comp.logprobs, comp.versions, turn_index=turn)
-                if call.parent is not None and id(call.parent) in span_of:  # the call graph
-                    span.parent_span_id = span_of[id(call.parent)]
-                span_of[id(comp)] = span.span_id
-                pos = len(call.prompt_ids) + len(comp.output_ids)
-                turn += 1
+            turn = self._append_segment(traj, seg, span_of, turn)
         if len(segments) == 1:  # one sequence: no starts (as the project's own agent loop)
             traj.pb.ClearField("sequence_starts")
         traj.pb.timing.rollout_seconds = max(c.finished for c in self.calls) - self.started
         return traj
+
+    def _append_segment(self, traj: Trajectory, seg: Segment, span_of: dict[int, str], turn: int) -> int:
+        """One segment onto ``traj``: its prompt (mask 0, at turn index ``turn``), then per link the
+        engine's tokens (mask 1, log-probs, versions) and the text to the next link (mask 0); each
+        span's parent is the span of the call that caused it. Returns the next turn index."""
+        traj.append_prompt(seg.prompt_ids, turn_index=turn)
+        pos = len(seg.prompt_ids)
+        for k, comp in enumerate(seg.links):
+            call = self._calls_by_completion[id(comp)]
+            if k:
+                traj.append_observation(call.prompt_ids[pos:], turn_index=turn - 1)
+            span = traj.append_sampled(comp.output_ids, comp.logprobs, comp.versions, turn_index=turn)
+            if call.parent is not None and id(call.parent) in span_of:  # the call graph
+                span.parent_span_id = span_of[id(call.parent)]
+            span_of[id(comp)] = span.span_id
+            pos = len(call.prompt_ids) + len(comp.output_ids)
+            turn += 1
+        return turn
 
     def final_segment(self) -> int | None:
         """Index (in ``segments()``) of the segment holding the last completion the agent received."""
@@ -318,17 +325,7 @@ class AgentSession:
         for n, seg in enumerate(self.segments()):
             traj = Trajectory.new(task, trajectory_id=f"{base_id}-s{n}-{seg.reason}",
                                   rollout_worker=rollout_worker, created_unix_seconds=self.started)
-            traj.append_prompt(seg.prompt_ids)
-            pos = len(seg.prompt_ids)
-            for turn, comp in enumerate(seg.links):
-                call = self._calls_by_completion[id(comp)]
-                if turn:
-                    traj.append_observation(call.prompt_ids[pos:], turn_index=turn - 1)
-                span = traj.append_sampled(comp.output_ids, comp.logprobs, comp.versions, turn_index=turn)
-                if call.parent is not None and id(call.parent) in span_of:  # the call graph
-                    span.parent_span_id = span_of[id(call.parent)]
-                span_of[id(comp)] = span.span_id
-                pos = len(call.prompt_ids) + len(comp.output_ids)
+            self._append_segment(traj, seg, span_of, 0)
             traj.pb.timing.rollout_seconds = max(c.finished for c in self.calls) - self.started
             out.append(traj)
         return out
