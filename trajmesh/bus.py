@@ -119,8 +119,8 @@ WEIGHTS_PUBLISH_RETRY_S = 120.0
 fails; a JetStream restart with recovery takes seconds to tens of seconds."""
 
 WEIGHTS_PUBLISH_RETRIES = Counter(
-    "trajmesh_bus_weights_publish_retries_total",
-    "Weights announcements retried because NATS was unreachable or timed out",
+    "trajmesh_bus_weights_publish_failures_total",
+    "Failed weights announcement attempts (NATS unreachable or timed out), each retried until its deadline",
 )
 POISON_MESSAGES = Counter(
     "trajmesh_bus_poison_messages_total",
