@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -100,3 +101,15 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def setup_then_stop(service: Any) -> Any:
+    """Run a service's ``setup()`` (what start-up checks it makes), then ``stop()`` whatever happened."""
+    async def body() -> None:
+        try:
+            await service.setup()
+        finally:
+            await service.stop()
+
+    asyncio.run(body())
+    return service

@@ -12,11 +12,12 @@ did not generate (the template's framing / tool results), version -1.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, write_manifest
 
-from trajmesh.config import load_config
+from trajmesh.config import RunConfig, load_config
 from trajmesh.launcher import accounting, start_mesh
 from trajmesh.run_end import end_run
 from trajmesh.tasks import load_split
@@ -41,14 +42,17 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_chatml_model(root / "model", texts, max_positions=1024))
 
 
-def test_example_agent_trains_through_the_mesh(tmp_path: Path, chat_model_dir: str) -> None:
+def _train_through_the_mesh(tmp_path: Path, model_dir: str, source: dict[str, Any], steps: int
+                            ) -> tuple[RunConfig, list[dict[str, Any]]]:
+    """The whole mesh on one external-agent source until the learner's `steps`; exact accounting,
+    no stale, gate = archive. The run's config and archive rows."""
     cfg = load_config(None, {
-        "run_dir": str(tmp_path / "run"), "model.path": chat_model_dir, "gate.eta": 1,
-        "tasks.sources": [SOURCE], "tasks.group_size": 2, "tasks.train_size": 30, "tasks.heldout_size": 5,
+        "run_dir": str(tmp_path / "run"), "model.path": model_dir, "gate.eta": 1,
+        "tasks.sources": [source], "tasks.group_size": 2, "tasks.train_size": 30, "tasks.heldout_size": 5,
         "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "rollout.agent_endpoint.max_tokens": 24,
         "grader.replicas": 1, "store.drop_zero_variance_groups": False,
-        "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
-        "learner.checkpoint_every": STEPS,
+        "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": steps,
+        "learner.checkpoint_every": steps,
     })
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
@@ -64,6 +68,11 @@ def test_example_agent_trains_through_the_mesh(tmp_path: Path, chat_model_dir: s
     finally:
         mesh.stop_services()
         mesh.stop_infra()
+    return cfg, rows
+
+
+def test_example_agent_trains_through_the_mesh(tmp_path: Path, chat_model_dir: str) -> None:
+    cfg, rows = _train_through_the_mesh(tmp_path, chat_model_dir, SOURCE, STEPS)
     steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
     from trajmesh.tokenizer import load_tokenizer
@@ -103,28 +112,7 @@ def test_agent_that_edits_history_trains_every_segment(tmp_path: Path, chat_mode
     opens with its own prompt, masked 0); the store and the learner take them with exact accounting."""
     (tmp_path / "edit_agent.py").write_text(EDITING_AGENT)
     source = {**SOURCE, "agent": "edit_agent:solve_then_edit_history", "python_path": [str(tmp_path), EXAMPLES]}
-    cfg = load_config(None, {
-        "run_dir": str(tmp_path / "run"), "model.path": chat_model_dir, "gate.eta": 1,
-        "tasks.sources": [source], "tasks.group_size": 2, "tasks.train_size": 30, "tasks.heldout_size": 5,
-        "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "rollout.agent_endpoint.max_tokens": 24,
-        "grader.replicas": 1, "store.drop_zero_variance_groups": False,
-        "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": 2,
-        "learner.checkpoint_every": 2,
-    })
-    Path(cfg.run_dir).mkdir(parents=True)
-    write_manifest(cfg)
-    mesh = start_mesh(cfg)
-    try:
-        learner = next(p for p in mesh.procs if p.name == "learner")
-        assert learner.popen.wait(timeout=360) == 0, learner.log_path.read_text()[-3000:]
-        assert end_run(mesh) == 0
-        acct = accounting(mesh.cfg)
-        rows = check_archive(mesh.cfg, acct, eta=1)
-        check_no_stale(acct)
-        check_gate_reconciles(mesh.cfg, rows)
-    finally:
-        mesh.stop_services()
-        mesh.stop_infra()
+    cfg, rows = _train_through_the_mesh(tmp_path, chat_model_dir, source, 2)
     steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == [1, 2]
     from trajmesh.tokenizer import load_tokenizer

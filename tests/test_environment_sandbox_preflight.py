@@ -3,9 +3,8 @@ without cgroup v2 delegation it refuses (SandboxUnavailable) unless sandbox.allo
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from mesh_checks import setup_then_stop
 from trajmesh.services.environment import EnvironmentService
 
 from trajmesh import sandbox
@@ -14,15 +13,7 @@ from trajmesh.config import load_config
 
 def _setup(overrides: dict) -> EnvironmentService:
     service = EnvironmentService(load_config(None, overrides))
-
-    async def body() -> None:
-        try:
-            await service.setup()
-        finally:
-            await service.stop()
-
-    asyncio.run(body())
-    return service
+    return setup_then_stop(service)
 
 
 @pytest.mark.skipif(not sandbox.cgroup_problem(), reason="this host delegates cgroup v2: nothing to refuse")

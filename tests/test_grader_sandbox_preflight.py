@@ -7,10 +7,10 @@ relabelled `grader: code` (the grader reads a task's grader from its metadata)."
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
+from mesh_checks import setup_then_stop
 from trajmesh.services.grader import GraderService, sandboxed_sources
 
 from trajmesh import sandbox, tasks
@@ -34,15 +34,7 @@ def _code_graded_math(monkeypatch: pytest.MonkeyPatch) -> None:
 def _setup(overrides: dict[str, Any], nats: NatsServer, redis: RedisServer, model: str) -> GraderService:
     service = GraderService(load_config(None, {"infra.nats_url": nats.url, "infra.redis_url": redis.url,
                                                "model.path": model, **overrides}))
-
-    async def body() -> None:
-        try:
-            await service.setup()
-        finally:
-            await service.stop()
-
-    asyncio.run(body())
-    return service
+    return setup_then_stop(service)
 
 
 def test_sandboxed_sources_read_each_sources_grader(monkeypatch: pytest.MonkeyPatch) -> None:
