@@ -121,11 +121,11 @@ class LearnerService(Service):
         self.rl_seconds = 0.0
         self.trajectories_trained = 0
         self.checkpointed_version = -1
+        """The version the last checkpoint holds (-1: none written by this process)."""
         self.announced_floor = -1
         """On resume: the newest version announced before the crash. Replayed versions below it are
         bitwise the ones already announced, so they are not announced again (a rollout would step
         back to older weights and sample tasks admitted at the newer version with them)."""
-        """The version the last checkpoint holds (-1: none written by this process)."""
         self.stopped_group = False
         """Leader: the followers were told to stop (sent once)."""
         # What setup() opens, None until then (the leader's connections; followers open none).
