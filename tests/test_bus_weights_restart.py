@@ -42,7 +42,7 @@ def test_weights_watch_sees_announcements_made_after_a_nats_restart(nats_server:
 
 
 def _retries() -> float:
-    return busmod.WEIGHTS_PUBLISH_RETRIES._value.get()
+    return busmod.WEIGHTS_PUBLISH_FAILURES._value.get()
 
 
 def test_weights_announcement_is_retried_while_nats_is_down(nats_server: NatsServer) -> None:

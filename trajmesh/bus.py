@@ -118,7 +118,7 @@ WEIGHTS_PUBLISH_RETRY_S = 120.0
 """How long a weights announcement is retried while NATS is unreachable (restarting) before it
 fails; a JetStream restart with recovery takes seconds to tens of seconds."""
 
-WEIGHTS_PUBLISH_RETRIES = Counter(
+WEIGHTS_PUBLISH_FAILURES = Counter(
     "trajmesh_bus_weights_publish_failures_total",
     "Failed weights announcement attempts (NATS unreachable or timed out), each retried until its deadline",
 )
@@ -564,7 +564,7 @@ class Bus:
             except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as err:
                 if time.monotonic() + delay > deadline:
                     raise
-                WEIGHTS_PUBLISH_RETRIES.inc()
+                WEIGHTS_PUBLISH_FAILURES.inc()
                 _log.warning("announcing weights v%d failed (%s); retrying in %.1f s", version, err, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
