@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from prometheus_client import Counter, Histogram
 from trajmesh.rollout.engine_client import EngineError, GenerateResult, token_versions
 
-from trajmesh.config import EngineConfig
+from trajmesh.config import EngineConfig, HttpEngineConfig
 
 TOKENS = Counter("trajmesh_rollout_generated_tokens_total", "Tokens sampled by the engine")
 INTERRUPTIONS = Counter("trajmesh_rollout_interrupted_requests_total", "Generations resumed after an abort")
@@ -150,10 +150,13 @@ class TurnSampler:
                 return turn
             INTERRUPTIONS.inc()
             if self.pause.epoch == epoch and self.pause.ready.is_set():
-                aborts += 1  # not our weight load: an abort of other origin, retried with a bound
-                if aborts > self.cfg.max_abort_retries:
+                # Not our weight load: an abort of other origin, retried with a bound (an engine
+                # without abort retries in its config, e.g. synthetic, never aborts: it fails at once).
+                aborts += 1
+                http = self.cfg if isinstance(self.cfg, HttpEngineConfig) else None
+                if http is None or aborts > http.max_abort_retries:
                     raise EngineFailed("aborted", str(res.finish_reason.get("message", "")))
-                await asyncio.sleep(min(self.cfg.abort_backoff_s * 2 ** (aborts - 1), MAX_ABORT_BACKOFF_S))
+                await asyncio.sleep(min(http.abort_backoff_s * 2 ** (aborts - 1), MAX_ABORT_BACKOFF_S))
 
     def _sampling(self, params: Any, room: int, seed: int | None) -> dict[str, Any]:
         sampling: dict[str, Any] = {

@@ -168,7 +168,11 @@ class RolloutService(Service):
         return f"http://127.0.0.1:{port}"
 
     async def _wait_engine(self) -> None:
-        timeout_s = self.cfg.rollout.engine.startup_timeout_s
+        from trajmesh.config import HttpEngineConfig
+
+        ec = self.cfg.rollout.engine
+        assert isinstance(ec, HttpEngineConfig), "only an engine behind HTTP has a server to wait for"
+        timeout_s = ec.startup_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.engine_proc is not None and self.engine_proc.poll() is not None:

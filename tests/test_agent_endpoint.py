@@ -37,7 +37,7 @@ from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids  # noqa: E40
 from trajmesh.rollout.engine_client import EngineClient  # noqa: E402
 from trajmesh.rollout.generation import PauseClock, TurnSampler  # noqa: E402
 
-from trajmesh.config import EngineConfig  # noqa: E402
+from trajmesh.config import TorchEngineConfig  # noqa: E402
 from trajmesh.infra import free_port  # noqa: E402
 from trajmesh.tokenizer import load_tokenizer  # noqa: E402
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
@@ -137,7 +137,7 @@ class Harness:
         self.pause = PauseClock()
         stop_ids = model_stop_ids(self.model, self.tok.eos_token_id)
         self.engine = RecordingEngine("http://unset")
-        sampler = TurnSampler(self.engine, EngineConfig(request_timeout_s=120), stop_ids=stop_ids,
+        sampler = TurnSampler(self.engine, TorchEngineConfig(request_timeout_s=120), stop_ids=stop_ids,
                               pause=self.pause, context_len=1024, loaded_version=lambda: 0)
         self.ep = AgentEndpoint(self.tok, self.chat, sampler, self.pause, model_name="tiny", default_max_tokens=48)
         self.script = _train_script(self.model, self.ep, self.tok)

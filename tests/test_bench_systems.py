@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 
-from trajmesh.config import SimulatedStepCost, SyntheticTiming, load_config
+from trajmesh.config import SimulatedStepCost, SyntheticEngineConfig, SyntheticTiming, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.v1 import trajectory_pb2
 
@@ -95,9 +95,9 @@ def test_learner_step_cost_knob() -> None:
     assert cost.seconds(4000) - cost.seconds(2000) == pytest.approx(2.0)
     assert not SimulatedStepCost().enabled  # off by default: the learner trains
     cfg = load_config(None, {"learner.simulated_step.seconds_per_token": 0.002,
-                             "rollout.engine.synthetic.decode_step_s": 0.01})
+                             "rollout.engine.type": "synthetic", "rollout.engine.synthetic.decode_step_s": 0.01})
     assert cfg.learner.simulated_step.seconds(100) == pytest.approx(0.2)
-    assert cfg.rollout.engine.synthetic.decode_step_s == 0.01
+    assert isinstance(cfg.rollout.engine, SyntheticEngineConfig) and cfg.rollout.engine.synthetic.decode_step_s == 0.01
 
 
 def test_the_learner_sleeps_the_modelled_step_instead_of_training(tmp_path: Path, tiny_model_dir: str) -> None:

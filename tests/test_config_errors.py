@@ -22,7 +22,8 @@ CASES = [
     ({"tasks.group_size": 0}, ["tasks.group_size"]),
     ({"learner.lr": 0}, ["learner.lr", "greater than 0"]),
     ({"tasks.sampling.temperature": -0.5}, ["tasks.sampling.temperature"]),
-    ({"rollout.engine.type": "sglang"}, ["engine.url", "SGLang"]),
+    ({"rollout.engine.type": "sglang"}, ["rollout.engine.url", "Field required", "add it"]),
+    ({"rollout.engine.synthetic": {}}, ["rollout.engine.synthetic", "'torch' has no such setting", "synthetic"]),
     ({"rollout.engine.type": "vllm"}, ["rollout.engine.type", "'vllm'"]),
     ({"learner.objective.mis_low": 3.0}, ["learner.objective.mis_low", "less than 1"]),  # MIS keeps w in [lo < 1 < hi]
     ({"mode": "eventually"}, ["mode", "'eventually'"]),

@@ -29,7 +29,7 @@ from trajmesh.learner.step import Batch, token_logprobs  # noqa: E402
 from trajmesh.rollout.engine_client import EngineClient, EngineError, parse_weight_version  # noqa: E402
 from trajmesh.rollout.generation import PauseClock, TurnSampler  # noqa: E402
 
-from trajmesh.config import EngineConfig  # noqa: E402
+from trajmesh.config import TorchEngineConfig  # noqa: E402
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
 
 SGLANG_URL = os.environ.get("TRAJMESH_SGLANG_URL")
@@ -194,7 +194,7 @@ def test_rollout_caps_max_new_tokens_at_the_context_length(engine):
     async def go():
         async with EngineClient(engine["url"]) as client:
             ctx = await client.context_length()
-            sampler = TurnSampler(client, EngineConfig(), stop_ids=set(), pause=PauseClock(), context_len=ctx,
+            sampler = TurnSampler(client, TorchEngineConfig(), stop_ids=set(), pause=PauseClock(), context_len=ctx,
                                   loaded_version=lambda: 0)
             params = trajectory_pb2.SamplingParams(temperature=1.0, max_new_tokens=100)
             near_end = await sampler.sample([5] * (ctx - 5), params)

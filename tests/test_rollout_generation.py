@@ -16,7 +16,7 @@ import pytest
 from trajmesh.rollout.engine_client import EngineError, GenerateResult, parse_weight_version, token_versions
 from trajmesh.rollout.generation import EngineFailed, NewestOnly, PauseClock, TurnSampler, sampling_seed
 
-from trajmesh.config import EngineConfig
+from trajmesh.config import SyntheticEngineConfig, TorchEngineConfig
 from trajmesh.v1 import trajectory_pb2
 
 EOS = 2
@@ -47,7 +47,7 @@ class ScriptedEngine:
 
 
 def _sampler(engine: Any, pause: PauseClock | None = None, **cfg: Any) -> TurnSampler:
-    return TurnSampler(engine, EngineConfig(**{"abort_backoff_s": 0.0, **cfg}), stop_ids={EOS},
+    return TurnSampler(engine, TorchEngineConfig(**{"abort_backoff_s": 0.0, **cfg}), stop_ids={EOS},
                        pause=pause or PauseClock(), context_len=None, loaded_version=lambda: 5)
 
 
@@ -100,6 +100,16 @@ def test_aborts_of_other_origin_are_retried_with_a_bound():
     with pytest.raises(EngineFailed) as failed:
         asyncio.run(_sampler(engine, max_abort_retries=2).sample([1], PARAMS))
     assert failed.value.reason == "aborted" and len(engine.requests) == 3
+
+
+def test_an_engine_config_without_abort_retries_fails_on_the_first_foreign_abort():
+    # The synthetic engine never aborts, so its config has no retries: an abort is not resubmitted.
+    engine = ScriptedEngine(_result([5], "abort"), _result([6, EOS], "stop"))
+    sampler = TurnSampler(engine, SyntheticEngineConfig(), stop_ids={EOS}, pause=PauseClock(), context_len=None,
+                          loaded_version=lambda: 5)
+    with pytest.raises(EngineFailed) as failed:
+        asyncio.run(sampler.sample([1], PARAMS))
+    assert failed.value.reason == "aborted" and len(engine.requests) == 1
 
 
 def test_an_engine_error_fails_the_turn_with_a_reason():

@@ -19,9 +19,9 @@ from pydantic import (
     Field,
     SerializeAsAny,
     ValidationError,
-    field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -276,48 +276,103 @@ class SyntheticTiming(_Strict):
 
 
 class EngineConfig(_Strict):
-    type: str = "torch"
+    """What every rollout engine's config has. An engine type is a plug-in (`trajmesh.plugins.ENGINES`):
+    its config class derives from this one, and `rollout.engine` is parsed by the class registered for
+    its `type` (`_registered_engine`), so a setting another engine type owns is rejected at load time."""
+
+    type: str
     """A registered engine type (`trajmesh.plugins.ENGINES`, listed by `trajmesh envs`): torch, the
     built-in CPU engine, started by each rollout process; sglang, an external server at url;
     synthetic, uniform random tokens, no model, for load tests and benchmarks (instant unless
     `synthetic` models decode time and response lengths)."""
-    synthetic: SyntheticTiming = Field(default_factory=lambda: SyntheticTiming())
-    """Timing and length model of the synthetic engine (ignored by the others)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest one /generate request may take, not counting time the engine spends paused for a
+    weight load; past it the trajectory ends as INFRA_FAILURE (reason timeout)."""
+
+
+class HttpEngineConfig(EngineConfig):
+    """An engine behind SGLang's HTTP API (torch, sglang): rollout/engine_client.py speaks to it."""
+
     url: str | None = None
-    """Base URL of an already running engine (required for sglang)."""
+    """Base URL of an already running engine (None: the torch engine starts its own server)."""
     batch_window_ms: float = Field(2.0, ge=0, le=1000)
     """How long a rollout process collects concurrent /generate calls before sending them to the
-    engine as one batch request (0: those made in the same event-loop tick). Not used by the
-    synthetic engine."""
+    engine as one batch request (0: those made in the same event-loop tick)."""
     startup_timeout_s: float = Field(120.0, gt=0)
     """How long rollout waits for the engine's /health at start (SGLang loading weights: minutes).
     On a cluster, match the engine container's startup allowance (the Helm chart sets both from
     rollout.sglang.startupSeconds)."""
-    request_timeout_s: float = Field(600.0, gt=0)
-    """Longest one /generate request may take, not counting time the engine spends paused for a
-    weight load; past it the trajectory ends as INFRA_FAILURE (reason timeout)."""
     max_abort_retries: int = Field(5, ge=0)
     """Aborts not caused by this rollout's own weight-load pause that one turn resubmits before its
     trajectory ends as INFRA_FAILURE (reason aborted)."""
     abort_backoff_s: float = Field(0.5, ge=0)
     """First wait before resubmitting after such an abort; doubles per retry (at most 30 s)."""
 
-    @field_validator("type")
-    @classmethod
-    def _registered_engine(cls, value: str) -> str:
-        from trajmesh import plugins
 
-        plugins.engine(value)  # an unregistered type fails here, naming the registered ones
+class TorchEngineConfig(HttpEngineConfig):
+    """The built-in CPU engine (rollout/engine_server.py): a child of each rollout process, or the
+    running one at `url`."""
+
+    type: Literal["torch"] = "torch"
+    """Selects the built-in torch engine (the default)."""
+
+
+class SGLangEngineConfig(HttpEngineConfig):
+    """An external SGLang server (GPU deployments; the Helm chart runs one beside each rollout)."""
+
+    type: Literal["sglang"] = "sglang"
+    """Selects an external SGLang server."""
+    url: str = Field(min_length=1)
+    """Base URL of the running SGLang server (required: rollout never starts one)."""
+
+
+class SyntheticEngineConfig(EngineConfig):
+    """Uniform random tokens, no model (rollout/synthetic_engine.py), for load tests and benchmarks.
+    It runs in the rollout process, answers at once and never aborts, so it has no url, batch window,
+    startup wait or abort retries."""
+
+    type: Literal["synthetic"] = "synthetic"
+    """Selects the synthetic engine."""
+    synthetic: SyntheticTiming = Field(default_factory=lambda: SyntheticTiming())
+    """Timing and length model (all zero: instant answers running to max_new_tokens)."""
+
+
+def _engine_error(errors: list[tuple[str, str, str, Any]]) -> ValidationError:
+    """A validation error at keys of `rollout.engine`: (key, error type, message, input) each."""
+    return ValidationError.from_exception_data("EngineConfig", [
+        InitErrorDetails(type=PydanticCustomError(kind, "{msg}", {"msg": msg}), loc=(key,), input=value)
+        for key, kind, msg, value in errors])
+
+
+def _registered_engine(value: Any) -> Any:
+    """`rollout.engine` parsed by the config class of its type's plug-in (`trajmesh.plugins.ENGINES`;
+    no type: torch). A key the chosen class lacks is rejected naming the engine types that have it."""
+    if isinstance(value, EngineConfig):
         return value
+    from trajmesh import plugins
 
-    @model_validator(mode="after")
-    def _engine_needs_url(self) -> EngineConfig:
-        from trajmesh import plugins
+    if not isinstance(value, dict):
+        raise ValueError(f"an engine is a mapping with a type (one of {sorted(plugins.ENGINES)}), "
+                         f"got {type(value).__name__}")
 
-        eng = plugins.engine(self.type)
-        if eng.needs_url and not self.url:
-            raise ValueError(f"engine.type {self.type!r} needs engine.url ({eng.description})")
-        return self
+    type_ = value.get("type", "torch")
+    if not isinstance(type_, str) or type_ not in plugins.ENGINES:
+        raise _engine_error([("type", "unknown_engine", f"unknown rollout engine type {type_!r}; registered: "
+                                      f"{sorted(plugins.ENGINES)}", type_)])
+    cls = plugins.ENGINES[type_].config
+    extra = []
+    for key in value:
+        if key not in cls.model_fields:
+            owners = sorted(t for t, p in plugins.ENGINES.items() if key in p.config.model_fields)
+            where = f" (a setting of {', '.join(owners)})" if owners else ""
+            extra.append((str(key), "extra_forbidden", f"engine type {type_!r} has no such setting{where}", value[key]))
+    if extra:
+        raise _engine_error(extra)
+    return cls.model_validate(value)
+
+
+Engine = Annotated[SerializeAsAny[EngineConfig], BeforeValidator(_registered_engine)]
+"""`rollout.engine`: the config class registered for its `type` (`trajmesh.plugins.ENGINES`)."""
 
 
 class AgentEndpointConfig(_Strict):
@@ -336,8 +391,8 @@ class AgentEndpointConfig(_Strict):
 class RolloutConfig(_Strict):
     replicas: int = Field(2, ge=1)
     """Rollout processes started by the local launcher."""
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    """The inference engine rollout generates with."""
+    engine: Engine = Field(default_factory=lambda: TorchEngineConfig())
+    """The inference engine rollout generates with: the config class of its `type` (default torch)."""
     concurrent_tasks: int = Field(4, ge=1)
     """Tasks one rollout process works on at once."""
     task_ack_wait_s: float = Field(60.0, gt=0)

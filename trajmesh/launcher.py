@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh import security
-from trajmesh.config import ConfigError, RunConfig, dump_config
+from trajmesh.config import ConfigError, HttpEngineConfig, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, die_with_parent, free_port
 
 log = logging.getLogger("trajmesh.launcher")
@@ -362,9 +362,10 @@ def _check_binaries(cfg: RunConfig) -> None:
 def _check_reachable(cfg: RunConfig) -> None:
     """Servers and an engine the config points at must answer on their ports."""
     infra, engine = cfg.infra, cfg.rollout.engine
+    engine_url = engine.url if isinstance(engine, HttpEngineConfig) else None
     targets = [(infra.nats_url, "infra.nats_url", 4222, "infra.nats_url to let trajmesh start its own"),
                (infra.redis_url, "infra.redis_url", 6379, "infra.redis_url to let trajmesh start its own"),
-               (engine.url, "rollout.engine.url", 80, "rollout.engine.url to use the built-in torch engine")]
+               (engine_url, "rollout.engine.url", 80, "rollout.engine.url to use the built-in torch engine")]
     for url, key, port, alternative in targets:
         if url is not None and not _reachable(url, port):
             raise ConfigError(f"{key}: cannot reach {url} (start that server, or remove {alternative})")

@@ -33,6 +33,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from trajmesh.config import EngineConfig, SGLangEngineConfig, SyntheticEngineConfig, TorchEngineConfig
+
 ConfigClass = type[BaseModel]
 """A source's config class (a `trajmesh.config.SourceConfig` subclass)."""
 
@@ -151,6 +153,10 @@ def environment_class(kind: str) -> Any:
 # ------------------------------------------------------------------ rollout engines
 
 
+EngineConfigClass = type[EngineConfig]
+"""An engine's config class (a `trajmesh.config.EngineConfig` subclass)."""
+
+
 @dataclass(frozen=True)
 class EnginePlugin:
     """One rollout engine type (`rollout.engine.type`): how a rollout process gets its engine and how
@@ -165,24 +171,32 @@ class EnginePlugin:
     """"module:function": ``async start(rollout_service) -> engine`` (rollout/engines.py)."""
     weights: str
     """What loading an announced version does on this engine (reported by `trajmesh envs`)."""
-    needs_url: bool = False
-    """True: `rollout.engine.url` is required (an external server)."""
+    config: EngineConfigClass
+    """Its config class (a `trajmesh.config.EngineConfig`; `type` defaults to this type):
+    `rollout.engine` is parsed by it, so a setting of another engine type is rejected at load time."""
     server_version: str | None = None
     """"module:function" ``(url) -> str``: the external server's release, recorded in the manifest."""
+
+    @property
+    def needs_url(self) -> bool:
+        """True: its config requires `rollout.engine.url` (an external server)."""
+        field = self.config.model_fields.get("url")
+        return field is not None and field.is_required()
 
 
 ENGINES: dict[str, EnginePlugin] = {plugin.type: plugin for plugin in (
     EnginePlugin("torch", "the built-in CPU engine (rollout/engine_server.py), a child of each rollout process "
                  "unless rollout.engine.url points at a running one",
                  start="trajmesh.rollout.engines:start_http",
-                 weights="the engine server loads the published safetensors (update_weights_from_disk)"),
+                 weights="the engine server loads the published safetensors (update_weights_from_disk)",
+                 config=TorchEngineConfig),
     EnginePlugin("sglang", "an external SGLang server at rollout.engine.url",
                  start="trajmesh.rollout.engines:start_http",
-                 weights="SGLang's update_weights_from_disk loads the published safetensors", needs_url=True,
-                 server_version="trajmesh.manifest:engine_server_version"),
+                 weights="SGLang's update_weights_from_disk loads the published safetensors",
+                 config=SGLangEngineConfig, server_version="trajmesh.manifest:engine_server_version"),
     EnginePlugin("synthetic", "uniform random tokens, no model (rollout/synthetic_engine.py), for load tests "
                  "and benchmarks", start="trajmesh.rollout.engines:start_synthetic",
-                 weights="the version number only (there are no weights)"),
+                 weights="the version number only (there are no weights)", config=SyntheticEngineConfig),
 )}
 """Rollout engines by `rollout.engine.type`; the config accepts exactly these types."""
 

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from trajmesh.config import RunConfig, dump_config
+from trajmesh.config import HttpEngineConfig, RunConfig, dump_config
 from trajmesh.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
 from trajmesh.run_end import end_run
 
@@ -401,9 +401,10 @@ def _framework_versions(cfg: RunConfig) -> dict[str, str]:
     from trajmesh.manifest import framework_versions
 
     versions = framework_versions()
-    eng = plugins.engine(cfg.rollout.engine.type)
-    if eng.server_version is not None and cfg.rollout.engine.url:
-        versions[f"{eng.type}_server"] = plugins.load(eng.server_version)(cfg.rollout.engine.url)
+    ec = cfg.rollout.engine
+    eng = plugins.engine(ec.type)
+    if eng.server_version is not None and isinstance(ec, HttpEngineConfig) and ec.url:
+        versions[f"{eng.type}_server"] = plugins.load(eng.server_version)(ec.url)
     return versions
 
 
