@@ -1,15 +1,44 @@
 """The ``external_agent`` task source's plug-in entry (`trajmesh.plugins`): reasoning-gym tasks that a
 user's own agent solves through the rollout's agent endpoint (envs/external_agent.py runs the agent,
-graders/external_agent.py scores its answer). No torch."""
+graders/external_agent.py scores its answer; rollout/agent_episodes.py holds the rollout hooks the
+plug-in names: serve the endpoint, run one agent per sample). No torch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from trajmesh.envs.external_agent import ExternalAgentEnv
 
-from trajmesh.config import ExternalAgentSource
+from trajmesh.config import SourceConfig
 from trajmesh.plugins import SourcePlugin
+
+
+class ExternalAgentSource(SourceConfig):
+    """A user's own agent solves reasoning-gym tasks through the rollout's OpenAI/Anthropic-compatible
+    endpoint (envs/external_agent.py, docs/AGENTS.md); its LLM calls become the trajectories."""
+
+    type: Literal["external_agent"] = "external_agent"
+    """Selects this source: tasks solved by an external agent through the agent endpoint."""
+    name: str = "external_agent"
+    """Source name recorded on every task and trajectory (unique across sources)."""
+    agent: str
+    """``package.module:function`` called as ``function(task, base_url, api_key)`` in its own
+    process (returns the final answer), or the URL of an HTTP agent (POST {task, base_url, api_key},
+    answers {"answer": ...})."""
+    python_path: list[str] = Field(default_factory=list)
+    """Folders prepended to the agent process's PYTHONPATH (where its module lives)."""
+    budget_s: float = Field(300.0, gt=0)
+    """Wall-clock budget of one agent run; past it the run ends as WALL_TIMEOUT."""
+    family: str = "chain_sum"
+    """reasoning-gym task family the agent is given (graded by its own score_answer)."""
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    """Difficulty knobs passed to the family's generator."""
+    tasks_from: Literal["reasoning_gym", "workplace"] = "reasoning_gym"
+    """Where the agent's tasks come from: ``reasoning_gym`` (the ``family``'s tasks; the answer the
+    agent returns is graded by the family's scorer) or ``workplace`` (workplace tasks; the agent acts
+    on a workplace environment the runner hosts for its session, ``POST <base_url without /v1>/env/step``,
+    and the run is graded by that environment's final state)."""
 
 
 def draw(src: ExternalAgentSource, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
@@ -36,4 +65,6 @@ PLUGIN = SourcePlugin(
     type="external_agent", config=ExternalAgentSource, draw=draw,
     environments={"external_agent": ExternalAgentEnv},
     graders={"external_agent": "trajmesh.graders.external_agent:ExternalAgentGrader"},
+    rollout_setup="trajmesh.rollout.agent_episodes:serve_endpoint",
+    rollout_episodes={"external_agent": "trajmesh.rollout.agent_episodes:run_episode"},
     description="a user's own agent solves reasoning-gym or workplace tasks through the rollout's agent endpoint")

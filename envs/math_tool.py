@@ -20,8 +20,9 @@ import hashlib
 import random
 import time
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from trajmesh.envs.base import (
     NativeAction,
     StepResult,
@@ -34,8 +35,26 @@ from trajmesh.envs.base import (
 )
 
 from trajmesh import sandbox
-from trajmesh.config import MathToolSource
+from trajmesh.config import ToolSourceConfig
 from trajmesh.plugins import SourcePlugin
+
+
+class MathToolSource(ToolSourceConfig):
+    """Math problems solved with a sandboxed Python tool (envs/math_tool.py, graded by math-verify)."""
+
+    type: Literal["math_tool"] = "math_tool"
+    """Selects this source: math with a sandboxed Python tool."""
+    name: str = "math_tool"
+    """Source name recorded on every task and trajectory (unique across sources)."""
+    difficulty: int = Field(1, ge=1, le=4)
+    """Operand size: about 10**(1+difficulty)."""
+    max_tool_calls: int = Field(3, ge=0)
+    """Sandboxed code runs per episode; more are answered 'tool budget exhausted'."""
+    call_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock deadline of one code run (CPU limit 0.8x)."""
+    max_output_bytes: int = Field(1024, gt=0)
+    """Tool output returned to the policy per call."""
+
 
 CONTAINMENT = ("network", "fs_write", "secret_access", "signal", "process_limit", "orphan_process", "setup")
 """Sandbox subclasses that end the episode (the rest are returned to the policy as tool errors)."""

@@ -13,13 +13,29 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 
 import reasoning_gym
+from pydantic import Field
 from trajmesh.envs.base import SingleAnswerEnv
 
-from trajmesh.config import ReasoningGymSource
+from trajmesh.config import SourceConfig
 from trajmesh.plugins import SourcePlugin
+
+
+class ReasoningGymSource(SourceConfig):
+    """A reasoning-gym task family by name (this module), scored by the family's own ``score_answer``."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    """Selects this source: a reasoning-gym task family."""
+    name: str = "chain_sum"
+    """Source name recorded on every task and trajectory."""
+    family: str = "chain_sum"
+    """reasoning-gym task family by name (e.g. chain_sum, gcd, basic_arithmetic); chain_sum keeps its
+    compact demo format, every other family is served as single-answer with its own score_answer."""
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    """Difficulty knobs passed to the family's generator (e.g. min_terms, max_digits)."""
+
 
 ANSWER_SUFFIX = "\nAnswer only."
 

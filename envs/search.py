@@ -17,8 +17,9 @@ import math
 import random
 import re
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from trajmesh.envs.base import (
     NativeAction,
     StepResult,
@@ -30,8 +31,26 @@ from trajmesh.envs.base import (
     state_hash,
 )
 
-from trajmesh.config import SearchSource
+from trajmesh.config import ToolSourceConfig
 from trajmesh.plugins import SourcePlugin
+
+
+class SearchSource(ToolSourceConfig):
+    """Search-R1 style QA over a generated corpus with BM25 (envs/search.py)."""
+
+    type: Literal["search"] = "search"
+    """Selects this source: Search-R1 style QA with BM25 search."""
+    name: str = "search"
+    """Source name recorded on every task and trajectory (unique across sources)."""
+    top_k: int = Field(3, ge=1)
+    """Passages returned per search."""
+    max_searches: int = Field(3, ge=0)
+    """Searches per episode; more are answered 'search budget exhausted'."""
+    corpus_size: int = Field(200, ge=10)
+    """Towns in the generated corpus (4 questions each)."""
+    corpus_seed: int = 7
+    """Seed of the generated corpus (the corpus, not the questions, is fixed by it)."""
+
 
 SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "vel", "sa", "dun", "bri", "hol", "quen", "zor", "ath", "ix", "mor"]
 PEOPLE = ["Ilsa", "Oren", "Maro", "Tessa", "Ulric", "Wren", "Yara", "Piet", "Nadia", "Soren"]

@@ -22,12 +22,29 @@ import hashlib
 import json
 import random
 import sqlite3
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from trajmesh.envs.base import StepResult, first_tag, function_schemas, native_instruction, parse_native
 
-from trajmesh.config import WorkplaceSource
+from trajmesh.config import ToolSourceConfig
 from trajmesh.plugins import SourcePlugin
+
+
+class WorkplaceSource(ToolSourceConfig):
+    """The SQLite workplace assistant (envs/workplace.py), verified by final state."""
+
+    type: Literal["workplace"] = "workplace"
+    """Selects this source: the SQLite workplace assistant."""
+    name: str = "workplace"
+    """Source name recorded on every task and trajectory (unique across sources)."""
+    n_employees: int = Field(6, ge=2, le=12)
+    """Employees in each generated database."""
+    n_tasks: int = Field(8, ge=1)
+    """Work items in each generated database."""
+    pool_size: int = Field(2000, gt=0)
+    """Training tasks generated at most (each builds a database); the sampler cycles through them."""
+
 
 FIRST = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lena"]
 DEPTS = ["eng", "ops", "sales"]

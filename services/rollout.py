@@ -33,7 +33,6 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
-from trajmesh.envs.external_agent import AgentRunner
 from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids
 from trajmesh.rollout.engine_client import CoalescingEngine, EngineError
 from trajmesh.rollout.generation import (
@@ -67,8 +66,6 @@ INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
 ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
                        "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
-AGENT_SEGMENTED = Counter("trajmesh_rollout_agent_segmented_trajectories_total",
-                          "External agents' trajectories holding several segments (each trained as its own row)")
 ENV_STEP_TIMEOUT_S = 120.0
 """gRPC deadline of one Reset/Step (a sandboxed tool call is bounded well below it)."""
 _ACTION_TYPES = {"TEXT": trajectory_pb2.TEXT, "CODE": trajectory_pb2.CODE, "TOOL_CALL": trajectory_pb2.TOOL_CALL}
@@ -103,8 +100,13 @@ class RolloutService(Service):
         """The built-in torch engine this process started (None: an external or synthetic engine)."""
         self.channels: list[grpc.aio.Channel] = []
         self.agent_server: Any = None
-        """The agent endpoint's uvicorn server (None: no external_agent source)."""
+        """The agent endpoint's uvicorn server, started by a source's ``rollout_setup`` hook (None: none)."""
         self.agent_serve_task: asyncio.Task[None] | None = None
+        self.agents: Any = None
+        """Runs external agents through the agent endpoint (set by the hook that serves it; None: none)."""
+        self.episode_runners: dict[str, str] = plugins.rollout_episodes()
+        """Environment key -> "module:function" that runs its episodes instead of the environment
+        loop (`SourcePlugin.rollout_episodes`, over every registered source)."""
 
     def _live_bus(self) -> busmod.Bus:
         assert self.bus is not None, "used before setup()"
@@ -144,10 +146,18 @@ class RolloutService(Service):
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
         self.consumer = await bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
         POLICY_VERSION.set(self.version)
-        self.agents: AgentRunner | None = None
-        """Runs external agents through the agent endpoint (None: no external_agent source)."""
-        if any(src.type == "external_agent" for src in cfg.tasks.sources):
-            await self._serve_agent_endpoint()
+        await self._source_setups()
+
+    async def _source_setups(self) -> None:
+        """Runs each configured source type's ``rollout_setup`` hook once, given that type's
+        `tasks.sources` entries (`trajmesh.plugins.SourcePlugin`; e.g. one serves the agent endpoint)."""
+        by_type: dict[str, list[Any]] = {}
+        for src in self.cfg.tasks.sources:
+            by_type.setdefault(src.type, []).append(src)
+        for type_, srcs in by_type.items():
+            hook = plugins.source(type_).rollout_setup
+            if hook is not None:
+                await plugins.load(hook)(self, srcs)
 
     def _start_torch_engine(self, model_path: str, version: int) -> str:
         port = free_port()
@@ -319,47 +329,11 @@ class RolloutService(Service):
             (BUSY_SECONDS if self.inflight else IDLE_SECONDS).inc(1.0)
 
     # ------------------------------------------------------------------ the agent loop
-    async def _serve_agent_endpoint(self) -> None:
-        """The OpenAI/Anthropic-compatible endpoint external agents call (rollout/agent_endpoint.py),
-        generating with this process's sampler (pauses for weight loads included)."""
-        from trajmesh.rollout.agent_endpoint import AgentEndpoint, serve
-
-        ecfg = self.cfg.rollout.agent_endpoint
-        endpoint = AgentEndpoint(self.tokenizer, self.chat, self.sampler, self.pause, model_name=self.cfg.model.path,
-                                 default_max_tokens=ecfg.max_tokens, api_key=ecfg.api_key)
-        port = ecfg.port or free_port()
-        self.agent_server, self.agent_serve_task = await serve(endpoint, ecfg.host, port)
-        self.agents = AgentRunner(endpoint, f"http://{ecfg.host}:{port}", api_key=ecfg.api_key or "trajmesh")
-        log.info("agent endpoint on http://%s:%d/sessions/<sid>/v1", ecfg.host, port)
-
-    async def run_agent_episode(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
-        """One sample of an external_agent task: the agent's run (envs/external_agent.py). The
-        session's one trajectory, every segment in it (one per sample keeps the gate's accounting;
-        the learner trains each segment as a row). No LLM call: INFRA_FAILURE."""
-        assert self.agents is not None, "external_agent task without the agent endpoint"
-        meta = json.loads(task.metadata_json or "{}")
-        tid = f"{task.task_id}-{index}"
-        trajs, outcome = await self.agents.run(task, str(meta["agent"]), float(meta.get("budget_s", 300.0)),
-                                               session_id=f"{tid}-{os.urandom(4).hex()}",
-                                               rollout_worker=self.worker_id,
-                                               python_path=list(meta.get("python_path") or []))
-        if outcome.detail:
-            log.warning("agent on %s: %s", tid, outcome.detail[-500:])
-        if not trajs:
-            traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id, created_unix_seconds=time.time())
-            traj.append_prompt(self.tokenizer.encode(task.prompt))
-            traj.finish(trajectory_pb2.INFRA_FAILURE)
-            return traj
-        if outcome.segments > 1:
-            AGENT_SEGMENTED.inc()
-        (traj,) = trajs
-        traj.pb.trajectory_id = tid
-        traj.pb.timing.rollout_seconds = outcome.seconds
-        return traj
-
     async def run_episode(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
-        if task.environment == "external_agent":
-            return await self.run_agent_episode(task, index)
+        runner = self.episode_runners.get(task.environment)
+        if runner is not None:  # the source runs this environment's episodes itself
+            result: Trajectory = await plugins.load(runner)(self, task, index)
+            return result
         start = time.perf_counter()
         tid = f"{task.task_id}-{index}"
         traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id,

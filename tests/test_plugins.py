@@ -275,3 +275,53 @@ def test_a_source_whose_grader_runs_code_makes_the_grader_service_check_the_sand
         assert grader.sandboxed_sources(cfg) == ["toy_a"]  # math_tool's grader (math-verify) runs no code
     finally:
         plugins.unregister_source("toy")
+
+
+# --------------------------------------------------------------------------- rollout hooks
+
+_HOOK_CALLS: list[tuple[Any, ...]] = []
+"""What the toy source's rollout hooks were called with, in order."""
+
+
+async def _toy_rollout_setup(rollout: Any, sources: list[Any]) -> None:
+    _HOOK_CALLS.append(("setup", rollout, [s.name for s in sources]))
+
+
+async def _toy_rollout_episode(rollout: Any, task: Any, index: int) -> Any:
+    from trajmesh.contract import Trajectory
+
+    _HOOK_CALLS.append(("episode", rollout, task.task_id, index))
+    return Trajectory.new(task, trajectory_id=f"toy-run-{index}", rollout_worker="toy", created_unix_seconds=0.0)
+
+
+def test_the_rollout_runs_a_sources_setup_hook_and_episode_runner_from_the_registry() -> None:
+    # services/rollout.py names no source: what it starts at setup and which episodes it hands to a
+    # source's own runner (external_agent's agent runs) come from SourcePlugin.rollout_setup/_episodes.
+    pytest.importorskip("torch")
+    import asyncio
+
+    from trajmesh.services.rollout import RolloutService
+
+    from trajmesh.v1 import trajectory_pb2
+
+    plugins.register_source(plugins.SourcePlugin(
+        type="toy", config=ToySource, draw=_draw, environments={"toy_env": ToyEnv}, graders={"toy": ToyGrader},
+        rollout_setup=f"{__name__}:_toy_rollout_setup", rollout_episodes={"toy_env": f"{__name__}:_toy_rollout_episode"}))
+    _HOOK_CALLS.clear()
+    try:
+        cfg = load_config(overrides={"tasks.sources": [{"type": "toy", "name": "toy_a"}, {"type": "reasoning_gym"},
+                                                       {"type": "toy", "name": "toy_b"}]})
+        service = RolloutService(cfg)
+        asyncio.run(service._source_setups())
+        assert _HOOK_CALLS == [("setup", service, ["toy_a", "toy_b"])]  # once per type, with its entries
+        task = trajectory_pb2.Task(task_id="t7", group_id="g", source="toy_a", group_size=1, environment="toy_env")
+        traj = asyncio.run(service.run_episode(task, 3))
+        assert _HOOK_CALLS[1:] == [("episode", service, "t7", 3)] and traj.pb.trajectory_id == "toy-run-3"
+        assert "chain_sum" not in service.episode_runners  # other environments keep the environment loop
+        assert plugins.source("external_agent").rollout_episodes.keys() == {"external_agent"}
+        assert "external_agent" in service.episode_runners
+        _HOOK_CALLS.clear()  # a config without the (registered) toy source runs no toy setup hook
+        asyncio.run(RolloutService(load_config(None))._source_setups())
+        assert _HOOK_CALLS == []
+    finally:
+        plugins.unregister_source("toy")

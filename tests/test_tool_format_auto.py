@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -15,7 +16,8 @@ pytest.importorskip("torch")
 
 from chatml_model import CHATML_TEMPLATE, build_chatml_model  # noqa: E402
 
-from trajmesh.config import load_config  # noqa: E402
+from trajmesh import plugins  # noqa: E402
+from trajmesh.config import ToolSourceConfig, load_config  # noqa: E402
 from trajmesh.tasks import load_split  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +35,7 @@ def _formats(model: Path | None, sources: list[dict[str, object]] = SOURCES) -> 
     overrides: dict[str, object] = {"tasks.sources": sources}
     if model is not None:
         overrides["model.path"] = str(model)
-    return [s.tool_format for s in load_config(None, overrides).tasks.sources]  # type: ignore[union-attr]
+    return [s.tool_format for s in load_config(None, overrides).tasks.sources]  # type: ignore[attr-defined]
 
 
 def test_chat_model_with_tool_calls_resolves_native(chatml: Path) -> None:
@@ -80,3 +82,29 @@ def test_template_without_tools_resolves_tags_unless_the_tokenizer_has_tool_call
     for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json"):  # no template at all:
         (copy / name).unlink(missing_ok=True)  # tags, whatever the tokenizer has
     assert _formats(copy)[0] == "tags"
+
+
+class ToyToolSource(ToolSourceConfig):
+    """A test-only tool-using source registered from outside config.py (a plug-in of its own)."""
+
+    type: Literal["toy_tool"] = "toy_tool"
+    """Selects this source."""
+    name: str = "toy_tool"
+    """Source name recorded on every task."""
+
+
+def test_auto_resolves_for_any_registered_source_with_the_tool_format_field(chatml: Path) -> None:
+    # Not a list of type names: a source registered at run time whose config is a ToolSourceConfig
+    # resolves like the built-in ones; one without the field (reasoning_gym) is left as it is.
+    plugins.register_source(plugins.SourcePlugin(type="toy_tool", config=ToyToolSource, draw=lambda *a: [],
+                                                 environments={}, graders={}))
+    try:
+        for model, expected in ((chatml, "native"), (DEMO, "tags"), (None, "auto")):
+            overrides: dict[str, object] = {"tasks.sources": [{"type": "toy_tool"}, {"type": "reasoning_gym"}]}
+            if model is not None:
+                overrides["model.path"] = str(model)
+            toy, gym = load_config(None, overrides).tasks.sources
+            assert isinstance(toy, ToyToolSource) and toy.tool_format == expected, model
+            assert "tool_format" not in type(gym).model_fields
+    finally:
+        plugins.unregister_source("toy_tool")

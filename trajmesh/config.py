@@ -96,33 +96,11 @@ class SourceConfig(_Strict):
     """Task revision recorded on every trajectory."""
 
 
-class ReasoningGymSource(SourceConfig):
-    type: Literal["reasoning_gym"] = "reasoning_gym"
-    """Selects this source: a reasoning-gym task family."""
-    name: str = "chain_sum"
-    """Source name recorded on every task and trajectory."""
-    family: str = "chain_sum"
-    """reasoning-gym task family by name (e.g. chain_sum, gcd, basic_arithmetic); chain_sum keeps its
-    compact demo format, every other family is served as single-answer with its own score_answer."""
-    knobs: dict[str, Any] = Field(default_factory=dict)
-    """Difficulty knobs passed to the family's generator (e.g. min_terms, max_digits)."""
+class ToolSourceConfig(SourceConfig):
+    """What every tool-using task source's config has (math_tool, workplace, search): the prompt's
+    tool-call syntax. `_resolve_tool_format` resolves ``auto`` for every source whose registered config
+    class has this field."""
 
-
-class MathToolSource(SourceConfig):
-    """Math problems solved with a sandboxed Python tool (envs/math_tool.py, graded by math-verify)."""
-
-    type: Literal["math_tool"] = "math_tool"
-    """Selects this source: math with a sandboxed Python tool."""
-    name: str = "math_tool"
-    """Source name recorded on every task and trajectory (unique across sources)."""
-    difficulty: int = Field(1, ge=1, le=4)
-    """Operand size: about 10**(1+difficulty)."""
-    max_tool_calls: int = Field(3, ge=0)
-    """Sandboxed code runs per episode; more are answered 'tool budget exhausted'."""
-    call_timeout_s: float = Field(5.0, gt=0)
-    """Wall-clock deadline of one code run (CPU limit 0.8x)."""
-    max_output_bytes: int = Field(1024, gt=0)
-    """Tool output returned to the policy per call."""
     tool_format: Literal["auto", "tags", "native"] = "auto"
     """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
     character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
@@ -130,79 +108,6 @@ class MathToolSource(SourceConfig):
     accepts both forms either way (envs/base.py). ``auto``: native when the model's chat template knows
     tool calls, else tags (resolved when the config is loaded with an existing ``model.path``;
     `_resolve_tool_format`)."""
-
-
-class WorkplaceSource(SourceConfig):
-    """The SQLite workplace assistant (envs/workplace.py), verified by final state."""
-
-    type: Literal["workplace"] = "workplace"
-    """Selects this source: the SQLite workplace assistant."""
-    name: str = "workplace"
-    """Source name recorded on every task and trajectory (unique across sources)."""
-    n_employees: int = Field(6, ge=2, le=12)
-    """Employees in each generated database."""
-    n_tasks: int = Field(8, ge=1)
-    """Work items in each generated database."""
-    pool_size: int = Field(2000, gt=0)
-    """Training tasks generated at most (each builds a database); the sampler cycles through them."""
-    tool_format: Literal["auto", "tags", "native"] = "auto"
-    """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
-    character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
-    format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
-    accepts both forms either way (envs/base.py). ``auto``: native when the model's chat template knows
-    tool calls, else tags (resolved when the config is loaded with an existing ``model.path``;
-    `_resolve_tool_format`)."""
-
-
-class SearchSource(SourceConfig):
-    """Search-R1 style QA over a generated corpus with BM25 (envs/search.py)."""
-
-    type: Literal["search"] = "search"
-    """Selects this source: Search-R1 style QA with BM25 search."""
-    name: str = "search"
-    """Source name recorded on every task and trajectory (unique across sources)."""
-    top_k: int = Field(3, ge=1)
-    """Passages returned per search."""
-    max_searches: int = Field(3, ge=0)
-    """Searches per episode; more are answered 'search budget exhausted'."""
-    corpus_size: int = Field(200, ge=10)
-    """Towns in the generated corpus (4 questions each)."""
-    corpus_seed: int = 7
-    """Seed of the generated corpus (the corpus, not the questions, is fixed by it)."""
-    tool_format: Literal["auto", "tags", "native"] = "auto"
-    """How the task prompt asks for tool calls: ``tags`` (the environment's own tags, for the
-    character-tokenizer demo model) or ``native`` (the Hermes/Qwen2.5 ``<tool_call>{json}</tool_call>``
-    format of a chat model; the tools' JSON schemas travel in the task metadata). The environment
-    accepts both forms either way (envs/base.py). ``auto``: native when the model's chat template knows
-    tool calls, else tags (resolved when the config is loaded with an existing ``model.path``;
-    `_resolve_tool_format`)."""
-
-
-class ExternalAgentSource(SourceConfig):
-    """A user's own agent solves reasoning-gym tasks through the rollout's OpenAI/Anthropic-compatible
-    endpoint (envs/external_agent.py, docs/AGENTS.md); its LLM calls become the trajectories."""
-
-    type: Literal["external_agent"] = "external_agent"
-    """Selects this source: tasks solved by an external agent through the agent endpoint."""
-    name: str = "external_agent"
-    """Source name recorded on every task and trajectory (unique across sources)."""
-    agent: str
-    """``package.module:function`` called as ``function(task, base_url, api_key)`` in its own
-    process (returns the final answer), or the URL of an HTTP agent (POST {task, base_url, api_key},
-    answers {"answer": ...})."""
-    python_path: list[str] = Field(default_factory=list)
-    """Folders prepended to the agent process's PYTHONPATH (where its module lives)."""
-    budget_s: float = Field(300.0, gt=0)
-    """Wall-clock budget of one agent run; past it the run ends as WALL_TIMEOUT."""
-    family: str = "chain_sum"
-    """reasoning-gym task family the agent is given (graded by its own score_answer)."""
-    knobs: dict[str, Any] = Field(default_factory=dict)
-    """Difficulty knobs passed to the family's generator."""
-    tasks_from: Literal["reasoning_gym", "workplace"] = "reasoning_gym"
-    """Where the agent's tasks come from: ``reasoning_gym`` (the ``family``'s tasks; the answer the
-    agent returns is graded by the family's scorer) or ``workplace`` (workplace tasks; the agent acts
-    on a workplace environment the runner hosts for its session, ``POST <base_url without /v1>/env/step``,
-    and the run is graded by that environment's final state)."""
 
 
 def _registered_source(value: Any) -> Any:
@@ -235,9 +140,19 @@ class SamplingConfig(_Strict):
     """Turn budget for multi-turn environments."""
 
 
+def _default_sources() -> list[SourceConfig]:
+    """The default `tasks.sources`: the registered reasoning_gym source's config with its defaults
+    (chain_sum). Built on use: config.py imports no source module."""
+    from trajmesh import plugins
+
+    default = plugins.source("reasoning_gym").config()
+    assert isinstance(default, SourceConfig)
+    return [default]
+
+
 class TasksConfig(_Strict):
-    sources: list[TaskSource] = Field(default_factory=lambda: list[TaskSource]([ReasoningGymSource()]))
-    """Task sources and their mixture weights."""
+    sources: list[TaskSource] = Field(default_factory=_default_sources)
+    """Task sources and their mixture weights (default: one reasoning_gym source, chain_sum)."""
     group_size: int = Field(8, ge=1)
     """G: samples per prompt; one task on TASKS is one prompt x G."""
     train_size: int = Field(20000, gt=0)
@@ -748,7 +663,8 @@ def _resolve_tool_format(data: Any) -> Any:
     """A source's ``tool_format: auto`` (or unset) becomes the model's own: ``native`` when its chat
     template knows tool calls (rollout/chat_format.native_tool_calls), else ``tags``, once
     ``model.path`` is a local directory (every service loads the same model, so all agree). Without
-    one (the demo model is built later; it has no template) auto stays and reads as tags."""
+    one (the demo model is built later; it has no template) auto stays and reads as tags. The tool
+    sources are those whose registered config class has the field (`ToolSourceConfig`), by type."""
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict) or not isinstance(data.get("tasks"), dict):
         return data
     path, tasks = data["model"].get("path"), data["tasks"]

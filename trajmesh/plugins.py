@@ -14,12 +14,19 @@ A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the 
 * ``graders``      grader kind (a task's ``metadata.grader``) -> grader class, or "module:Class"
                    (loaded on first use: graders import environments, not the other way round).
                    The grader is also the source's held-out scorer (learner/evaluate.py);
-* revisions        every environment and grader class carries ``revision`` (the manifest records them).
+* revisions        every environment and grader class carries ``revision`` (the manifest records them);
+* ``rollout_setup`` / ``rollout_episodes``  optional rollout hooks: a "module:function" the rollout
+                   runs at setup when the source is configured, and environment keys whose episodes
+                   the rollout hands to the source's own runner instead of its environment loop
+                   (external_agent: the agent endpoint and the agent's run).
 
-Everything that lists or dispatches on sources reads this registry: `trajmesh envs`, task
-generation (trajmesh/tasks.py), the environment and grader services (dispatch and the metric
-label series they pre-create), held-out evaluation, and the manifest's revisions. Adding a source
-is one module in ``envs/`` (plus its grader in ``graders/``) and one line in `BUILTIN_SOURCES`;
+Everything that lists or dispatches on sources reads this registry: `trajmesh envs`, config
+loading, task generation (trajmesh/tasks.py), the rollout service (setup hooks and episode
+runners), the environment and grader services (dispatch and the metric label series they
+pre-create), held-out evaluation, and the manifest's revisions. Adding a source is one module
+``envs/<source>.py`` holding its config class (a `SourceConfig`, or a `ToolSourceConfig` for a
+tool-using source), environments, task generator and ``PLUGIN``, plus its grader in
+``graders/<source>.py`` unless it reuses one, and one line in `BUILTIN_SOURCES`;
 `register_source` adds one at run time (tests, out-of-tree plug-ins imported before the config
 is loaded).
 """
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
@@ -62,6 +69,12 @@ class SourcePlugin:
     split: Callable[[Any, int, int], tuple[list[dict[str, Any]], list[dict[str, Any]]] | None] | None = None
     default_environment: str = "single_answer"
     description: str = ""
+    rollout_setup: str | None = None
+    """"module:function" ``async (rollout_service, source_cfgs) -> None``: run once by each rollout
+    process's setup when the config has sources of this type (``source_cfgs``: those entries)."""
+    rollout_episodes: Mapping[str, str] = field(default_factory=dict)
+    """Environment key -> "module:function" ``async (rollout_service, task, index) -> Trajectory``:
+    the rollout runs a task whose ``environment`` is a key with it instead of its environment loop."""
 
 
 _SOURCES: dict[str, SourcePlugin] = {}
@@ -148,6 +161,15 @@ def environment_class(kind: str) -> Any:
     if kind not in envs:
         raise ValueError(f"unknown environment {kind!r}; available: {sorted(envs)}")
     return envs[kind]
+
+
+def rollout_episodes() -> dict[str, str]:
+    """Environment key -> "module:function" of its own episode runner (`SourcePlugin.rollout_episodes`),
+    over every source."""
+    out: dict[str, str] = {}
+    for plugin in sources().values():
+        out.update(plugin.rollout_episodes)
+    return out
 
 
 # ------------------------------------------------------------------ rollout engines
