@@ -99,3 +99,13 @@ def test_engine_config_survives_a_dump_and_reload(tmp_path: Path) -> None:
     assert isinstance(again.rollout.engine, SyntheticEngineConfig)
     assert again.rollout.engine.synthetic.length_median == 40 and again.rollout.engine.request_timeout_s == 30
     assert again.sha256() == cfg.sha256()
+
+
+def test_trajmesh_envs_lists_each_engines_config_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    from trajmesh.cli import main
+
+    assert main(["envs"]) == 0
+    out = capsys.readouterr().out
+    assert "config: SyntheticEngineConfig: request_timeout_s, synthetic\n" in out
+    assert "config: SGLangEngineConfig: request_timeout_s, url, batch_window_ms," in out
+    assert "config: TorchEngineConfig: request_timeout_s, url, batch_window_ms," in out

@@ -81,9 +81,11 @@ def _list_envs() -> int:
     print("graders (task metadata.grader -> raw reward components):")
     for name, gcls in plugins.graders().items():
         print(f"  {name:14s} {gcls.__name__:18s} {gcls.revision:26s} {', '.join(getattr(gcls, 'components', ()))}")
-    print("rollout engines (rollout.engine.type -> what it is; how published weights reach it):")
+    print("rollout engines (rollout.engine.type -> what it is; config keys; how published weights reach it):")
     for name, eng in sorted(plugins.ENGINES.items()):
         print(f"  {name:14s} {eng.description}{' (needs rollout.engine.url)' if eng.needs_url else ''}")
+        keys = [k for k in eng.config.model_fields if k != "type"]
+        print(f"  {'':14s} config: {eng.config.__name__}: {', '.join(keys)}")
         print(f"  {'':14s} weights: {eng.weights}")
     return 0
 
