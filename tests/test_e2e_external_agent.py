@@ -127,6 +127,7 @@ def test_agent_that_edits_history_trains_every_segment(tmp_path: Path, chat_mode
         earlier = [i for i in range(last + 1) if mask[i] == 1]
         assert earlier, "the tool loop's segment is missing"  # (only the final segment was kept before)
         start = earlier[-1] + 1  # the edited call's prompt
+        assert list(r["sequence_starts"]) == [0, start], r["sequence_starts"]  # the archive keeps the segments
         prompt = tok.tokenizer.decode(ids[start:last + 1], skip_special_tokens=False)
         # it is a whole conversation of its own (not a continuation), masked 0, before its answer
         assert prompt.startswith("<|im_start|>") and "I will not use tools." in prompt, prompt

@@ -43,6 +43,7 @@ SCHEMA = pa.schema(
         ("loss_mask", pa.list_(pa.uint8())),
         ("behavior_versions", pa.list_(pa.int64())),
         ("behavior_logprobs", pa.list_(pa.float32())),
+        ("sequence_starts", pa.list_(pa.int64())),
         ("payload_sha256", pa.string()),
     ]
 )
@@ -98,7 +99,11 @@ class ArchiveWriter:
 
 _LIST_COLUMNS: dict[str, Any] = {
     "token_ids": np.uint32, "loss_mask": np.uint8, "behavior_versions": np.int64, "behavior_logprobs": np.float32,
+    "sequence_starts": np.int64,
 }
+"""``sequence_starts``: where each of a segmented trajectory's sequences starts in ``token_ids``
+(an agent's calls that do not extend one another, one training row each); empty for one sequence.
+Parts written before the column existed read it as null."""
 
 
 def _to_table(rows: list[dict[str, Any]]) -> pa.Table:
