@@ -75,11 +75,12 @@ def _steps(cfg: RunConfig) -> int:
     return steps[-1]["step"] if steps else 0
 
 
-def _supervise_until(mesh: Mesh, cond, timeout_s: float = 180.0) -> None:  # type: ignore[no-untyped-def]
+def _supervise_until(mesh: Mesh, cond, timeout_s: float = 180.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not cond():
         mesh.restart_dead()
-        assert time.monotonic() < deadline, "no progress after a fault"
+        assert time.monotonic() < deadline, \
+            f"no progress after a fault ({what or 'waiting'}): learner at step {_steps(mesh.cfg)} after {timeout_s:.0f} s"
         time.sleep(0.3)
 
 
@@ -101,24 +102,26 @@ def _gate_bound_holds(cfg: RunConfig) -> bool:
 
 
 def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_dir: str) -> None:
-    cfg = _build_config(tmp_path / "run", tiny_model_dir)
+    cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"learner.checkpoint_every": REPLAY_CKPT})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
     try:
         cfg = mesh.cfg
         for name in ("rollout", "environment", "grader", "store", "learner"):
-            _supervise_until(mesh, lambda: _steps(cfg) >= 2)
+            _supervise_until(mesh, lambda: _steps(cfg) >= 2, what=f"before killing {name}")
+            if name == "learner":  # two steps past a checkpoint: the restart replays below the announced version
+                _supervise_until(mesh, lambda: _steps(cfg) % REPLAY_CKPT == 2, what="a step 2 past a checkpoint")
             before = _steps(cfg)
             _kill(mesh, name)
-            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + 2)
+            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + 2, what=f"{name} killed at step {before}")
             assert _gate_bound_holds(cfg), f"gate bound broken after killing {name}"
         for server in (mesh.nats, mesh.redis):
             assert server is not None
             before = _steps(cfg)
             server.kill()
             server.restart()
-            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + 2)
+            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + 2, what=f"{server.name} restarted at step {before}")
             assert _gate_bound_holds(cfg)
         learner = next(p for p in mesh.procs if p.name == "learner")
         _supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)
@@ -136,7 +139,23 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
     # versions with old weights (the likeliest cause; that run's artifacts were not kept).
     check_no_stale(acct)
     _assert_replay_is_bitwise(cfg)
+    _assert_replayed_below_the_announced_version(cfg)
     _assert_rollout_weights_never_step_back(cfg)
+
+
+REPLAY_CKPT = 5
+"""The all-faults run's checkpoint interval: the learner is killed two steps past a checkpoint, so
+its restart replays steps whose versions were announced before the crash (there is a window of
+three steps before the next checkpoint for the kill to land in)."""
+
+
+def _assert_replayed_below_the_announced_version(cfg: RunConfig) -> None:
+    """The resumed learner replayed at least one version below the one it had announced before the
+    kill and did not announce it again (the path `_assert_rollout_weights_never_step_back` guards)."""
+    text = "".join(p.read_text(errors="replace") for p in (Path(cfg.run_dir) / "logs").glob("learner*.log"))
+    assert re.search(r"replaying step \d+'s batch", text), "the restarted learner replayed no batch"
+    assert re.search(r"replayed version \d+ not announced", text), \
+        "the restarted learner replayed nothing below its announced version (kill landed on a checkpoint?)"
 
 
 def _assert_rollout_weights_never_step_back(cfg: RunConfig) -> None:
