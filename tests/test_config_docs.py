@@ -39,6 +39,28 @@ def test_every_config_field_has_a_docstring():
     assert _undocumented_fields(source) == []
 
 
+def _plugin_config_classes() -> list[type]:
+    from trajmesh import plugins
+
+    return ([p.config for p in plugins.sources().values()]
+            + [p.config for p in plugins.ENGINES.values()])
+
+
+@pytest.mark.parametrize("cls", _plugin_config_classes(), ids=lambda c: c.__name__)
+def test_every_plugin_config_field_has_a_docstring(cls: type):
+    """A source's config class lives in its own module (envs/<source>.py), outside config.py: its
+    fields are documented where they are declared too (and its bases' fields, wherever they live)."""
+    import inspect
+
+    for klass in cls.__mro__:
+        if not (isinstance(klass, type) and issubclass(klass, config_module.BaseModel)) \
+                or klass.__module__.startswith("pydantic"):
+            continue
+        source = Path(inspect.getfile(klass)).read_text()
+        missing = [m for m in _undocumented_fields(source) if m.startswith(klass.__name__ + ".")]
+        assert missing == [], f"{klass.__module__}: {missing}"
+
+
 def test_the_docstring_check_finds_an_undocumented_field():
     source = 'class A(_Strict):\n    x: int = 1\n    """documented"""\n    y: int = 2\n    z: int = 3\n    """z"""\n'
     assert _undocumented_fields(source) == ["A.y (line 4)"]
