@@ -50,7 +50,7 @@ from trajmesh.intake import OUTCOME_VALID, judge_parsed, parse
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
 from trajmesh.store_repo import Membership, StoreRepo
-from trajmesh.store_state import NOT_RETURNED, Final, Group, StoreState, filter_reason
+from trajmesh.store_state import ACCEPTED_BEFORE_CRASH, NOT_RETURNED, Final, Group, StoreState, filter_reason
 from trajmesh.tasks import TaskSampler
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
@@ -268,9 +268,15 @@ class TrajectoryStore(Service):
             self._archive_final(f)
         await self._commit_final()
         open_members = await self.w.repo.unfinished_members()
-        on_disk = self._final_in_archive()
+        on_disk, accepted_on_disk = self._final_in_archive()
         rows = [m for m in open_members if m.trajectory_id not in on_disk]
+        # Members of a group the gate finished as kept, whose `accepted` rows a crashed store never
+        # flushed: that acceptance happened (the gate counts it), so the archive records it too.
+        counted = await self.w.repo.accepted_members([m.group_id for m in rows])
         for m in rows:
+            if m.trajectory_id in counted and m.trajectory_id not in accepted_on_disk:
+                self.w.archive.append(trajectory_id=m.trajectory_id, task_id=m.task_id, group_id=m.group_id,
+                                      task_source=m.source, outcome="accepted", reason=ACCEPTED_BEFORE_CRASH)
             self.w.archive.append(trajectory_id=m.trajectory_id, task_id=m.task_id, group_id=m.group_id,
                                   task_source=m.source, outcome=NOT_RETURNED[0], reason=NOT_RETURNED[1])
             OUTCOMES.labels(outcome=NOT_RETURNED[0], reason=NOT_RETURNED[1]).inc()
@@ -282,17 +288,21 @@ class TrajectoryStore(Service):
             log.warning("run finished: %d admitted trajectories recorded as in flight at stop (%d new rows)",
                         len(open_members), len(rows))
 
-    def _final_in_archive(self) -> set[str]:
-        """Ids whose last row on disk is final (a store killed between flush and mark left some)."""
+    def _final_in_archive(self) -> tuple[set[str], set[str]]:
+        """Ids whose last row on disk is final (a store killed between flush and mark left some),
+        and ids with an ``accepted`` row on disk."""
         rows: list[tuple[int, str, str]] = []
         for path in self.w.archive.directory.glob("part-*.parquet"):
             t = pq.read_table(path, columns=["seq", "trajectory_id", "outcome"]).to_pydict()
             rows += zip(t["seq"], t["trajectory_id"], t["outcome"], strict=True)
         last: dict[str, str] = {}
+        accepted: set[str] = set()
         for _, tid, outcome in sorted(rows, key=lambda r: r[0]):
             if tid and outcome != "duplicate":
                 last[tid] = outcome
-        return {tid for tid, outcome in last.items() if outcome != "accepted"}
+                if outcome == "accepted":
+                    accepted.add(tid)
+        return {tid for tid, outcome in last.items() if outcome != "accepted"}, accepted
 
     # ------------------------------------------------------------------ admission
     async def admission_loop(self) -> None:

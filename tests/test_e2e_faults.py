@@ -55,7 +55,10 @@ from trajmesh.train import read_metrics
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 ETA = 1
-STEPS = 40
+STEPS = 60
+"""The all-faults run's budget: room for seven faults with two steps of progress after each (the
+learner's kill also waits for a step two past a checkpoint); a fault that still lands within two
+steps of the end only waits for the end (`_progressed`)."""
 
 
 def _build_config(run_dir: Path, model_dir: str, **over: object) -> RunConfig:
@@ -91,6 +94,12 @@ def _kill(mesh: Mesh, name: str) -> None:
 
 
 
+def _progressed(cfg: RunConfig, before: int) -> bool:
+    """Two learner steps after a fault at step `before`, or the end of the budget (on a fast machine
+    the last faults can land within two steps of it: waiting for more once failed a run)."""
+    return _steps(cfg) >= min(before + 2, STEPS)
+
+
 def _gate_bound_holds(cfg: RunConfig) -> bool:
     r = redis_sync_client(cfg)
     try:
@@ -114,14 +123,14 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
                 _supervise_until(mesh, lambda: _steps(cfg) % REPLAY_CKPT == 2, what="a step 2 past a checkpoint")
             before = _steps(cfg)
             _kill(mesh, name)
-            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + 2, what=f"{name} killed at step {before}")
+            _supervise_until(mesh, lambda b=before: _progressed(cfg, b), what=f"{name} killed at step {before}")
             assert _gate_bound_holds(cfg), f"gate bound broken after killing {name}"
         for server in (mesh.nats, mesh.redis):
             assert server is not None
             before = _steps(cfg)
             server.kill()
             server.restart()
-            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + 2, what=f"{server.name} restarted at step {before}")
+            _supervise_until(mesh, lambda b=before: _progressed(cfg, b), what=f"{server.name} restarted at step {before}")
             assert _gate_bound_holds(cfg)
         learner = next(p for p in mesh.procs if p.name == "learner")
         _supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)

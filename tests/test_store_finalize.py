@@ -84,3 +84,57 @@ def test_a_finished_run_records_every_admitted_trajectory(tmp_path: Path, nats_s
         "tb-1": ("in_flight_at_stop", "not_returned"),
     }
     assert len([r for r in rows if r["outcome"] == "in_flight_at_stop"]) == 4  # the second store added none
+
+
+def _graded_with(task_id: str, group_id: str, index: int, reward: float) -> bytes:
+    t = Trajectory.from_bytes(_graded(task_id, group_id, index))
+    t.set_reward(reward)
+    return t.to_bytes()
+
+
+def test_a_kept_group_whose_accepted_rows_died_unflushed_is_recorded_accepted(
+        tmp_path: Path, nats_server: NatsServer, redis_server: RedisServer, tiny_model_dir: str) -> None:
+    """A store killed right after a group completed: the gate counted its members as accepted (Redis),
+    but their `accepted` archive rows were still in the writer's buffer. The end of the run records
+    that acceptance (reason `before_store_crash`) before their final outcome, so the archive agrees
+    with the gate's counter (a store-kill sweep run found 48 counted against 44 rows)."""
+    cfg = _build_config(tmp_path, nats_server, redis_server, tiny_model_dir)
+
+    async def main() -> tuple[int, int]:
+        store = TrajectoryStore(cfg)
+        await store.setup()
+        repo = store.w.repo
+        record = {"group_id": "ga", "group_size": 2, "source": "chain_sum", "admitted_at_version": 0}
+        assert await repo.try_admit("ta", record, b"", 2)
+        for i, reward in ((0, 1.0), (1, 0.0)):  # rewards differ: the group is kept, not filtered
+            await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, _graded_with("ta", "ga", i, reward), msg_id=f"ta-{i}")
+        incoming = []
+        while len(incoming) < 2:
+            for msg in await store.w.intake.fetch(batch=4, timeout=10.0):
+                data = await store.w.intake.resolve(msg)
+                traj = Trajectory.from_bytes(data)
+                incoming.append(_Incoming(data, msg, traj, traj.pb.trajectory_id))
+        await store._intake_run(incoming)
+        assert (await store.w.gate.counters()).accepted == 2  # the group completed and was counted
+        store.w.archive._rows.clear()  # the kill: the buffered `accepted` rows never reach disk
+        await store.w.grpc_server.stop(grace=0)  # and its connections go (no stop(), no finalization)
+        await store.w.bus.close()
+        await store.w.redis.aclose()
+        again = TrajectoryStore(cfg)
+        await again.setup()
+        await again.w.redis.set(again.w.repo.keys.run_finished, "budget")
+        await again.stop()
+        check = TrajectoryStore(cfg)
+        await check.setup()
+        counters = await check.w.gate.counters()
+        await check.stop()
+        return counters.accepted, counters.running
+
+    accepted, running = asyncio.run(main())
+    rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
+    accepted_ids = {r["trajectory_id"] for r in rows if r["outcome"] == "accepted"}
+    assert (accepted, running) == (2, 0)
+    assert accepted_ids == {"ta-0", "ta-1"}
+    assert {r["reason"] for r in rows if r["outcome"] == "accepted"} == {"before_store_crash"}
+    final = {tid: (r["outcome"], r["reason"]) for tid, r in final_outcomes(read_archive(Path(cfg.run_dir) / "archive")).items()}
+    assert final == {"ta-0": ("in_flight_at_stop", "not_returned"), "ta-1": ("in_flight_at_stop", "not_returned")}

@@ -80,16 +80,21 @@ redis.call('ZADD', KEYS[7], ARGV[9], ARGV[8])
 return {1, cap}
 """
 
-# KEYS: accepted, running, set of finished groups. ARGV: group id, n accepted, n not accepted.
-# finish() for a whole group, at most once per group id, atomically with marking it finished: a
-# store killed in between can neither skip it (capacity leaked) nor repeat it (counted twice).
+# KEYS: accepted, running, set of finished groups[, hash group id -> n accepted]. ARGV: group id,
+# n accepted, n not accepted. finish() for a whole group, at most once per group id, atomically with
+# marking it finished: a store killed in between can neither skip it (capacity leaked) nor repeat it
+# (counted twice). The optional hash records how many of a group's members the gate counted as
+# accepted (the end of a run reconciles the archive with it after a store crash).
 _FINISH_GROUP = """
 if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
 local a = tonumber(ARGV[2])
 local n = a + tonumber(ARGV[3])
 local running = tonumber(redis.call('GET', KEYS[2]) or '0')
 redis.call('SET', KEYS[2], math.max(running - n, 0))
-if a > 0 then redis.call('INCRBY', KEYS[1], a) end
+if a > 0 then
+  redis.call('INCRBY', KEYS[1], a)
+  if #KEYS >= 4 then redis.call('HSET', KEYS[4], ARGV[1], a) end
+end
 return 1
 """
 
@@ -304,14 +309,18 @@ class AsyncStalenessGate:
             args=[*s.admit_args(n), task_id, record, data, group_id, int(version)])
         return bool(int(admitted))
 
-    async def finish_group(self, group_id: str, *, accepted: int, rejected: int, done_key: str) -> bool:
+    async def finish_group(self, group_id: str, *, accepted: int, rejected: int, done_key: str,
+                           accepted_by_group_key: str | None = None) -> bool:
         """Release a whole group once: `accepted` trajectories move to `accepted`, `rejected` just
-        leave `running`; `group_id` joins set `done_key`. False (nothing changed) if it was there."""
+        leave `running`; `group_id` joins set `done_key` (and, when `accepted` > 0, hash
+        `accepted_by_group_key` records `accepted` under it). False (nothing changed) if it was there."""
         if accepted < 0 or rejected < 0 or accepted + rejected < 1:
             raise ValueError(f"need accepted, rejected >= 0 and a non-empty group, got {accepted}, {rejected}")
         s = self._spec
-        done = await self._finish_group(keys=[s.accepted_key, s.running_key, done_key],
-                                        args=[group_id, accepted, rejected])
+        keys = [s.accepted_key, s.running_key, done_key]
+        if accepted_by_group_key is not None:
+            keys.append(accepted_by_group_key)
+        done = await self._finish_group(keys=keys, args=[group_id, accepted, rejected])
         return bool(int(done))
 
     async def set_version(self, version: int) -> int:

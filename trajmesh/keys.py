@@ -54,6 +54,13 @@ class RedisKeys:
         return self._k("groups_done")
 
     @property
+    def groups_accepted(self) -> str:
+        """Hash group id → members the gate counted as accepted when the group finished (kept groups
+        only): after a store crash lost a group's unflushed ``accepted`` archive rows, the end of
+        the run writes them from here, so the archive agrees with the gate's counter."""
+        return self._k("groups_accepted")
+
+    @property
     def unpublished_tasks(self) -> str:
         """Hash task_id → Task bytes: admitted and recorded but maybe not yet on TASKS (republished
         by a restarted store; the msg id makes that idempotent)."""

@@ -160,7 +160,23 @@ class StoreRepo:
         """The gate's accounting for a complete (or abandoned) group, once per group id; True the
         first time (a group rebuilt after a store restart was counted already)."""
         return await self.gate.finish_group(group_id, accepted=accepted, rejected=rejected,
-                                            done_key=self.keys.groups_done)
+                                            done_key=self.keys.groups_done,
+                                            accepted_by_group_key=self.keys.groups_accepted)
+
+    async def accepted_members(self, group_ids: list[str]) -> set[str]:
+        """Of these groups, the member ids the gate counted as accepted: the valid members of each
+        group it finished as kept (`groups_accepted`)."""
+        groups = list(dict.fromkeys(group_ids))
+        if not groups:
+            return set()
+        kept = await self.r.hmget(self.keys.groups_accepted, groups)
+        kept_groups = [gid for gid, n in zip(groups, kept, strict=True) if n is not None and int(n) > 0]
+        if not kept_groups:
+            return set()
+        pipe = self.r.pipeline(transaction=False)
+        for gid in kept_groups:
+            pipe.smembers(self.keys.group_valid(gid))
+        return {_text(t) for members in await pipe.execute() for t in members}
 
     async def finals(self, tids: list[str]) -> list[bool]:
         if not tids:

@@ -46,6 +46,9 @@ HELD_AT_STOP = ("in_flight_at_stop", "held_at_stop")
 """Final outcome of a member whose group was still incomplete when the finished run stopped."""
 NOT_RETURNED = ("in_flight_at_stop", "not_returned")
 """Final outcome of an admitted trajectory that never reached a live store before the run stopped."""
+ACCEPTED_BEFORE_CRASH = "before_store_crash"
+"""Reason of an ``accepted`` row the end of a run writes for a member of a group the gate had
+finished as kept while its store's own ``accepted`` row was lost unflushed in a crash."""
 
 
 class TrajectoryState(enum.Enum):
