@@ -4,6 +4,7 @@ untouched, nothing is left running, and the next call still works."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import socket
 from pathlib import Path
@@ -18,9 +19,8 @@ pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox unavai
 LIMITS = sandbox.SandboxLimits(wall_s=3.0, cpu_s=1, memory_bytes=512 << 20, max_processes=16, output_bytes=8192)
 
 
-def _sandbox_processes() -> list[int]:
-    """Live processes running as a sandbox uid."""
-    out = []
+def _processes_by_sandbox_uid() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
@@ -28,8 +28,28 @@ def _sandbox_processes() -> list[int]:
             except OSError:
                 continue
             if sandbox.UID_BASE <= st.st_uid < sandbox.UID_BASE + sandbox.UID_COUNT:
-                out.append(int(name))
+                out.setdefault(st.st_uid, []).append(int(name))
     return out
+
+
+def _sandbox_processes() -> list[int]:
+    """Live processes running as a sandbox uid that no call holds: they outlived their call. A uid
+    whose lease another call holds (another test run or mesh on this machine; leases are
+    machine-wide) is that call's business — counting it failed a run beside a second `make test`."""
+    out = []
+    for uid, pids in _processes_by_sandbox_uid().items():
+        fd = os.open(f"{sandbox.LEASE_DIR}/{uid - sandbox.UID_BASE}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # leased: a live call's processes
+            # Free lease, held by us now: anything still running as this uid outlived its call.
+            if uid in _processes_by_sandbox_uid():
+                out += pids
+        finally:
+            os.close(fd)  # releases the lock
+    return sorted(out)
 
 
 def _run(code: str, limits: sandbox.SandboxLimits = LIMITS) -> sandbox.SandboxResult:
