@@ -171,10 +171,14 @@ class StoreRepo:
             return set()
         kept = await self.r.hmget(self.keys.groups_accepted, groups)
         kept_groups = [gid for gid, n in zip(groups, kept, strict=True) if n is not None and int(n) > 0]
-        if not kept_groups:
+        return await self._valid_members(kept_groups)
+
+    async def _valid_members(self, groups: list[str]) -> set[str]:
+        """The union of these groups' `valid` membership sets."""
+        if not groups:
             return set()
         pipe = self.r.pipeline(transaction=False)
-        for gid in kept_groups:
+        for gid in groups:
             pipe.smembers(self.keys.group_valid(gid))
         return {_text(t) for members in await pipe.execute() for t in members}
 
@@ -203,12 +207,7 @@ class StoreRepo:
         """Ids a previous store held: valid members of groups still open, without a final outcome
         (their messages are unacked and will be redelivered)."""
         groups = [_text(g) for g in await self.r.smembers(self.keys.open_groups)]
-        if not groups:
-            return set()
-        pipe = self.r.pipeline(transaction=False)
-        for gid in groups:
-            pipe.smembers(self.keys.group_valid(gid))
-        ids = sorted({_text(t) for members in await pipe.execute() for t in members})
+        ids = sorted(await self._valid_members(groups))
         return {tid for tid, final in zip(ids, await self.finals(ids), strict=True) if not final}
 
     async def unfinished_members(self) -> list[OpenMember]:
