@@ -113,3 +113,32 @@ def setup_then_stop(service: Any) -> Any:
 
     asyncio.run(body())
     return service
+
+
+def signal_pending(pid: int, sig: int) -> bool:
+    """Whether `sig` waits, undelivered, for process `pid` (its SigPnd/ShdPnd masks in
+    /proc/<pid>/status): a stopped process keeps a signal pending until it is continued, so this is
+    the event "the signal reached it" for a process the test holds with SIGSTOP."""
+    bit = 1 << (sig - 1)
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("SigPnd", "ShdPnd") and int(value.strip(), 16) & bit:
+                return True
+    return False
+
+
+def pids_of(*needles: str) -> list[int]:
+    """Live processes whose command line contains every needle (this process aside), from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            found.append(int(entry))
+    return found

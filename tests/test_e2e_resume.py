@@ -4,6 +4,7 @@ the version keeps counting from the checkpoint, and the run reaches its step bud
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,13 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh_checks import pids_of, signal_pending
 from trajmesh.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STEPS = 24
-"""Far more than the 3 steps Ctrl-C waits for: on a loaded machine the learner trained 5 more steps
-(a whole budget of 8) before the interrupt reached it, and the resume had nothing left to do."""
+"""The run's budget. The learner is held (SIGSTOP) from its third step until the launcher's SIGTERM
+is pending for it, so the interrupt always lands mid-run however loaded the machine is."""
 
 
 def _learner_steps(run_dir: Path) -> list[dict]:
@@ -54,7 +56,21 @@ def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
         assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
         assert time.monotonic() < deadline, "no learner progress"
         time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)
+    # Hold the learner where it is, interrupt the run, and let the learner go only once the
+    # launcher's SIGTERM is pending for it: it cannot train on between the SIGINT and its stop.
+    learners = pids_of("trajmesh.cli serve learner", str(run_dir))
+    assert len(learners) == 1, learners
+    os.kill(learners[0], signal.SIGSTOP)
+    try:
+        held_at = _learner_steps(run_dir)[-1]["step"]
+        assert held_at < STEPS, held_at
+        proc.send_signal(signal.SIGINT)
+        while not signal_pending(learners[0], signal.SIGTERM):
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the launcher never sent the learner SIGTERM"
+            time.sleep(0.05)
+    finally:
+        os.kill(learners[0], signal.SIGCONT)
     out = proc.communicate(timeout=180)[0].decode()
     assert proc.returncode == 130, out[-3000:]
     assert "--resume" in out
