@@ -41,7 +41,7 @@ bench: setup
 	$(PY) bench/run.py
 
 demo: setup
-	$(PY) -m trajmesh.cli train examples/demo.yaml --fresh
+	$(PY) -m trajmesh.run.cli train examples/demo.yaml --fresh
 
 clean:
 	rm -rf runs .pytest_cache

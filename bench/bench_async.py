@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh.config import load_config
-from trajmesh.train import read_metrics, train
+from trajmesh.run.train import read_metrics, train
 
 
 def smoothed(evals: list[dict[str, Any]], key: str, window: int) -> list[tuple[float, float]]:

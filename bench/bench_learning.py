@@ -39,7 +39,7 @@ The targets did not change. The runs now execute a frozen `git archive` of one c
   within the 95 % interval — and, per run, the gain after RL per million trained tokens.
 * Per run: learner steps, trained tokens, RL seconds, before/after sampled and greedy accuracy.
 
-Intervals are over seeds: mean ± half-width of the 95 % Student t-interval (trajmesh.sweep.mean_ci95);
+Intervals are over seeds: mean ± half-width of the 95 % Student t-interval (trajmesh.run.sweep.mean_ci95);
 the async − sync difference uses Welch's t-interval, and the t-interval of the differences paired by seed
 (a seed's two runs share the evaluation's sampling draw).
 """
@@ -60,7 +60,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trajmesh.sweep import mean_ci95, t_quantile_975  # noqa: E402
+from trajmesh.run.sweep import mean_ci95, t_quantile_975  # noqa: E402
 
 CONFIG = REPO / "examples" / "demo.yaml"
 SHIPPED_START = REPO / "examples" / "demo-start" / "demo-model-8195caa0ae10" / "sft"
@@ -264,7 +264,7 @@ def report(res: dict[str, Any], horizon: float = AUC_HORIZON_S) -> str:
 
 def load_runs(out: Path, modes: tuple[str, ...] = MODES, seeds: int = SEEDS) -> dict[str, list[dict[str, Any]]]:
     """mode → finished runs (those with summary.json) under OUT/mode=<mode>/seed<k>."""
-    from trajmesh.train import read_metrics
+    from trajmesh.run.train import read_metrics
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for mode in modes:
@@ -298,7 +298,7 @@ def start_accuracy(out: Path, seeds: int = SEEDS) -> dict[int, float]:
         if str(seed) in got:
             continue
         from trajmesh.config import load_config
-        from trajmesh.train import evaluate_dir, heldout_tasks
+        from trajmesh.run.train import evaluate_dir, heldout_tasks
 
         cfg = load_config(CONFIG, {"model.path": str(SHIPPED_START), "seed": seed})
         res = evaluate_dir(str(SHIPPED_START), heldout_tasks(cfg), cfg, samples=EVAL_SAMPLES)
@@ -317,7 +317,7 @@ def _sample_load(path: Path, stop: threading.Event, every: float = 15.0) -> None
 
 
 def run(out: Path, seeds: int) -> None:
-    from trajmesh.sweep import run_sweep, train_run
+    from trajmesh.run.sweep import run_sweep, train_run
 
     out.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()

@@ -30,7 +30,7 @@ from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.infra import NatsServer
 from trajmesh.keys import RedisKeys
-from trajmesh.launcher import Mesh, start_mesh
+from trajmesh.run.launcher import Mesh, start_mesh
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
 TOKENS = 4096

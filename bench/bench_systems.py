@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh.config import RunConfig, load_config
-from trajmesh.launcher import Mesh, prepare_model, start_mesh
-from trajmesh.train import read_metrics
+from trajmesh.run.launcher import Mesh, prepare_model, start_mesh
+from trajmesh.run.train import read_metrics
 
 
 def _write_manifest(cfg: RunConfig) -> None:
-    from trajmesh import train
+    from trajmesh.run import train
 
     if len(inspect.signature(train._write_manifest).parameters) > 1:
         train._write_manifest(cfg, train.heldout_tasks(cfg))

@@ -23,7 +23,7 @@ FINAL_OUTCOMES = ("trained", "filtered", "quarantined", "failed_infra", "in_flig
 
 def write_manifest(cfg: RunConfig) -> None:
     """The run manifest the launcher stamps on tasks, written the way `trajmesh train` writes it."""
-    from trajmesh import train
+    from trajmesh.run import train
 
     if len(inspect.signature(train._write_manifest).parameters) > 1:  # takes the held-out tasks
         train._write_manifest(cfg, train.heldout_tasks(cfg))  # type: ignore[call-arg]

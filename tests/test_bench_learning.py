@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from trajmesh.config import RunConfig
-from trajmesh.sweep import parse_grid, run_sweep
+from trajmesh.run.sweep import parse_grid, run_sweep
 
 _spec = importlib.util.spec_from_file_location("bench_learning",
                                                Path(__file__).parents[1] / "bench" / "bench_learning.py")

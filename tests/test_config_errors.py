@@ -10,7 +10,7 @@ import pytest
 
 from trajmesh.config import ConfigError, load_config
 from trajmesh.infra import free_port
-from trajmesh.launcher import preflight
+from trajmesh.run.launcher import preflight
 
 CASES = [
     # (overrides, words the message must contain)
@@ -63,17 +63,17 @@ def test_unreachable_servers_and_missing_model_fail_preflight(tmp_path: Path) ->
 def test_cli_reports_config_errors_with_exit_2(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("gate:\n  eta: -3\n")
-    res = subprocess.run([sys.executable, "-m", "trajmesh.cli", "train", str(cfg)], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "trajmesh.run.cli", "train", str(cfg)], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 2 and "gate.eta" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "trajmesh.cli", "serve", "store", "--config", str(tmp_path / "x.yaml")],
+    res = subprocess.run([sys.executable, "-m", "trajmesh.run.cli", "serve", "store", "--config", str(tmp_path / "x.yaml")],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "does not exist" in res.stderr
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
-    res = subprocess.run([sys.executable, "-m", "trajmesh.cli", "serve", "grader", "--config", str(empty)],
+    res = subprocess.run([sys.executable, "-m", "trajmesh.run.cli", "serve", "grader", "--config", str(empty)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "infra.nats_url" in res.stderr and "model.path" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "trajmesh.cli", "train", str(empty), "--set", "noequals"],
+    res = subprocess.run([sys.executable, "-m", "trajmesh.run.cli", "train", str(empty), "--set", "noequals"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "key=value" in res.stderr

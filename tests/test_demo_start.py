@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trajmesh import launcher
+from trajmesh.run import launcher
 from trajmesh.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

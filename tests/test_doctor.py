@@ -1,4 +1,4 @@
-"""`trajmesh doctor` (trajmesh/doctor.py) against recorded API responses.
+"""`trajmesh doctor` (trajmesh/run/doctor.py) against recorded API responses.
 
 No API server can run here. The responses are JSON files written by hand in the shape of the
 Kubernetes API's list objects (tests/doctor_fixtures/<cluster>/*.json: a healthy GPU cluster and a
@@ -23,8 +23,8 @@ pytest.importorskip("kubernetes")
 from kubernetes.client import ApiClient, Configuration  # noqa: E402
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
-from trajmesh import doctor  # noqa: E402
-from trajmesh.cli import main  # noqa: E402
+from trajmesh.run import doctor  # noqa: E402
+from trajmesh.run.cli import main  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "doctor_fixtures"
 NS, RELEASE = "trajmesh", "rl"

@@ -28,9 +28,9 @@ from trajmesh.rollout.tool_calls import ToolCall, parse_tool_calls, render_tool_
 
 from trajmesh.archive import read_archive
 from trajmesh.config import load_config
-from trajmesh.launcher import start_mesh
+from trajmesh.run.launcher import start_mesh
 from trajmesh.tasks import load_split
-from trajmesh.train import read_metrics
+from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

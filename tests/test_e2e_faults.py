@@ -15,7 +15,7 @@ must make progress again, and at the end:
 
 A second test kills the store at a varied moment near or while the run stops (issue 16: a store
 killed near the end once left 56 admitted trajectories without an outcome): the stop path
-(`trajmesh.run_end.end_run`) must still record one final outcome per admitted trajectory, and no
+(`trajmesh.run.run_end.end_run`) must still record one final outcome per admitted trajectory, and no
 process of the run may outlive it (checked from /proc). One moment runs in `make test`; the
 ten-moment sweep is `slow`.
 """
@@ -47,10 +47,10 @@ from safetensors.torch import load_file
 from trajmesh.config import RunConfig, load_config
 from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
-from trajmesh.launcher import Mesh, accounting, start_mesh
-from trajmesh.run_end import drain_supervised, end_run
+from trajmesh.run.launcher import Mesh, accounting, start_mesh
+from trajmesh.run.run_end import drain_supervised, end_run
 from trajmesh.security import redis_sync_client
-from trajmesh.train import read_metrics
+from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -22,9 +22,9 @@ import pytest
 from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, kill_group, write_manifest
 
 from trajmesh.config import ConfigError, RunConfig, load_config
-from trajmesh.launcher import Mesh, Proc, accounting, start_mesh
-from trajmesh.run_end import end_run
-from trajmesh.train import read_metrics
+from trajmesh.run.launcher import Mesh, Proc, accounting, start_mesh
+from trajmesh.run.run_end import end_run
+from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -26,9 +26,9 @@ from trajmesh.archive import read_archive
 from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.keys import RedisKeys
-from trajmesh.launcher import accounting, start_mesh
-from trajmesh.run_end import end_run
-from trajmesh.train import read_metrics
+from trajmesh.run.launcher import accounting, start_mesh
+from trajmesh.run.run_end import end_run
+from trajmesh.run.train import read_metrics
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]

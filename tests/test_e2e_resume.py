@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from mesh_checks import pids_of, signal_pending
-from trajmesh.train import read_metrics
+from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -49,7 +49,7 @@ def _write_config(tmp_path: Path, model_dir: str) -> Path:
 def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
     cfg_path = _write_config(tmp_path, tiny_model_dir)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trajmesh.cli", "train", str(cfg_path), "--eval-every", "0"]
+    cmd = [sys.executable, "-m", "trajmesh.run.cli", "train", str(cfg_path), "--eval-every", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while len(_learner_steps(run_dir)) < 3:
@@ -58,7 +58,7 @@ def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
         time.sleep(0.3)
     # Hold the learner where it is, interrupt the run, and let the learner go only once the
     # launcher's SIGTERM is pending for it: it cannot train on between the SIGINT and its stop.
-    learners = pids_of("trajmesh.cli serve learner", str(run_dir))
+    learners = pids_of("trajmesh.run.cli serve learner", str(run_dir))
     assert len(learners) == 1, learners
     os.kill(learners[0], signal.SIGSTOP)
     try:

@@ -102,7 +102,7 @@ def test_engine_config_survives_a_dump_and_reload(tmp_path: Path) -> None:
 
 
 def test_trajmesh_envs_lists_each_engines_config_keys(capsys: pytest.CaptureFixture[str]) -> None:
-    from trajmesh.cli import main
+    from trajmesh.run.cli import main
 
     assert main(["envs"]) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from trajmesh import train as train_mod
+from trajmesh.run import train as train_mod
 from trajmesh.config import load_config
 from trajmesh.v1 import services_pb2
 

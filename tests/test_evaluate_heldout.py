@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trajmesh.config import load_config
-from trajmesh.train import (
+from trajmesh.run.train import (
     HeldoutTracker,
     _record_eval,
     _replay_evals,

@@ -1187,8 +1187,8 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
 
     from trajmesh.config import RunConfig
     from trajmesh.infra import nats_server_binary, redis_server_binary
-    from trajmesh.launcher import accounting, drain
-    from trajmesh.train import read_metrics
+    from trajmesh.run.launcher import accounting, drain
+    from trajmesh.run.train import read_metrics
 
     values = _merged(_values("cpu-only"), {
         "model": {"source": "pvc://trajmesh-models/tiny"},

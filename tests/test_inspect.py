@@ -9,9 +9,9 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 
 from trajmesh.archive import ArchiveWriter
-from trajmesh.cli import main
-from trajmesh.inspect import format_report, inspect_run
-from trajmesh.manifest import build_manifest
+from trajmesh.run.cli import main
+from trajmesh.run.inspect import format_report, inspect_run
+from trajmesh.run.manifest import build_manifest
 from trajmesh.stopgates import GateBreach, stop_record, write_stop_reason
 
 

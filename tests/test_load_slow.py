@@ -18,9 +18,9 @@ import pytest
 
 from trajmesh import bus as busmod
 from trajmesh.config import load_config
-from trajmesh.launcher import Mesh, start_mesh
+from trajmesh.run.launcher import Mesh, start_mesh
 from trajmesh.security import connect_bus
-from trajmesh.train import _write_manifest
+from trajmesh.run.train import _write_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(4 * 3600)]
 

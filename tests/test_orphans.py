@@ -23,7 +23,7 @@ import pytest
 
 from trajmesh.config import dump_config, load_config
 from trajmesh.infra import NatsServer, RedisServer, free_port
-from trajmesh.launcher import kill_group
+from trajmesh.run.launcher import kill_group
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
 
@@ -139,7 +139,7 @@ def test_a_sigkilled_rollout_leaves_no_engine_behind(tmp_path: Path, tiny_model_
     dump_config(cfg, config_path)
     port = free_port()
     with open(tmp_path / "rollout.log", "wb") as log:
-        rollout = subprocess.Popen([sys.executable, "-m", "trajmesh.cli", "serve", "rollout", "--config",
+        rollout = subprocess.Popen([sys.executable, "-m", "trajmesh.run.cli", "serve", "rollout", "--config",
                                     str(config_path), "--metrics-port", str(port)],
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     engine = "trajmesh.rollout.engine_server"
@@ -166,7 +166,7 @@ _LAUNCHER = textwrap.dedent("""
     import os, sys
     from pathlib import Path
     from trajmesh.config import dump_config, load_config
-    from trajmesh.launcher import Mesh
+    from trajmesh.run.launcher import Mesh
     run_dir, config_path = Path(sys.argv[1]), Path(os.environ["ORPHAN_TEST_CONFIG"])  # only the service's argv has it
     cfg = load_config(None, {"run_dir": str(run_dir)})
     dump_config(cfg, config_path)

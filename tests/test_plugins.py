@@ -91,7 +91,7 @@ def test_a_registered_source_reaches_config_tasks_cli_and_services(toy: plugins.
     task = TaskSampler(cfg.tasks, seed=0).task_at(0)
     assert task.source == "toy" and task.prompt in {t.prompt for t in train}
 
-    from trajmesh.cli import main
+    from trajmesh.run.cli import main
 
     assert main(["envs"]) == 0
     out = capsys.readouterr().out
@@ -111,7 +111,7 @@ def test_a_registered_source_reaches_config_tasks_cli_and_services(toy: plugins.
 
 
 def test_manifest_records_the_toy_sources_revisions(toy: plugins.SourcePlugin, tmp_path: Path) -> None:
-    from trajmesh.train import _write_manifest, heldout_tasks
+    from trajmesh.run.train import _write_manifest, heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "toy"}], "tasks.heldout_size": 3,
                                  "run_dir": str(tmp_path)})
@@ -125,7 +125,7 @@ def test_manifest_records_the_graders_that_run_not_reasoning_gym(tmp_path: Path)
     from trajmesh.graders.math import MathGrader
     from trajmesh.graders.search import SearchGrader
 
-    from trajmesh.train import _write_manifest, heldout_tasks
+    from trajmesh.run.train import _write_manifest, heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "math_tool"}, {"type": "search"}],
                                  "tasks.heldout_size": 2, "run_dir": str(tmp_path)})
@@ -151,7 +151,7 @@ class _CharCodec:
 def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plugins.SourcePlugin) -> None:
     from trajmesh.learner.evaluate import Sampled, SamplingParams, evaluate_tasks
 
-    from trajmesh.train import heldout_tasks
+    from trajmesh.run.train import heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "toy"}], "tasks.heldout_size": 4})
     tasks = heldout_tasks(cfg)["toy"]
@@ -237,7 +237,7 @@ def test_synthetic_engine_is_built_in_process() -> None:
 
 def test_manifest_records_the_external_engine_release_by_engine_type() -> None:
     from trajmesh.infra import free_port
-    from trajmesh.train import _framework_versions
+    from trajmesh.run.train import _framework_versions
 
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: the release reads "unreachable"
     sglang = _framework_versions(load_config(overrides={"rollout.engine.type": "sglang", "rollout.engine.url": closed}))
@@ -250,7 +250,7 @@ def test_manifest_records_the_grader_an_external_agent_run_delegates_to(tmp_path
     from trajmesh.graders.external_agent import ExternalAgentGrader
     from trajmesh.graders.reasoning_gym import ReasoningGymGrader
 
-    from trajmesh.train import _write_manifest, heldout_tasks
+    from trajmesh.run.train import _write_manifest, heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "external_agent", "agent": "my_agent:solve"}],
                                  "tasks.heldout_size": 2, "run_dir": str(tmp_path)})

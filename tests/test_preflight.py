@@ -16,7 +16,7 @@ import pytest
 
 from trajmesh.config import ConfigError, load_config
 from trajmesh.infra import NATS_SERVER_ENV, REDIS_SERVER_ENV, free_port
-from trajmesh.launcher import preflight
+from trajmesh.run.launcher import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _train(tmp_path: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
     sets = [x for kv in (f"run_dir={tmp_path / 'run'}", *overrides) for x in ("--set", kv)]
     return subprocess.run(
-        [sys.executable, "-m", "trajmesh.cli", "train", str(ROOT / "examples" / "demo.yaml"), "--fresh", *sets],
+        [sys.executable, "-m", "trajmesh.run.cli", "train", str(ROOT / "examples" / "demo.yaml"), "--fresh", *sets],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, **env},
     )
 

@@ -18,7 +18,7 @@ from trajmesh.envs.workplace import make_tasks as workplace_tasks
 from trajmesh.services.environment import EnvironmentService
 
 from trajmesh.config import load_config
-from trajmesh.manifest import build_manifest, framework_versions, tree_is_dirty, truncation_policy
+from trajmesh.run.manifest import build_manifest, framework_versions, tree_is_dirty, truncation_policy
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
 
@@ -109,7 +109,7 @@ def test_engine_server_version_is_read_from_a_real_engine(tiny_model_dir: str, t
     import time
 
     from trajmesh.infra import free_port
-    from trajmesh.manifest import engine_server_version
+    from trajmesh.run.manifest import engine_server_version
 
     port = free_port()
     log = open(tmp_path / "engine.log", "w")  # noqa: SIM115

@@ -13,7 +13,7 @@ from mesh_checks import write_manifest
 
 from trajmesh.archive import read_archive
 from trajmesh.config import load_config
-from trajmesh.launcher import start_mesh
+from trajmesh.run.launcher import start_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from trajmesh.config import ConfigError, RunConfig
-from trajmesh.sweep import DONE_FILE, cells, mean_ci95, parse_grid, run_sweep, t_quantile_975
+from trajmesh.run.sweep import DONE_FILE, cells, mean_ci95, parse_grid, run_sweep, t_quantile_975
 
 
 def test_t_quantiles_and_interval_by_hand() -> None:
@@ -88,7 +88,7 @@ def test_sweep_e2e_two_cells_two_seeds(tmp_path: Path, tiny_model_dir: str) -> N
 
     6 learner steps, not fewer: a learner that finishes before the launcher's start-up health poll
     sees it is reported by start_mesh as "exited with 0 during start" (seen once with 2 steps)."""
-    from trajmesh.cli import main
+    from trajmesh.run.cli import main
 
     out = tmp_path / "sweep"
     args = ["sweep", "examples/demo.yaml", "--grid", "gate.eta=0,1", "--seeds", "2", "--out", str(out), "--eval-every", "5",

@@ -37,8 +37,8 @@ from test_dashboards import DASHBOARDS, RULES, _load, dashboard_exprs, metric_na
 
 from trajmesh.config import RunConfig, load_config
 from trajmesh.infra import free_port
-from trajmesh.launcher import Mesh, start_mesh
-from trajmesh.train import _write_manifest, read_metrics
+from trajmesh.run.launcher import Mesh, start_mesh
+from trajmesh.run.train import _write_manifest, read_metrics
 
 pytestmark = [
     pytest.mark.e2e,

@@ -215,7 +215,7 @@ ENGINES: dict[str, EnginePlugin] = {plugin.type: plugin for plugin in (
     EnginePlugin("sglang", "an external SGLang server at rollout.engine.url",
                  start="trajmesh.rollout.engines:start_http",
                  weights="SGLang's update_weights_from_disk loads the published safetensors",
-                 config=SGLangEngineConfig, server_version="trajmesh.manifest:engine_server_version"),
+                 config=SGLangEngineConfig, server_version="trajmesh.run.manifest:engine_server_version"),
     EnginePlugin("synthetic", "uniform random tokens, no model (rollout/synthetic_engine.py), for load tests "
                  "and benchmarks", start="trajmesh.rollout.engines:start_synthetic",
                  weights="the version number only (there are no weights)", config=SyntheticEngineConfig),

@@ -52,7 +52,7 @@ class Service(ABC):
     stop_timeout_s: float = 120.0
     """How long `stop()` may take (flushes, the store's finalization, a final checkpoint) before
     `serve` gives up on it and the process exits non-zero (the launcher allows the store 120 s,
-    trajmesh.run_end.STORE_STOP_S). A service whose stop may take longer overrides it."""
+    trajmesh.run.run_end.STORE_STOP_S). A service whose stop may take longer overrides it."""
 
     def __init__(self, cfg: RunConfig, *, replica: int = 0, metrics_port: int = 0) -> None:
         self.cfg = cfg

@@ -22,7 +22,7 @@ from typing import Any
 
 from trajmesh.archive import final_outcomes, read_archive
 from trajmesh.stopgates import read_stop_reason
-from trajmesh.train import read_metrics
+from trajmesh.run.train import read_metrics
 
 STEP_COLUMNS = {
     "ess_ratio": "trajmesh_learner_effective_sample_size_ratio",

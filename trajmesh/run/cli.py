@@ -93,7 +93,7 @@ def _list_envs() -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trajmesh.sweep import parse_grid, run_sweep, train_run
+    from trajmesh.run.sweep import parse_grid, run_sweep, train_run
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
@@ -106,13 +106,13 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """`trajmesh doctor`: the chart's needs (values) against the cluster's API (trajmesh/doctor.py)."""
+    """`trajmesh doctor`: the chart's needs (values) against the cluster's API (trajmesh/run/doctor.py)."""
     from pathlib import Path
 
     from kubernetes.client.exceptions import ApiException
     from kubernetes.config import ConfigException
 
-    from trajmesh import doctor
+    from trajmesh.run import doctor
 
     values = doctor.load_values(args.values, _overrides(args.set), Path(args.chart) if args.chart else None)
     try:
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             return _doctor(args)
         if args.command == "inspect":
-            from trajmesh.inspect import format_report, inspect_run
+            from trajmesh.run.inspect import format_report, inspect_run
 
             try:
                 info = inspect_run(args.run_dir)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             return _sweep(args)
         if args.command == "train":
-            from trajmesh.train import RunDirExists, train
+            from trajmesh.run.train import RunDirExists, train
 
             cfg = load_config(args.config, _overrides(args.set))
             signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the run as Ctrl-C does

@@ -24,9 +24,9 @@ import time
 from trajmesh import security
 from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
-from trajmesh.launcher import Mesh
+from trajmesh.run.launcher import Mesh
 
-log = logging.getLogger("trajmesh.run_end")
+log = logging.getLogger("trajmesh.run.run_end")
 
 STORE_STOP_S = 120.0
 """How long the store may take to stop (its finalization reads the archive once)."""

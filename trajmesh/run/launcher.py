@@ -36,7 +36,7 @@ from trajmesh import security
 from trajmesh.config import ConfigError, HttpEngineConfig, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, die_with_parent, free_port
 
-log = logging.getLogger("trajmesh.launcher")
+log = logging.getLogger("trajmesh.run.launcher")
 
 SERVICE_ORDER = ("environment", "store", "grader", "rollout", "learner")
 
@@ -76,7 +76,7 @@ class Mesh:
         port = free_port()
         log_path = run_dir / "logs" / f"{name}-{replica}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "trajmesh.cli", "serve", name, "--config", str(self.config_path),
+        cmd = [sys.executable, "-m", "trajmesh.run.cli", "serve", name, "--config", str(self.config_path),
                "--replica", str(replica), "--metrics-port", str(port), *(extra or [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                **(env_extra or {})}
@@ -394,7 +394,7 @@ def preflight(cfg: RunConfig) -> None:
     _check_model_and_packages(cfg)
 
 
-SHIPPED_DEMO_STARTS = Path(__file__).resolve().parents[1] / "examples" / "demo-start"
+SHIPPED_DEMO_STARTS = Path(__file__).resolve().parents[2] / "examples" / "demo-start"
 """Warm starts shipped with the repository, one folder per demo-model key (see demo_model_name). SFT on
 a CPU is not bit-reproducible across machines (BLAS kernels and thread counts change the sums), so the
 demo's default start is shipped: every machine begins RL from the same weights."""

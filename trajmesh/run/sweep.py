@@ -11,7 +11,7 @@
     accuracy before/after RL, steps, trained tokens, wall time; results.png: held-out score against
     RL wall clock per cell (mean over seeds, band = 95% t-interval).
 
-No torch here: the runs are `trajmesh.train.train` (or an injected function, in tests).
+No torch here: the runs are `trajmesh.run.train.train` (or an injected function, in tests).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def cells(grids: list[tuple[str, list[Any]]]) -> list[Cell]:
 def train_run(eval_every_s: float = 60.0) -> RunFn:
     """The default run: `trajmesh train` from scratch (an unfinished run dir is started over)."""
     def run(cfg: RunConfig) -> dict[str, Any]:
-        from trajmesh.train import train
+        from trajmesh.run.train import train
 
         return train(cfg, fresh=True, eval_every_s=eval_every_s)
     return run
@@ -217,7 +217,7 @@ def write_results(records: list[dict[str, Any]], out: Path) -> tuple[Path, Path,
 
 def _curve(run_dir: Path) -> list[tuple[float, float]]:
     """(RL seconds, held-out score) of every evaluation of a run, in time order."""
-    from trajmesh.train import read_metrics
+    from trajmesh.run.train import read_metrics
 
     evals = [r for r in read_metrics(run_dir) if r.get("kind") == "eval"]
     pts = [(float(r.get("rl_seconds", 0.0)), float(r["score"] if "score" in r else r["sampled_accuracy"]))

@@ -92,7 +92,7 @@ class Finding:
 
 def chart_dir() -> Path:
     """The chart in this checkout (deploy/helm/trajmesh)."""
-    return Path(__file__).resolve().parents[1] / "deploy" / "helm" / "trajmesh"
+    return Path(__file__).resolve().parents[2] / "deploy" / "helm" / "trajmesh"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from trajmesh.v1 import trajectory_pb2
 # Fields that describe the manifest itself rather than the run's settings.
 _NOT_HASHED = frozenset({"manifest_id", "created_unix_seconds"})
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def canonical_json(value: Any) -> str:

@@ -26,10 +26,10 @@ from rich.live import Live
 from rich.table import Table
 
 from trajmesh.config import HttpEngineConfig, RunConfig, dump_config
-from trajmesh.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
-from trajmesh.run_end import end_run
+from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
+from trajmesh.run.run_end import end_run
 
-log = logging.getLogger("trajmesh.train")
+log = logging.getLogger("trajmesh.run.train")
 console = Console()
 
 
@@ -364,7 +364,7 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
     """RUN_DIR/manifest.json; `held` (default: drawn here) gives the evaluation protocol's sources."""
     from google.protobuf.json_format import MessageToDict
 
-    from trajmesh.manifest import (
+    from trajmesh.run.manifest import (
         build_manifest,
         code_commit,
         tree_is_dirty,
@@ -398,7 +398,7 @@ def _framework_versions(cfg: RunConfig) -> dict[str, str]:
     """Installed framework versions, plus the external engine server's release when the engine type
     has one (`trajmesh.plugins.ENGINES`: sglang's, recorded as sglang_server)."""
     from trajmesh import plugins
-    from trajmesh.manifest import framework_versions
+    from trajmesh.run.manifest import framework_versions
 
     versions = framework_versions()
     ec = cfg.rollout.engine
@@ -477,7 +477,7 @@ def _summarize(cfg: RunConfig, held: dict[str, list[dict[str, Any]]], acct: dict
     summary["stop_reason"] = json.loads(stop_reason.read_text()) if stop_reason.exists() else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     try:
-        from trajmesh.plot import plot_run
+        from trajmesh.run.plot import plot_run
 
         plot_run(run_dir)
     except Exception as exc:  # the plot is a convenience; the summary is the record
