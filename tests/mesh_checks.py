@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh import security
-from trajmesh.archive import read_archive
+from trajmesh.services.store.archive import read_archive
 from trajmesh.config import RunConfig
 from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajmesh.archive import SCHEMA, ArchiveWriter, final_outcomes, read_archive
+from trajmesh.services.store.archive import SCHEMA, ArchiveWriter, final_outcomes, read_archive
 
 
 def test_sequence_starts_round_trip(tmp_path: Path) -> None:

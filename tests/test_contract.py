@@ -303,7 +303,7 @@ def test_an_infra_failure_without_tokens_is_valid_for_intake() -> None:
     _clear_tokens(traj)
     traj.finish(pb.INFRA_FAILURE)
     assert traj.validate(vocab_size=VOCAB_SIZE, learner_version=5) == []
-    from trajmesh.intake import judge
+    from trajmesh.services.store.intake import judge
 
     task = {"group_id": traj.pb.group_id, "group_size": 4}
     verdict = judge(traj.to_bytes(), task, vocab_size=VOCAB_SIZE, learner_version=5)

@@ -69,7 +69,7 @@ def exported_metric_names() -> set[str]:
     import trajmesh.services.grader  # noqa: F401
     import trajmesh.services.learner  # noqa: F401
     import trajmesh.services.rollout  # noqa: F401
-    import trajmesh.services.store  # noqa: F401
+    import trajmesh.services.store.service  # noqa: F401
     from prometheus_client import REGISTRY
     from trajmesh.learner.metrics import STEP_METRIC_NAMES
 

@@ -26,7 +26,7 @@ import pytest
 from mesh_checks import write_manifest
 from trajmesh.rollout.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 
-from trajmesh.archive import read_archive
+from trajmesh.services.store.archive import read_archive
 from trajmesh.config import load_config
 from trajmesh.run.launcher import start_mesh
 from trajmesh.tasks import load_split

@@ -22,7 +22,7 @@ from mesh_checks import FINAL_OUTCOMES, check_gate_reconciles, check_no_stale, w
 
 from trajmesh import bus as busmod
 from trajmesh import security
-from trajmesh.archive import read_archive
+from trajmesh.services.store.archive import read_archive
 from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.keys import RedisKeys

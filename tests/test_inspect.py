@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from trajmesh.archive import ArchiveWriter
+from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.run.cli import main
 from trajmesh.run.inspect import format_report, inspect_run
 from trajmesh.run.manifest import build_manifest

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trajmesh.contract import VIOLATION_NAMES, Trajectory
-from trajmesh.intake import OUTCOME_VALID, judge
+from trajmesh.services.store.intake import OUTCOME_VALID, judge
 from trajmesh.v1 import trajectory_pb2
 
 VOCAB = 50

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN_MODULES = ["torch"]
-SERVICES = ["trajmesh.services.store", "trajmesh.services.grader", "trajmesh.services.environment"]
+SERVICES = ["trajmesh.services.store.service", "trajmesh.services.grader", "trajmesh.services.environment"]
 # Packages whose every module must import without torch: (import name, source folder).
 TORCH_FREE_PACKAGES = [("trajmesh", ROOT / "trajmesh"), ("trajmesh.envs", ROOT / "envs"),
                        ("trajmesh.graders", ROOT / "graders")]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from mesh_checks import write_manifest
 
-from trajmesh.archive import read_archive
+from trajmesh.services.store.archive import read_archive
 from trajmesh.config import load_config
 from trajmesh.run.launcher import start_mesh
 

@@ -3,7 +3,7 @@ in the same batch sees the first copy's effects, as if the messages were taken o
 
 from __future__ import annotations
 
-from trajmesh.services.store import _Incoming, runs_without_repeats
+from trajmesh.services.store.service import _Incoming, runs_without_repeats
 
 
 def _items(tids: list[str]) -> list[_Incoming]:

@@ -1,4 +1,4 @@
-"""The store's Redis bookkeeping (`trajmesh.store_repo`) against a real redis-server."""
+"""The store's Redis bookkeeping (`trajmesh.services.store.repo`) against a real redis-server."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import redis.asyncio
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.infra import RedisServer
 from trajmesh.keys import RedisKeys
-from trajmesh.store_repo import Membership, StoreRepo
+from trajmesh.services.store.repo import Membership, StoreRepo
 
 KEYS = RedisKeys("t")
 ETA, B = 1, 4

@@ -1,4 +1,4 @@
-"""The store's state machine (`trajmesh.store_state`), every transition and recovery path, without
+"""The store's state machine (`trajmesh.services.store.state`), every transition and recovery path, without
 NATS or Redis. Messages are plain strings standing for JetStream handles."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trajmesh.contract import Trajectory
-from trajmesh.store_state import (
+from trajmesh.services.store.state import (
     HELD_AT_STOP,
     UNUSED_AT_END,
     StoreState,

@@ -42,7 +42,7 @@ def _build_service(name: str, args: argparse.Namespace) -> Any:
                           "(`trajmesh train` fills them in; on a cluster the chart's config does)")
     kw = {"replica": args.replica, "metrics_port": args.metrics_port}
     if name == "store":
-        from trajmesh.services.store import TrajectoryStore
+        from trajmesh.services.store.service import TrajectoryStore
 
         return TrajectoryStore(cfg, **kw)
     if name == "grader":

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from trajmesh.archive import final_outcomes, read_archive
+from trajmesh.services.store.archive import final_outcomes, read_archive
 from trajmesh.stopgates import read_stop_reason
 from trajmesh.run.train import read_metrics
 

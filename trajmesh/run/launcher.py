@@ -313,7 +313,7 @@ def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
 
 def accounting(cfg: RunConfig) -> dict[str, Any]:
     """Admitted trajectories (Redis) against final outcomes in the archive."""
-    from trajmesh.archive import final_outcomes, read_archive
+    from trajmesh.services.store.archive import final_outcomes, read_archive
     from trajmesh.keys import RedisKeys
 
     assert cfg.infra.redis_url

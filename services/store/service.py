@@ -19,7 +19,7 @@ goes to the archive; every admitted trajectory ends as exactly one of trained, f
 quarantined, failed_infra or (when a finished run stops) in_flight_at_stop.
 
 This module is the wiring: the states and transitions of held trajectories and groups live in
-`trajmesh.store_state.StoreState` (pure), the Redis bookkeeping in `trajmesh.store_repo.StoreRepo`.
+`trajmesh.services.store.state.StoreState` (pure), the Redis bookkeeping in `trajmesh.services.store.repo.StoreRepo`.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ from prometheus_client import Counter, Gauge
 
 from trajmesh import bus as busmod
 from trajmesh import security
-from trajmesh.archive import ArchiveWriter
+from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.bus import Bus, Consumer
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
-from trajmesh.intake import OUTCOME_VALID, judge_parsed, parse
+from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
-from trajmesh.store_repo import Membership, StoreRepo
-from trajmesh.store_state import ACCEPTED_BEFORE_CRASH, NOT_RETURNED, Final, Group, StoreState, filter_reason
+from trajmesh.services.store.repo import Membership, StoreRepo
+from trajmesh.services.store.state import ACCEPTED_BEFORE_CRASH, NOT_RETURNED, Final, Group, StoreState, filter_reason
 from trajmesh.tasks import TaskSampler
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2

@@ -22,7 +22,7 @@ import redis.asyncio
 
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
-from trajmesh.store_state import member_ids
+from trajmesh.services.store.state import member_ids
 
 
 def _text(raw: bytes | str | None) -> str:
