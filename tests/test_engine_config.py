@@ -74,18 +74,18 @@ def test_a_synthetic_timing_model_under_torch_is_rejected() -> None:
 
 def test_http_settings_under_synthetic_are_rejected_and_a_typo_has_no_owner() -> None:
     msg = _load_error(type="synthetic", url="http://x:1", batch_windw_ms=3)
-    assert "rollout.engine.url: engine type 'synthetic' has no such setting (a setting of sglang, torch)" in msg
+    assert "rollout.engine.url: engine type 'synthetic' has no such setting (a setting of sglang, torch, vllm)" in msg
     assert "rollout.engine.batch_windw_ms: engine type 'synthetic' has no such setting (remove it" in msg
 
 
 def test_unknown_engine_type_names_the_key_and_the_registered_ones() -> None:
-    msg = _load_error(type="vllm")
-    assert "rollout.engine.type: unknown rollout engine type 'vllm'" in msg
-    assert "['sglang', 'synthetic', 'torch']" in msg
+    msg = _load_error(type="tensorrt")
+    assert "rollout.engine.type: unknown rollout engine type 'tensorrt'" in msg
+    assert "['sglang', 'synthetic', 'torch', 'vllm']" in msg
 
 
 def test_every_registered_engine_config_defaults_to_its_type() -> None:
-    assert set(plugins.ENGINES) == {"torch", "sglang", "synthetic"}
+    assert set(plugins.ENGINES) == {"torch", "sglang", "synthetic", "vllm"}
     for type_, plugin in plugins.ENGINES.items():
         assert issubclass(plugin.config, EngineConfig)
         assert plugin.config.model_fields["type"].default == type_

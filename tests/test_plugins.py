@@ -180,8 +180,9 @@ def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plug
 
 def test_unregistered_engine_type_is_rejected_at_load() -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(overrides={"rollout.engine.type": "vllm"})
-    assert "rollout.engine.type" in str(err.value) and all(t in str(err.value) for t in ("torch", "sglang", "synthetic"))
+        load_config(overrides={"rollout.engine.type": "tensorrt"})
+    assert "rollout.engine.type" in str(err.value) and all(t in str(err.value) for t in ("torch", "sglang", "synthetic",
+                                                                                        "vllm"))
     with pytest.raises(ConfigError, match=r"rollout\.engine\.url: Field required"):
         load_config(overrides={"rollout.engine.type": "sglang"})
 

