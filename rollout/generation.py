@@ -12,8 +12,16 @@
  the caller ends that one trajectory as INFRA_FAILURE, counted under the reason.
 ```
 
-``max_new_tokens`` is capped so prompt + output stays below the engine's context length (SGLang
-refuses the whole request with HTTP 400 otherwise); no room left ends the turn as ``length``.
+Every request is built from the engine's probed ``EngineCapabilities`` (rollout/engine_client.py):
+``max_new_tokens`` is capped so prompt + output stays below its context limit, a prompt at its
+input limit (SGLang's ``max_req_input_len``) is not sent (SGLang refuses it with HTTP 400) — no
+room left ends the turn as ``length`` — and ``sampling_seed`` goes only to a server that accepts it.
+
+Tokens the engine does not label with a version (SGLang 0.4.10) get the version loaded when the
+request was sent, except an answer that was not aborted although a pause began while it was out:
+SGLang 0.4.10 aborts what runs at a pause and parks what arrives during it until
+``/continue_generation``, so such an answer ran after the load and gets the version loaded when it
+arrived.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
-from trajmesh.rollout.engine_client import EngineError, GenerateResult, token_versions
+from trajmesh.rollout.engine_client import EngineCapabilities, EngineError, GenerateResult, token_versions
 
 from trajmesh.config import EngineConfig, HttpEngineConfig
 
@@ -55,6 +63,10 @@ class EngineFailed(Exception):
 
 
 class Engine(Protocol):
+    """What the sampler calls. An HTTP engine (``EngineClient`` or ``CoalescingEngine``) also has
+    ``capabilities``: its server's probed ``EngineCapabilities`` (None until probed;
+    ``context_length()`` probes)."""
+
     async def generate(self, input_ids: list[int], sampling: dict[str, Any], return_logprob: bool = True
                        ) -> Any: ...
 
@@ -115,7 +127,7 @@ class TurnSampler:
         self.stop_ids = set(stop_ids)
         """Ids that end a turn (every EOS id of the model; checked on the last token returned)."""
         self.context_len = context_len
-        """The engine's context length (None: no cap known)."""
+        """The engine's context length when it was not probed (None: no cap known)."""
         self.loaded_version = loaded_version
         """The version the owner has loaded: the tokens' version when the engine reports none."""
 
@@ -125,13 +137,17 @@ class TurnSampler:
         budget, aborts = int(params.max_new_tokens), 0
         while True:
             await self.pause.ready.wait()
+            caps = self.capabilities()
             room = budget - len(turn.ids)
-            if self.context_len is not None:
-                room = min(room, self.context_len - 1 - len(context) - len(turn.ids))
+            limit = caps.room(len(context) + len(turn.ids))
+            if limit is not None:
+                room = min(room, limit)
             if room <= 0:
                 return turn
             epoch, version = self.pause.epoch, self.loaded_version()
-            res = await self._request(context + turn.ids, self._sampling(params, room, seed))
+            res = await self._request(context + turn.ids, self._sampling(params, room, seed, caps))
+            if not res.aborted and self.pause.epoch != epoch:
+                version = self.loaded_version()  # parked by the pause, run after it (see the module doc)
             try:
                 versions = token_versions(res, version)
             except EngineError as exc:
@@ -158,11 +174,17 @@ class TurnSampler:
                     raise EngineFailed("aborted", str(res.finish_reason.get("message", "")))
                 await asyncio.sleep(min(http.abort_backoff_s * 2 ** (aborts - 1), MAX_ABORT_BACKOFF_S))
 
-    def _sampling(self, params: Any, room: int, seed: int | None) -> dict[str, Any]:
+    def capabilities(self) -> EngineCapabilities:
+        """The engine's probed capabilities (``engine.capabilities``), else the torch engine's
+        surface with ``context_len``."""
+        probed = getattr(self.engine, "capabilities", None)
+        return probed if isinstance(probed, EngineCapabilities) else EngineCapabilities.assumed(self.context_len)
+
+    def _sampling(self, params: Any, room: int, seed: int | None, caps: EngineCapabilities) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             "temperature": params.temperature, "top_p": params.top_p or 1.0, "top_k": params.top_k or -1,
             "max_new_tokens": room, "stop_token_ids": sorted(self.stop_ids)}
-        if seed is not None:
+        if seed is not None and caps.sampling_seed:
             sampling["sampling_seed"] = seed
         return sampling
 
