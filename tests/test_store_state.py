@@ -90,16 +90,17 @@ def test_filtered_group_is_final_and_acked_at_commit() -> None:
     assert {(f.trajectory_id, f.outcome, f.reason) for f in finals} == {
         ("a-0", "filtered", "zero_variance"), ("a-1", "filtered", "zero_variance")}
     assert s.state("a-0") is None and s.state("a-1") is None
-    ids, msgs, groups = s.take_commit()
+    ids, msgs, groups, settled = s.take_commit()
     assert sorted(ids) == ["a-0", "a-1"] and sorted(msgs) == ["msg-a-0", "msg-a-1"] and groups == ["a"]
-    assert s.take_commit() == ([], [], [])
+    assert settled == ["a"]  # every member final: its gate records can go
+    assert s.take_commit() == ([], [], [], [])
 
 
 def test_finalize_without_mark_acks_but_does_not_mark() -> None:
     s = StoreState()
     s.finalize("dup-0", "msg-dup", mark=False)
     s.finalize("", "msg-garbage", mark=False)
-    assert s.take_commit() == ([], ["msg-dup", "msg-garbage"], [])
+    assert s.take_commit() == ([], ["msg-dup", "msg-garbage"], [], [])
 
 
 def test_hand_out_serves_oldest_admission_first_and_whole_groups() -> None:
@@ -121,8 +122,13 @@ def test_report_makes_handed_out_final_and_frees_the_group() -> None:
     assert s.state("a-0") is None and s.state("a-1") is TrajectoryState.HANDED_OUT
     s.finalize("a-0", "msg-a-0")
     s.done_reporting({"a"})
-    ids, msgs, groups = s.take_commit()
+    ids, msgs, groups, settled = s.take_commit()
     assert ids == ["a-0"] and msgs == ["msg-a-0"] and groups == ["a"]
+    assert settled == []  # a-1 is still handed out: the group is not settled
+    s.report("a-1")
+    s.finalize("a-1", "msg-a-1")
+    s.done_reporting({"a"})
+    assert s.take_commit().settled == ["a"]
 
 
 def test_report_of_an_id_held_again_after_a_restart_drops_it_from_its_group() -> None:
@@ -230,9 +236,10 @@ def test_end_of_run_finalizes_everything_held() -> None:
     }
     assert UNUSED_AT_END == ("filtered", "unused_at_end_of_run") and HELD_AT_STOP[0] == "in_flight_at_stop"
     assert not s.held and not s.handed_out and not s.ready and not s.assembling
-    ids, msgs, groups = s.take_commit()
+    ids, msgs, groups, settled = s.take_commit()
     assert sorted(ids) == ["handed-0", "handed-1", "partial-0", "ready-0", "ready-1"]
     assert len(msgs) == 5 and sorted(groups) == ["handed", "partial", "ready"]
+    assert sorted(settled) == ["handed", "ready"]  # the partial group's other member never came back
     assert s.live_messages() == []
 
 

@@ -50,14 +50,16 @@ class RedisKeys:
 
     @property
     def groups_done(self) -> str:
-        """Set of group ids whose gate accounting is done (finish() runs once per group)."""
+        """Set of group ids whose gate accounting is done (finish() runs once per group). A group
+        leaves it once settled (complete, every member final): the set holds only groups in flight."""
         return self._k("groups_done")
 
     @property
     def groups_accepted(self) -> str:
         """Hash group id → members the gate counted as accepted when the group finished (kept groups
         only): after a store crash lost a group's unflushed ``accepted`` archive rows, the end of
-        the run writes them from here, so the archive agrees with the gate's counter."""
+        the run writes them from here, so the archive agrees with the gate's counter. Trimmed with
+        `groups_done` when a group is settled."""
         return self._k("groups_accepted")
 
     @property

@@ -7,7 +7,7 @@ MULTI replies, so the store's wiring never counts reply positions:
   release, each one atomic gate script (`trajmesh.gate`);
 - per message: its task record and whether its id is final (one round trip for a batch);
 - per group member: membership in `received` / `valid` and both counts after it (one MULTI);
-- ids marked final, membership cleanup;
+- ids marked final, membership cleanup (with a settled group's gate records);
 - recovery: which ids a previous store held (`owed_ids`), and which admitted ids have no final
   outcome at the end of a finished run (`unfinished_members`).
 """
@@ -15,6 +15,7 @@ MULTI replies, so the store's wiring never counts reply positions:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,14 +193,23 @@ class StoreRepo:
         if final_ids:
             await self.r.sadd(self.keys.final_trajectories, *final_ids)
 
-    async def cleanup(self, groups: list[str]) -> None:
-        """Drop the membership sets of groups whose members are all final (after the acks)."""
-        if not groups:
+    async def cleanup(self, groups: list[str], settled: Sequence[str] = ()) -> None:
+        """Drop the membership sets of groups whose members are final (after the acks), and the
+        gate records (`groups_done`, `groups_accepted`) of the `settled` ones — complete, every
+        member final — in the same MULTI, so a run's Redis holds only what is in flight. Safe for
+        recovery: a settled group's members are all final, so none can rebuild it (a redelivery
+        is a duplicate), and the end of a run looks a group up only for members without a final
+        outcome."""
+        if not groups and not settled:
             return
         pipe = self.r.pipeline(transaction=True)
         for gid in groups:
             pipe.delete(self.keys.group_received(gid), self.keys.group_valid(gid))
-        pipe.srem(self.keys.open_groups, *groups)
+        if groups:
+            pipe.srem(self.keys.open_groups, *groups)
+        if settled:
+            pipe.srem(self.keys.groups_done, *settled)
+            pipe.hdel(self.keys.groups_accepted, *settled)
         await pipe.execute()
 
     # ------------------------------------------------------------------ recovery

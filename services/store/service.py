@@ -537,11 +537,11 @@ class TrajectoryStore(Service):
         """Flush the archive, then mark ids final and ack their messages (in that order: a crash in
         between re-delivers a message whose row exists; the reader keeps the last row)."""
         self.w.archive.flush()
-        ids, msgs, groups = self.state.take_commit()
-        await self.w.repo.mark_final(ids)
-        for msg in msgs:
+        commit = self.state.take_commit()
+        await self.w.repo.mark_final(commit.final_ids)
+        for msg in commit.messages:
             await msg.ack()
-        await self.w.repo.cleanup(groups)
+        await self.w.repo.cleanup(commit.groups, commit.settled)
 
     async def heartbeat_loop(self) -> None:
         """Keeps held messages from being redelivered while this store lives (in-progress acks)."""

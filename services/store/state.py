@@ -36,7 +36,7 @@ import bisect
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from trajmesh.contract import Trajectory
 
@@ -74,6 +74,18 @@ class Group:
     """Valid members received so far (the ones the learner may train)."""
     ready_at: float = 0.0
     """time.time() when the group became ready for the learner."""
+
+
+class Commit(NamedTuple):
+    """One commit's work, in the order the store does it."""
+    final_ids: list[str]
+    """Ids to mark final (their archive rows are flushed)."""
+    messages: list[Any]
+    """Messages to ack."""
+    groups: list[str]
+    """Groups whose Redis membership sets go."""
+    settled: list[str]
+    """Of `groups`, those settled (complete, every member final): their gate records go too."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,11 @@ class StoreState:
         """(id to mark final or '', message to ack) of outcomes archived but not yet committed."""
         self.pending_cleanup: list[str] = []
         """Groups whose Redis membership sets can go at the next commit."""
+        self.pending_settled: list[str] = []
+        """Of those, groups settled: complete, and every member FINAL. Their gate records (done,
+        accepted count) go with their membership, since no member can enter a group again (a
+        redelivery of a final id is a duplicate) and the end of a run reads them only for members
+        without a final outcome."""
         self.owed: set[str] = set()
         """Recovery: ids a previous store held, not yet back (redelivery) or final."""
         self.recovery_deadline = 0.0
@@ -197,6 +214,7 @@ class StoreState:
         for t in group.members:
             self.finalize(t.trajectory_id, self.held.pop(t.trajectory_id, None))
         self.pending_cleanup.append(group.group_id)
+        self.pending_settled.append(group.group_id)
         return out
 
     def make_ready(self, group: Group, now: float) -> None:
@@ -257,11 +275,15 @@ class StoreState:
         return msg, traj.group_id if traj is not None else None
 
     def done_reporting(self, group_ids: Iterable[str]) -> None:
-        """Groups whose reported members are final: their Redis membership goes at the next commit."""
+        """Groups whose reported members are final: their Redis membership goes at the next commit,
+        and a group none of whose members is still HANDED_OUT is settled."""
+        out_now = {t.group_id for t in self.handed_traj.values()}
         for gid in group_ids:
             self.handed_meta.pop(gid, None)
             self.handed_at.pop(gid, None)
             self.pending_cleanup.append(gid)
+            if gid not in out_now:
+                self.pending_settled.append(gid)
 
     def trained_unreported(self, learner_version: int) -> dict[int, list[str]]:
         """A new learner process at `learner_version`: HANDED_OUT groups taken at an older version
@@ -307,20 +329,23 @@ class StoreState:
         for f in out:
             msg = self.held.pop(f.trajectory_id, None) or self.handed_out.pop(f.trajectory_id, None)
             self.finalize(f.trajectory_id, msg)
-        self.pending_cleanup += [g.group_id for g in self.ready] + list(self.assembling) + list(self.handed_meta)
+        complete = [g.group_id for g in self.ready] + list(self.handed_meta)
+        self.pending_cleanup += complete + list(self.assembling)
+        self.pending_settled += complete  # an incomplete group has members that never came back
         self.ready, self.assembling = [], {}
         self.handed_traj.clear()
         self.handed_meta.clear()
         return out
 
     # ------------------------------------------------------------------ commit
-    def take_commit(self) -> tuple[list[str], list[Any], list[str]]:
-        """(ids to mark final, messages to ack, groups to clean up) since the last commit. The
-        caller flushes the archive first, then marks, acks and cleans up, in that order."""
+    def take_commit(self) -> Commit:
+        """What to commit since the last commit (see `Commit`). The caller flushes the archive
+        first, then marks, acks and cleans up, in that order."""
         pending, self.pending_final = self.pending_final, []
         groups, self.pending_cleanup = self.pending_cleanup, []
+        settled, self.pending_settled = self.pending_settled, []
         ids = [tid for tid, _ in pending if tid]
-        return ids, [m for _, m in pending if m is not None], groups
+        return Commit(ids, [m for _, m in pending if m is not None], groups, settled)
 
     def live_messages(self) -> list[Any]:
         """Messages to heartbeat (in-progress acks) while this store lives."""

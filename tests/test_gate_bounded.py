@@ -1,0 +1,128 @@
+"""The gate's per-group records stay bounded by what is in flight over a run of many groups.
+
+An in-process store against real NATS and Redis (no other service) takes 40 groups through, two per
+round: one kept group (handed to the learner, reported trained one round later, so one group is in
+flight at every measurement) and one filtered group (zero variance). After each round's commit the
+gate's per-group records (`groups_done`, `groups_accepted`), the open-group set, the per-group
+membership keys and the whole key count must hold no more than the groups still in flight, while
+the gate's counters and the archive still account for every admitted trajectory exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from trajmesh import bus as busmod
+from trajmesh.config import RunConfig, load_config
+from trajmesh.contract import Trajectory
+from trajmesh.infra import NatsServer, RedisServer, free_port
+from trajmesh.services.store.archive import final_outcomes, read_archive
+from trajmesh.services.store.service import TrajectoryStore, _Incoming
+from trajmesh.v1 import services_pb2, trajectory_pb2
+
+pytestmark = [pytest.mark.timeout(180)]
+
+ROUNDS = 20
+G = 2
+
+
+def _build_config(tmp_path: Path, nats: NatsServer, redis: RedisServer, model_dir: str) -> RunConfig:
+    return load_config(None, {
+        "run_dir": str(tmp_path / "run"), "model.path": model_dir, "tasks.group_size": G,
+        "learner.batch_groups": 1, "gate.eta": 2, "store.drop_zero_variance_groups": True,
+        "infra.nats_url": nats.url, "infra.redis_url": redis.public_url,
+        "infra.store_address": f"127.0.0.1:{free_port()}",
+        "infra.security.nats_auth": False, "infra.security.redis_auth": False,
+    })
+
+
+def _graded(task_id: str, group_id: str, index: int, reward: float, version: int) -> bytes:
+    task = trajectory_pb2.Task(task_id=task_id, group_id=group_id, source="chain_sum", group_size=G)
+    t = Trajectory.new(task, trajectory_id=f"{task_id}-{index}")
+    t.append_prompt([1, 5, 6])
+    t.append_sampled([7, 2], [-0.5, -0.1], version)
+    t.finish(trajectory_pb2.EOS)
+    t.set_reward(reward)
+    return t.to_bytes()
+
+
+async def _admit_and_return(store: TrajectoryStore, task_id: str, rewards: list[float]) -> None:
+    """Admit one task (G members) at the gate's version, publish its members graded with `rewards`
+    and take them in (the group completes)."""
+    version = await store.w.gate.version()
+    gid = f"g-{task_id}"
+    record = {"group_id": gid, "group_size": G, "source": "chain_sum", "admitted_at_version": version}
+    assert await store.w.repo.try_admit(task_id, record, b"", G)
+    for i, reward in enumerate(rewards):
+        await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, _graded(task_id, gid, i, reward, version),
+                                  msg_id=f"{task_id}-{i}")
+    incoming: list[_Incoming] = []
+    while len(incoming) < G:
+        for msg in await store.w.intake.fetch(batch=G, timeout=10.0):
+            data = await store.w.intake.resolve(msg)
+            traj = Trajectory.from_bytes(data)
+            incoming.append(_Incoming(data, msg, traj, traj.pb.trajectory_id))
+    await store._intake_run(incoming)
+
+
+async def _sizes(store: TrajectoryStore) -> dict[str, int]:
+    r, keys = store.w.redis, store.w.repo.keys
+    group_keys = [k async for k in r.scan_iter(match=keys.group_received("*").replace(":received", ":*"))]
+    return {"groups_done": int(await r.scard(keys.groups_done)),
+            "groups_accepted": int(await r.hlen(keys.groups_accepted)),
+            "open_groups": int(await r.scard(keys.open_groups)),
+            "group_keys": len(group_keys),
+            "dbsize": int(await r.dbsize())}
+
+
+def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: NatsServer,
+                                                 redis_server: RedisServer, tiny_model_dir: str) -> None:
+    cfg = _build_config(tmp_path, nats_server, redis_server, tiny_model_dir)
+    trained: list[str] = []
+
+    async def main() -> tuple[list[dict[str, int]], int, int, int]:
+        store = TrajectoryStore(cfg)
+        await store.setup()
+        measured: list[dict[str, int]] = []
+        in_flight: list[str] = []  # the kept group the learner holds, reported next round
+        for k in range(ROUNDS):
+            await _admit_and_return(store, f"keep{k}", [1.0, 0.0])  # rewards differ: kept
+            await _admit_and_return(store, f"drop{k}", [1.0, 1.0])  # zero variance: filtered
+            version = await store.w.gate.version()
+            if in_flight:  # the learner reports the batch it took last round, then takes this one
+                await store.report(services_pb2.ReportRequest(learner_version=version, trained_ids=in_flight))
+                trained.extend(in_flight)
+                await store.w.gate.set_version(version + 1)
+                version += 1
+            batch = await store.next_batch(version, G, timeout_s=10.0)
+            assert [t.group_id for t in batch] == [f"g-keep{k}"] * G
+            in_flight = [t.trajectory_id for t in batch]
+            await store._commit_final()
+            measured.append(await _sizes(store))
+        await store.report(services_pb2.ReportRequest(learner_version=await store.w.gate.version(),
+                                                      trained_ids=in_flight))
+        trained.extend(in_flight)
+        counters = await store.w.gate.counters()
+        admitted = int(await store.w.redis.get(store.w.repo.keys.admitted_trajectories) or 0)
+        final = await _sizes(store)
+        await store.stop()
+        return measured + [final], counters.accepted, counters.running, admitted
+
+    measured, accepted, running, admitted = asyncio.run(main())
+    # Exactly one group is in flight (handed out, not reported) at every measurement but the last.
+    for k, sizes in enumerate(measured[:-1]):
+        assert sizes["groups_done"] <= 1 and sizes["groups_accepted"] <= 1, (k, sizes)
+        assert sizes["open_groups"] <= 1 and sizes["group_keys"] <= 2, (k, sizes)
+    assert measured[-1]["groups_done"] == measured[-1]["groups_accepted"] == measured[-1]["open_groups"] == 0
+    assert max(s["dbsize"] for s in measured[3:]) <= max(s["dbsize"] for s in measured[:3]), measured
+    # Exact accounting: every admitted trajectory has one final outcome, and the gate counted each
+    # kept group once.
+    assert admitted == 2 * ROUNDS * G and running == 0 and accepted == ROUNDS * G
+    outcomes = {tid: row["outcome"] for tid, row in final_outcomes(read_archive(Path(cfg.run_dir) / "archive")).items()}
+    expected = {f"keep{k}-{i}": "trained" for k in range(ROUNDS) for i in range(G)}
+    expected.update({f"drop{k}-{i}": "filtered" for k in range(ROUNDS) for i in range(G)})
+    assert outcomes == expected
+    assert sorted(trained) == sorted(t for t in expected if t.startswith("keep"))
