@@ -44,13 +44,13 @@ import struct
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from aiohttp import web
-from trajmesh.learner.evaluate import Sampled
+from trajmesh.rollout.torch_sampler import Sampled
 from trajmesh.learner.models import load_causal_lm
 from trajmesh.rollout.torch_sampler import RequestSampling, decode_batch
 
@@ -125,18 +125,15 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def _check_context(prompt: list[int], sp: RequestSampling, context_len: int) -> None:
-    """SGLang's token-length validation (``TokenizerManager._validate_one_request``): one failing
-    prompt fails the whole request, batch included (HTTP 400)."""
+def _fit_context(prompt: list[int], sp: RequestSampling, context_len: int) -> RequestSampling:
+    """vLLM's length handling: a prompt that leaves no room for one token fails the whole request,
+    batch included (HTTP 400); otherwise ``max_new_tokens`` is capped so prompt + output stays within
+    the context (vLLM caps ``max_tokens`` at ``max_model_len`` minus the prompt, silently)."""
     n = len(prompt)
     if n >= context_len:
-        raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({context_len} tokens).")
-    if n + sp.max_new_tokens >= context_len:
-        raise ValueError(
-            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
-            f"You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from the input messages "
-            f"and {sp.max_new_tokens} tokens for the completion."
-        )
+        raise ValueError(f"The input ({n} tokens) plus the requested output (at least 1 token) is longer "
+                         f"than the model's context length ({context_len} tokens).")
+    return replace(sp, max_new_tokens=min(sp.max_new_tokens, context_len - n))
 
 
 class TorchEngineServer:
@@ -316,9 +313,8 @@ class TorchEngineServer:
         raw_lp = body.get("return_logprob", False)
         rids = body.get("rid")
         try:
-            sps = [RequestSampling.parse(raw_sp[i] if isinstance(raw_sp, list) else raw_sp) for i in range(n)]
-            for p, sp in zip(prompts, sps, strict=True):
-                _check_context(p, sp, self.context_len)
+            sps = [_fit_context(p, RequestSampling.parse(raw_sp[i] if isinstance(raw_sp, list) else raw_sp),
+                                self.context_len) for i, p in enumerate(prompts)]
         except (ValueError, TypeError) as exc:
             return _error(str(exc))
         loop = asyncio.get_running_loop()
