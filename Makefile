@@ -64,10 +64,12 @@ clean:
 	rm -rf runs .pytest_cache
 
 # The engine conformance suite and every `gpu`-marked test against a local SGLang server (needs a
-# CUDA GPU and SGLang; docs/ENGINE.md). SGLANG_MODEL: an HF model directory.
+# CUDA GPU and SGLang; docs/ENGINE.md). SGLANG_MODEL: an HF model directory. GPU_PYTHON: the Python
+# that has SGLang and its own torch (the GPU image's); no `make setup` venv over them.
 .PHONY: gpu-check
 SGLANG_MODEL ?=
 SGLANG_ARGS ?=
-gpu-check: setup
+GPU_PYTHON ?= python3
+gpu-check:
 	@test -n "$(SGLANG_MODEL)" || { echo "set SGLANG_MODEL=/path/to/hf/model (docs/ENGINE.md)"; exit 2; }
-	$(PY) -m trajmesh.rollout.sglang_check --model $(SGLANG_MODEL) $(SGLANG_ARGS)
+	$(GPU_PYTHON) -m trajmesh.rollout.sglang_check --model $(SGLANG_MODEL) $(SGLANG_ARGS)

@@ -1,10 +1,16 @@
 """``make gpu-check``: start a local SGLang server, run the engine conformance suite and every
 ``gpu``-marked test against it, stop the server.
 
-Run on a machine with a CUDA GPU and SGLang installed (the GPU image has both)::
+Run with the Python that has SGLang and its own torch (the GPU image's ``/opt/trajmesh/bin/python``;
+never the ``make setup`` venv, whose torch is not SGLang's), on a machine with a CUDA GPU::
 
     python -m trajmesh.rollout.sglang_check --model /models/Qwen2.5-0.5B-Instruct [--port 30000]
-        [--precision auto|bf16|fp32] [--sglang-arg=--enable-deterministic-inference ...] [-- PYTEST ARGS]
+        [--precision auto|bf16|fp32] [--sglang-arg=--enable-deterministic-inference ...]
+        [--tests-root DIR] [-- PYTEST ARGS]
+
+The tests come with it: ``--tests-root`` is a directory holding ``tests/`` and the
+``pyproject.toml`` that configures pytest — by default the source checkout this module runs from,
+else ``<sys.prefix>/share/trajmesh`` (where docker/Dockerfile.gpu installs them).
 
 The server is launched as ``python -m sglang.launch_server --model-path MODEL --port PORT --dtype D``
 (D from ``--precision``, the learner.precision the run trains with: the dtype its weights are
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import signal
 import subprocess
@@ -28,6 +35,17 @@ from trajmesh.rollout.engine_client import EngineClient
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+INSTALLED_TESTS = Path(sys.prefix) / "share" / "trajmesh"
+"""Where the GPU image puts the tests and pyproject.toml (docker/Dockerfile.gpu)."""
+
+
+def tests_root(given: str | None) -> Path | None:
+    """The directory with ``tests/`` the check runs: `given`, else the checkout this module is in,
+    else ``INSTALLED_TESTS``; None if that one has no ``tests/``."""
+    for root in ([Path(given)] if given else [ROOT, INSTALLED_TESTS]):
+        if (root / "tests").is_dir():
+            return root
+    return None
 
 
 def sglang_dtype(precision: str, cuda: bool = True) -> str:
@@ -68,9 +86,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="learner.precision of the run (sets SGLang's --dtype; auto: bf16, a GPU learner's)")
     parser.add_argument("--sglang-arg", action="append", default=[], help="extra launch_server argument")
     parser.add_argument("--log", default="sglang-check.log", help="SGLang's stdout/stderr")
+    parser.add_argument("--tests-root", help=f"directory with tests/ and pyproject.toml (default: the checkout, "
+                                             f"else {INSTALLED_TESTS})")
     args, pytest_args = parser.parse_known_args(argv)
     if any(a.startswith("--dtype") for a in args.sglang_arg):
         parser.error("--dtype follows --precision (the dtype the learner publishes weights in); set that")
+    root = tests_root(args.tests_root)
+    if root is None:
+        print(f"no tests/ in {args.tests_root or f'{ROOT} or {INSTALLED_TESTS}'}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("sglang") is None:
+        print(f"SGLang is not installed for {sys.executable}: run this with the GPU image's Python "
+              "(docs/ENGINE.md, make gpu-check GPU_PYTHON=...)", file=sys.stderr)
+        return 2
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--host", "127.0.0.1",
            "--port", str(args.port), "--dtype", sglang_dtype(args.precision), *args.sglang_arg]
@@ -81,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"SGLang did not become healthy (see {args.log})", file=sys.stderr)
             return 2
         env = dict(os.environ, TRAJMESH_SGLANG_URL=url, TRAJMESH_SGLANG_MODEL=args.model)
-        tests = [sys.executable, "-m", "pytest", "-m", "gpu", str(ROOT / "tests"), "-q", "-rs",
+        tests = [sys.executable, "-m", "pytest", "-m", "gpu", str(root / "tests"), "-q", "-rs",
                  *[a for a in pytest_args if a != "--"]]
-        return subprocess.call(tests, cwd=ROOT, env=env)
+        return subprocess.call(tests, cwd=root, env=env)
     finally:
         _stop(proc)
 

@@ -36,8 +36,9 @@ class SGLangFixtureServer:
     """``async with SGLangFixtureServer("0.4.10.post2") as srv: srv.url``."""
 
     def __init__(self, version: str, *, context_length: int = 64, max_total_num_tokens: int = 100_000,
-                 reply: list[int] | None = None) -> None:
+                 reply: list[int] | None = None, port: int = 0) -> None:
         assert version in VERSIONS, version
+        self.port = port
         self.version = version
         self.new = version.startswith("0.5")
         self.server_info = fixture(version, "server_info")
@@ -77,7 +78,7 @@ class SGLangFixtureServer:
         app.add_routes(routes)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{port}"
@@ -86,6 +87,7 @@ class SGLangFixtureServer:
     async def __aexit__(self, *exc: object) -> None:
         assert self._runner is not None
         await self._runner.cleanup()
+
 
     def generation_requests(self) -> list[dict[str, Any]]:
         """The scheduled samples other than the client's one-token probes (prompt ``[0]``)."""
@@ -198,3 +200,22 @@ class SGLangFixtureServer:
                 return web.Response(status=500, text=message)
             return web.json_response({"error": {"message": message}}, status=400)  # _create_error_response
         return web.json_response(answers if batch else answers[0])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m sglang.launch_server`` as tests/test_sglang_check.py fakes it: serves the
+    recorded SGLang 0.5.23 on ``--port`` until SIGTERM."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    args, _ = parser.parse_known_args(argv)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        async with SGLangFixtureServer("0.5.23", port=args.port):
+            await stop.wait()
+
+    asyncio.run(serve())
