@@ -1,5 +1,5 @@
 """The ``external_agent`` task source's plug-in entry (`trajmesh.plugins`): reasoning-gym tasks that a
-user's own agent solves through the rollout's agent endpoint (envs/external_agent.py runs the agent,
+user's own agent solves through the rollout's agent endpoint (rollout/agent_runner.py runs the agent,
 graders/external_agent.py scores its answer; rollout/agent_episodes.py holds the rollout hooks the
 plug-in names: serve the endpoint, run one agent per sample). No torch."""
 
@@ -16,7 +16,7 @@ from trajmesh.plugins import SourcePlugin
 
 class ExternalAgentSource(SourceConfig):
     """A user's own agent solves reasoning-gym tasks through the rollout's OpenAI/Anthropic-compatible
-    endpoint (envs/external_agent.py, docs/AGENTS.md); its LLM calls become the trajectories."""
+    endpoint (rollout/agent_runner.py, docs/AGENTS.md); its LLM calls become the trajectories."""
 
     type: Literal["external_agent"] = "external_agent"
     """Selects this source: tasks solved by an external agent through the agent endpoint."""

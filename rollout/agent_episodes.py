@@ -1,27 +1,42 @@
 """The ``external_agent`` source's rollout hooks, named by its plug-in (envs/external_agent_source.py:
 ``rollout_setup`` and ``rollout_episodes``, `trajmesh.plugins.SourcePlugin`): the rollout process
 serves the OpenAI/Anthropic-compatible agent endpoint (rollout/agent_endpoint.py) and runs the
-user's agent once per sample against it (envs/external_agent.py). services/rollout.py calls them
+user's agent once per sample against it (rollout/agent_runner.py). services/rollout.py calls them
 through the registry and names no source.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter
-from trajmesh.envs.external_agent import AgentRunner
+from trajmesh.rollout.agent_runner import AgentRunner
 
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
 from trajmesh.v1 import trajectory_pb2
 
-if TYPE_CHECKING:
-    from trajmesh.services.rollout import RolloutService
+
+class AgentHost(Protocol):
+    """What the hooks may ask of the rollout process that runs them (services/rollout.py's
+    `RolloutService` is one): its config, tokenizer, chat template, sampler and weight-load pause,
+    its worker id, and three slots the hooks fill (the endpoint's server and serving task, closed by
+    the service's stop, and the agent runner)."""
+
+    cfg: Any
+    tokenizer: Any
+    chat: Any
+    sampler: Any
+    pause: Any
+    worker_id: str
+    agent_server: Any
+    agent_serve_task: asyncio.Task[None] | None
+    agents: Any
 
 log = logging.getLogger("trajmesh.rollout")
 
@@ -29,7 +44,7 @@ AGENT_SEGMENTED = Counter("trajmesh_rollout_agent_segmented_trajectories_total",
                           "External agents' trajectories holding several segments (each trained as its own row)")
 
 
-async def serve_endpoint(rollout: RolloutService, sources: list[Any]) -> None:
+async def serve_endpoint(rollout: AgentHost, sources: list[Any]) -> None:
     """``rollout_setup``: the endpoint external agents call, generating with this rollout process's
     sampler (pauses for weight loads included); sets ``rollout.agent_server`` / ``agent_serve_task``
     (closed by `RolloutService.stop`) and ``rollout.agents``, the runner `run_episode` uses."""
@@ -45,9 +60,9 @@ async def serve_endpoint(rollout: RolloutService, sources: list[Any]) -> None:
     log.info("agent endpoint on http://%s:%d/sessions/<sid>/v1", ecfg.host, port)
 
 
-async def run_episode(rollout: RolloutService, task: trajectory_pb2.Task, index: int) -> Trajectory:
+async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int) -> Trajectory:
     """``rollout_episodes["external_agent"]``: one sample of an external_agent task is the agent's run
-    (envs/external_agent.py). The session's one trajectory, every segment in it (one per sample
+    (rollout/agent_runner.py). The session's one trajectory, every segment in it (one per sample
     keeps the gate's accounting; the learner trains each segment as a row). No LLM call: INFRA_FAILURE."""
     agents = rollout.agents
     assert isinstance(agents, AgentRunner), "external_agent task without the agent endpoint"

@@ -35,20 +35,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from trajmesh.envs.base import SingleAnswerEnv
 
 from trajmesh.contract import Trajectory
 from trajmesh.v1 import trajectory_pb2
 
 if TYPE_CHECKING:
     from trajmesh.rollout.agent_session import HostedEnvironment
-
-
-class ExternalAgentEnv(SingleAnswerEnv):
-    """The registry entry of ``external_agent`` tasks. Rollout never steps it (the agent runs its
-    own tools and talks to the endpoint); held-out evaluation serves the prompt as one answer."""
-
-    revision = "external_agent-v1"
 
 
 @dataclass
@@ -140,7 +132,7 @@ class AgentRunner:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([*python_path, env.get("PYTHONPATH", "")]).strip(os.pathsep)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "trajmesh.envs.external_agent", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "trajmesh.rollout.agent_runner", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env)
         try:
             out, err = await asyncio.wait_for(proc.communicate(payload.encode()), timeout=budget_s)

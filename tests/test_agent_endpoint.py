@@ -433,7 +433,7 @@ def _task(prompt: str) -> Any:
 
 
 def test_example_agent_runs_in_its_own_process_through_the_endpoint(h: Harness) -> None:
-    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.rollout.agent_runner import AgentRunner
 
     runner = AgentRunner(h.ep, h.url, python_path=[str(Path(__file__).resolve().parents[1] / "examples")])
     trajs, outcome = asyncio.run(runner.run(_task(QUESTION), "openai_agent:solve", 300, session_id="ex1"))
@@ -447,7 +447,7 @@ def test_example_agent_runs_in_its_own_process_through_the_endpoint(h: Harness) 
 
 
 def test_agent_that_edits_history_yields_one_trajectory_with_two_segments(h: Harness, tmp_path: Path) -> None:
-    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.rollout.agent_runner import AgentRunner
 
     (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
     runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path), str(Path(__file__).resolve().parents[1] / "examples")])
@@ -465,7 +465,7 @@ def test_agent_that_edits_history_yields_one_trajectory_with_two_segments(h: Har
 
 
 def test_crashed_agent_is_an_infra_failure(h: Harness, tmp_path: Path) -> None:
-    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.rollout.agent_runner import AgentRunner
 
     (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
     runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path)])
@@ -479,7 +479,7 @@ def test_crashed_agent_is_an_infra_failure(h: Harness, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_timed_out_agent_is_killed_and_never_rewarded(h: Harness, tmp_path: Path) -> None:
     """Waits out a 30 s budget (the agent's one call must fit in it on a loaded machine)."""
-    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.rollout.agent_runner import AgentRunner
 
     (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
     runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path)])
@@ -490,7 +490,7 @@ def test_timed_out_agent_is_killed_and_never_rewarded(h: Harness, tmp_path: Path
 
 def test_http_agent(h: Harness) -> None:
     from aiohttp import web
-    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.rollout.agent_runner import AgentRunner
 
     answered: list[str] = []
 
@@ -569,7 +569,7 @@ def test_the_agents_returned_answer_is_graded_not_the_models_last_turn(h: Harnes
     """The agent runs the example tool loop (the model's last turn: "The answer is 5.") and returns
     another string; the grader service's view of the trajectory carries that string and the
     external_agent grader scores it with the task source's scorer (chain_sum: exact answer)."""
-    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.rollout.agent_runner import AgentRunner
     from trajmesh.graders.external_agent import ExternalAgentGrader
     from trajmesh.graders.reasoning_gym import ReasoningGymGrader
     from trajmesh.services.grader import GraderService
@@ -713,7 +713,7 @@ def test_workplace_task_is_graded_by_the_hosted_environments_final_state(h: Harn
     import urllib.error
     import urllib.request
 
-    from trajmesh.envs.external_agent import AgentRunner
+    from trajmesh.rollout.agent_runner import AgentRunner
     from trajmesh.envs.workplace import WorkplaceEnv
     from trajmesh.graders.external_agent import ExternalAgentGrader
     from trajmesh.services.grader import GraderService

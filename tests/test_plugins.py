@@ -149,7 +149,8 @@ class _CharCodec:
 
 
 def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plugins.SourcePlugin) -> None:
-    from trajmesh.learner.evaluate import Sampled, SamplingParams, evaluate_tasks
+    from trajmesh.learner.evaluate import evaluate_tasks
+    from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
 
     from trajmesh.run.train import heldout_tasks
 
