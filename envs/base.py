@@ -10,7 +10,7 @@ SANDBOX_ERROR with `sandbox_error`).
 
 Tool calls (math_tool, search, workplace) come in two forms, both accepted on every step so that
 replaying an action log never depends on the model: the model's native Hermes/Qwen2.5 format
-(`trajmesh.rollout.tool_calls`; tools declared as JSON schemas, `function_schemas`; the answer is
+(`trajmesh.tool_calls`; tools declared as JSON schemas, `function_schemas`; the answer is
 the plain tool output, which the chat template wraps as a tool message) and the environment's own
 tags (``<code>``, ``<search>``, ``<tool>``; answered inside the environment's tags) for the
 character-tokenizer demo model, which has no chat template. A source's ``tool_format`` picks which
@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from trajmesh.rollout.tool_calls import ToolCall, count_malformed, parse_tool_calls
+from trajmesh.tool_calls import ToolCall, count_malformed, parse_tool_calls
 
 
 @dataclass(frozen=True)

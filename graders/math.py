@@ -13,7 +13,8 @@ from typing import Any
 
 from trajmesh.envs.base import last_tag
 from trajmesh.graders.base import Grade, Sample
-from trajmesh.rollout.tool_calls import parse_tool_calls
+
+from trajmesh.tool_calls import parse_tool_calls
 
 RENAME = {"x": "u", "y": "v", "z": "w", "n": "m", "a": "p", "b": "q"}
 

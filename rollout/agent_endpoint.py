@@ -12,7 +12,7 @@
     engine /generate (token ids in, token ids + log-probs + versions out) ─▶ recorded in the session
       │
       ▼ the answer in the API's own shape; tool calls parsed from the model's native format
-        (Hermes <tool_call>, rollout/tool_calls.py) into each API's tool-call objects
+        (Hermes <tool_call>, trajmesh/tool_calls.py) into each API's tool-call objects
 
 A session whose task comes with an environment (the ``external_agent`` source's workplace tasks)
 also serves ``POST /sessions/{sid}/env/step``: the agent's actions on the environment the runner
@@ -47,9 +47,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from trajmesh.rollout.agent_session import AgentSession, Call, PromptPlan
 from trajmesh.rollout.chat_format import ChatFormat
 from trajmesh.rollout.generation import EngineFailed, PauseClock, Turn, TurnSampler
-from trajmesh.rollout.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 
 from trajmesh.tokenizer import TextTokenizer
+from trajmesh.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 
 SESSION_HEADER = "x-trajmesh-session"
 RETRY_AFTER_S = 1

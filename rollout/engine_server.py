@@ -50,9 +50,8 @@ from typing import Any
 
 import torch
 from aiohttp import web
-from trajmesh.rollout.torch_sampler import Sampled
-from trajmesh.learner.models import load_causal_lm
-from trajmesh.rollout.torch_sampler import RequestSampling, decode_batch
+from trajmesh.rollout.hf_model import load_causal_lm
+from trajmesh.rollout.torch_sampler import RequestSampling, Sampled, decode_batch
 
 log = logging.getLogger("trajmesh.rollout.engine_server")
 

@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 from mesh_checks import write_manifest
-from trajmesh.rollout.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
-
 from trajmesh.services.store.archive import read_archive
+
 from trajmesh.config import load_config
 from trajmesh.run.launcher import start_mesh
-from trajmesh.tasks import load_split
 from trajmesh.run.train import read_metrics
+from trajmesh.tasks import load_split
+from trajmesh.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -31,7 +31,6 @@ from chatml_model import build_chatml_model  # noqa: E402
 from trajmesh.learner.models import (  # noqa: E402
     build_char_tokenizer,
     build_tiny_model,
-    dtype_kwarg,
     encode_prompt,
     load_model,
 )
@@ -43,6 +42,7 @@ from trajmesh.rollout.engine_client import (  # noqa: E402
     token_versions,
 )
 from trajmesh.rollout.generation import PauseClock, TurnSampler  # noqa: E402
+from trajmesh.rollout.hf_model import dtype_kwarg  # noqa: E402
 from trajmesh.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from vllm_server import VLLMServer, start_all  # noqa: E402
 

@@ -19,13 +19,12 @@ from trajmesh.learner import step
 from trajmesh.learner.logprobs import PolicyLogprobs
 from trajmesh.learner.models import (
     build_char_tokenizer,
-    dtype_kwarg,
     encode_prompt,
-    load_causal_lm,
     load_model,
 )
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.train_engine import build_train_engine
+from trajmesh.rollout.hf_model import dtype_kwarg, load_causal_lm
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from trajmesh.contract import Trajectory

@@ -1,8 +1,8 @@
-"""Native (Hermes / Qwen2.5) tool calls: rollout/tool_calls.py. Expected values are written by hand."""
+"""Native (Hermes / Qwen2.5) tool calls: trajmesh/tool_calls.py. Expected values are written by hand."""
 
 from __future__ import annotations
 
-from trajmesh.rollout.tool_calls import ToolCall, count_malformed, parse_tool_calls, render_tool_calls
+from trajmesh.tool_calls import ToolCall, count_malformed, parse_tool_calls, render_tool_calls
 
 
 def test_one_call_with_text_around() -> None:
