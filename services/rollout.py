@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids
 from trajmesh.rollout.engine_client import CoalescingEngine, EngineError
@@ -66,6 +67,15 @@ INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
 ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
                        "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
+BUS_FAILURES = Counter("trajmesh_rollout_bus_failures_total",
+                       "NATS operations of a task that failed or timed out (publishes are retried), by operation",
+                       ["operation"])
+TASKS_GIVEN_UP = Counter("trajmesh_rollout_tasks_given_up_total",
+                         "Tasks left unacked for redelivery because their trajectories could not be published")
+PUBLISH_RETRY_S = 60.0
+"""How long a task's trajectory publish is retried (NATS restarting, or this process paused past
+the JetStream API timeout with the PubAck unread) before the task is given up unacked: JetStream
+then redelivers it after task_ack_wait_s and the store deduplicates what was published."""
 ENV_STEP_TIMEOUT_S = 120.0
 """gRPC deadline of one Reset/Step (a sandboxed tool call is bounded well below it)."""
 _ACTION_TYPES = {"TEXT": trajectory_pb2.TEXT, "CODE": trajectory_pb2.CODE, "TOOL_CALL": trajectory_pb2.TOOL_CALL}
@@ -193,7 +203,7 @@ class RolloutService(Service):
         raise TimeoutError(f"engine at {self._live_engine().base_url} not healthy after {timeout_s}s")
 
     async def run(self) -> None:
-        await supervise(self.weights_loop(), self.task_loop(), self.utilization_loop())
+        await supervise(self.weights_loop(), self.task_loop(), self.utilization_loop(), stopping=self.stopping)
 
     async def stop(self) -> None:
         for t in list(self.inflight):
@@ -265,8 +275,10 @@ class RolloutService(Service):
 
     # ------------------------------------------------------------------ tasks
     async def task_loop(self) -> None:
-        """Pulls tasks from TASKS (shared durable `rollout`) while a slot is free; waits on slots."""
-        while True:
+        """Pulls tasks from TASKS (shared durable `rollout`) while a slot is free; waits on slots.
+        Returns once `stopping` is set (its cancellation can be swallowed by a fetch that completed
+        at the same moment, Python < 3.12 `asyncio.wait_for`: the loop must not run on then)."""
+        while not self.stopping.is_set():
             await self.slots.acquire()
             msgs = await self.consumer.fetch(batch=1, timeout=1.0)
             if not msgs:
@@ -293,21 +305,60 @@ class RolloutService(Service):
             try:
                 await self._wait_for_version(int(task.admitted_at_version))
                 trajs = await asyncio.gather(*(self.run_episode(task, i) for i in range(task.group_size)))
+                published = await self._publish_all(task, trajs)
             finally:
                 heartbeat.cancel()
-            for traj in trajs:
-                await self._live_bus().publish(busmod.SUBJECT_TRAJ_RAW, traj.to_bytes(), msg_id=traj.trajectory_id)
-                TRAJECTORIES.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
-            await msg.ack()
+            if published:
+                await self._ack(msg)
         finally:
             INFLIGHT.dec()
 
+    async def _publish_all(self, task: trajectory_pb2.Task, trajs: list[Trajectory]) -> bool:
+        """Publishes a task's trajectories to TRAJ_RAW (msg_id = trajectory id: one published again
+        is stored once). A publish that fails or times out is retried with backoff for up to
+        PUBLISH_RETRY_S; past it the task is given up (False: left unacked, JetStream redelivers it)."""
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        for traj in trajs:
+            delay = 0.2
+            while True:
+                try:
+                    await self._live_bus().publish(busmod.SUBJECT_TRAJ_RAW, traj.to_bytes(),
+                                                   msg_id=traj.trajectory_id)
+                    break
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                    BUS_FAILURES.labels("publish").inc()
+                    if time.monotonic() + delay > deadline:
+                        TASKS_GIVEN_UP.inc()
+                        log.warning("task %s given up for redelivery: publishing %s failed for %.0fs (%r)",
+                                    task.task_id, traj.trajectory_id, PUBLISH_RETRY_S, exc)
+                        return False
+                    log.warning("publishing %s failed (%r); retrying in %.1fs", traj.trajectory_id, exc, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+            TRAJECTORIES.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
+        return True
+
+    async def _ack(self, msg: Any) -> None:
+        """Acks a task whose trajectories are published. An ack NATS does not take (it is
+        restarting) leaves the task to be redelivered after task_ack_wait_s; the store
+        deduplicates its trajectories, so that is counted, not a crash."""
+        try:
+            await msg.ack()
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            BUS_FAILURES.labels("ack").inc()
+            log.warning("ack of a task failed (%r); it will be redelivered", exc)
+
     async def _heartbeat(self, msg: Any) -> None:
         """Tells JetStream the task is still being worked on (a dead rollout stops doing so, and
-        its task is redelivered after task_ack_wait_s)."""
+        its task is redelivered after task_ack_wait_s). A beat NATS does not take is counted and
+        the next one tried."""
         while True:
             await asyncio.sleep(self.cfg.rollout.task_ack_wait_s / 3)
-            await msg.in_progress()
+            try:
+                await msg.in_progress()
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                BUS_FAILURES.labels("heartbeat").inc()
+                log.warning("task heartbeat failed (%r)", exc)
 
     async def _wait_for_version(self, version: int, timeout_s: float = 30.0) -> None:
         """A task admitted at learner version v is not sampled with weights older than v (the

@@ -342,6 +342,18 @@ class EnvironmentServiceConfig(_Strict):
     tools or remote environments (bench/bench_async.py)."""
 
 
+class ServiceConfig(_Strict):
+    """Lifecycle settings every service process shares (trajmesh/service.py)."""
+
+    stop_timeout_s: float = Field(30.0, gt=0)
+    """Seconds a service may take to stop once its stop began (a signal, or a failure such as a
+    crashed task), on top of the learner's time to finish its step on a signal and of what a
+    service's own stop work needs (`Service.stop_work_s`: the store's finalization). Past them it
+    logs what it is still waiting for and exits non-zero anyway, so a failing service always ends
+    in an exit and a restart. Keep it below the launcher's grace and the pods'
+    terminationGracePeriodSeconds."""
+
+
 class ServiceReplicas(_Strict):
     replicas: int = Field(1, ge=1)
     """Processes of this service started by the local launcher."""
@@ -604,6 +616,8 @@ class RunConfig(_Strict):
     """sync: η is forced to 0 and the learner waits for a full batch from the current version."""
     infra: InfraConfig = Field(default_factory=InfraConfig)
     """NATS, Redis and gRPC addresses, security."""
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    """What every service process shares: how long its stop may take."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     tasks: TasksConfig = Field(default_factory=TasksConfig)

@@ -6,14 +6,24 @@
         │                       GET /metrics (Prometheus text format)
         ├─ setup()              connect to NATS/Redis, open servers, load models
         ├─ run()                the service's supervised loops; returning ends the process (exit 0)
-        └─ stop()               on SIGTERM/SIGINT or when run() returns or raises; bounded by
-                                `stop_timeout_s`
+        └─ stop()               on SIGTERM/SIGINT or when run() returns or raises
+        the whole stop is bounded: `stop_timeout_s` after it began (plus the learner's
+        `graceful_stop_s` on a signal), then the process exits non-zero (`run_service`)
 
 Exits are honest. A supervised loop that returns early is a crash: `supervise` cancels its
 siblings and raises `LoopError` naming the loop (and its error), so `serve` raises, the process
 exits non-zero and the launcher (or Kubernetes) sees it. A service that sets `stopping` itself
 without a signal (e.g. a crashed background task) is a failure too: it should call `fail(error)`,
 which records the error that `serve` raises. Only a signal or `run()` returning ends with exit 0.
+
+Stops are bounded. From the moment a stop begins (a signal, `fail()`, `run()` ending) /healthz
+answers 503, and the stop has a deadline: graceful period (on a signal, when the service has one)
++ `stop_timeout_s` (the run's `service.stop_timeout_s` + the service's `stop_work_s`). Cancelling
+`run()` and `stop()` share it inside the event loop; a loop that swallows its cancellation or a
+`stop()` that hangs is logged with every task still pending and turns into a failure. Under
+`run_service` (the process entry point) a watchdog thread also ends the process with
+`STOP_TIMEOUT_EXIT_CODE` at the deadline + `EXIT_GRACE_S`, whatever the event loop or the
+interpreter's teardown is stuck on, so a crashed service always ends in an exit and a restart.
 """
 
 from __future__ import annotations
@@ -22,6 +32,10 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+import threading
+import time
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from typing import Any
@@ -32,6 +46,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from trajmesh.config import RunConfig
 
 log = logging.getLogger("trajmesh.service")
+
+STOP_TIMEOUT_EXIT_CODE = 3
+"""Exit status of a process whose stop outlived its deadline (ended by the stop watchdog)."""
+EXIT_GRACE_S = 5.0
+"""After the stop deadline, how long the process may take to leave (HTTP cleanup, asyncio.run's
+teardown) before the watchdog ends it."""
 
 
 class LoopError(RuntimeError):
@@ -49,10 +69,9 @@ class Service(ABC):
     graceful_stop_s: float = 0.0
     """On SIGTERM, how long `run()` may take to finish its current unit of work before it is
     cancelled (it should watch `self.stopping`)."""
-    stop_timeout_s: float = 120.0
-    """How long `stop()` may take (flushes, the store's finalization, a final checkpoint) before
-    `serve` gives up on it and the process exits non-zero (the launcher allows the store 120 s,
-    trajmesh.run.run_end.STORE_STOP_S). A service whose stop may take longer overrides it."""
+    stop_work_s: float = 0.0
+    """Seconds this kind of service's `stop()` needs for its own durable work (the store's
+    finalization), added to the run's `service.stop_timeout_s`."""
 
     def __init__(self, cfg: RunConfig, *, replica: int = 0, metrics_port: int = 0) -> None:
         self.cfg = cfg
@@ -65,18 +84,62 @@ class Service(ABC):
         """The signal (SIGTERM/SIGINT) that asked this process to stop; None until one arrives."""
         self.failure: BaseException | None = None
         """The error recorded by `fail()`; `serve` raises it once the service has stopped."""
+        self.stop_timeout_s = cfg.service.stop_timeout_s + self.stop_work_s
+        """How long cancelling `run()` and `stop()` may take once the stop began (after the
+        graceful period), before the stop is a failure and the process exits non-zero."""
+        self.stop_deadline: float | None = None
+        """time.monotonic() by which the stop must be over; None until a stop begins."""
+        self.exit_on_stop_timeout = False
+        """Whether a stop past its deadline ends the process (set by `run_service`; False for a
+        service served inside another program, e.g. a test)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: threading.Timer | None = None
 
     def fail(self, error: BaseException) -> None:
         """Stop this service because of ``error`` (e.g. a crashed background task): `serve` stops
         it and raises the error, so the process exits non-zero. The first failure wins."""
         if self.failure is None:
             self.failure = error
-        self.stopping.set()
+        self.begin_stop()
 
     def request_stop(self, sig: int) -> None:
         """Signal handler: a clean stop was asked for (exit 0 unless something fails on the way)."""
         self.stop_signal = sig
+        self.begin_stop()
+
+    def begin_stop(self) -> None:
+        """Sets `stopping` and starts the stop's clock (once): the graceful period if the service
+        is not failing, then `stop_timeout_s`; under `run_service` a watchdog thread ends the
+        process `EXIT_GRACE_S` after that deadline."""
         self.stopping.set()
+        if self.stop_deadline is not None:
+            return
+        graceful = self.graceful_stop_s if self.failure is None else 0.0
+        self.stop_deadline = time.monotonic() + graceful + self.stop_timeout_s
+        if self.exit_on_stop_timeout:
+            self._watchdog = threading.Timer(graceful + self.stop_timeout_s + EXIT_GRACE_S, self._stop_expired)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def stop_time_left(self) -> float:
+        """Seconds left before the stop's deadline (the full timeout while no stop has begun)."""
+        if self.stop_deadline is None:
+            return self.stop_timeout_s
+        return max(0.0, self.stop_deadline - time.monotonic())
+
+    def _stop_expired(self) -> None:
+        """Watchdog thread: the stop is past its deadline. Log what is still pending and end the
+        process (os._exit: a stuck event loop, thread or interpreter teardown cannot hold it)."""
+        try:
+            log.error("%s did not stop within %.0fs of its stop; exiting with %d. Still waiting for:\n%s",
+                      self.worker_id, self.stop_timeout_s, STOP_TIMEOUT_EXIT_CODE,
+                      pending_report(self._loop, threads=True))
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(STOP_TIMEOUT_EXIT_CODE)
 
     @abstractmethod
     async def setup(self) -> None: ...
@@ -86,6 +149,48 @@ class Service(ABC):
 
     async def stop(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; must be safe to call after a partial setup."""
+
+
+def pending_report(loop: asyncio.AbstractEventLoop | None, *, threads: bool = False) -> str:
+    """One line per task still pending on `loop` (its coroutine and where it waits) and, with
+    `threads`, per thread other than the caller's (where it runs): what a stop still waits for."""
+    lines = []
+    if loop is not None:
+        try:
+            tasks = list(asyncio.all_tasks(loop))
+        except RuntimeError:  # the set changed under a reader in another thread: report without it
+            tasks = []
+        current = None if threads else asyncio.current_task()  # the reporter itself, in the loop
+        for task in tasks:
+            if task is current or task.done():
+                continue
+            coro = task.get_coro()
+            lines.append(f"  task {task.get_name()}: {getattr(coro, '__qualname__', coro)!s}{_awaiting(coro)}")
+    if threads:
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            last = traceback.extract_stack(frame)[-1]
+            lines.append(f"  thread {names.get(ident, ident)}: {last.filename}:{last.lineno} in {last.name}")
+    return "\n".join(lines) or "  (nothing pending)"
+
+
+def _awaiting(coro: Any) -> str:
+    """Where a suspended coroutine waits: the innermost coroutine of its await chain outside
+    asyncio itself, file:line."""
+    frame = None
+    while coro is not None:
+        inner = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if inner is None:
+            break
+        if frame is None or f"{os.sep}asyncio{os.sep}" not in inner.f_code.co_filename:
+            frame = inner  # the innermost frame outside asyncio's own (sleep, wait_for...)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    if frame is None:
+        return ""
+    return f" (waiting in {frame.f_code.co_name} at {frame.f_code.co_filename}:{frame.f_lineno})"
 
 
 def _loop_name(loop: Awaitable[None]) -> str:
@@ -126,6 +231,11 @@ def _check_loop(task: asyncio.Future[None], name: str, stopping: asyncio.Event |
 
 async def _start_http(service: Service) -> web.AppRunner:
     async def healthz(_: web.Request) -> web.Response:
+        """200 while serving; 503 before setup finished and from the moment a stop began, so a
+        liveness probe sees a failing service even while its stop is still under way."""
+        if service.failure is not None:
+            return web.json_response({"status": "failing", "worker": service.worker_id,
+                                      "error": f"{type(service.failure).__name__}: {service.failure}"}, status=503)
         if service.ready and not service.stopping.is_set():
             return web.json_response({"status": "ok", "service": service.name, "worker": service.worker_id})
         return web.json_response({"status": "starting" if not service.ready else "stopping"}, status=503)
@@ -154,7 +264,7 @@ async def serve(service: Service) -> None:
     run raises, when the service stopped itself (`fail()`, or `stopping` set without a signal) and
     when `stop()` fails or outlives `stop_timeout_s`.
     """
-    loop = asyncio.get_running_loop()
+    loop = service._loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop, sig)
     runner = await _start_http(service)
@@ -168,12 +278,20 @@ async def serve(service: Service) -> None:
         log.error("%s failed: %s: %s", service.worker_id, type(err).__name__, err)
         raise
     finally:
-        service.stopping.set()
+        service.begin_stop()
         try:
             await _bounded_stop(service)
         finally:
             await runner.cleanup()
             log.info("%s stopped", service.worker_id)
+
+
+def run_service(service: Service) -> None:
+    """The process entry point (`trajmesh serve`): `serve` the service in a fresh event loop, with
+    the stop watchdog armed: a stop that outlives its deadline ends the process with
+    `STOP_TIMEOUT_EXIT_CODE`. Raises what `serve` raises (the process exits non-zero)."""
+    service.exit_on_stop_timeout = True
+    asyncio.run(serve(service))
 
 
 async def _run_until_stopped(service: Service) -> None:
@@ -184,14 +302,20 @@ async def _run_until_stopped(service: Service) -> None:
         done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if run_task in done:
             run_task.result()
+            _raise_failure(service)  # run() may return once `stopping` is set: a failure set it
             return
+        service.begin_stop()  # `stopping` may have been set directly
         if service.graceful_stop_s > 0 and service.failure is None:
-            await asyncio.wait({run_task}, timeout=service.graceful_stop_s)
+            await asyncio.wait({run_task}, timeout=max(0.0, service.stop_time_left() - service.stop_timeout_s))
         run_task.cancel()
+        await asyncio.wait({run_task}, timeout=service.stop_time_left())
+        if not run_task.done():  # a loop swallowed its cancellation, or waits on something that never ends
+            log.error("%s: run() did not end within %.0fs of its cancellation; still pending:\n%s",
+                      service.worker_id, service.stop_timeout_s, pending_report(asyncio.get_running_loop()))
+            raise ServiceFailed(f"{service.worker_id}: run() did not end after its cancellation "
+                                f"(stop_timeout_s {service.stop_timeout_s:.0f}s)")
         results = await asyncio.gather(run_task, return_exceptions=True)
-        if service.failure is not None:
-            raise ServiceFailed(f"{service.worker_id} failed: {type(service.failure).__name__}: "
-                                f"{service.failure}") from service.failure
+        _raise_failure(service)
         if isinstance(results[0], Exception):
             raise results[0]
         if service.stop_signal is None:
@@ -202,8 +326,20 @@ async def _run_until_stopped(service: Service) -> None:
         run_task.cancel()
 
 
+def _raise_failure(service: Service) -> None:
+    if service.failure is not None:
+        raise ServiceFailed(f"{service.worker_id} failed: {type(service.failure).__name__}: "
+                            f"{service.failure}") from service.failure
+
+
 async def _bounded_stop(service: Service) -> None:
-    try:
-        await asyncio.wait_for(service.stop(), timeout=service.stop_timeout_s)
-    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-        raise ServiceFailed(f"{service.worker_id}: stop() did not finish in {service.stop_timeout_s:.0f}s") from None
+    """stop(), within what is left of the stop's deadline; past it, log what is pending and raise."""
+    stop_task = asyncio.ensure_future(service.stop())
+    done, _ = await asyncio.wait({stop_task}, timeout=service.stop_time_left())
+    if stop_task in done:
+        stop_task.result()
+        return
+    log.error("%s: stop() did not finish within its stop's deadline (stop_timeout_s %.0fs); still pending:\n%s",
+              service.worker_id, service.stop_timeout_s, pending_report(asyncio.get_running_loop()))
+    stop_task.cancel()
+    raise ServiceFailed(f"{service.worker_id}: stop() did not finish in {service.stop_timeout_s:.0f}s")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import signal
@@ -195,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(info, indent=1, default=str) if args.json else format_report(info))
             return 0
         if args.command == "serve":
-            from trajmesh.service import serve
+            from trajmesh.service import run_service
 
-            asyncio.run(serve(_build_service(args.service, args)))
+            run_service(_build_service(args.service, args))
             return 0
         if args.command == "sweep":
             return _sweep(args)

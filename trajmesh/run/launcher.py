@@ -69,6 +69,9 @@ class Mesh:
     restarts: dict[tuple[str, int], int] = field(default_factory=dict)
     credentials: security.LocalCredentials | None = None
     """Generated passwords of this run (auth on); each service gets its own by environment."""
+    serve_cmd: list[str] = field(default_factory=lambda: [sys.executable, "-m", "trajmesh.run.cli", "serve"])
+    """The command that serves one service, followed by: NAME --config PATH --replica N
+    --metrics-port PORT [extra...] (`trajmesh serve`; a test may serve its own service)."""
 
     def start_service(self, name: str, replica: int, extra: list[str] | None = None,
                       env_extra: dict[str, str] | None = None) -> Proc:
@@ -76,7 +79,7 @@ class Mesh:
         port = free_port()
         log_path = run_dir / "logs" / f"{name}-{replica}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "trajmesh.run.cli", "serve", name, "--config", str(self.config_path),
+        cmd = [*self.serve_cmd, name, "--config", str(self.config_path),
                "--replica", str(replica), "--metrics-port", str(port), *(extra or [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                **(env_extra or {})}

@@ -1,0 +1,205 @@
+"""Progress after a fault, not only accounting (issue 29): a mesh run with real processes.
+
+The rollout process is SIGSTOPped (its engine child keeps running) for longer than every timeout
+on its path — the task ack wait, the JetStream API timeout, the engine request timeout — and then
+SIGCONTed. The run must then make progress: the learner takes ``K`` further steps within a bound
+derived from the run's own rate before the fault (plus one task ack wait), no service may have
+died of it (a pause that clears is not a crash), and at the end every admitted trajectory has
+exactly one archived outcome, none is still in flight at stop, nothing is stale, the gate
+reconciles with the archive and no process of the run is left.
+
+A rollout that came back from such a pause once crashed a task with ``TimeoutError()`` and never
+exited (no restart): the learner starved for the rest of the run. The pause lands while a
+trajectory publish of the rollout waits for its PubAck (the moment that timed out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, processes_marked, write_manifest
+
+from trajmesh.bus import STREAM_TRAJ_RAW, Layout
+from trajmesh.config import RunConfig, load_config
+from trajmesh.infra import NatsServer
+from trajmesh.run.launcher import Mesh, accounting, start_mesh, tail
+from trajmesh.run.run_end import end_run
+from trajmesh.run.train import read_metrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+ETA = 1
+STEPS = 12
+"""The run's budget: the fault lands after step `RATE_TO`, and `K` steps must follow it."""
+RATE_FROM, RATE_TO = 1, 4
+"""The pre-fault rate is measured between these learner steps."""
+K = 3
+"""Learner steps the run must make after the fault clears."""
+SLACK = 10.0
+"""How many times slower than before the fault those K steps may be (a loaded 2-core machine)."""
+GROUP_SIZE = 16
+"""Large groups: the rollout publishes a group's trajectories one after another, so a group's
+publishing lasts long enough for the pause to land in it."""
+TASK_ACK_WAIT_S = 4.0
+REQUEST_TIMEOUT_S = 8.0
+JETSTREAM_API_TIMEOUT_S = 5.0
+"""nats-py's default timeout of a JetStream API call (a publish waiting for its PubAck)."""
+STOP_S = 1.5 * max(TASK_ACK_WAIT_S, REQUEST_TIMEOUT_S, JETSTREAM_API_TIMEOUT_S)
+"""How long the rollout stays stopped: past every timeout on its path (the fault's duration)."""
+
+
+def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
+    return load_config(None, {
+        "run_dir": str(run_dir), "model.path": model_dir, "gate.eta": ETA,
+        "tasks.group_size": GROUP_SIZE, "tasks.heldout_size": 20, "tasks.train_size": 300,
+        "tasks.sampling.max_new_tokens": 6, "store.drop_zero_variance_groups": False,
+        "store.intake_ack_wait_s": 4.0, "rollout.task_ack_wait_s": TASK_ACK_WAIT_S,
+        "rollout.engine.request_timeout_s": REQUEST_TIMEOUT_S,
+        "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
+        "learner.engine.type": "torch", "learner.batch_groups": 1, "learner.max_steps": STEPS,
+        "learner.checkpoint_every": 3, "learner.keep_batches": False,
+    })
+
+
+def _steps(cfg: RunConfig) -> int:
+    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    return int(steps[-1]["step"]) if steps else 0
+
+
+def _supervise_until(mesh: Mesh, cond, timeout_s: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    """Restart dead services (as the launcher does) until `cond()`; returns when it held (monotonic)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        mesh.restart_dead()
+        assert time.monotonic() < deadline, \
+            f"{what}: learner at step {_steps(mesh.cfg)} after {timeout_s:.0f} s; restarts {mesh.restarts}"
+        time.sleep(0.2)
+    return time.monotonic()
+
+
+def _engine_pid(rollout_pid: int) -> int:
+    """The rollout's torch engine process (its child running trajmesh.rollout.engine_server)."""
+    for child in Path(f"/proc/{rollout_pid}/task/{rollout_pid}/children").read_text().split():
+        if b"trajmesh.rollout.engine_server" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return int(child)
+    raise AssertionError("the rollout has no engine process")
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _unread_bytes_from(pid: int, port: int) -> int:
+    """Bytes that arrived on `pid`'s TCP connections to local `port` and that it has not read yet
+    (the rx_queue column of /proc/net/tcp): while the process is stopped, the answers to what it
+    had in flight (a PubAck, a fetched task) wait there."""
+    inodes, total = _socket_inodes(pid), 0
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            remote_port = int(cols[2].rsplit(":", 1)[1], 16)
+            if remote_port == port and cols[9] in inodes:
+                total += int(cols[4].split(":")[1], 16)
+    return total
+
+
+def _raw_last_seq(monitor_url: str, stream: str) -> int:
+    """The last sequence of the stream the rollout publishes trajectories to (NATS /jsz)."""
+    with urllib.request.urlopen(f"{monitor_url}/jsz?streams=true", timeout=5) as r:
+        accounts = json.loads(r.read()).get("account_details") or []
+    for account in accounts:
+        for detail in account.get("stream_detail") or []:
+            if detail["name"] == stream:
+                return int(detail["state"]["last_seq"])
+    return 0
+
+
+def _pause_while_publishing(pid: int, nats: NatsServer, stream: str, tries: int = 100) -> None:
+    """SIGSTOP `pid` while a trajectory publish of it waits for its PubAck: the moment the stream
+    it publishes to grows (it publishes a group's trajectories one after another), stop it, and
+    keep it stopped if answers from NATS then arrive unread within a few milliseconds. A random
+    moment mostly finds the rollout idle (the gate holds it), and a pause then times nothing out."""
+    last = _raw_last_seq(nats.monitor_url, stream)
+    for _ in range(tries):
+        deadline = time.monotonic() + 10.0
+        while (seq := _raw_last_seq(nats.monitor_url, stream)) == last and time.monotonic() < deadline:
+            pass  # a poll on the stream's state
+        last = seq
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.05)  # the answers' travel time on loopback, not a synchronization
+        if _unread_bytes_from(pid, nats.port) > 0:
+            return
+        os.kill(pid, signal.SIGCONT)
+    raise AssertionError(f"the rollout had no NATS answer in flight in {tries} tries")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T for stopped...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_rollout_paused_past_its_timeouts_then_the_run_makes_progress(
+        tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
+    cfg = _build_config(tmp_path / "run", tiny_model_dir)
+    Path(cfg.run_dir).mkdir(parents=True)
+    write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        cfg = mesh.cfg
+        t_from = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_FROM, 300, "before the fault")
+        s_from = _steps(cfg)
+        t_to = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_TO, 300, "before the fault")
+        s_per_step = (t_to - t_from) / max(1, _steps(cfg) - s_from)
+
+        rollout = next(p for p in mesh.procs if p.name == "rollout")
+        engine = _engine_pid(rollout.popen.pid)
+        assert mesh.nats is not None
+        # The process only (its engine keeps running), while its NATS requests are in flight.
+        _pause_while_publishing(rollout.popen.pid, mesh.nats, Layout(cfg.infra.namespace).stream(STREAM_TRAJ_RAW))
+        try:
+            assert _state(engine) != "T", "the engine was stopped with its rollout"
+            time.sleep(STOP_S)  # the fault's duration, not a synchronization
+            assert _state(rollout.popen.pid) == "T" and _state(engine) != "T"
+        finally:
+            os.kill(rollout.popen.pid, signal.SIGCONT)
+        before = _steps(cfg)
+        assert before + K <= STEPS, f"the learner reached step {before} of {STEPS} during the fault"
+        bound_s = TASK_ACK_WAIT_S + SLACK * K * s_per_step
+        _supervise_until(mesh, lambda: _steps(cfg) >= before + K, bound_s,
+                         f"no progress after the rollout's pause ({s_per_step:.1f} s/step before it, "
+                         f"{K} steps from step {before} allowed {bound_s:.0f} s)")
+        assert not mesh.restarts, f"a service died of the pause: {mesh.restarts}\n{tail(rollout.log_path)}"
+
+        learner = lambda: next(p for p in mesh.procs if p.name == "learner")  # noqa: E731 - replaced on restart
+        _supervise_until(mesh, lambda: learner().popen.poll() == 0, 300, "the learner's budget")
+        left = end_run(mesh)
+        acct = accounting(cfg)
+        rows = check_archive(cfg, acct, ETA)
+        check_gate_reconciles(cfg, rows)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    assert left == 0, f"{left} trajectories still in flight at stop"
+    assert not any(k.startswith("in_flight_at_stop") for k in acct["by_reason"]), acct["by_reason"]
+    check_no_stale(acct)
+    assert not processes_marked(mark), processes_marked(mark)
+    retried = rollout.log_path.read_text(errors="replace").count("retrying in")
+    print(f"{s_per_step:.2f} s/step before the pause; publishes retried after it: {retried}; "
+          f"outcomes {acct['by_reason']}")
