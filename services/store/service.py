@@ -158,6 +158,10 @@ class _Wiring:
 
 class TrajectoryStore(Service):
     name = "store"
+    stop_work_s = 90.0
+    """The finalization in `stop()` (every held and owed trajectory archived as one outcome; it
+    reads the archive once): with the default `service.stop_timeout_s` the store gets 120 s, the
+    launcher's allowance (trajmesh.run.run_end.STORE_STOP_S)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
