@@ -1,4 +1,4 @@
-"""Learner memory at scale, side by side in one run (DESIGN §4b; goals from issue 11):
+"""Learner memory at scale, side by side in one run (docs/DESIGN.md §4b; goals from issue 11):
 
 * ``step_4x_over_1x_peak_ratio`` — peak memory of one learner step (torch engine, fp32, K = 1) on 4×
   the batch over 1× at the same ``micro_batch_tokens`` (goal ≤ 1.2: micro-batches bound the peak);

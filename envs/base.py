@@ -1,4 +1,4 @@
-"""The environment interface (DESIGN.md §6); environments are looked up by key in `trajmesh.plugins`. No torch.
+"""The environment interface (docs/DESIGN.md §6); environments are looked up by key in `trajmesh.plugins`. No torch.
 
 An environment is deterministic given (task, seed, action log): replaying the actions on a fresh
 instance reproduces every observation and state hash, so a session can move to another pod.

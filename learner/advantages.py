@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN §4, survey §2.2, §3.5, §7.7).
+"""Advantage estimators (docs/DESIGN.md §4, survey §2.2, §3.5, §7.7).
 
 Pure CPU/GPU torch functions over small tensors. Shape suffixes: B sequences (trajectories),
 T tokens, S agent steps. ``group_index_B`` holds any integer id per sequence; sequences with the

@@ -1,4 +1,4 @@
-"""Token log-probs and entropy of a causal LM, computed in chunks along the sequence (DESIGN §4b).
+"""Token log-probs and entropy of a causal LM, computed in chunks along the sequence (docs/DESIGN.md §4b).
 
 The naive computation materializes ``logits.float()``, ``log_softmax`` and ``softmax`` as fp32
 ``[B, T, V]`` tensors (with a 151,936-token vocabulary, ≈ 40 GB for 64 × 1k tokens). Here the

@@ -1,4 +1,4 @@
-"""Per-step learner metrics that reveal mechanism (DESIGN §4, survey §11.3).
+"""Per-step learner metrics that reveal mechanism (docs/DESIGN.md §4, survey §11.3).
 
 Every function reduces over the loss-masked (eligible) tokens only. ``step_metrics`` returns one
 flat ``dict[str, float]`` with the stable names in ``STEP_METRIC_NAMES`` (Prometheus style,
@@ -142,7 +142,7 @@ def lag_histogram(current_version: int, versions_BT: Tensor, mask_BT: Tensor, ma
     """Token counts by policy lag ``current_version − behavior_version`` over eligible tokens.
 
     Returns int64 counts of length ``max_lag + 2``: buckets 0..max_lag, and a last bucket for
-    lag > max_lag (tokens the consume-time bound must quarantine, DESIGN §3). A version newer than
+    lag > max_lag (tokens the consume-time bound must quarantine, docs/DESIGN.md §3). A version newer than
     the learner violates the contract and raises ``ValueError``.
     """
     on_BT = mask_BT > 0

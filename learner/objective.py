@@ -1,4 +1,4 @@
-"""The learner's policy loss: decoupled PPO with behavior correction (DESIGN §4, survey §2.3–2.4, §7.3).
+"""The learner's policy loss: decoupled PPO with behavior correction (docs/DESIGN.md §4, survey §2.3–2.4, §7.3).
 
 Three policies per action token t (log-probs of the sampled token, shape _BT):
 

@@ -1,4 +1,4 @@
-"""Reward shaping, truncation policy and the MAGIC entropy controller (DESIGN §4, survey §3.7, §7.5).
+"""Reward shaping, truncation policy and the MAGIC entropy controller (docs/DESIGN.md §4, survey §3.7, §7.5).
 
 The truncation policy is explicit config because the peers disagree (survey §7.5): DAPO drops
 overlong responses from the loss and adds a soft length penalty; Skywork's MAGIC keeps truncated

@@ -31,7 +31,7 @@ from trajmesh.v1 import trajectory_pb2
 
 
 def split_stale(trajs: list[Trajectory], version: int, eta: int) -> tuple[list[Trajectory], list[Trajectory]]:
-    """(trainable, stale): a trajectory is stale if any action token has lag v − u > η (DESIGN.md §3)."""
+    """(trainable, stale): a trajectory is stale if any action token has lag v − u > η (docs/DESIGN.md §3)."""
     keep: list[Trajectory] = []
     stale: list[Trajectory] = []
     for t in trajs:
@@ -383,7 +383,7 @@ def accumulate_update(engine: Any, batch: Batch | None, adv_BT: Tensor, prox_BT:
 def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig, plan: StepPlan, *,
                 temperature: float, version: int, max_lag: int, entropy_coef: float = 0.0,
                 group: Any = None) -> dict[str, Any]:
-    """One learner step: K minibatches × E epochs of optimizer updates over `batch` (DESIGN §4).
+    """One learner step: K minibatches × E epochs of optimizer updates over `batch` (docs/DESIGN.md §4).
 
     With K·E > 1, π_prox comes from one no-grad pass before the first update and every update uses
     it, so r = π_θ/π_prox moves away from 1 and the clip binds. With K·E = 1 and no dropout, π_prox

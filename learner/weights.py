@@ -1,4 +1,4 @@
-"""Weights out: a Hugging Face safetensors checkpoint of the policy, streamed (DESIGN §4b, §5).
+"""Weights out: a Hugging Face safetensors checkpoint of the policy, streamed (docs/DESIGN.md §4b, §5).
 
 Every rank calls :func:`export_policy` (under ZeRO-3 the gathers are collective); only the writer
 rank writes. The tensors are written in the training dtype, each tied tensor once (under the first

@@ -1,4 +1,4 @@
-"""Environment service: gRPC Reset/Step/Close with sticky sessions (DESIGN.md §1.3).
+"""Environment service: gRPC Reset/Step/Close with sticky sessions (docs/DESIGN.md §1.3).
 
 ::
 

@@ -1,4 +1,4 @@
-"""Grader service: TRAJ_RAW → verify → TRAJ_GRADED (DESIGN.md §1.4).
+"""Grader service: TRAJ_RAW → verify → TRAJ_GRADED (docs/DESIGN.md §1.4).
 
 ::
 

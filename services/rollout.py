@@ -1,4 +1,4 @@
-"""Rollout service: TASKS → agent loop on an inference engine → TRAJ_RAW (DESIGN.md §1.2, §5).
+"""Rollout service: TASKS → agent loop on an inference engine → TRAJ_RAW (docs/DESIGN.md §1.2, §5).
 
 ::
 

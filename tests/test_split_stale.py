@@ -1,4 +1,4 @@
-"""The learner's consume-time staleness check (`split_stale`, DESIGN.md §3): a trajectory is
+"""The learner's consume-time staleness check (`split_stale`, docs/DESIGN.md §3): a trajectory is
 trainable at learner version v only if every action token's lag v − u ≤ η. Hand-worked cases."""
 
 from __future__ import annotations

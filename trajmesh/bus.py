@@ -1,4 +1,4 @@
-"""JetStream layout of the mesh and a thin typed wrapper over nats-py (DESIGN.md §1, §5).
+"""JetStream layout of the mesh and a thin typed wrapper over nats-py (docs/DESIGN.md §1, §5).
 
 ::
 

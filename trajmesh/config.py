@@ -447,7 +447,7 @@ class StopGatesConfig(_Strict):
 
 
 class PpoConfig(_Strict):
-    """Optimizer updates per learner step (DESIGN §4): the batch is split into `minibatches`
+    """Optimizer updates per learner step (docs/DESIGN.md §4): the batch is split into `minibatches`
     (balanced by tokens) and swept `epochs` times. With more than one update π_prox comes from a
     no-grad pass before the first, so r = π_θ/π_prox moves and the clip binds; with exactly one
     update (and no dropout) r ≡ 1 and the clip is inert."""

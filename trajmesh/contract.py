@@ -1,4 +1,4 @@
-"""The trajectory contract: one typed class around the `trajmesh.v1.Trajectory` proto (DESIGN.md §2).
+"""The trajectory contract: one typed class around the `trajmesh.v1.Trajectory` proto (docs/DESIGN.md §2).
 
 Every service that produces or consumes trajectories goes through `Trajectory`: rollout workers build
 one turn by turn with the `append_*` helpers, the store and the learner call `validate()` on intake
@@ -412,7 +412,7 @@ class Trajectory:
     def validate(
         self, *, vocab_size: int | None = None, learner_version: int | None = None
     ) -> list[Violation]:
-        """Every broken invariant of DESIGN.md §2, each once, by name; [] when the trajectory is sound.
+        """Every broken invariant of docs/DESIGN.md §2, each once, by name; [] when the trajectory is sound.
 
         `vocab_size` enables the vocabulary check, `learner_version` the no-future-versions check.
         Per-token checks that relate two arrays look at their common prefix, so a length mismatch

@@ -1,4 +1,4 @@
-"""The staleness gate (DESIGN.md §3; AReaL §7.3 of the survey), kept atomically in Redis.
+"""The staleness gate (docs/DESIGN.md §3; AReaL §7.3 of the survey), kept atomically in Redis.
 
 With learner version v, batch size B (trajectories per learner step), maximum lag η and the
 counters ``accepted`` and ``running`` (all counted in trajectories)::

@@ -1,6 +1,6 @@
 """Real NATS (JetStream on) and Redis servers as local child processes.
 
-The embedded default (DESIGN.md §7) and every test run the real servers, never fakes. This module
+The embedded default (docs/DESIGN.md §7) and every test run the real servers, never fakes. This module
 starts them on free local ports under a data directory, waits until they are healthy, and stops
 them by process id. Nothing here kills by name.
 

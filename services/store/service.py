@@ -1,4 +1,4 @@
-"""Trajectory store: the data buffer of the mesh (DESIGN.md §1.1, §3).
+"""Trajectory store: the data buffer of the mesh (docs/DESIGN.md §1.1, §3).
 
 ::
 

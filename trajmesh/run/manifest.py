@@ -1,4 +1,4 @@
-"""The run manifest (DESIGN.md §2, survey §11.1): everything that decides what a run trains on.
+"""The run manifest (docs/DESIGN.md §2, survey §11.1): everything that decides what a run trains on.
 
 Frozen at start; its `manifest_id` is stamped on every task and trajectory. The id is the sha256 of a
 canonical JSON (sorted keys, no whitespace) of every `RunManifest` field except `manifest_id` and
