@@ -7,7 +7,7 @@
                                       ▼
          proximal log-probs (no grad, pre-update weights) ─ advantages ─ decoupled loss ─ step
                                       │
-       weights/v{v+1} (safetensors, atomic rename) ── KV + WEIGHTS announcement ── gate.set_version
+       weights/v{v+1} (safetensors, atomic rename) ── gate.set_version ── KV + WEIGHTS announcement
                                       │
     store ◀── gRPC Report(trained, quarantined) ;  metrics.jsonl ; checkpoint every N steps and on stop
 
@@ -485,8 +485,12 @@ class LearnerService(Service):
     # ------------------------------------------------------------------ weights and checkpoints
     async def _publish_weights(self) -> None:
         path = await asyncio.to_thread(self._save_weights, self.version)
-        await self._announce(self.version, str(path))
+        # The gate first: the store judges a trajectory's behaviour versions against the gate's
+        # version, so no rollout may sample with a version the gate has not reached. A learner
+        # killed between the two then leaves the gate ahead of the announcement (its restart
+        # replays towards it), never work sampled with weights the store calls from the future.
         await self._gate().set_version(self.version)
+        await self._announce(self.version, str(path))
 
     def _export_weights(self, version: int) -> None:
         """A follower's part in the leader's weights export: under ZeRO-3 the per-module gathers
