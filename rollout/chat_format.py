@@ -17,11 +17,12 @@ Templates are rendered the way Hugging Face renders them (a sandboxed Jinja envi
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from trajmesh.tokenizer import chat_template_text
 
 EOS_SOURCES = ("generation_config.json", "config.json")
 
@@ -36,25 +37,6 @@ def model_stop_ids(model_dir: str | Path, tokenizer_eos_id: int) -> set[int]:
             value = json.loads(path.read_text()).get("eos_token_id")
             ids |= {int(v) for v in (value if isinstance(value, list) else [value]) if v is not None}
     return ids
-
-
-_TOOLS_IN_TEMPLATE = re.compile(r"<tool_call>|\btools?\b")
-
-
-def native_tool_calls(model_dir: str | Path) -> bool:
-    """True when the model has a chat template that knows tool calls: the template mentions
-    ``<tool_call>``, ``tools`` or a ``tool`` role (Qwen2.5, Hermes), or the tokenizer has a
-    ``<tool_call>`` token. A source's ``tool_format: auto`` resolves to ``native`` then, else ``tags``."""
-    template = ChatFormat.template_text(model_dir)
-    if template is None:
-        return False
-    if _TOOLS_IN_TEMPLATE.search(template):
-        return True
-    for name in ("tokenizer_config.json", "tokenizer.json", "added_tokens.json"):
-        path = Path(model_dir) / name
-        if path.is_file() and '"<tool_call>"' in path.read_text():
-            return True
-    return False
 
 
 def _raise(message: str) -> None:
@@ -74,16 +56,8 @@ class ChatFormat:
 
     @staticmethod
     def template_text(model_dir: str | Path) -> str | None:
-        """The model's chat template source (None: it has none)."""
-        root = Path(model_dir)
-        path = root / "tokenizer_config.json"
-        cfg = json.loads(path.read_text()) if path.is_file() else {}
-        template = cfg.get("chat_template")
-        if not template and (root / "chat_template.jinja").is_file():  # transformers >= 4.5x writes it here
-            template = (root / "chat_template.jinja").read_text()
-        if not template and (root / "chat_template.json").is_file():
-            template = json.loads((root / "chat_template.json").read_text()).get("chat_template")
-        return template if isinstance(template, str) and template else None
+        """The model's chat template source (None: it has none; `trajmesh.tokenizer.chat_template_text`)."""
+        return chat_template_text(model_dir)
 
     @staticmethod
     def load(model_dir: str | Path) -> ChatFormat | None:

@@ -8,12 +8,49 @@ update_weights_from_disk, context_length, close).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
 from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient
-from trajmesh.rollout.synthetic_engine import SyntheticEngine
+from trajmesh.rollout.synthetic_engine import SyntheticEngine, SyntheticEngineConfig
 
-from trajmesh.config import HttpEngineConfig, SyntheticEngineConfig
+from trajmesh.config import EngineConfig
+
+
+class HttpEngineConfig(EngineConfig):
+    """An engine behind SGLang's HTTP API (torch, sglang): rollout/engine_client.py speaks to it."""
+
+    url: str | None = None
+    """Base URL of an already running engine (None: the torch engine starts its own server)."""
+    batch_window_ms: float = Field(2.0, ge=0, le=1000)
+    """How long a rollout process collects concurrent /generate calls before sending them to the
+    engine as one batch request (0: those made in the same event-loop tick)."""
+    startup_timeout_s: float = Field(120.0, gt=0)
+    """How long rollout waits for the engine's /health at start (SGLang loading weights: minutes).
+    On a cluster, match the engine container's startup allowance (the Helm chart sets both from
+    rollout.sglang.startupSeconds)."""
+    max_abort_retries: int = Field(5, ge=0)
+    """Aborts not caused by this rollout's own weight-load pause that one turn resubmits before its
+    trajectory ends as INFRA_FAILURE (reason aborted)."""
+    abort_backoff_s: float = Field(0.5, ge=0)
+    """First wait before resubmitting after such an abort; doubles per retry (at most 30 s)."""
+
+
+class TorchEngineConfig(HttpEngineConfig):
+    """The built-in CPU engine (rollout/engine_server.py): a child of each rollout process, or the
+    running one at `url`."""
+
+    type: Literal["torch"] = "torch"
+    """Selects the built-in torch engine (the default)."""
+
+
+class SGLangEngineConfig(HttpEngineConfig):
+    """An external SGLang server (GPU deployments; the Helm chart runs one beside each rollout)."""
+
+    type: Literal["sglang"] = "sglang"
+    """Selects an external SGLang server."""
+    url: str = Field(min_length=1)
+    """Base URL of the running SGLang server (required: rollout never starts one)."""
 
 
 async def start_http(svc: Any) -> CoalescingEngine:

@@ -35,8 +35,9 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 from trajmesh.rollout.engine_client import EngineCapabilities, EngineError, GenerateResult, token_versions
+from trajmesh.rollout.engines import HttpEngineConfig
 
-from trajmesh.config import EngineConfig, HttpEngineConfig
+from trajmesh.config import EngineConfig
 
 TOKENS = Counter("trajmesh_rollout_generated_tokens_total", "Tokens sampled by the engine")
 INTERRUPTIONS = Counter("trajmesh_rollout_interrupted_requests_total", "Generations resumed after an abort")

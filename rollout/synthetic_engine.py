@@ -4,7 +4,7 @@ It samples uniform token ids with a fixed log-prob and tracks the weight version
 about; the rollout service selects it with `rollout.engine.type: synthetic`. By default it answers
 instantly and every response runs to `max_new_tokens` (it measures the mesh, not a model).
 
-With a timing model (`rollout.engine.synthetic`, :class:`~trajmesh.config.SyntheticTiming`) it
+With a timing model (`rollout.engine.synthetic`, `SyntheticTiming` below) it
 stands in for a GPU engine in the systems benchmark (bench/bench_systems.py):
 
 - response lengths are log-normal around `length_median` (long-tailed), capped at the turn's
@@ -23,12 +23,45 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import Counter
+from pydantic import Field
 from trajmesh.rollout.engine_client import GenerateResult
 
-from trajmesh.config import SyntheticTiming
+from trajmesh.config import EngineConfig, StrictModel
+
+
+class SyntheticTiming(StrictModel):
+    """Benchmark model of a GPU inference engine for the synthetic engine (bench/bench_systems.py):
+    it sleeps the modelled time instead of computing, so it takes no CPU from the other services.
+    Running sequences decode together, one token each per step (continuous batching: a request
+    joins at the next step boundary); a step of B sequences takes
+    decode_step_s + step_s_per_sequence·B seconds. All zero: instant answers (load tests)."""
+
+    decode_step_s: float = Field(0.0, ge=0)
+    """Seconds of one decode step, whatever the batch (a memory-bound GPU step); 0: no decode time."""
+    step_s_per_sequence: float = Field(0.0, ge=0)
+    """Extra seconds per running sequence in each decode step (the batch's share of compute)."""
+    max_batch: int = Field(256, ge=1)
+    """Sequences decoded at once; further requests queue until one finishes."""
+    length_median: int = Field(0, ge=0)
+    """Median response length in tokens, log-normal (long-tailed), capped at the turn's
+    max_new_tokens; a shorter response ends with EOS. 0: every response runs to max_new_tokens."""
+    length_sigma: float = Field(1.0, ge=0)
+    """Log-normal shape of the response length (p99 ≈ median·e^(2.33σ) before the cap)."""
+
+
+class SyntheticEngineConfig(EngineConfig):
+    """Uniform random tokens, no model (rollout/synthetic_engine.py), for load tests and benchmarks.
+    It runs in the rollout process, answers at once and never aborts, so it has no url, batch window,
+    startup wait or abort retries."""
+
+    type: Literal["synthetic"] = "synthetic"
+    """Selects the synthetic engine."""
+    synthetic: SyntheticTiming = Field(default_factory=lambda: SyntheticTiming())
+    """Timing and length model (all zero: instant answers running to max_new_tokens)."""
+
 
 BUSY_SECONDS = Counter("trajmesh_rollout_synthetic_busy_seconds_total",
                        "Modelled seconds the synthetic engine spent decoding (steps x step time)")

@@ -47,8 +47,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import Field
 from trajmesh.rollout.engine_client import EngineError, GenerateResult
-
-from trajmesh.config import HttpEngineConfig
+from trajmesh.rollout.engines import HttpEngineConfig
 
 WORKER_EXTENSION = "vllm_worker.WeightReloadExtension"
 """The ``--worker-extension-cls`` of a server this module starts (rollout/vllm_worker.py)."""
@@ -338,6 +337,19 @@ class VLLMEngine:
                 return
             await asyncio.sleep(0.5)
         raise TimeoutError(f"vLLM server at {self.base_url} not healthy after {timeout_s}s")
+
+
+def server_version(url: str, timeout_s: float = 5.0) -> str:
+    """The release a vLLM server at `url` reports on GET /version (recorded in the run manifest);
+    "unreachable" when it does not answer."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/version", timeout=timeout_s) as resp:  # noqa: S310
+            return str(json.loads(resp.read()).get("version", "unknown"))
+    except (OSError, ValueError):
+        return "unreachable"
 
 
 async def start(svc: Any) -> VLLMEngine:

@@ -188,7 +188,7 @@ class RolloutService(Service):
         return f"http://127.0.0.1:{port}"
 
     async def _wait_engine(self) -> None:
-        from trajmesh.config import HttpEngineConfig
+        from trajmesh.rollout.engines import HttpEngineConfig
 
         ec = self.cfg.rollout.engine
         assert isinstance(ec, HttpEngineConfig), "only an engine behind HTTP has a server to wait for"

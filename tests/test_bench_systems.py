@@ -10,9 +10,9 @@ import random
 from pathlib import Path
 
 import pytest
-from trajmesh.rollout.synthetic_engine import SyntheticEngine
+from trajmesh.rollout.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, SyntheticTiming
 
-from trajmesh.config import SimulatedStepCost, SyntheticEngineConfig, SyntheticTiming, load_config
+from trajmesh.config import SimulatedStepCost, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.v1 import trajectory_pb2
 

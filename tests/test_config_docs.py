@@ -42,8 +42,12 @@ def test_every_config_field_has_a_docstring():
 def _plugin_config_classes() -> list[type]:
     from trajmesh import plugins
 
-    return ([p.config for p in plugins.sources().values()]
-            + [p.config for p in plugins.ENGINES.values()])
+    classes = ([p.config for p in plugins.sources().values()]
+               + [p.config for p in plugins.ENGINES.values()])
+    nested = [f.annotation for c in classes for f in c.model_fields.values()  # e.g. SyntheticTiming
+              if isinstance(f.annotation, type) and issubclass(f.annotation, config_module.BaseModel)
+              and f.annotation.__module__ != config_module.__name__]
+    return classes + [n for n in dict.fromkeys(nested) if n not in classes]
 
 
 @pytest.mark.parametrize("cls", _plugin_config_classes(), ids=lambda c: c.__name__)
@@ -70,7 +74,7 @@ def test_config_classes_are_all_seen_by_the_check():
     # The check walks top-level classes; a model nested elsewhere would escape it.
     declared = {n.name for n in ast.parse(Path(config_module.__file__).read_text()).body
                 if isinstance(n, ast.ClassDef)}
-    models = {name for name, obj in vars(config_module).items()
+    models = {obj.__name__ for obj in vars(config_module).values()
               if isinstance(obj, type) and issubclass(obj, config_module.BaseModel)
               and obj.__module__ == config_module.__name__}
     assert models <= declared

@@ -24,7 +24,7 @@ CASES = [
     ({"tasks.sampling.temperature": -0.5}, ["tasks.sampling.temperature"]),
     ({"rollout.engine.type": "sglang"}, ["rollout.engine.url", "Field required", "add it"]),
     ({"rollout.engine.synthetic": {}}, ["rollout.engine.synthetic", "'torch' has no such setting", "synthetic"]),
-    ({"rollout.engine.type": "vllm"}, ["rollout.engine.type", "'vllm'"]),
+    ({"rollout.engine.type": "tgi"}, ["rollout.engine.type", "'tgi'", "vllm"]),
     ({"learner.objective.mis_low": 3.0}, ["learner.objective.mis_low", "less than 1"]),  # MIS keeps w in [lo < 1 < hi]
     ({"mode": "eventually"}, ["mode", "'eventually'"]),
     ({"learner.engine.zero_stage": 4}, ["learner.engine.zero_stage"]),

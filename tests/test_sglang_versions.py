@@ -21,9 +21,9 @@ from trajmesh.rollout.engine_client import (
     GenerateResult,
     token_versions,
 )
+from trajmesh.rollout.engines import TorchEngineConfig
 from trajmesh.rollout.generation import PauseClock, TurnSampler
 
-from trajmesh.config import TorchEngineConfig
 from trajmesh.v1 import trajectory_pb2
 
 EOS = 2

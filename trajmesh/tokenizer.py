@@ -7,6 +7,7 @@ against the vocabulary. Token ids travel end to end; text is never re-tokenized 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,3 +56,37 @@ def load_tokenizer(model_dir: str | Path) -> TextTokenizer:
     if eos is None:
         raise ValueError(f"{root}: tokenizer has no eos_token")
     return TextTokenizer(tok, eos, _token_id(tok, cfg.get("bos_token")), _token_id(tok, cfg.get("pad_token")))
+
+
+def chat_template_text(model_dir: str | Path) -> str | None:
+    """The model's chat template source: ``chat_template`` in ``tokenizer_config.json``, else
+    ``chat_template.jinja`` (transformers >= 4.5x writes it there), else ``chat_template.json``
+    (None: it has none). The rollout renders it (rollout/chat_format.py)."""
+    root = Path(model_dir)
+    path = root / "tokenizer_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    template = cfg.get("chat_template")
+    if not template and (root / "chat_template.jinja").is_file():
+        template = (root / "chat_template.jinja").read_text()
+    if not template and (root / "chat_template.json").is_file():
+        template = json.loads((root / "chat_template.json").read_text()).get("chat_template")
+    return template if isinstance(template, str) and template else None
+
+
+_TOOLS_IN_TEMPLATE = re.compile(r"<tool_call>|\btools?\b")
+
+
+def native_tool_calls(model_dir: str | Path) -> bool:
+    """True when the model has a chat template that knows tool calls: the template mentions
+    ``<tool_call>``, ``tools`` or a ``tool`` role (Qwen2.5, Hermes), or the tokenizer has a
+    ``<tool_call>`` token. A source's ``tool_format: auto`` resolves to ``native`` then, else ``tags``."""
+    template = chat_template_text(model_dir)
+    if template is None:
+        return False
+    if _TOOLS_IN_TEMPLATE.search(template):
+        return True
+    for name in ("tokenizer_config.json", "tokenizer.json", "added_tokens.json"):
+        path = Path(model_dir) / name
+        if path.is_file() and '"<tool_call>"' in path.read_text():
+            return True
+    return False

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh import security
-from trajmesh.config import ConfigError, HttpEngineConfig, RunConfig, dump_config
+from trajmesh.config import ConfigError, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, die_with_parent, free_port
+from trajmesh.rollout.engines import HttpEngineConfig
 
 log = logging.getLogger("trajmesh.run.launcher")
 
@@ -316,8 +317,8 @@ def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
 
 def accounting(cfg: RunConfig) -> dict[str, Any]:
     """Admitted trajectories (Redis) against final outcomes in the archive."""
-    from trajmesh.services.store.archive import final_outcomes, read_archive
     from trajmesh.keys import RedisKeys
+    from trajmesh.services.store.archive import final_outcomes, read_archive
 
     assert cfg.infra.redis_url
     r = security.redis_sync_client(cfg)

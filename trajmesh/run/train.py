@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from trajmesh.config import HttpEngineConfig, RunConfig, dump_config
+from trajmesh.config import RunConfig, dump_config
+from trajmesh.rollout.engines import HttpEngineConfig
 from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
 from trajmesh.run.run_end import end_run
 
