@@ -1,4 +1,4 @@
-"""Token-budget micro-batches, PPO minibatches and the global loss denominators (DESIGN §4, §4b).
+"""Token-budget micro-batches, PPO minibatches and the global loss denominators (docs/DESIGN.md §4, §4b).
 
 A learner step's batch is cut twice:
 
@@ -12,18 +12,60 @@ the count of sequences with an eligible token for the sequence-mean and constant
 accumulated gradient equals the gradient of one forward over the minibatch. :func:`global_counts`
 sums those counts over the data-parallel ranks when a process group is given (or the default group
 is initialized with more than one rank), so the same holds across ranks.
+
+NCCL collectives run on this rank's GPU, ``cuda:LOCAL_RANK`` (:func:`local_cuda_device`), named
+explicitly: the learner trains in ``asyncio.to_thread`` workers, and CUDA's current device is per
+thread (0 in a new thread), so ``torch.cuda.current_device()`` there is cuda:0 on every local rank.
+:func:`worker_executor` gives the learner threads that start with ``torch.cuda.set_device`` to it.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["GlobalCounts", "balanced_split", "data_parallel", "global_counts", "max_over_ranks",
-           "pack_micro_batches", "sum_over_ranks", "sum_tensor_over_ranks"]
+__all__ = ["GlobalCounts", "balanced_split", "bind_local_cuda_device", "collective_device", "data_parallel",
+           "global_counts", "local_cuda_device", "max_over_ranks", "pack_micro_batches", "sum_over_ranks",
+           "sum_tensor_over_ranks", "thread_cuda_device", "worker_executor"]
+
+_thread = threading.local()
+
+
+def local_cuda_device() -> torch.device:
+    """This process's GPU: ``cuda:LOCAL_RANK`` (the launcher's and DeepSpeed's convention; 0 unset)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def bind_local_cuda_device() -> None:
+    """Makes :func:`local_cuda_device` this thread's current CUDA device (``torch.cuda.set_device``;
+    only recorded where CUDA is absent) — run first in every thread that trains or communicates."""
+    device = local_cuda_device()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    _thread.device = device
+
+
+def thread_cuda_device() -> torch.device | None:
+    """The device :func:`bind_local_cuda_device` bound in this thread (None: not bound here)."""
+    return getattr(_thread, "device", None)
+
+
+def worker_executor(max_workers: int | None = None) -> ThreadPoolExecutor:
+    """Threads for ``asyncio.to_thread`` (set as the loop's default executor) that each bind
+    :func:`local_cuda_device` before running anything."""
+    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="learner",
+                              initializer=bind_local_cuda_device)
+
+
+def collective_device(backend: str) -> torch.device:
+    """Where a collective's tensors go: this rank's GPU under NCCL, the CPU otherwise (gloo)."""
+    return local_cuda_device() if backend == "nccl" else torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -46,8 +88,7 @@ def data_parallel(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 def _all_reduce(values: list[float], op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> list[float]:
     if data_parallel(group)[1] == 1:
         return values
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = collective_device(str(dist.get_backend(group)))
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op, group=group)
     return [float(v) for v in t.cpu()]
@@ -64,8 +105,7 @@ def sum_tensor_over_ranks(t: Tensor, group: dist.ProcessGroup | None = None) -> 
     as the whole batch's."""
     if data_parallel(group)[1] == 1:
         return t
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
+    device = collective_device(str(dist.get_backend(group)))
     x = t.detach().to(device).clone()
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x.to(t.device)

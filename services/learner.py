@@ -1,4 +1,4 @@
-"""Learner service: batches from the store → decoupled PPO step → weights v+1 (DESIGN.md §1.5, §3–5).
+"""Learner service: batches from the store → decoupled PPO step → weights v+1 (docs/DESIGN.md §1.5, §3–5).
 
 ::
 
@@ -34,12 +34,13 @@ from trajmesh.learner import consistency
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
-from trajmesh.learner.models import load_causal_lm
+from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.step import StepPlan, advantages_BT, build_batch, split_stale, train_batch
 from trajmesh.learner.train_engine import TrainEngine, build_train_engine, wants_deterministic
 from trajmesh.learner.weights import export_policy, sha256_file
+from trajmesh.rollout.hf_model import load_causal_lm
 
 from trajmesh import security
 from trajmesh.contract import Trajectory
@@ -160,6 +161,10 @@ class LearnerService(Service):
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
         torch.manual_seed(cfg.learner.seed)
+        # Training and broadcasts run in asyncio.to_thread workers; CUDA's current device is per
+        # thread (0 in a new one), so this thread and every worker bind cuda:LOCAL_RANK first.
+        bind_local_cuda_device()
+        asyncio.get_running_loop().set_default_executor(worker_executor())
         if self.leader:
             self.redis = security.redis_client(cfg)
             self.gate = AsyncStalenessGate(self.redis, key_prefix=self.keys.gate_prefix, eta=cfg.effective_eta,
