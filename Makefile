@@ -45,7 +45,7 @@ test: setup setup-vllm prometheus
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
 test-all: setup setup-vllm prometheus
-	$(PY) -m pytest -q
+	$(PY) -m pytest -m "" -q
 
 lint: setup
 	$(PY) -m ruff check trajmesh learner rollout envs graders services tests bench
