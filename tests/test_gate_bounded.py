@@ -126,3 +126,48 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
     expected.update({f"drop{k}-{i}": "filtered" for k in range(ROUNDS) for i in range(G)})
     assert outcomes == expected
     assert sorted(trained) == sorted(t for t in expected if t.startswith("keep"))
+
+
+class _Killed(BaseException):
+    """The store process died here (no handler of the service catches a BaseException)."""
+
+
+def test_a_store_killed_before_its_cleanup_leaves_no_records_behind(
+        tmp_path: Path, nats_server: NatsServer, redis_server: RedisServer, tiny_model_dir: str) -> None:
+    """Killed after marking a commit's ids final and acking them, before the cleanup: the groups it
+    settled keep their records in Redis. The next store finds them settled (gate accounting done,
+    all G members final) and drops them on start; nothing is owed, nothing counted twice."""
+    cfg = _build_config(tmp_path, nats_server, redis_server, tiny_model_dir)
+
+    async def main() -> tuple[dict[str, int], dict[str, int], bool, int, int]:
+        store = TrajectoryStore(cfg)
+        await store.setup()
+        await _admit_and_return(store, "keep0", [1.0, 0.0])
+        await _admit_and_return(store, "drop0", [1.0, 1.0])
+        batch = await store.next_batch(0, G, timeout_s=10.0)
+
+        async def killed(*_: object) -> None:
+            raise _Killed
+        store.w.repo.cleanup = killed  # type: ignore[method-assign]
+        with pytest.raises(_Killed):
+            await store.report(services_pb2.ReportRequest(learner_version=0,
+                                                          trained_ids=[t.trajectory_id for t in batch]))
+        left = await _sizes(store)
+        await store.w.grpc_server.stop(grace=0)  # the kill: connections go, no stop()
+        await store.w.bus.close()
+        await store.w.redis.aclose()
+        again = TrajectoryStore(cfg)
+        await again.setup()
+        after = await _sizes(again)
+        recovering = again.recovery_pending
+        counters = await again.w.gate.counters()
+        await again.w.redis.set(again.w.repo.keys.run_finished, "budget")
+        await again.stop()
+        return left, after, recovering, counters.accepted, counters.running
+
+    left, after, recovering, accepted, running = asyncio.run(main())
+    assert left["groups_done"] == 2 and left["open_groups"] == 2  # what the killed store left
+    assert after["groups_done"] == after["groups_accepted"] == after["open_groups"] == after["group_keys"] == 0, after
+    assert not recovering and (accepted, running) == (G, 0)
+    outcomes = {tid: row["outcome"] for tid, row in final_outcomes(read_archive(Path(cfg.run_dir) / "archive")).items()}
+    assert outcomes == {"keep0-0": "trained", "keep0-1": "trained", "drop0-0": "filtered", "drop0-1": "filtered"}

@@ -8,8 +8,9 @@ MULTI replies, so the store's wiring never counts reply positions:
 - per message: its task record and whether its id is final (one round trip for a batch);
 - per group member: membership in `received` / `valid` and both counts after it (one MULTI);
 - ids marked final, membership cleanup (with a settled group's gate records);
-- recovery: which ids a previous store held (`owed_ids`), and which admitted ids have no final
-  outcome at the end of a finished run (`unfinished_members`).
+- recovery: which ids a previous store held (`owed_ids`), which open groups a killed store
+  left settled (`settled_open_groups`), and which admitted ids have no final outcome at the end of
+  a finished run (`unfinished_members`).
 """
 
 from __future__ import annotations
@@ -219,6 +220,26 @@ class StoreRepo:
         groups = [_text(g) for g in await self.r.smembers(self.keys.open_groups)]
         ids = sorted(await self._valid_members(groups))
         return {tid for tid, final in zip(ids, await self.finals(ids), strict=True) if not final}
+
+    async def settled_open_groups(self, group_size: int) -> list[str]:
+        """Open groups that are settled all the same: gate accounting done (`groups_done`) and at
+        least `group_size` members received, every one final. A store killed after marking their
+        ids final and before its cleanup left their records; a restarted store drops them."""
+        groups = [_text(g) for g in await self.r.smembers(self.keys.open_groups)]
+        if not groups:
+            return []
+        done = await self.r.smismember(self.keys.groups_done, groups)
+        candidates = [gid for gid, d in zip(groups, done, strict=True) if d]
+        if not candidates:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for gid in candidates:
+            pipe.smembers(self.keys.group_received(gid))
+        received = [[_text(t) for t in members] for members in await pipe.execute()]
+        ids = [tid for members in received for tid in members]
+        final = dict(zip(ids, await self.finals(ids), strict=True))
+        return [gid for gid, members in zip(candidates, received, strict=True)
+                if len(members) >= group_size and all(final[t] for t in members)]
 
     async def unfinished_members(self) -> list[OpenMember]:
         """Every admitted trajectory id (task id + index, G per task) without a final outcome."""

@@ -233,6 +233,8 @@ class TrajectoryStore(Service):
         """A previous store's held trajectories (valid members of open groups, not final) come back
         by redelivery within about one ack wait of its death; until they are all here the learner
         gets nothing, so it cannot advance past them (they would be trained stale)."""
+        settled = await self.w.repo.settled_open_groups(self.cfg.tasks.group_size)
+        await self.w.repo.cleanup(settled, settled)  # left by a store killed between mark and cleanup
         owed = await self.w.repo.owed_ids()
         if owed:
             wait_s = 2 * self.cfg.store.intake_ack_wait_s  # redelivery ≤ ack_wait after the last heartbeat
