@@ -10,7 +10,12 @@ reconciles with the archive and no process of the run is left.
 
 A rollout that came back from such a pause once crashed a task with ``TimeoutError()`` and never
 exited (no restart): the learner starved for the rest of the run. The pause lands while a
-trajectory publish of the rollout waits for its PubAck (the moment that timed out).
+trajectory publish of the rollout waits for its PubAck (the moment that timed out). The
+environment's gRPC deadline (120 s) and the wait for an announced version (30 s) are longer than
+the pause: a Step answered during it and a version announced meanwhile are read on resume.
+
+The same progress check runs after NATS and Redis are SIGKILLed together (slow), where the rollout
+once crashed the same way and kept sampling with old weights.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import signal
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,7 +43,7 @@ from trajmesh.run.train import read_metrics
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ETA = 1
-STEPS = 12
+STEPS = 10
 """The run's budget: the fault lands after step `RATE_TO`, and `K` steps must follow it."""
 RATE_FROM, RATE_TO = 1, 4
 """The pre-fault rate is measured between these learner steps."""
@@ -48,7 +55,7 @@ GROUP_SIZE = 16
 """Large groups: the rollout publishes a group's trajectories one after another, so a group's
 publishing lasts long enough for the pause to land in it."""
 TASK_ACK_WAIT_S = 4.0
-REQUEST_TIMEOUT_S = 8.0
+REQUEST_TIMEOUT_S = 6.0
 JETSTREAM_API_TIMEOUT_S = 5.0
 """nats-py's default timeout of a JetStream API call (a publish waiting for its PubAck)."""
 STOP_S = 1.5 * max(TASK_ACK_WAIT_S, REQUEST_TIMEOUT_S, JETSTREAM_API_TIMEOUT_S)
@@ -129,17 +136,21 @@ def _raw_last_seq(monitor_url: str, stream: str) -> int:
     return 0
 
 
+def _wait_for_publish(nats: NatsServer, stream: str, timeout_s: float = 10.0) -> None:
+    """Returns the moment `stream` grows (a trajectory was just published), or after `timeout_s`."""
+    last = _raw_last_seq(nats.monitor_url, stream)
+    deadline = time.monotonic() + timeout_s
+    while _raw_last_seq(nats.monitor_url, stream) == last and time.monotonic() < deadline:
+        pass  # a poll on the stream's state
+
+
 def _pause_while_publishing(pid: int, nats: NatsServer, stream: str, tries: int = 100) -> None:
     """SIGSTOP `pid` while a trajectory publish of it waits for its PubAck: the moment the stream
     it publishes to grows (it publishes a group's trajectories one after another), stop it, and
     keep it stopped if answers from NATS then arrive unread within a few milliseconds. A random
     moment mostly finds the rollout idle (the gate holds it), and a pause then times nothing out."""
-    last = _raw_last_seq(nats.monitor_url, stream)
     for _ in range(tries):
-        deadline = time.monotonic() + 10.0
-        while (seq := _raw_last_seq(nats.monitor_url, stream)) == last and time.monotonic() < deadline:
-            pass  # a poll on the stream's state
-        last = seq
+        _wait_for_publish(nats, stream)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(0.05)  # the answers' travel time on loopback, not a synchronization
         if _unread_bytes_from(pid, nats.port) > 0:
@@ -153,39 +164,82 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def test_rollout_paused_past_its_timeouts_then_the_run_makes_progress(
-        tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@dataclass
+class Recovery:
+    """What a fault allows the run on the way back, beyond K steps at the pre-fault rate × SLACK."""
+
+    extra_s: float
+    """Seconds of recovery the fault itself needs (a redelivery, servers and services restarting)."""
+    restarts: bool
+    """Whether a service may die of the fault (and be restarted)."""
+    note: str = ""
+
+
+def _pause_rollout(mesh: Mesh, start_s: float) -> Recovery:
+    """SIGSTOP the rollout process only (its engine keeps running) while a trajectory publish of it
+    waits for its PubAck, for STOP_S, then SIGCONT. Nothing may die of it; the run may take one
+    task ack wait longer (what the rollout held was redelivered meanwhile)."""
+    rollout = next(p for p in mesh.procs if p.name == "rollout")
+    engine = _engine_pid(rollout.popen.pid)
+    assert mesh.nats is not None
+    _pause_while_publishing(rollout.popen.pid, mesh.nats, Layout(mesh.cfg.infra.namespace).stream(STREAM_TRAJ_RAW))
+    try:
+        assert _state(engine) != "T", "the engine was stopped with its rollout"
+        time.sleep(STOP_S)  # the fault's duration, not a synchronization
+        assert _state(rollout.popen.pid) == "T" and _state(engine) != "T"
+    finally:
+        os.kill(rollout.popen.pid, signal.SIGCONT)
+    retried = rollout.log_path.read_text(errors="replace").count("retrying in")
+    return Recovery(TASK_ACK_WAIT_S, restarts=False, note=f"rollout publishes retried: {retried}")
+
+
+def _kill_nats_and_redis(mesh: Mesh, start_s: float) -> Recovery:
+    """SIGKILL nats-server and Redis together while the rollout publishes, keep them down for
+    STOP_S (every request in flight times out), then the launcher restarts both (same ports and
+    data). The run may take the servers' restart, a service's restart (this run's own mesh start)
+    and two task ack waits longer."""
+    assert mesh.nats is not None and mesh.redis is not None
+    stream = Layout(mesh.cfg.infra.namespace).stream(STREAM_TRAJ_RAW)
+    _wait_for_publish(mesh.nats, stream)
+    mesh.nats.kill()
+    mesh.redis.kill()
+    time.sleep(STOP_S)  # the outage's duration, not a synchronization
+    begun = time.monotonic()
+    mesh.restart_dead()  # both servers, back once healthy
+    assert mesh.nats.running and mesh.redis.running
+    restart_s = time.monotonic() - begun
+    return Recovery(restart_s + start_s + 2 * TASK_ACK_WAIT_S, restarts=True,
+                    note=f"servers back in {restart_s:.1f} s")
+
+
+def _run_with_fault(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPatch,
+                    fault: Callable[[Mesh, float], Recovery]) -> None:
+    """Runs the mesh to RATE_TO (the pre-fault rate), applies `fault` (given the mesh and how long
+    this run's mesh took to start), then checks progress, accounting and that nothing is left."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
-    cfg = _build_config(tmp_path / "run", tiny_model_dir)
+    cfg = _build_config(tmp_path / "run", model_dir)
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
+    started = time.monotonic()
     mesh = start_mesh(cfg)
+    start_s = time.monotonic() - started  # one start of every service: covers restarting one
     try:
         cfg = mesh.cfg
         t_from = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_FROM, 300, "before the fault")
         s_from = _steps(cfg)
         t_to = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_TO, 300, "before the fault")
         s_per_step = (t_to - t_from) / max(1, _steps(cfg) - s_from)
-
-        rollout = next(p for p in mesh.procs if p.name == "rollout")
-        engine = _engine_pid(rollout.popen.pid)
-        assert mesh.nats is not None
-        # The process only (its engine keeps running), while its NATS requests are in flight.
-        _pause_while_publishing(rollout.popen.pid, mesh.nats, Layout(cfg.infra.namespace).stream(STREAM_TRAJ_RAW))
-        try:
-            assert _state(engine) != "T", "the engine was stopped with its rollout"
-            time.sleep(STOP_S)  # the fault's duration, not a synchronization
-            assert _state(rollout.popen.pid) == "T" and _state(engine) != "T"
-        finally:
-            os.kill(rollout.popen.pid, signal.SIGCONT)
+        recovery = fault(mesh, start_s)
         before = _steps(cfg)
         assert before + K <= STEPS, f"the learner reached step {before} of {STEPS} during the fault"
-        bound_s = TASK_ACK_WAIT_S + SLACK * K * s_per_step
+        bound_s = recovery.extra_s + SLACK * K * s_per_step
         _supervise_until(mesh, lambda: _steps(cfg) >= before + K, bound_s,
-                         f"no progress after the rollout's pause ({s_per_step:.1f} s/step before it, "
+                         f"no progress after the fault ({s_per_step:.2f} s/step before it, "
                          f"{K} steps from step {before} allowed {bound_s:.0f} s)")
-        assert not mesh.restarts, f"a service died of the pause: {mesh.restarts}\n{tail(rollout.log_path)}"
+        if not recovery.restarts:
+            assert not mesh.restarts, f"a service died of the fault: {mesh.restarts}\n" + "\n".join(
+                tail(p.log_path) for p in mesh.procs if (p.name, p.replica) in mesh.restarts)
 
         learner = lambda: next(p for p in mesh.procs if p.name == "learner")  # noqa: E731 - replaced on restart
         _supervise_until(mesh, lambda: learner().popen.poll() == 0, 300, "the learner's budget")
@@ -200,6 +254,16 @@ def test_rollout_paused_past_its_timeouts_then_the_run_makes_progress(
     assert not any(k.startswith("in_flight_at_stop") for k in acct["by_reason"]), acct["by_reason"]
     check_no_stale(acct)
     assert not processes_marked(mark), processes_marked(mark)
-    retried = rollout.log_path.read_text(errors="replace").count("retrying in")
-    print(f"{s_per_step:.2f} s/step before the pause; publishes retried after it: {retried}; "
+    print(f"{s_per_step:.2f} s/step before the fault; {recovery.note}; restarts {mesh.restarts}; "
           f"outcomes {acct['by_reason']}")
+
+
+def test_rollout_paused_past_its_timeouts_then_the_run_makes_progress(
+        tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_with_fault(tmp_path, tiny_model_dir, monkeypatch, _pause_rollout)
+
+
+@pytest.mark.slow
+def test_nats_and_redis_killed_together_then_the_run_makes_progress(
+        tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_with_fault(tmp_path, tiny_model_dir, monkeypatch, _kill_nats_and_redis)
