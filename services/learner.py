@@ -107,6 +107,7 @@ class LearnerService(Service):
 
     name = "learner"
     graceful_stop_s = 120.0  # finish the step in progress: train, publish, report, then checkpoint
+    stop_work_s = 90.0  # stop()'s final checkpoint (a large model's), beyond service.stop_timeout_s
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
