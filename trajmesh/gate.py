@@ -84,7 +84,8 @@ return {1, cap}
 # n accepted, n not accepted. finish() for a whole group, at most once per group id, atomically with
 # marking it finished: a store killed in between can neither skip it (capacity leaked) nor repeat it
 # (counted twice). The optional hash records how many of a group's members the gate counted as
-# accepted (the end of a run reconciles the archive with it after a store crash).
+# accepted (the end of a run reconciles the archive with it after a store crash). The caller drops
+# both entries once the group is settled (every member final, so none can rebuild it).
 _FINISH_GROUP = """
 if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
 local a = tonumber(ARGV[2])
