@@ -511,9 +511,16 @@ class DeepSpeedTrainEngine(TrainEngine):
 
         {"train_batch_size": W, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
          "gradient_clipping": grad_clip,
-         "zero_optimization": {"stage": zero_stage, <bucket sizes fitted to the model, see _zero_config>},
+         "zero_optimization": {"stage": ds_stage, <bucket sizes fitted to the model, see _zero_config>},
          "zero_allow_untested_optimizer": True, "fp16": {"enabled": False}, "bf16": {"enabled": precision == "bf16"},
+         "data_types": {"grad_accum_dtype": "fp32"},  # bf16 only
          "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+
+    bf16: DeepSpeed ≥ 0.18 accumulates gradients in the model's dtype (bf16: the small gradients of
+    later micro-batches round away) unless ``data_types.grad_accum_dtype`` is fp32, and it takes bf16
+    weights with fp32 accumulation only in its bf16 optimizer at ZeRO stage 1 (stage 0 refuses the mix
+    with NotImplementedError). So ``zero_stage=0`` in bf16 runs as stage 1 (``ds_stage``): fp32 master
+    weights, optimizer state and gradient accumulation, the optimizer state partitioned over ranks.
     """
 
     data_parallel = True
@@ -525,17 +532,22 @@ class DeepSpeedTrainEngine(TrainEngine):
 
         seed_everything(config.seed, deterministic=config.deterministic)
         world = torch.distributed.get_world_size()
+        bf16 = config.precision == "bf16"
+        self.ds_stage = 1 if bf16 and config.zero_stage == 0 else int(config.zero_stage)
+        """The ZeRO stage DeepSpeed runs: ``zero_stage``, but 1 for 0 in bf16 (see the class doc)."""
         self.ds_config: dict[str, Any] = {
             "train_batch_size": world,
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": float(config.grad_clip) if config.grad_clip > 0 else 0.0,
-            "zero_optimization": _zero_config(int(config.zero_stage), model),
+            "zero_optimization": _zero_config(self.ds_stage, model),
             "zero_allow_untested_optimizer": True,
             "fp16": {"enabled": False},
-            # bf16: the module in bf16, fp32 master weights and optimizer state in DeepSpeed's
-            # bf16 optimizer (ZeRO-0) or ZeRO's fp32 partitions (ZeRO 1-3).
-            "bf16": {"enabled": config.precision == "bf16"},
+            # bf16: the module in bf16, fp32 master weights, optimizer state and gradient
+            # accumulation in DeepSpeed's bf16 optimizer (ZeRO-1, also for zero_stage 0) or ZeRO's
+            # fp32 partitions (ZeRO 2-3).
+            "bf16": {"enabled": bf16},
+            **({"data_types": {"grad_accum_dtype": "fp32"}} if bf16 else {}),
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
@@ -574,7 +586,7 @@ class DeepSpeedTrainEngine(TrainEngine):
     def step(self) -> dict[str, float]:
         lr = float(self._base_optimizer.param_groups[0]["lr"])
         pre_norm = None
-        if self.config.zero_stage == 0 and self.config.precision == "fp32":
+        if self.ds_stage == 0:  # fp32 (bf16 never runs stage 0)
             # DeepSpeed clips plain fp32 grads itself but does not keep the norm; measure it first.
             pre_norm = _total_grad_norm(list(self._engine.module.parameters()))
         self._engine.step()
@@ -588,7 +600,7 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def zero_grad(self) -> None:
         self._engine.zero_grad()
-        if self.config.zero_stage > 0:
+        if self.ds_stage > 0:
             self._engine.optimizer.zero_grad()
 
     def save_checkpoint(self, directory: str | os.PathLike[str], client_state: dict | None = None) -> None:
@@ -611,7 +623,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         return state[_CLIENT_KEY]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.config.zero_stage < 3:
+        if self.ds_stage < 3:
             return super().full_state_dict()
         import deepspeed
 
