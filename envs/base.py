@@ -116,6 +116,68 @@ def single_string_argument(native: NativeAction, h: str, tool: str, argument: st
     return value
 
 
+class SingleToolEnv:
+    """The skeleton of an environment with one tool taking one string argument (math_tool's python,
+    search's search): each turn is a text-format call (``<tag>argument</tag>``), a native
+    ``<tool_call>``, or the final answer (any other text, which ends the episode). A subclass names
+    its tool and sets `tool_tag`, `output_tag`, `action_type`, `budget_key` and `budget_reason`,
+    loads its settings in `settings` and answers one call in `call`."""
+
+    tool: str
+    """The tool's name (native calls must name it)."""
+    argument: str
+    """Its one string argument."""
+    tool_tag: str
+    """The text-format call tag (``<code>``, ``<search>``)."""
+    output_tag: str
+    """The tag a text-format answer is wrapped in (a native call's answer goes back bare: the chat
+    template wraps it)."""
+    action_type: str
+    """`info.action_type` of its calls (CODE, TOOL_CALL)."""
+    budget_key: str
+    """The setting that caps calls per episode."""
+    budget_reason: str
+    """`info.invalid_action` of a call past the budget."""
+    budget_text: str
+    """What a call past the budget is answered."""
+
+    def settings(self, task: dict[str, Any]) -> dict[str, Any]:
+        """The episode's settings (source defaults overridden by the task's metadata)."""
+        raise NotImplementedError
+
+    def call(self, argument: str, h: str, *, native: bool) -> StepResult:
+        """Answers one call within the budget."""
+        raise NotImplementedError
+
+    def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
+        self.task = task
+        self.cfg = self.settings(task)
+        self.prompt = str(task["prompt"])
+        self.calls = 0
+        self.actions: list[str] = []
+        return self.prompt, state_hash(self.prompt)
+
+    def step(self, action: str) -> StepResult:
+        self.actions.append(action)
+        h = state_hash(self.prompt, *self.actions)
+        native = parse_native(action)
+        if native is not None:
+            value = single_string_argument(native, h, self.tool, self.argument)
+            return value if isinstance(value, StepResult) else self._budgeted(value, h, native=True)
+        value = first_tag(action, self.tool_tag)
+        if value is None:
+            return StepResult("", True, h, info={"action_type": "TEXT"})
+        return self._budgeted(value, h, native=False)
+
+    def _budgeted(self, argument: str, h: str, *, native: bool) -> StepResult:
+        if self.calls >= int(self.cfg[self.budget_key]):
+            body = self.budget_text
+            return StepResult(body if native else f"<{self.output_tag}>{body}</{self.output_tag}>\n", False, h,
+                              info={"action_type": self.action_type, "invalid_action": self.budget_reason})
+        self.calls += 1
+        return self.call(argument, h, native=native)
+
+
 class SingleAnswerEnv:
     """One turn: the observation is the prompt, the action is the answer, then the episode ends.
 

@@ -24,14 +24,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 from trajmesh.envs.base import (
-    NativeAction,
+    SingleToolEnv,
     StepResult,
-    first_tag,
     function_schemas,
     native_instruction,
-    parse_native,
-    single_string_argument,
-    state_hash,
 )
 
 from trajmesh import sandbox
@@ -68,7 +64,7 @@ NATIVE_INSTRUCTION = native_instruction(TOOLS, "reply <answer>x</answer>.")
 """The instruction line of a task whose source has ``tool_format: native``."""
 
 
-class MathToolEnv:
+class MathToolEnv(SingleToolEnv):
     revision = "math_tool-v1"
     uses_sandbox = True
     """Runs model-written code: the environment service checks the sandbox at start-up."""
@@ -76,45 +72,22 @@ class MathToolEnv:
     invalid_actions = ("schema", "tool_budget")
     """`info.invalid_action` reasons its steps report (the environment service pre-creates their series)."""
 
-    def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
-        self.task = task
-        self.tool = {**tool_settings(), **task.get("metadata", {}).get("tool", {})}
-        self.prompt = str(task["prompt"])
-        self.calls = 0
-        self.actions: list[str] = []
-        return self.prompt, state_hash(self.prompt)
+    tool, argument, tool_tag, output_tag, action_type = "python", "code", "code", "output", "CODE"
+    budget_key, budget_reason, budget_text = "max_tool_calls", "tool_budget", "tool budget exhausted"
 
-    def step(self, action: str) -> StepResult:
-        self.actions.append(action)
-        h = state_hash(self.prompt, *self.actions)
-        native = parse_native(action)
-        if native is not None:
-            return self._native(native, h)
-        code = first_tag(action, "code")
-        if code is None:
-            return StepResult("", True, h, info={"action_type": "TEXT"})
-        return self._run(code, h, native=False)
+    def settings(self, task: dict[str, Any]) -> dict[str, Any]:
+        return {**tool_settings(), **task.get("metadata", {}).get("tool", {})}
 
-    def _native(self, native: NativeAction, h: str) -> StepResult:
-        """A ``<tool_call>`` turn: the python tool's ``code`` argument runs like a ``<code>`` block."""
-        code = single_string_argument(native, h, "python", "code")
-        return code if isinstance(code, StepResult) else self._run(code, h, native=True)
-
-    def _run(self, code: str, h: str, *, native: bool) -> StepResult:
+    def call(self, code: str, h: str, *, native: bool) -> StepResult:
         """Runs `code` in the sandbox; the answer is wrapped in ``<output>`` unless it goes back as a
         native tool message (the chat template wraps that)."""
-        if self.calls >= int(self.tool["max_tool_calls"]):
-            body = "tool budget exhausted"
-            return StepResult(body if native else f"<output>{body}</output>\n", False, h,
-                              info={"action_type": "CODE", "invalid_action": "tool_budget"})
-        self.calls += 1
-        wall = float(self.tool["call_timeout_s"])
+        wall = float(self.cfg["call_timeout_s"])
         limits = sandbox.SandboxLimits(wall_s=wall, cpu_s=max(1, int(wall * 0.8)),
-                                       output_bytes=int(self.tool["max_output_bytes"]) * 4)
+                                       output_bytes=int(self.cfg["max_output_bytes"]) * 4)
         t0 = time.perf_counter()
         res = sandbox.run_code(code, limits=limits)
         latency = time.perf_counter() - t0
-        cap = int(self.tool["max_output_bytes"])
+        cap = int(self.cfg["max_output_bytes"])
         body = res.stdout if res.status == sandbox.OK else (res.stdout + res.stderr[-cap:])
         if res.subclass:
             body += f"\n[sandbox: {res.subclass}]"

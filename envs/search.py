@@ -21,14 +21,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 from trajmesh.envs.base import (
-    NativeAction,
+    SingleToolEnv,
     StepResult,
-    first_tag,
     function_schemas,
     native_instruction,
-    parse_native,
-    single_string_argument,
-    state_hash,
 )
 
 from trajmesh.config import ToolSourceConfig
@@ -134,43 +130,22 @@ NATIVE_INSTRUCTION = native_instruction(TOOLS, "reply <answer>x</answer>.")
 """The instruction line of a task whose source has ``tool_format: native``."""
 
 
-class SearchEnv:
+class SearchEnv(SingleToolEnv):
     revision = "search-bm25-v1"
     config_keys = ("top_k", "max_searches", "corpus_size", "corpus_seed")
     invalid_actions = ("schema", "search_budget")
     """`info.invalid_action` reasons its steps report (the environment service pre-creates their series)."""
 
-    def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
-        self.cfg = {**search_settings(), **task.get("metadata", {}).get("search", {})}
-        self.index = index(int(self.cfg["corpus_size"]), int(self.cfg["corpus_seed"]))
-        self.prompt = str(task["prompt"])
-        self.searches = 0
-        self.actions: list[str] = []
-        return self.prompt, state_hash(self.prompt)
+    tool, argument, tool_tag, output_tag, action_type = "search", "query", "search", "information", "TOOL_CALL"
+    budget_key, budget_reason, budget_text = "max_searches", "search_budget", "search budget exhausted"
 
-    def step(self, action: str) -> StepResult:
-        self.actions.append(action)
-        h = state_hash(self.prompt, *self.actions)
-        native = parse_native(action)
-        if native is not None:
-            return self._native(native, h)
-        query = first_tag(action, "search")
-        if query is None:
-            return StepResult("", True, h, info={"action_type": "TEXT"})
-        return self._search(query, h, native=False)
+    def settings(self, task: dict[str, Any]) -> dict[str, Any]:
+        cfg = {**search_settings(), **task.get("metadata", {}).get("search", {})}
+        self.index = index(int(cfg["corpus_size"]), int(cfg["corpus_seed"]))
+        return cfg
 
-    def _native(self, native: NativeAction, h: str) -> StepResult:
-        """A ``<tool_call>`` turn: the search tool's ``query`` argument searches like ``<search>``."""
-        query = single_string_argument(native, h, "search", "query")
-        return query if isinstance(query, StepResult) else self._search(query, h, native=True)
-
-    def _search(self, query: str, h: str, *, native: bool) -> StepResult:
+    def call(self, query: str, h: str, *, native: bool) -> StepResult:
         """The top-k passages, inside ``<information>`` unless they go back as a native tool message."""
-        if self.searches >= int(self.cfg["max_searches"]):
-            body = "search budget exhausted"
-            return StepResult(body if native else f"<information>{body}</information>\n", False, h,
-                              info={"action_type": "TOOL_CALL", "invalid_action": "search_budget"})
-        self.searches += 1
         hits = self.index.search(query, int(self.cfg["top_k"]))
         body = "\n".join(f"[{n + 1}] {self.index.passages[i]}" for n, i in enumerate(hits)) or "no results"
         obs = body if native else f"<information>\n{body}\n</information>\n"

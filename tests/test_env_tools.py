@@ -96,7 +96,7 @@ def test_search_env_native_errors_are_answered_not_raised() -> None:
     assert not bad.done and (bad.info or {})["parser_error"] is True
     wrong = env.step(_call("lookup", query="x"))
     assert wrong.observation == "error: the only tool is search with one string argument \"query\"; got 'lookup'"
-    assert (wrong.info or {})["invalid_action"] == "schema" and env.searches == 0
+    assert (wrong.info or {})["invalid_action"] == "schema" and env.calls == 0
     assert env.step("<answer>x</answer>").done  # the old tags still work in the same episode
 
 
