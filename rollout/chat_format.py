@@ -10,16 +10,23 @@ The tokens the engine generated stay as they are (never re-rendered); only obser
 tokenized, and it is masked out of the loss. A directory without a template keeps the plain format
 (BOS + observation text), as the character-tokenizer demo model does.
 
-Templates are rendered the way Hugging Face renders them (a sandboxed Jinja environment with
-``trim_blocks`` and ``lstrip_blocks``, ``tojson`` and ``raise_exception``).
+Templates are rendered the way Hugging Face transformers renders them (a sandboxed Jinja
+environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension
+(``{% break %}``, ``{% continue %}``), the ``{% generation %}...{% endgeneration %}`` block that
+marks assistant text (rendered as its body: the rollout masks by token, not by template span),
+``tojson`` and the globals ``raise_exception`` and ``strftime_now``).
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from trajmesh.tokenizer import chat_template_text
@@ -43,13 +50,31 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
+def _strftime_now(fmt: str) -> str:
+    """The local time now in `fmt` (templates that write today's date into the system turn)."""
+    return datetime.now().strftime(fmt)
+
+
+class GenerationBlock(Extension):
+    """``{% generation %}BODY{% endgeneration %}``: renders BODY unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
 class ChatFormat:
     """Renders a model's chat template; ``None`` from ``load`` when the model has none."""
 
     def __init__(self, template: str, special: dict[str, str]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, GenerationBlock])
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, **{"ensure_ascii": False, **kw})
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
         self.template = env.from_string(template)
         self.special = special
         """bos_token / eos_token strings the template may use."""
