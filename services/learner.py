@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,18 @@ def _gauge(name: str) -> Gauge:
 for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO,
               *ENTROPY_BY_ACTION_TYPE_NAMES.values()):
     _gauge(_name)
+
+
+@dataclass
+class StepOutcome:
+    """What one learner step returns: its telemetry apart from the ids the store must be told."""
+
+    metrics: dict[str, Any]
+    """The step's metrics (metrics.jsonl, Prometheus, stop gates)."""
+    trained_ids: list[str] = field(default_factory=list)
+    """Trajectories trained on (a segmented trajectory once, however many rows it has)."""
+    stale_ids: list[str] = field(default_factory=list)
+    """Trajectories quarantined as stale at consume time (lag above η)."""
 
 
 class LearnerService(Service):
@@ -278,7 +291,8 @@ class LearnerService(Service):
             alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
             await self._command("step", resp.SerializeToString(), alpha)
             start = time.perf_counter()
-            metrics = await asyncio.to_thread(self._train_step, trajs, eta, temperature, alpha)
+            outcome = await asyncio.to_thread(self._train_step, trajs, eta, temperature, alpha)
+            metrics = outcome.metrics
             step_s = time.perf_counter() - start
             BUSY_SECONDS.inc(step_s)
             STEP_SECONDS.observe(step_s)
@@ -287,9 +301,9 @@ class LearnerService(Service):
             WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - pub_start)
             await self._rpc(self.store.Report, services_pb2.ReportRequest(
                 learner_version=self.version - 1,  # the version the batch was trained at
-                trained_ids=metrics.pop("_trained_ids"),
-                quarantined_ids=metrics.pop("_stale_ids"),
-                quarantine_reasons=["stale"] * int(metrics["trajectories_stale"])))
+                trained_ids=outcome.trained_ids,
+                quarantined_ids=outcome.stale_ids,
+                quarantine_reasons=["stale"] * len(outcome.stale_ids)))
             self.rl_seconds = time.monotonic() - loop_start
             metrics.update(step=self.steps_done, version=self.version, rl_seconds=self.rl_seconds,
                            wait_seconds=waited, step_seconds=step_s, time=time.time())
@@ -421,7 +435,7 @@ class LearnerService(Service):
         return True
 
     def _train_step(self, trajs: list[Trajectory], eta: int, temperature: float,
-                    entropy_coef: float | None = None) -> dict[str, Any]:
+                    entropy_coef: float | None = None) -> StepOutcome:
         """One step on every rank (each passes the whole batch; train_batch takes this rank's
         share). `entropy_coef`: the leader's α (None: this process's controller)."""
         lc = self.cfg.learner
@@ -429,8 +443,9 @@ class LearnerService(Service):
         keep, stale = split_stale(trajs, self.version, eta)
         for _ in stale if leader else []:
             QUARANTINED.labels(reason="stale").inc()
-        metrics: dict[str, Any] = {"trajectories_in_batch": len(trajs), "trajectories_stale": len(stale),
-                                   "_stale_ids": [t.trajectory_id for t in stale], "_trained_ids": []}
+        outcome = StepOutcome({"trajectories_in_batch": len(trajs), "trajectories_stale": len(stale)},
+                              stale_ids=[t.trajectory_id for t in stale])
+        metrics = outcome.metrics
         metrics.update(batch_health(trajs, lc.stop_gates.verifier_components))
         if keep:
             batch = build_batch(keep, self.pad_id)
@@ -467,7 +482,7 @@ class LearnerService(Service):
                 reward_mean=float(batch.trajectory_rewards().mean()), max_token_lag=int(max(lags)) if lags else 0,
                 tokens_trained=int(mask.sum()), trajectories_trained=len(keep),
             )
-            metrics["_trained_ids"] = batch.unique_trajectory_ids()  # a segmented trajectory has several rows
+            outcome.trained_ids = batch.unique_trajectory_ids()  # a segmented trajectory has several rows
             self.trajectories_trained += len(keep)
             if leader:  # the service's counters count each step once, on rank 0
                 TRAINED.inc(len(keep))
@@ -480,13 +495,13 @@ class LearnerService(Service):
         self.version += 1
         self.steps_done += 1
         if not leader:
-            return metrics
+            return outcome
         STEPS.inc()
         VERSION.set(self.version)
         for k, v in metrics.items():
             if k.startswith("trajmesh_") and isinstance(v, (int, float)):
                 _gauge(k).set(v)
-        return metrics
+        return outcome
 
     # ------------------------------------------------------------------ weights and checkpoints
     async def _publish_weights(self) -> None:

@@ -127,7 +127,10 @@ def test_the_learner_sleeps_the_modelled_step_instead_of_training(tmp_path: Path
 
     trajs = [traj("t0", 7, 5, 1.0), traj("t1", 4, 4, 0.0), traj("stale", 9, 1, 0.5)]
     before = [p.detach().clone() for p in svc.engine.module.parameters()]
-    metrics = svc._train_step(trajs, eta=1, temperature=1.0)
+    outcome = svc._train_step(trajs, eta=1, temperature=1.0)
+    metrics = outcome.metrics
+    assert sorted(outcome.trained_ids) == ["t0", "t1"] and outcome.stale_ids == ["stale"]
+    assert not any(k.startswith("_") for k in metrics)  # control data is not telemetry
     assert metrics["trajectories_stale"] == 1 and metrics["tokens_trained"] == 11
     assert metrics["simulated_step_seconds"] == pytest.approx(b + a * 11)
     assert svc.version == 6

@@ -138,7 +138,7 @@ def test_a_learner_step_sets_the_gauges_and_returns_the_metrics_jsonl_record(tmp
     # TEXT: t0's tokens 2, 3 only ; TOOL_CALL: t0's token 4 ; CODE: t0's tokens 7..9
     expected = {"TEXT": float(entropy_BT[0, 2:4].mean()), "TOOL_CALL": float(entropy_BT[0, 4]),
                 "CODE": float(entropy_BT[0, 7:10].mean())}
-    metrics = svc._train_step(trajs, eta=4, temperature=1.0)
+    metrics = svc._train_step(trajs, eta=4, temperature=1.0).metrics
     record = json.loads(json.dumps({"kind": "learner_step", **{k: v for k, v in metrics.items()
                                                                if not k.startswith("_")}}))
     for kind, name in ENTROPY_BY_ACTION_TYPE_NAMES.items():
