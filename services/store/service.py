@@ -170,7 +170,7 @@ class TrajectoryStore(Service):
         # A due straggler is waited for as long as it can take to come back after one crash on its
         # way (the slowest redelivery: a rollout's task, a grader's TRAJ_RAW message or a store's
         # TRAJ_GRADED message, each after its ack wait), plus one store ack wait of slack (90 s
-        # with the defaults; it was the sum of every hop's, 150 s). Then the learner goes on; the
+        # with the defaults). Then the learner goes on; the
         # straggler's members that come back too stale to train are cut at intake
         # (`filtered:stale_on_arrival`), never handed to the learner to be quarantined.
         c = self.cfg
