@@ -109,7 +109,19 @@ class Mesh:
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master}) for rank in range(world)]
 
-    def wait_healthy(self, procs: list[Proc], timeout_s: float = 180.0) -> None:
+    def startup_bound_s(self, procs: list[Proc]) -> float:
+        """How long `procs` may take to become healthy: 180 s, or for a rollout its engine's own
+        start-up allowance (`rollout.engine.startup_timeout_s`: a rollout is healthy once its engine
+        is, and a vLLM server takes minutes on a loaded CPU) plus 60 s."""
+        engine_wait = getattr(self.cfg.rollout.engine, "startup_timeout_s", None)
+        if engine_wait is not None and any(p.name == "rollout" for p in procs):
+            return max(180.0, float(engine_wait) + 60.0)
+        return 180.0
+
+    def wait_healthy(self, procs: list[Proc], timeout_s: float | None = None) -> None:
+        """Wait until every process in `procs` answers healthy (bound: `startup_bound_s`)."""
+        if timeout_s is None:
+            timeout_s = self.startup_bound_s(procs)
         deadline = time.monotonic() + timeout_s
         pending = list(procs)
         while pending:
