@@ -20,9 +20,11 @@ once crashed the same way and kept sampling with old weights.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import socket
 import time
 import urllib.request
 import uuid
@@ -99,30 +101,48 @@ def _engine_pid(rollout_pid: int) -> int:
     raise AssertionError("the rollout has no engine process")
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
+_SYS_PIDFD_GETFD = 438
+"""pidfd_getfd(2) (Linux ≥ 5.6; the same number on every architecture)."""
+
+
+def _socket_fds(pid: int) -> dict[str, int]:
+    """Socket inode -> fd number, of `pid`'s open sockets."""
+    fds = {}
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             target = os.readlink(fd)
         except OSError:
             continue  # closed meanwhile
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    return inodes
+            fds[target[len("socket:["):-1]] = int(fd.name)
+    return fds
 
 
-def _unread_bytes_from(pid: int, port: int) -> int:
-    """Bytes that arrived on `pid`'s TCP connections to local `port` and that it has not read yet
-    (the rx_queue column of /proc/net/tcp): while the process is stopped, the answers to what it
-    had in flight (a PubAck, a fetched task) wait there."""
-    inodes, total = _socket_inodes(pid), 0
+def _unread_from(pid: int, port: int) -> bytes:
+    """What arrived on `pid`'s TCP connections to local `port` and it has not read yet, peeked at
+    (MSG_PEEK on a duplicate of its socket, pidfd_getfd: `pid` still reads every byte itself).
+    While the process is stopped, the answers to what it had in flight wait there."""
+    fds = _socket_fds(pid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    unread = b""
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
             cols = line.split()
-            remote_port = int(cols[2].rsplit(":", 1)[1], 16)
-            if remote_port == port and cols[9] in inodes:
-                total += int(cols[4].split(":")[1], 16)
-    return total
+            if int(cols[2].rsplit(":", 1)[1], 16) != port or cols[9] not in fds:
+                continue
+            pidfd = os.pidfd_open(pid)
+            try:
+                dup = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fds[cols[9]], 0)
+                if dup < 0:
+                    raise OSError(ctypes.get_errno(), "pidfd_getfd")
+                with socket.socket(fileno=dup) as sock:
+                    try:
+                        unread += sock.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        pass  # nothing unread
+            finally:
+                os.close(pidfd)
+    return unread
 
 
 def _raw_last_seq(monitor_url: str, stream: str) -> int:
@@ -147,16 +167,18 @@ def _wait_for_publish(nats: NatsServer, stream: str, timeout_s: float = 10.0) ->
 def _pause_while_publishing(pid: int, nats: NatsServer, stream: str, tries: int = 100) -> None:
     """SIGSTOP `pid` while a trajectory publish of it waits for its PubAck: the moment the stream
     it publishes to grows (it publishes a group's trajectories one after another), stop it, and
-    keep it stopped if answers from NATS then arrive unread within a few milliseconds. A random
-    moment mostly finds the rollout idle (the gate holds it), and a pause then times nothing out."""
+    keep it stopped if a PubAck of that stream then arrives unread within a few milliseconds. A
+    random moment mostly finds the rollout idle (the gate holds it), and a pause then times
+    nothing out."""
+    pub_ack = f'"stream":"{stream}"'.encode()
     for _ in range(tries):
         _wait_for_publish(nats, stream)
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.05)  # the answers' travel time on loopback, not a synchronization
-        if _unread_bytes_from(pid, nats.port) > 0:
+        time.sleep(0.05)  # the answer's travel time on loopback, not a synchronization
+        if pub_ack in _unread_from(pid, nats.port):
             return
         os.kill(pid, signal.SIGCONT)
-    raise AssertionError(f"the rollout had no NATS answer in flight in {tries} tries")
+    raise AssertionError(f"no PubAck was waiting for the paused rollout in {tries} tries")
 
 
 def _state(pid: int) -> str:
