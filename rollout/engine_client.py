@@ -88,8 +88,9 @@ class EngineCapabilities:
     reports_weight_version: bool
     """Responses and /model_info carry ``weight_version`` (SGLang ≥ 0.5, the torch engine; not 0.4.10)."""
     pause_modes: tuple[str, ...]
-    """``/pause_generation`` modes: ``("abort",)`` on 0.4.10 (no body: it aborts every request and
-    parks new ones until ``/continue_generation``); ``abort``, ``retract``, ``in_place`` on 0.5.x."""
+    """``/pause_generation`` modes: ``abort``, ``retract``, ``in_place`` on SGLang 0.5.x; ``("abort",)``
+    elsewhere (0.4.10 takes no body: it aborts every request and parks new ones until
+    ``/continue_generation``; the torch engine)."""
 
     @staticmethod
     def assumed(context_len: int | None) -> EngineCapabilities:
@@ -363,7 +364,7 @@ class EngineClient:
             sampling_seed=seed_ok,
             weight_versions=_weight_versions_format(answer.meta_info),
             reports_weight_version="weight_version" in model or answer.weight_version is not None,
-            pause_modes=("abort",) if numeric is not None and numeric < (0, 5) else ("abort", "retract", "in_place"),
+            pause_modes=("abort", "retract", "in_place") if numeric is not None and numeric >= (0, 5) else ("abort",),
         )
         return self.capabilities
 

@@ -237,6 +237,6 @@ def test_probe_of_the_torch_engine(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert caps.sampling_seed and caps.reports_weight_version
+    assert caps.sampling_seed and caps.reports_weight_version and caps.pause_modes == ("abort",)
     assert caps.context_len == 128 and caps.fits(10, 100) and not caps.fits(10, 118)
     assert load == EngineLoad(running_reqs=0, waiting_reqs=0, tokens=None)
