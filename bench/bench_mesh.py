@@ -29,7 +29,6 @@ from trajmesh.config import load_config
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.infra import NatsServer
-from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Mesh, start_mesh
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
@@ -81,8 +80,7 @@ def _model_dir(root: Path) -> str:
 
 async def play_learner(cfg, seconds: float, warmup: float) -> float:  # type: ignore[no-untyped-def]
     r = security.redis_client(cfg)
-    gate = AsyncStalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
-                              batch_size=cfg.batch_trajectories)
+    gate = AsyncStalenessGate.from_config(r, cfg)
     bus = await security.connect_bus(cfg, "learner", name="bench-learner")
     channel = grpc.aio.insecure_channel(cfg.infra.store_address)
     store = services_pb2_grpc.TrajectoryStoreStub(channel)

@@ -181,8 +181,7 @@ class LearnerService(Service):
         asyncio.get_running_loop().set_default_executor(worker_executor())
         if self.leader:
             self.redis = security.redis_client(cfg)
-            self.gate = AsyncStalenessGate(self.redis, key_prefix=self.keys.gate_prefix, eta=cfg.effective_eta,
-                                           batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
+            self.gate = AsyncStalenessGate.from_config(self.redis, cfg)
             self.bus = await security.connect_bus(cfg, "learner", name=self.worker_id)
             self.channel = security.grpc_channel(cfg.infra.store_address, cfg.infra.security.grpc_tls)
             self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)

@@ -21,10 +21,17 @@ with AOF on (see ``trajmesh.infra.RedisServer``) they survive a Redis restart.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio
+
+from trajmesh.keys import RedisKeys
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from trajmesh.config import RunConfig
 
 __all__ = ["AsyncStalenessGate", "GateCounters", "StalenessGate"]
 
@@ -177,17 +184,14 @@ class _GateSpec:
         return min(c.capacity, self.max_concurrent - c.running)
 
 
-class StalenessGate:
-    """The gate over a synchronous ``redis.Redis`` client; safe to share across threads.
-
-    ``key_prefix`` scopes the counters to one run (e.g. ``trajmesh:<run_id>:gate``); ``eta`` is
-    the maximum lag η in learner versions; ``batch_size`` is B, trajectories per learner step;
-    ``max_concurrent`` optionally also caps ``running`` (rollout fleet capacity).
-    """
+class _Gate:
+    """What both gates share: the spec (keys, η, B, the optional cap), the Lua scripts registered on
+    the client, and how a run's config builds one (`from_config`, the one place that maps config to
+    a gate)."""
 
     def __init__(
         self,
-        redis_client: redis.Redis,
+        redis_client: Any,
         *,
         key_prefix: str,
         eta: int,
@@ -203,6 +207,13 @@ class StalenessGate:
         self._set_version = redis_client.register_script(_SET_VERSION)
         self._rebase = redis_client.register_script(_REBASE)
 
+    @classmethod
+    def from_config(cls, redis_client: Any, cfg: RunConfig) -> Self:
+        """The run's gate: its namespace's keys, the effective η (0 in sync mode), B = the learner's
+        batch in trajectories, and `gate.max_concurrent`."""
+        return cls(redis_client, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
+                   batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
+
     @property
     def eta(self) -> int:
         return self._spec.eta
@@ -210,6 +221,17 @@ class StalenessGate:
     @property
     def batch_size(self) -> int:
         return self._spec.batch_size
+
+
+class StalenessGate(_Gate):
+    """The gate over a synchronous ``redis.Redis`` client; safe to share across threads.
+
+    ``key_prefix`` scopes the counters to one run (e.g. ``trajmesh:<run_id>:gate``); ``eta`` is
+    the maximum lag η in learner versions; ``batch_size`` is B, trajectories per learner step;
+    ``max_concurrent`` optionally also caps ``running`` (rollout fleet capacity).
+    """
+
+    _r: redis.Redis
 
     def try_admit(self, n: int) -> bool:
         """Admit ``n`` trajectories (running += n) iff capacity ≥ n, atomically."""
@@ -255,36 +277,16 @@ class StalenessGate:
         self._rebase(keys=s.keys, args=s.rebase_args(version, buffered))
 
 
-class AsyncStalenessGate:
-    """The same gate over ``redis.asyncio.Redis``, for asyncio services (the store)."""
+class AsyncStalenessGate(_Gate):
+    """The same gate over ``redis.asyncio.Redis``, for asyncio services (the store), with the
+    store's two group-aware scripts besides."""
 
-    def __init__(
-        self,
-        redis_client: redis.asyncio.Redis,
-        *,
-        key_prefix: str,
-        eta: int,
-        batch_size: int,
-        max_concurrent: int | None = None,
-    ) -> None:
-        self._r = redis_client
-        self._spec = _GateSpec(
-            key_prefix=key_prefix, eta=eta, batch_size=batch_size, max_concurrent=max_concurrent
-        )
-        self._try_admit = redis_client.register_script(_TRY_ADMIT)
-        self._finish = redis_client.register_script(_FINISH)
-        self._set_version = redis_client.register_script(_SET_VERSION)
-        self._rebase = redis_client.register_script(_REBASE)
+    _r: redis.asyncio.Redis
+
+    def __init__(self, redis_client: redis.asyncio.Redis, **spec: Any) -> None:
+        super().__init__(redis_client, **spec)
         self._try_admit_recorded = redis_client.register_script(_TRY_ADMIT_RECORDED)
         self._finish_group = redis_client.register_script(_FINISH_GROUP)
-
-    @property
-    def eta(self) -> int:
-        return self._spec.eta
-
-    @property
-    def batch_size(self) -> int:
-        return self._spec.batch_size
 
     async def try_admit(self, n: int) -> bool:
         """See :meth:`StalenessGate.try_admit`."""

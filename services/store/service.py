@@ -39,18 +39,25 @@ import nats.js.errors
 import numpy as np
 import pyarrow.parquet as pq
 from prometheus_client import Counter, Gauge
+from trajmesh.services.store.archive import ArchiveWriter
+from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
+from trajmesh.services.store.repo import Membership, StoreRepo
+from trajmesh.services.store.state import (
+    ACCEPTED_BEFORE_CRASH,
+    NOT_RETURNED,
+    Final,
+    Group,
+    StoreState,
+    filter_reason,
+)
 
 from trajmesh import bus as busmod
 from trajmesh import security
-from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.bus import Bus, Consumer
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
-from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
-from trajmesh.services.store.repo import Membership, StoreRepo
-from trajmesh.services.store.state import ACCEPTED_BEFORE_CRASH, NOT_RETURNED, Final, Group, StoreState, filter_reason
 from trajmesh.tasks import TaskSampler
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
@@ -199,8 +206,7 @@ class TrajectoryStore(Service):
         assert cfg.infra.nats_url and cfg.infra.redis_url, "store needs infra.nats_url and infra.redis_url"
         assert cfg.model.path, "store needs model.path (for the tokenizer's vocabulary)"
         r = security.redis_client(cfg)
-        gate = AsyncStalenessGate(r, key_prefix=keys.gate_prefix, eta=cfg.effective_eta,
-                                  batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
+        gate = AsyncStalenessGate.from_config(r, cfg)
         repo = StoreRepo(r, keys, gate)
         bus = await security.connect_bus(cfg, "store", name=self.worker_id)
         intake = await bus.pull_subscribe(

@@ -311,11 +311,9 @@ def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
     """After the learner stopped: wait until no admitted trajectory is still in flight
     (the gate's `running` is 0), so every admission has reached the store. Returns what is left."""
     from trajmesh.gate import StalenessGate
-    from trajmesh.keys import RedisKeys
 
     r = security.redis_sync_client(cfg)
-    gate = StalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
-                         batch_size=cfg.batch_trajectories)
+    gate = StalenessGate.from_config(r, cfg)
     deadline = time.monotonic() + timeout_s
     running = gate.counters().running
     while running > 0 and time.monotonic() < deadline:

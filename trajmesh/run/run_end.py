@@ -23,7 +23,6 @@ import time
 
 from trajmesh import security
 from trajmesh.gate import StalenessGate
-from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Mesh
 
 log = logging.getLogger("trajmesh.run.run_end")
@@ -36,8 +35,7 @@ def running(mesh: Mesh) -> int:
     """The gate's `running`: admitted trajectories whose group has not come back."""
     r = security.redis_sync_client(mesh.cfg)
     try:
-        return StalenessGate(r, key_prefix=RedisKeys(mesh.cfg.infra.namespace).gate_prefix,
-                             eta=mesh.cfg.effective_eta, batch_size=mesh.cfg.batch_trajectories).counters().running
+        return StalenessGate.from_config(r, mesh.cfg).counters().running
     finally:
         r.close()
 
