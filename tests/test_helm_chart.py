@@ -21,6 +21,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,9 @@ def test_expected_custom_resources_per_case() -> None:
     assert kinds["gpu-cluster"].count("ServiceMonitor") == 5 and "PodMonitor" in kinds["gpu-cluster"]
     assert kinds["autoscaling-on"].count("ScaledObject") == 3
     assert kinds["external-nats-redis"].count("ScaledObject") == 1
+    assert kinds["vllm"] == ["PodMonitor"]
+    pm = next(o for o in _objects("vllm") if o["kind"] == "PodMonitor")
+    assert pm["metadata"]["name"].endswith("-vllm") and pm["spec"]["podMetricsEndpoints"][0]["port"] == "vllm"
 
 
 def test_service_monitors_need_the_api() -> None:
@@ -225,7 +229,10 @@ def test_service_monitors_need_the_api() -> None:
         ({"grader": {"image": {"tag": "latest"}}}, "/grader/image/tag"),
         ({"keda": {"enabled": "yes"}}, "/keda/enabled"),
         ({"model": {"source": "s3://bucket/model"}}, "/model/source"),
-        ({"rollout": {"engine": "vllm"}}, "/rollout/engine"),
+        ({"rollout": {"engine": "trtllm"}}, "/rollout/engine"),
+        ({"rollout": {"vllm": {"gpuMemoryUtilization": 1.5}}}, "/rollout/vllm/gpuMemoryUtilization"),
+        ({"rollout": {"vllm": {"maxModelLen": "8k"}}}, "/rollout/vllm/maxModelLen"),
+        ({"rollout": {"vllm": {"chunkedPrefill": True}}}, "chunkedPrefill"),
         ({"nats": {"auth": {"enabled": "yes"}}}, "/nats/auth/enabled"),
         ({"nats": {"auth": {"existingSecret": 7}}}, "/nats/auth/existingSecret"),
         ({"nats": {"auth": {"passwords": {"rollout": "1234567890abcdefgh"}}}}, "/nats/auth/passwords/rollout"),
@@ -319,6 +326,9 @@ def test_probes_on_named_metrics_port(case: str) -> None:
             assert "--enable-metrics" in sglang["args"]
             startup = sglang["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # weight loading
+        if comp == "rollout" and "vllm" in [c["name"] for c in pod["containers"]]:
+            vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
+            assert vllm["command"] == ["vllm", "serve"]
 
 
 def _run_config(case: str) -> dict[str, Any]:
@@ -404,6 +414,9 @@ def test_gpu_check_launches_sglang_with_the_learners_dtype(monkeypatch: pytest.M
             return 1
 
     monkeypatch.setattr(sglang_check.subprocess, "Popen", Exited)
+    real_find_spec = sglang_check.importlib.util.find_spec  # SGLang is not installed here: say it is
+    monkeypatch.setattr(sglang_check.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "sglang" else real_find_spec(name, *a))
     log = str(tmp_path / "sglang.log")
     assert sglang_check.main(["--model", "/m", "--log", log]) == 2
     assert sglang_check.main(["--model", "/m", "--log", log, "--precision", "fp32"]) == 2
@@ -412,9 +425,173 @@ def test_gpu_check_launches_sglang_with_the_learners_dtype(monkeypatch: pytest.M
         sglang_check.main(["--model", "/m", "--log", log, "--sglang-arg=--dtype=half"])
 
 
+# ---------------------------------------------------------------- vLLM as the rollout engine
+def _rollout_pod(values: dict[str, Any]) -> dict[str, Any]:
+    objs = _objects_of(values)
+    dep = next(o for o in objs if o["kind"] == "Deployment" and _component(o) == "rollout")
+    return dep["spec"]["template"]["spec"]
+
+
+def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == name)
+
+
+def _flags(argv: list[str]) -> dict[str, str | None]:
+    """``--flag=value``, ``--flag value`` and bare ``--flag`` -> {flag: value or None}."""
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        assert arg.startswith("--"), argv
+        if "=" in arg:
+            flag, value = arg.split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            flag, value = arg, argv[i + 1]
+            i += 1
+        else:
+            flag, value = arg, None
+        assert flag not in out, (flag, argv)
+        out[flag] = value
+        i += 1
+    return out
+
+
+VLLM_VALUES = yaml.safe_load((CHART / "values.yaml").read_text())["rollout"]["vllm"]
+
+
+def test_vllm_sidecar_starts_with_the_plugins_flags() -> None:
+    """The chart's vLLM container runs the flags rollout/vllm_engine.py starts its own servers with
+    (server_command, the same max-num-batched-tokens and max-model-len), on the pod's address, in the
+    learner's dtype, with the GPU sizing added; the env turns the RL endpoints on."""
+    from trajmesh.rollout.vllm_engine import WORKER_EXTENSION, VLLMEngineConfig, server_command, server_env
+
+    values = _values("vllm")
+    pod = _rollout_pod(values)
+    vllm = _container(pod, "vllm")
+    chart = _flags(vllm["args"])
+    vv = _merged(VLLM_VALUES, values["rollout"]["vllm"])
+    cfg = VLLMEngineConfig(max_num_batched_tokens=vv["maxNumBatchedTokens"], max_model_len=vv["maxModelLen"])
+    plugin = _flags(server_command(cfg, "/m", 1, python=Path("python"))[3:])
+    pod_own = {"--model", "--host", "--port", "--dtype"}  # where the pod's values differ from a local child's
+    assert {k: v for k, v in chart.items() if k in plugin and k not in pod_own} == \
+        {k: v for k, v in plugin.items() if k not in pod_own}
+    assert chart["--worker-extension-cls"] == WORKER_EXTENSION
+    assert chart["--model"] == _run_config("vllm")["model"]["path"]
+    assert chart["--host"] == "0.0.0.0"  # kubelet probes and Prometheus reach the pod IP
+    assert chart["--port"] == str(vllm["ports"][0]["containerPort"]) and vllm["ports"][0]["name"] == "vllm"
+    assert chart["--dtype"] == "bfloat16"  # learner.precision auto on a GPU learner
+    gpu_only = set(chart) - set(plugin)
+    assert gpu_only == {"--tensor-parallel-size", "--gpu-memory-utilization", *(_flags(vv["extraArgs"]))}, gpu_only
+    env = {e["name"]: e["value"] for e in vllm["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == server_env(cfg)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["PYTHONPATH"] == "/opt/trajmesh/vllm-extension"
+    mounts = {m["name"]: m for m in vllm["volumeMounts"]}
+    assert mounts["vllm-extension"]["mountPath"] == env["PYTHONPATH"] and mounts["vllm-extension"]["readOnly"]
+    agent_mounts = {m["name"]: m["mountPath"] for m in _container(pod, "rollout")["volumeMounts"]}
+    for name in ("shared", "model"):  # published weights and the base model at the agent's paths
+        assert mounts[name]["mountPath"] == agent_mounts[name], name
+    assert env["HOME"] == mounts["vllm-home"]["mountPath"]  # writable caches for uid 10001
+    init = _container(pod, "vllm-extension")
+    assert init["image"] == _container(pod, "rollout")["image"]  # the agent's own trajmesh version
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]} == {"vllm-extension": env["PYTHONPATH"]}
+    assert [i["name"] for i in pod["initContainers"]] == ["fetch-model", "vllm-extension"]
+    assert "sglang" not in [c["name"] for c in pod["containers"]]
+
+
+def test_vllm_probes_ask_health_and_the_agent_waits_as_long() -> None:
+    """vLLM's /health asks whether the engine core is alive and never generates (a paused server
+    stays ready); the agent's engine wait equals vLLM's startup allowance and the agent's own
+    startup probe covers it; the run config points the `vllm` plug-in at the container's port."""
+    pod = _rollout_pod(_values("vllm"))
+    vllm, agent = _container(pod, "vllm"), _container(pod, "rollout")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert vllm[probe]["httpGet"] == {"path": "/health", "port": "vllm"}, probe
+    assert vllm["readinessProbe"]["timeoutSeconds"] >= 10 and vllm["livenessProbe"]["timeoutSeconds"] >= 10
+    assert _allowance_s(vllm["livenessProbe"]) >= 300
+    engine = _run_config("vllm")["rollout"]["engine"]
+    assert engine["type"] == "vllm"
+    assert engine["url"] == f"http://127.0.0.1:{vllm['ports'][0]['containerPort']}"
+    assert engine["startup_timeout_s"] == _allowance_s(vllm["startupProbe"]) >= 600
+    assert _allowance_s(agent["startupProbe"]) >= engine["startup_timeout_s"]
+
+
+def test_vllm_dtype_follows_learner_precision() -> None:
+    fp32 = _merged(_values("vllm"), {"trajmesh": {"config": {"learner": {"precision": "fp32"}}}})
+    assert _flags(_container(_rollout_pod(fp32), "vllm")["args"])["--dtype"] == "float32"
+
+
+@pytest.mark.parametrize("flag", ["--dtype=half", "--enable-chunked-prefill", "--port=9000",
+                                  "--worker-extension-cls=x.Y", "--max-model-len=4096"])
+def test_vllm_extra_args_cannot_override_the_plugins_flags(flag: str) -> None:
+    with pytest.raises(Exception, match="rollout.vllm.extraArgs"):  # noqa: B017 - the SDK wraps Helm's error
+        _objects_of(_merged(_values("vllm"), {"rollout": {"vllm": {"extraArgs": [flag]}}}))
+
+
+def test_vllm_batched_tokens_must_cover_the_model_length() -> None:
+    """Chunked prefill off: vLLM refuses to start when a step's token budget is below the model length
+    (SchedulerConfig.verify_max_model_len); the chart refuses to render it."""
+    too_small = {"rollout": {"vllm": {"maxModelLen": 8192, "maxNumBatchedTokens": 4096}}}
+    with pytest.raises(Exception, match="maxNumBatchedTokens"):  # noqa: B017 - the SDK wraps Helm's error
+        _objects_of(_merged(_values("vllm"), too_small))
+    equal = {"rollout": {"vllm": {"maxModelLen": 8192, "maxNumBatchedTokens": 8192}}}
+    assert _flags(_container(_rollout_pod(_merged(_values("vllm"), equal)), "vllm")["args"])["--max-model-len"] == "8192"
+
+
+_VLLM_POD_CHECK = """
+import json, sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.import_utils import resolve_obj_by_qualname
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+validate_parsed_serve_args(args)
+engine = AsyncEngineArgs.from_cli_args(args)
+ext = resolve_obj_by_qualname(engine.worker_extension_cls)
+print(json.dumps({"scale_out": args.enable_scale_out, "chunked": engine.enable_chunked_prefill,
+                  "batched": engine.max_num_batched_tokens, "max_model_len": engine.max_model_len,
+                  "logprobs_mode": str(engine.logprobs_mode), "ext_file": sys.modules[ext.__module__].__file__,
+                  "retie": callable(getattr(ext, "retie_lm_head", None))}))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_vllm_pod_wiring_runs(tmp_path: Path) -> None:
+    """The vLLM pod's wiring, run here (no GPU, no cluster): the init container's script copies the
+    worker extension out of the installed trajmesh package into the shared directory; with the
+    container's PYTHONPATH pointing there, vLLM's own `vllm serve` parser and validation accept the
+    container's args, and the --worker-extension-cls resolves to that copy."""
+    from vllm_server import require_vllm
+
+    python = require_vllm()
+    pod = _rollout_pod(_values("vllm"))
+    init, vllm = _container(pod, "vllm-extension"), _container(pod, "vllm")
+    target = tmp_path / "vllm-extension"
+    target.mkdir()
+    init_env = {**os.environ, **{e["name"]: e["value"] for e in init["env"]}, "TARGET": str(target)}
+    assert init["command"][0] == "python"  # the trajmesh image's interpreter; here this test's
+    subprocess.run([sys.executable, *init["command"][1:], *init["args"]], env=init_env, check=True, timeout=60)
+    copied = target / "vllm_worker.py"
+    assert copied.read_bytes() == (ROOT / "rollout" / "vllm_worker.py").read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(target), "VLLM_SERVER_DEV_MODE": "1"}
+    done = subprocess.run([str(python), "-c", _VLLM_POD_CHECK, json.dumps(vllm["args"])], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["scale_out"] is True and seen["chunked"] is False and seen["retie"] is True, seen
+    assert (seen["batched"], seen["max_model_len"]) == (8192, 4096), seen
+    assert seen["logprobs_mode"].endswith("processed_logprobs"), seen
+    assert Path(seen["ext_file"]).resolve() == copied.resolve(), seen
+
+
 def _model_readers() -> set[str]:
     """Services whose code reads model.path (tokenizer or weights), found in their source."""
-    return {p.stem for p in (ROOT / "services").glob("*.py") if re.search(r"cfg\.model\.path", p.read_text())}
+    found = set()
+    for p in (ROOT / "services").rglob("*.py"):  # services/NAME.py, or a package services/NAME/
+        if re.search(r"cfg\.model\.path", p.read_text()):
+            rel = p.relative_to(ROOT / "services")
+            found.add(rel.parts[0] if len(rel.parts) > 1 else p.stem)
+    return found
 
 
 def _model_source(case: str) -> str:
@@ -437,7 +614,7 @@ def test_every_workload_that_reads_the_model_mounts_it(case: str) -> None:
         for c in pod["containers"]:
             cmd = c.get("command", [])
             service = cmd[2] if cmd[:2] == ["python", "/etc/trajmesh/entrypoint.py"] else None
-            if service not in readers and c["name"] != "sglang":
+            if service not in readers and c["name"] not in {"sglang", "vllm"}:
                 continue
             checked += 1
             if not model_path.startswith("/models/"):
@@ -614,8 +791,11 @@ def test_rendered_run_config_loads() -> None:
         assert cfg.rollout.engine.type == engine
         if engine == "sglang":
             assert cfg.rollout.engine.url == "http://127.0.0.1:30000"
+        if engine == "vllm":  # the vLLM container's port (vLLM's default) in the same pod
+            assert cfg.rollout.engine.url == "http://127.0.0.1:8000"
+            assert cfg.rollout.engine.send_seed  # the chart's server runs without chunked prefill
         assert cfg.infra.store_address.startswith(f"{RELEASE}-store.{NAMESPACE}.svc:")
-        if engine == "sglang":  # sized for real models, not the CPU demo's defaults
+        if engine in {"sglang", "vllm"}:  # sized for real models, not the CPU demo's defaults
             assert cfg.tasks.sampling.max_new_tokens >= 256
         assert "password" not in cm["data"]["config.yaml"]
 
@@ -1189,7 +1369,8 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
 
     from trajmesh.config import RunConfig
     from trajmesh.infra import nats_server_binary, redis_server_binary
-    from trajmesh.run.launcher import accounting, drain
+    from trajmesh.run.launcher import accounting
+    from trajmesh.run.run_end import drain
     from trajmesh.run.train import read_metrics
 
     values = _merged(_values("cpu-only"), {
