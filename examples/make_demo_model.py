@@ -26,11 +26,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=DemoModelConfig().sft_steps, help="SFT steps")
     args = parser.parse_args()
     stats = prepare_demo_model(args.out_dir, args.seed, DemoModelConfig(sft_steps=args.steps))
-    model, tokenizer = load_model(stats["model_dir"])
+    model, _ = load_model(stats["model_dir"])
     _, heldout = chain_sum.make_split(1, 256, **stats["knobs"])
     start = time.perf_counter()
-    greedy = evaluate(model, tokenizer, heldout, temperature=0.0, seed=1)
-    sampled = evaluate(model, tokenizer, heldout, temperature=1.0, samples=8, seed=2)
+    greedy = evaluate(model, stats["model_dir"], heldout, temperature=0.0, seed=1)
+    sampled = evaluate(model, stats["model_dir"], heldout, temperature=1.0, samples=8, seed=2)
     report = {
         "params": stats["params"],
         "dims": stats["dims"],

@@ -34,8 +34,8 @@ from typing import Any
 import grpc
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
-from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids
 from trajmesh.rollout.engine_client import CoalescingEngine, EngineError
+from trajmesh.rollout.episode import EpisodeFormat
 from trajmesh.rollout.generation import (
     ENGINE_FAILURES,
     EngineFailed,
@@ -51,7 +51,6 @@ from trajmesh import plugins, security
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
 from trajmesh.service import Service, supervise
-from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
 log = logging.getLogger("trajmesh.rollout")
@@ -130,14 +129,11 @@ class RolloutService(Service):
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.model.path
         bus = self.bus = await security.connect_bus(cfg, "rollout", name=self.worker_id)
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        # The model's own chat format when it has a template (None: BOS + raw observation text),
-        # and every id that ends a turn (EOS ids of the tokenizer and generation config, end of turn).
-        self.chat = ChatFormat.load(cfg.model.path)
-        self.stop_ids = model_stop_ids(cfg.model.path, self.tokenizer.eos_token_id)
-        turn_end_id = self.tokenizer.tokenizer.token_to_id(self.chat.turn_end()) if self.chat is not None else None
-        if turn_end_id is not None:
-            self.stop_ids.add(int(turn_end_id))
+        # The episode token layout (rollout/episode.py, shared with held-out evaluation): the model's
+        # own chat format when it has a template (else BOS + raw observation text), and every id
+        # that ends a turn (EOS ids of the tokenizer and generation config, end of turn).
+        self.format = EpisodeFormat.load(cfg.model.path)
+        self.tokenizer, self.chat, self.stop_ids = self.format.tokenizer, self.format.chat, self.format.stop_ids
         # The engine starts from the base model (always present) as version 0; a late joiner then
         # loads the newest announced weights in weights_loop before it samples any task admitted
         # at that version (_wait_for_version).
@@ -430,9 +426,7 @@ class RolloutService(Service):
                 traj.pb.state_hashes.append(step.state_hash)
                 if step.done:
                     closed = True
-                    reason = trajectory_pb2.EOS if ids and ids[-1] in self.stop_ids else trajectory_pb2.ENV_DONE
-                    if info.get("terminal_reason") in trajectory_pb2.TerminalReason.keys():
-                        reason = trajectory_pb2.TerminalReason.Value(info["terminal_reason"])
+                    reason = trajectory_pb2.TerminalReason.Value(self.format.end_reason(ids, info))
                     break
                 obs = self._observation_ids(step.observation, kind, ids)
                 traj.append_observation(obs, turn_index=turn)
@@ -466,23 +460,13 @@ class RolloutService(Service):
         return bool(v_T.size) and self.version - int(v_T.min()) > self.cfg.effective_eta
 
     def _prompt_ids(self, observation: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The first context: the chat template's user turn + generation prompt (with the task's tool
-        schemas for a template that renders them), or BOS + text."""
-        if self.chat is not None:
-            return self.tokenizer.encode(self.chat.prompt(observation, tools=tools))
-        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
-        return bos + self.tokenizer.encode(observation)
+        """The first context (`EpisodeFormat.prompt_ids`)."""
+        return self.format.prompt_ids(observation, tools)
 
     def _observation_ids(self, text: str, kind: int, ids: list[int]) -> list[int]:
-        """An observation's tokens (loss mask 0): through the chat template as a tool message after a
-        tool call or code, a user message otherwise, up to the next generation prompt; raw text
-        without a template. The generated tokens before it stay as the engine produced them."""
-        if self.chat is None:
-            return self.tokenizer.encode(text)
-        role = "tool" if kind in (trajectory_pb2.TOOL_CALL, trajectory_pb2.CODE) else "user"
-        end = self.tokenizer.tokenizer.token_to_id(self.chat.turn_end())
-        closed = bool(ids) and end is not None and ids[-1] == end
-        return self.tokenizer.encode(self.chat.observation(text, role, turn_closed=closed))
+        """An observation's tokens after the turn `ids` the environment saw as action `kind`
+        (`EpisodeFormat.observation_ids`)."""
+        return self.format.observation_ids(text, trajectory_pb2.ActionType.Name(kind), ids)
 
     async def _reset(
         self, task: trajectory_pb2.Task, tid: str, seed: int

@@ -16,6 +16,7 @@ from trajmesh.envs.reasoning_gym import ReasoningGymSource
 from trajmesh.envs.search import SearchSource
 from trajmesh.envs.workplace import WorkplaceSource
 from trajmesh.learner.evaluate import evaluate_tasks, pass_at_k, pass_at_ks
+from trajmesh.rollout.episode import EpisodeFormat
 from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
 
 from trajmesh.tasks import load_split
@@ -65,7 +66,8 @@ def _held(src: Any, n: int) -> list[dict[str, Any]]:
 def _run(codec: TextTokenizer, tasks: list[dict[str, Any]], respond: Respond, *, max_turns: int = 1,
          max_new_tokens: int = 300, samples: int = 1) -> tuple[dict[str, Any], ScriptedPolicy]:
     policy = ScriptedPolicy(codec, respond)
-    res = evaluate_tasks(policy, codec, tasks, temperature=1.0, samples=samples, max_new_tokens=max_new_tokens,
+    fmt = EpisodeFormat(codec, None, {codec.eos_token_id})  # the char model: no chat template
+    res = evaluate_tasks(policy, fmt, tasks, temperature=1.0, samples=samples, max_new_tokens=max_new_tokens,
                          max_turns=max_turns, seed=0)
     return res, policy
 

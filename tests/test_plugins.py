@@ -150,6 +150,7 @@ class _CharCodec:
 
 def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plugins.SourcePlugin) -> None:
     from trajmesh.learner.evaluate import evaluate_tasks
+    from trajmesh.rollout.episode import EpisodeFormat
     from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
 
     from trajmesh.run.train import heldout_tasks
@@ -170,7 +171,7 @@ def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plug
                 out.append(Sampled(ids, [-1.0] * len(ids), {"type": "stop", "matched": 0}))
             return out
 
-    res = evaluate_tasks(SumPolicy(), codec, tasks, temperature=1.0, samples=1, max_new_tokens=16, max_turns=1)
+    res = evaluate_tasks(SumPolicy(), EpisodeFormat(codec, None, {0}), tasks, temperature=1.0, samples=1, max_new_tokens=16, max_turns=1)
     assert res["accuracy"] == pytest.approx(0.5)
     assert res["grader_revisions"] == {"toy": TOY_GRADER_REVISION}
     assert res["environment_revisions"] == {"toy_env": TOY_ENV_REVISION}

@@ -83,17 +83,20 @@ def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -
             "sources": sources}
 
 
-def _evaluate_source(model: Any, codec: Any, tasks: list[dict[str, Any]], cfg: RunConfig, samples: int,
+def _evaluate_source(model: Any, fmt: Any, tasks: list[dict[str, Any]], cfg: RunConfig, samples: int,
                      noise_seeds: int) -> dict[str, Any]:
-    """Greedy and sampled figures of one source (plus `noise_seeds` one-sample sampled accuracies)."""
-    from trajmesh.learner.evaluate import ModelPolicy, evaluate_tasks
+    """Greedy and sampled figures of one source (plus `noise_seeds` one-sample sampled accuracies);
+    `fmt`: the rollout's `EpisodeFormat` of the run's model."""
+    from trajmesh.learner.evaluate import evaluate_tasks
+    from trajmesh.rollout.episode import ModelPolicy
 
     max_new_tokens, max_turns = eval_budgets(cfg)
+    tok = fmt.tokenizer
 
     def run(temperature: float, n: int, seed: int) -> dict[str, Any]:
-        policy = ModelPolicy(model, pad_id=codec.pad_token_id if codec.pad_token_id is not None else codec.eos_token_id,
-                             eos_id=codec.eos_token_id, seed=seed)
-        return evaluate_tasks(policy, codec, tasks, temperature=temperature, top_p=cfg.eval.top_p, samples=n,
+        policy = ModelPolicy(model, pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                             eos_id=tok.eos_token_id, seed=seed)
+        return evaluate_tasks(policy, fmt, tasks, temperature=temperature, top_p=cfg.eval.top_p, samples=n,
                               max_new_tokens=max_new_tokens, max_turns=max_turns, seed=seed)
 
     greedy = run(0.0, 1, cfg.seed)
@@ -134,14 +137,16 @@ def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: Run
     import torch
 
     from trajmesh.learner.models import load_model
-    from trajmesh.tokenizer import load_tokenizer
+    from trajmesh.rollout.episode import EpisodeFormat
 
     torch.manual_seed(cfg.seed)
     model, _ = load_model(model_dir)
     if torch.cuda.is_available():  # a GPU run evaluates on the GPU, in bf16 like the rollout engine
         model = model.to("cuda", dtype=torch.bfloat16)
-    codec = load_tokenizer(model_dir)
-    per = {name: _evaluate_source(model, codec, tasks, cfg, samples, noise_seeds) for name, tasks in held.items()}
+    # The rollout's episode layout, from the run's model dir as the rollout loads it (a weights
+    # dir holds the tokenizer but not always the chat template or generation config).
+    fmt = EpisodeFormat.load(cfg.model.path or model_dir)
+    per = {name: _evaluate_source(model, fmt, tasks, cfg, samples, noise_seeds) for name, tasks in held.items()}
     out: dict[str, Any] = {"heldout": per}
     for key in ("greedy_accuracy", "sampled_accuracy", *(k for k in next(iter(per.values())) if "pass_at" in k)):
         out[key] = _pooled(per, key)
