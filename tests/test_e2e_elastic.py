@@ -27,7 +27,8 @@ from mesh_checks import check_archive, write_manifest
 
 from trajmesh import security
 from trajmesh.config import RunConfig, load_config
-from trajmesh.run.launcher import accounting, drain, start_mesh
+from trajmesh.run.launcher import accounting, start_mesh
+from trajmesh.run.run_end import drain
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -17,7 +17,8 @@ import pytest
 
 from trajmesh import security
 from trajmesh.config import load_config
-from trajmesh.run.launcher import Proc, drain, start_mesh
+from trajmesh.run.launcher import Proc, start_mesh
+from trajmesh.run.run_end import drain
 from trajmesh.run.train import _write_manifest, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -139,7 +139,8 @@ def test_probe_of_a_model_scoring_its_own_samples_is_near_zero(tiny_model_dir: s
 @pytest.mark.timeout(300)
 def test_an_impossible_ess_bound_stops_the_learner_cleanly_after_one_step(tmp_path: Path, tiny_model_dir: str) -> None:
     from trajmesh.run.inspect import inspect_run
-    from trajmesh.run.launcher import drain, start_mesh
+    from trajmesh.run.launcher import start_mesh
+    from trajmesh.run.run_end import drain
     from trajmesh.run.train import _write_manifest, read_metrics
 
     cfg = load_config(None, {

@@ -307,24 +307,6 @@ def _store_manifest_id(cfg: RunConfig) -> None:
     r.close()
 
 
-def drain(cfg: RunConfig, timeout_s: float = 60.0) -> int:
-    """After the learner stopped: wait until no admitted trajectory is still in flight
-    (the gate's `running` is 0), so every admission has reached the store. Returns what is left."""
-    from trajmesh.gate import StalenessGate
-
-    r = security.redis_sync_client(cfg)
-    gate = StalenessGate.from_config(r, cfg)
-    deadline = time.monotonic() + timeout_s
-    running = gate.counters().running
-    while running > 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        running = gate.counters().running
-    r.close()
-    if running:
-        log.warning("%d trajectories still in flight after %.0fs of draining", running, timeout_s)
-    return running
-
-
 def accounting(cfg: RunConfig) -> dict[str, Any]:
     """Admitted trajectories (Redis) against final outcomes in the archive."""
     from trajmesh.keys import RedisKeys

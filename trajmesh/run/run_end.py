@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 from trajmesh import security
+from trajmesh.config import RunConfig
 from trajmesh.gate import StalenessGate
 from trajmesh.run.launcher import Mesh
 
@@ -31,27 +33,35 @@ STORE_STOP_S = 120.0
 """How long the store may take to stop (its finalization reads the archive once)."""
 
 
-def running(mesh: Mesh) -> int:
+def running(cfg: RunConfig) -> int:
     """The gate's `running`: admitted trajectories whose group has not come back."""
-    r = security.redis_sync_client(mesh.cfg)
+    r = security.redis_sync_client(cfg)
     try:
-        return StalenessGate.from_config(r, mesh.cfg).counters().running
+        return StalenessGate.from_config(r, cfg).counters().running
     finally:
         r.close()
 
 
-def drain_supervised(mesh: Mesh, timeout_s: float = 60.0) -> int:
-    """Wait until nothing admitted is in flight, restarting dead services (as during the run).
-    Returns what is still in flight after `timeout_s` (those end as `in_flight_at_stop`)."""
+def drain(cfg: RunConfig, timeout_s: float = 60.0, *, between: Callable[[], object] | None = None) -> int:
+    """After the learner stopped: wait until nothing admitted is in flight (the gate's `running`
+    is 0), so every admission has reached the store, calling `between` between looks (the local
+    launcher restarts dead services there, as during the run). Returns what is still in flight
+    after `timeout_s` (those end as `in_flight_at_stop`)."""
     deadline = time.monotonic() + timeout_s
-    left = running(mesh)
+    left = running(cfg)
     while left > 0 and time.monotonic() < deadline:
-        mesh.restart_dead()
+        if between is not None:
+            between()
         time.sleep(0.3)
-        left = running(mesh)
+        left = running(cfg)
     if left:
         log.warning("%d trajectories still in flight after %.0fs of draining", left, timeout_s)
     return left
+
+
+def drain_supervised(mesh: Mesh, timeout_s: float = 60.0) -> int:
+    """`drain`, restarting the mesh's dead services while it waits."""
+    return drain(mesh.cfg, timeout_s, between=mesh.restart_dead)
 
 
 def end_run(mesh: Mesh, *, drain_s: float = 60.0, store_attempts: int = 3) -> int:
