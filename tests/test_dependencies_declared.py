@@ -15,8 +15,9 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["trajmesh", "learner", "rollout", "envs", "graders", "services", "tests", "bench"]
-# Modules of this repository that are imported by their own name (test helpers, bench scripts).
-LOCAL = {"trajmesh", "mesh_checks", "chatml_model", "tiny_llama", "conftest", "sglang_fixture_server", "test_dashboards", "bench"}
+# Modules of this repository that are imported by their own name: the package, the bench scripts and
+# every helper module beside the tests (tests/*.py; pytest puts tests/ on sys.path).
+LOCAL = {"trajmesh", "bench"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
 # Installed only in the GPU image (extra [gpu]) and imported lazily there.
 OPTIONAL_RUNTIME = {"sglang"}
 
