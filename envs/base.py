@@ -162,12 +162,12 @@ class SingleToolEnv:
         h = state_hash(self.prompt, *self.actions)
         native = parse_native(action)
         if native is not None:
-            value = single_string_argument(native, h, self.tool, self.argument)
-            return value if isinstance(value, StepResult) else self._budgeted(value, h, native=True)
-        value = first_tag(action, self.tool_tag)
-        if value is None:
+            argument = single_string_argument(native, h, self.tool, self.argument)
+            return argument if isinstance(argument, StepResult) else self._budgeted(argument, h, native=True)
+        tagged = first_tag(action, self.tool_tag)
+        if tagged is None:
             return StepResult("", True, h, info={"action_type": "TEXT"})
-        return self._budgeted(value, h, native=False)
+        return self._budgeted(tagged, h, native=False)
 
     def _budgeted(self, argument: str, h: str, *, native: bool) -> StepResult:
         if self.calls >= int(self.cfg[self.budget_key]):
