@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -194,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(info, indent=1, default=str) if args.json else format_report(info))
             return 0
         if args.command == "serve":
+            # No library progress bars in a service's log (transformers' "Loading weights" at every
+            # weight load, tqdm); set before those libraries load, inherited by the engine it starts.
+            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+            os.environ.setdefault("TQDM_DISABLE", "1")
             from trajmesh.service import run_service
 
             run_service(_build_service(args.service, args))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -223,6 +224,59 @@ def _progress(cfg: RunConfig, steps: list[dict[str, Any]], evals: list[dict[str,
     return t
 
 
+PROGRESS_EVERY_S = 30.0
+"""Seconds between plain progress lines when stdout is not a terminal (``TRAJMESH_PROGRESS_EVERY_S``
+overrides it); a terminal gets the live table instead."""
+
+
+def progress_every_s() -> float:
+    return float(os.environ.get("TRAJMESH_PROGRESS_EVERY_S", PROGRESS_EVERY_S))
+
+
+def progress_line(steps: list[dict[str, Any]], evals: list[dict[str, Any]], started: float) -> str:
+    """One plain line of the live table's figures, for a log (CI, ``make demo > log``, a pod):
+    ``progress step=12 version=12 reward=0.412 heldout=chain_sum:0.40/0.33 lag=1 ess=0.950 traj/s=3.2
+    elapsed=120s`` (held-out per source greedy/sampled, ``-`` until known)."""
+    last = steps[-1] if steps else {}
+    ev = evals[-1] if evals else {}
+    heldout = ",".join(f"{name}:{r['greedy_accuracy']:.2f}/{r['sampled_accuracy']:.2f}"
+                       for name, r in ev.get("heldout", {}).items())
+    elapsed = time.monotonic() - started
+    trained = sum(s.get("trajectories_trained", 0) for s in steps)
+    ess = last.get("trajmesh_learner_effective_sample_size_ratio")
+    reward = last.get("reward_mean")
+    return (f"progress step={last.get('step', '-')} version={last.get('version', '-')} "
+            f"reward={'-' if reward is None else f'{reward:.3f}'} heldout={heldout or '-'} "
+            f"lag={last.get('max_token_lag', '-')} ess={'-' if ess is None else f'{ess:.3f}'} "
+            f"traj/s={trained / max(elapsed, 1e-9):.1f} elapsed={elapsed:.0f}s")
+
+
+class _Progress:
+    """The live table on a terminal; otherwise one `progress_line` every `every_s` seconds on stdout
+    (a rich Live on a pipe would print nothing until the run ends)."""
+
+    def __init__(self, cfg: RunConfig, started: float, every_s: float) -> None:
+        self.cfg, self.started, self.every_s = cfg, started, every_s
+        self.live = Live(console=console, refresh_per_second=1, transient=False) if console.is_terminal else None
+        self.last_line = -math.inf
+
+    def __enter__(self) -> _Progress:
+        if self.live is not None:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def update(self, steps: list[dict[str, Any]], evals: list[dict[str, Any]], *, final: bool = False) -> None:
+        if self.live is not None:
+            self.live.update(_progress(self.cfg, steps, evals, self.started))
+        elif final or time.monotonic() - self.last_line >= self.every_s:
+            print(progress_line(steps, evals, self.started), flush=True)
+            self.last_line = time.monotonic()
+
+
 def latest_weights_dir(run_dir: Path) -> Path | None:
     dirs = sorted((run_dir / "weights").glob("v*"))
     return dirs[-1] if dirs else None
@@ -317,7 +371,9 @@ def _watch(mesh: Mesh, held: dict[str, list[dict[str, Any]]], tracker: HeldoutTr
     last_eval = time.monotonic()
     last_eval_version = -1
     stopping = False
-    with Live(console=console, refresh_per_second=1, transient=False) as live:
+    steps: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    with _Progress(cfg, started, progress_every_s()) as progress:
         while True:
             # A dead service is restarted (as Kubernetes would); a failed learner resumes from its
             # checkpoint and replays the batches since. Learner exit 0 means the run is done.
@@ -325,6 +381,7 @@ def _watch(mesh: Mesh, held: dict[str, list[dict[str, Any]]], tracker: HeldoutTr
                 if p.name == "learner":
                     learner = p
             if learner.popen.poll() == 0:
+                progress.update(steps, evals, final=True)
                 break
             records = read_metrics(run_dir)
             steps = [r for r in records if r.get("kind") == "learner_step"]
@@ -342,7 +399,7 @@ def _watch(mesh: Mesh, held: dict[str, list[dict[str, Any]]], tracker: HeldoutTr
                         stopping = True
                     last_eval_version = version
                 last_eval = time.monotonic()
-            live.update(_progress(cfg, steps, evals, started))
+            progress.update(steps, evals)
             time.sleep(1.0)
 
 
