@@ -537,6 +537,33 @@ def test_vllm_batched_tokens_must_cover_the_model_length() -> None:
     assert _flags(_container(_rollout_pod(_merged(_values("vllm"), equal)), "vllm")["args"])["--max-model-len"] == "8192"
 
 
+def test_vllm_needs_a_model_on_a_volume() -> None:
+    """A model baked into the trajmesh image is not in the vLLM image: the render says so."""
+    with pytest.raises(Exception, match="vLLM image does not hold"):  # noqa: B017 - the SDK wraps Helm's error
+        _objects_of(_merged(_values("vllm"), {"model": {"source": "/opt/models/tiny-llama"}}))
+    pvc = _rollout_pod(_merged(_values("vllm"), {"model": {"source": "pvc://models/qwen"}}))
+    assert _flags(_container(pvc, "vllm")["args"])["--model"] == "/models/pvc/qwen"
+    assert {"name": "model", "mountPath": "/models/pvc", "readOnly": True} in _container(pvc, "vllm")["volumeMounts"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_doctor_counts_the_gpus_the_render_asks_for(case: str) -> None:
+    """`trajmesh doctor` sizes the cluster from the values alone: its {component: (GPUs per pod,
+    pods)} equals what the rendered Deployments and StatefulSets request (SGLang or vLLM rollout)."""
+    from trajmesh.run import doctor
+
+    files = [] if case == "default" else [CHART / "ci" / f"{case}-values.yaml"]
+    rendered: dict[str, tuple[int, int]] = {}
+    for obj in _objects(case):
+        pod = _pod_spec(obj)
+        if pod is None or obj["kind"] not in {"Deployment", "StatefulSet"}:
+            continue
+        gpus = sum(int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0)) for c in pod["containers"])
+        if gpus:
+            rendered[_component(obj)] = (gpus, int(obj["spec"].get("replicas", 1)))
+    assert doctor.gpu_requests(doctor.load_values(files, {}, chart=CHART)) == rendered
+
+
 _VLLM_POD_CHECK = """
 import json, sys
 from vllm.engine.arg_utils import AsyncEngineArgs

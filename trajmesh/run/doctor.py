@@ -122,11 +122,12 @@ def gpu_requests(values: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """{component: (GPUs per pod, pods)} for the components the values give GPUs."""
     out: dict[str, tuple[int, int]] = {}
     ro = values.get("rollout", {})
-    if ro.get("enabled", True) and ro.get("engine") == "sglang" and int(ro.get("sglang", {}).get("gpus", 0)) > 0:
+    engine = ro.get("engine")  # sglang and vllm run a GPU server beside each rollout agent
+    if ro.get("enabled", True) and engine in {"sglang", "vllm"} and int(ro.get(engine, {}).get("gpus", 0)) > 0:
         auto = ro.get("autoscaling", {})
         pods = int(auto.get("minReplicas", 1)) if auto.get("enabled") and values.get("keda", {}).get("enabled") \
             else int(ro.get("replicaCount", 1))
-        out["rollout"] = (int(ro["sglang"]["gpus"]), pods)
+        out["rollout"] = (int(ro[engine]["gpus"]), pods)
     le = values.get("learner", {})
     if le.get("enabled", True) and int(le.get("gpus", 0)) > 0:
         out["learner"] = (int(le["gpus"]), int(le.get("replicaCount", 1)))
