@@ -13,7 +13,7 @@ requests are batched, and a request resumed after an abort (prompt + partial out
 exactly as the uninterrupted one would have. Rows without a seed share the engine's generator.
 
 Log-probs: ``log_softmax(logits / T)[token]`` over the full vocabulary (greedy: T = 1), the same
-convention as ``sample_batch`` below (held-out evaluation's loop, learner/evaluate.py) and the learner's ``token_logprobs`` at temperature T.
+convention as ``sample_batch`` below (held-out evaluation's sampler, ``ModelPolicy`` in rollout/episode.py) and the learner's ``token_logprobs`` at temperature T.
 """
 
 from __future__ import annotations
