@@ -28,11 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trajmesh.infra import free_port
 from trajmesh.learner.models import build_char_tokenizer, build_tiny_model, encode_prompt
 from trajmesh.rollout.engine_client import EngineClient
 from trajmesh.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, start_server, stop_server
-
-from trajmesh.infra import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["12+7-3=", "34-5+6=", "1+2+3+4=", "9-8+7=", "50-25=", "3+3-1=", "18+2=", "7+8-9="]

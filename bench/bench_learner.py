@@ -60,9 +60,8 @@ def _llama(vocab: int, hidden: int, layers: int) -> torch.nn.Module:
 
 
 def _batch(n: int, lengths: list[int], vocab: int, prompt: int = 4):  # type: ignore[no-untyped-def]
-    from trajmesh.learner import step
-
     from trajmesh.contract import Trajectory
+    from trajmesh.learner import step
 
     g = torch.Generator().manual_seed(n)
     trajs = []

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+
 from trajmesh.learner.advantages import expand_to_tokens, grpo_advantages
 from trajmesh.learner.metrics import entropy_from_logits, step_metrics
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field
-from trajmesh.envs.external_agent import ExternalAgentEnv
 
 from trajmesh.config import SourceConfig
+from trajmesh.envs.external_agent import ExternalAgentEnv
 from trajmesh.plugins import SourcePlugin
 
 

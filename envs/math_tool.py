@@ -23,15 +23,15 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from pydantic import Field
+
+from trajmesh import sandbox
+from trajmesh.config import ToolSourceConfig
 from trajmesh.envs.base import (
     SingleToolEnv,
     StepResult,
     function_schemas,
     native_instruction,
 )
-
-from trajmesh import sandbox
-from trajmesh.config import ToolSourceConfig
 from trajmesh.plugins import SourcePlugin
 
 

@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import reasoning_gym
 from pydantic import Field
-from trajmesh.envs.base import SingleAnswerEnv
 
 from trajmesh.config import SourceConfig
+from trajmesh.envs.base import SingleAnswerEnv
 from trajmesh.plugins import SourcePlugin
 
 

@@ -20,14 +20,14 @@ from collections import Counter
 from typing import Any, Literal
 
 from pydantic import Field
+
+from trajmesh.config import ToolSourceConfig
 from trajmesh.envs.base import (
     SingleToolEnv,
     StepResult,
     function_schemas,
     native_instruction,
 )
-
-from trajmesh.config import ToolSourceConfig
 from trajmesh.plugins import SourcePlugin
 
 

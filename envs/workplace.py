@@ -25,9 +25,9 @@ import sqlite3
 from typing import Any, Literal
 
 from pydantic import Field
-from trajmesh.envs.base import StepResult, first_tag, function_schemas, native_instruction, parse_native
 
 from trajmesh.config import ToolSourceConfig
+from trajmesh.envs.base import StepResult, first_tag, function_schemas, native_instruction, parse_native
 from trajmesh.plugins import SourcePlugin
 
 

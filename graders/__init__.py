@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajmesh.graders.base import Grade, Grader, Sample
-
 from trajmesh import plugins
+from trajmesh.graders.base import Grade, Grader, Sample
 
 
 def grader_kind(task: dict[str, Any]) -> str:

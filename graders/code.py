@@ -33,9 +33,8 @@ import re
 import secrets
 from typing import Any
 
-from trajmesh.graders.base import Grade, Sample
-
 from trajmesh import sandbox
+from trajmesh.graders.base import Grade, Sample
 
 HARNESS = r"""
 import ast, builtins, ctypes, os, select, sys, time  # no json/re: every import costs each call

@@ -13,7 +13,6 @@ from typing import Any
 
 from trajmesh.envs.base import last_tag
 from trajmesh.graders.base import Grade, Sample
-
 from trajmesh.tool_calls import parse_tool_calls
 
 RENAME = {"x": "u", "y": "v", "z": "w", "n": "m", "a": "p", "b": "q"}

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from trajmesh.learner.step import build_batch, token_logprobs
 
 from trajmesh.contract import Trajectory
+from trajmesh.learner.step import build_batch, token_logprobs
 
 MAX_ABS = "trajmesh_learner_engine_consistency_max_abs_logprob_diff"
 MEAN_ABS = "trajmesh_learner_engine_consistency_mean_abs_logprob_diff"

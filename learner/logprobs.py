@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
 from trajmesh.learner.microbatch import max_over_ranks
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "PolicyLogprobs", "chunked_token_stats", "naive_token_stats", "policy_of"]

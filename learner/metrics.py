@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-from trajmesh.learner.objective import ObjectiveConfig
 
 from trajmesh.contract import SAMPLED_ACTION_TYPES, ActionType
+from trajmesh.learner.objective import ObjectiveConfig
 
 __all__ = [
     "ENTROPY_ACTION_TYPES",

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from trajmesh.rollout.hf_model import load_causal_lm
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -29,6 +28,7 @@ from transformers import (
 )
 
 from trajmesh.config import DemoModelConfig
+from trajmesh.rollout.hf_model import load_causal_lm
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from trajmesh.contract import Trajectory
 from trajmesh.learner import advantages as adv
 from trajmesh.learner.logprobs import DEFAULT_CHUNK_TOKENS, PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import step_metrics, trust_region_metrics
@@ -25,8 +27,6 @@ from trajmesh.learner.microbatch import (
     sum_tensor_over_ranks,
 )
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
-
-from trajmesh.contract import Trajectory
 from trajmesh.v1 import trajectory_pb2
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from trajmesh.rollout.hf_model import dtype_kwarg
 
 __all__ = ["SAFETENSORS_NAME", "export_policy", "sha256_file"]

@@ -44,10 +44,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from trajmesh.rollout.agent_session import AgentSession, Call, PromptPlan
 from trajmesh.rollout.chat_format import ChatFormat
 from trajmesh.rollout.generation import EngineFailed, PauseClock, Turn, TurnSampler
-
 from trajmesh.tokenizer import TextTokenizer
 from trajmesh.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 

@@ -15,10 +15,10 @@ import time
 from typing import Any, Protocol
 
 from prometheus_client import Counter
-from trajmesh.rollout.agent_runner import AgentRunner
 
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
+from trajmesh.rollout.agent_runner import AgentRunner
 from trajmesh.v1 import trajectory_pb2
 
 

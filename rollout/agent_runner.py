@@ -76,9 +76,8 @@ def hosted_environment(task: trajectory_pb2.Task) -> HostedEnvironment | None:
     name = meta.get("agent_environment")
     if not name:
         return None
-    from trajmesh.rollout.agent_session import HostedEnvironment
-
     from trajmesh import plugins  # the registry imports this module's source entry
+    from trajmesh.rollout.agent_session import HostedEnvironment
 
     env = plugins.environment_class(str(name))()
     _, state = env.reset({"prompt": task.prompt, "answer": task.answer, "metadata": meta}, int(task.seed))

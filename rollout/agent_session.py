@@ -35,9 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trajmesh.rollout.chat_format import ChatFormat
-
 from trajmesh.contract import Trajectory
+from trajmesh.rollout.chat_format import ChatFormat
 from trajmesh.tokenizer import TextTokenizer
 from trajmesh.v1 import trajectory_pb2
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+
 from trajmesh.rollout.hf_model import load_causal_lm
 from trajmesh.rollout.torch_sampler import RequestSampling, Sampled, decode_batch
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field
-from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient
-from trajmesh.rollout.synthetic_engine import SyntheticEngine, SyntheticEngineConfig
 
 from trajmesh.config import EngineConfig
+from trajmesh.rollout.engine_client import CoalescingEngine, EngineClient
+from trajmesh.rollout.synthetic_engine import SyntheticEngine, SyntheticEngineConfig
 
 
 class HttpEngineConfig(EngineConfig):

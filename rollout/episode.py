@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids
-
 from trajmesh.tokenizer import TextTokenizer, load_tokenizer
 from trajmesh.v1 import trajectory_pb2
 

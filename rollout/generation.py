@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
-from trajmesh.rollout.engine_client import EngineCapabilities, EngineError, GenerateResult, token_versions
-from trajmesh.rollout.engines import HttpEngineConfig
 
 from trajmesh.config import EngineConfig
+from trajmesh.rollout.engine_client import EngineCapabilities, EngineError, GenerateResult, token_versions
+from trajmesh.rollout.engines import HttpEngineConfig
 
 TOKENS = Counter("trajmesh_rollout_generated_tokens_total", "Tokens sampled by the engine")
 INTERRUPTIONS = Counter("trajmesh_rollout_interrupted_requests_total", "Generations resumed after an abort")

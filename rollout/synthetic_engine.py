@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 from prometheus_client import Counter
 from pydantic import Field
-from trajmesh.rollout.engine_client import GenerateResult
 
 from trajmesh.config import EngineConfig, StrictModel
+from trajmesh.rollout.engine_client import GenerateResult
 
 
 class SyntheticTiming(StrictModel):

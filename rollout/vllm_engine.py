@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 import aiohttp
 from pydantic import Field
+
 from trajmesh.rollout.engine_client import EngineError, GenerateResult
 from trajmesh.rollout.engines import HttpEngineConfig
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
-from trajmesh.envs.base import Environment, StepResult, make_environment
 
 from trajmesh import plugins, sandbox, security
+from trajmesh.envs.base import Environment, StepResult, make_environment
 from trajmesh.service import Service
 from trajmesh.v1 import services_pb2, services_pb2_grpc
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 from redis.asyncio import Redis
-from trajmesh.graders import Grader, Sample, grader_kind, make_grader
 
 from trajmesh import bus as busmod
 from trajmesh import plugins, sandbox, security, tasks
 from trajmesh.contract import ContractError, Trajectory
+from trajmesh.graders import Grader, Sample, grader_kind, make_grader
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
 from trajmesh.tokenizer import load_tokenizer

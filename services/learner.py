@@ -31,6 +31,11 @@ from typing import Any
 import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
+
+from trajmesh import security
+from trajmesh.contract import Trajectory
+from trajmesh.gate import AsyncStalenessGate
+from trajmesh.keys import RedisKeys
 from trajmesh.learner import consistency
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
@@ -42,11 +47,6 @@ from trajmesh.learner.step import StepPlan, advantages_BT, build_batch, split_st
 from trajmesh.learner.train_engine import TrainEngine, build_train_engine, wants_deterministic
 from trajmesh.learner.weights import export_policy, sha256_file
 from trajmesh.rollout.hf_model import load_causal_lm
-
-from trajmesh import security
-from trajmesh.contract import Trajectory
-from trajmesh.gate import AsyncStalenessGate
-from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
 from trajmesh.stopgates import (
     GATES,

@@ -34,6 +34,11 @@ from typing import Any
 import grpc
 import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
+
+from trajmesh import bus as busmod
+from trajmesh import plugins, security
+from trajmesh.contract import Trajectory
+from trajmesh.infra import free_port
 from trajmesh.rollout.engine_client import CoalescingEngine, EngineError
 from trajmesh.rollout.episode import EpisodeFormat
 from trajmesh.rollout.generation import (
@@ -45,11 +50,6 @@ from trajmesh.rollout.generation import (
     sampling_seed,
 )
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
-
-from trajmesh import bus as busmod
-from trajmesh import plugins, security
-from trajmesh.contract import Trajectory
-from trajmesh.infra import free_port
 from trajmesh.service import Service, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 

@@ -86,9 +86,8 @@ def _build_tiny_model(root: object) -> str:
     """A tiny Llama with the demo tokenizer and a short SFT warm start (seconds on CPU)."""
     from pathlib import Path
 
-    from trajmesh.learner.models import prepare_demo_model
-
     from trajmesh.config import DemoModelConfig
+    from trajmesh.learner.models import prepare_demo_model
 
     out = Path(str(root))
     prepare_demo_model(out, seed=0, demo=DemoModelConfig(hidden_size=32, layers=1, heads=2, sft_steps=40, sft_batch_size=32,

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh import security
-from trajmesh.services.store.archive import read_archive
 from trajmesh.config import RunConfig
 from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
+from trajmesh.services.store.archive import read_archive
 
 FINAL_OUTCOMES = ("trained", "filtered", "quarantined", "failed_infra", "in_flight_at_stop")
 """Every admitted trajectory ends as exactly one of these."""

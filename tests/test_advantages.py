@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from trajmesh.learner.advantages import (
     discounted_returns,
     dr_grpo_advantages,

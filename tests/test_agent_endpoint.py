@@ -32,13 +32,13 @@ anthropic = pytest.importorskip("anthropic")
 uvicorn = pytest.importorskip("uvicorn")
 
 from chatml_model import build_chatml_model  # noqa: E402
+
+from trajmesh.infra import free_port  # noqa: E402
 from trajmesh.rollout.agent_endpoint import AgentEndpoint, create_app  # noqa: E402
 from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids  # noqa: E402
 from trajmesh.rollout.engine_client import EngineClient  # noqa: E402
 from trajmesh.rollout.engines import TorchEngineConfig  # noqa: E402
 from trajmesh.rollout.generation import PauseClock, TurnSampler  # noqa: E402
-
-from trajmesh.infra import free_port  # noqa: E402
 from trajmesh.tokenizer import load_tokenizer  # noqa: E402
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
 
@@ -490,6 +490,7 @@ def test_timed_out_agent_is_killed_and_never_rewarded(h: Harness, tmp_path: Path
 
 def test_http_agent(h: Harness) -> None:
     from aiohttp import web
+
     from trajmesh.rollout.agent_runner import AgentRunner
 
     answered: list[str] = []
@@ -569,12 +570,11 @@ def test_the_agents_returned_answer_is_graded_not_the_models_last_turn(h: Harnes
     """The agent runs the example tool loop (the model's last turn: "The answer is 5.") and returns
     another string; the grader service's view of the trajectory carries that string and the
     external_agent grader scores it with the task source's scorer (chain_sum: exact answer)."""
+    from trajmesh.contract import Trajectory
     from trajmesh.graders.external_agent import ExternalAgentGrader
     from trajmesh.graders.reasoning_gym import ReasoningGymGrader
     from trajmesh.rollout.agent_runner import AgentRunner
     from trajmesh.services.grader import GraderService
-
-    from trajmesh.contract import Trajectory
 
     (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
     runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path), EXAMPLES])
@@ -713,13 +713,12 @@ def test_workplace_task_is_graded_by_the_hosted_environments_final_state(h: Harn
     import urllib.error
     import urllib.request
 
+    from trajmesh.config import load_config
+    from trajmesh.contract import Trajectory
     from trajmesh.envs.workplace import WorkplaceEnv
     from trajmesh.graders.external_agent import ExternalAgentGrader
     from trajmesh.rollout.agent_runner import AgentRunner
     from trajmesh.services.grader import GraderService
-
-    from trajmesh.config import load_config
-    from trajmesh.contract import Trajectory
     from trajmesh.tasks import load_split
 
     cfg = load_config(None, {"tasks.sources": [{"type": "external_agent", "agent": "unused:act",

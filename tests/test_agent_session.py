@@ -13,7 +13,6 @@ pytest.importorskip("tokenizers")
 
 from trajmesh.rollout.agent_session import AgentSession  # noqa: E402
 from trajmesh.rollout.chat_format import ChatFormat  # noqa: E402
-
 from trajmesh.tokenizer import load_tokenizer  # noqa: E402
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
 
@@ -145,10 +144,9 @@ def test_plain_completions_continue_by_text(tools: tuple[Any, ChatFormat]) -> No
 
 
 def test_external_agent_grader_scores_the_returned_answer_and_never_a_timeout() -> None:
+    from trajmesh.config import load_config
     from trajmesh.graders import make_grader
     from trajmesh.graders.base import Sample
-
-    from trajmesh.config import load_config
     from trajmesh.tasks import load_split
 
     cfg = load_config(None, {"tasks.sources": [{"type": "external_agent", "agent": "m:f", "family": "gcd"}]})

@@ -10,10 +10,10 @@ import random
 from pathlib import Path
 
 import pytest
-from trajmesh.rollout.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, SyntheticTiming
 
 from trajmesh.config import SimulatedStepCost, load_config
 from trajmesh.contract import Trajectory
+from trajmesh.rollout.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, SyntheticTiming
 from trajmesh.v1 import trajectory_pb2
 
 EOS = 0
@@ -105,6 +105,7 @@ def test_the_learner_sleeps_the_modelled_step_instead_of_training(tmp_path: Path
     step reports a·(sampled tokens of the non-stale trajectories) + b seconds, the weights do not
     change, and the version still advances by one; a stale trajectory's tokens do not count."""
     import torch
+
     from trajmesh.services.learner import LearnerService
 
     a, b = 1e-4, 0.01

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import pytest
+
 from trajmesh.rollout.chat_format import ChatFormat
 
 transformers_templates = pytest.importorskip("transformers.utils.chat_template_utils")

@@ -7,9 +7,9 @@ Test values are odd enough that a program cannot guess them; it has to read them
 from __future__ import annotations
 
 import pytest
-from trajmesh.graders import Sample, make_grader
 
 from trajmesh import sandbox
+from trajmesh.graders import Sample, make_grader
 
 pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox unavailable on this kernel"),
               pytest.mark.timeout(120)]

@@ -65,12 +65,13 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_metric_names() -> set[str]:
     """Every sample name the services can export (by metric type), plus the learner's step gauges."""
+    from prometheus_client import REGISTRY
+
     import trajmesh.services.environment  # noqa: F401
     import trajmesh.services.grader  # noqa: F401
     import trajmesh.services.learner  # noqa: F401
     import trajmesh.services.rollout  # noqa: F401
     import trajmesh.services.store.service  # noqa: F401
-    from prometheus_client import REGISTRY
     from trajmesh.learner.metrics import STEP_METRIC_NAMES
 
     names: set[str] = set(STEP_METRIC_NAMES)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trajmesh.run import launcher
 from trajmesh.config import load_config
+from trajmesh.run import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 

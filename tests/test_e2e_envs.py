@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 from mesh_checks import write_manifest
-from trajmesh.services.store.archive import read_archive
 
 from trajmesh.config import load_config
 from trajmesh.run.launcher import start_mesh
 from trajmesh.run.train import read_metrics
+from trajmesh.services.store.archive import read_archive
 from trajmesh.tasks import load_split
 from trajmesh.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 
@@ -53,6 +53,7 @@ TOOL_NAMES = {"math_tool": {"python"}, "workplace": {"find_employee", "list_task
 @pytest.fixture(scope="module")
 def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from chatml_model import build_chatml_model
+
     from trajmesh.learner.models import sft
     from trajmesh.rollout.chat_format import ChatFormat
 

@@ -20,8 +20,8 @@ from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, wr
 from trajmesh.config import RunConfig, load_config
 from trajmesh.run.launcher import accounting, start_mesh
 from trajmesh.run.run_end import end_run
-from trajmesh.tasks import load_split
 from trajmesh.run.train import read_metrics
+from trajmesh.tasks import load_split
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 pytest.importorskip("openai")

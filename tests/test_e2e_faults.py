@@ -49,8 +49,8 @@ from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Mesh, accounting, start_mesh
 from trajmesh.run.run_end import drain_supervised, end_run
-from trajmesh.security import redis_sync_client
 from trajmesh.run.train import read_metrics
+from trajmesh.security import redis_sync_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -363,9 +363,8 @@ def _thaw(pids: list[int]) -> None:
 
 def _assert_replay_is_bitwise(cfg: RunConfig) -> None:
     """An uninterrupted learner fed the run's batches in order ends with the run's final weights."""
-    from trajmesh.services.learner import LearnerService
-
     from trajmesh.contract import Trajectory
+    from trajmesh.services.learner import LearnerService
     from trajmesh.v1 import services_pb2
 
     torch.set_num_threads(1)  # the services run with one thread: same reduction order

@@ -22,13 +22,13 @@ from mesh_checks import FINAL_OUTCOMES, check_gate_reconciles, check_no_stale, w
 
 from trajmesh import bus as busmod
 from trajmesh import security
-from trajmesh.services.store.archive import read_archive
 from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import accounting, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.run.train import read_metrics
+from trajmesh.services.store.archive import read_archive
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from mesh_checks import pids_of, signal_pending
+
 from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

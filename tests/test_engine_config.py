@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trajmesh.rollout.engines import HttpEngineConfig, SGLangEngineConfig, TorchEngineConfig
-from trajmesh.rollout.synthetic_engine import SyntheticEngineConfig
 
 from trajmesh import plugins
 from trajmesh.config import ConfigError, EngineConfig, dump_config, load_config
+from trajmesh.rollout.engines import HttpEngineConfig, SGLangEngineConfig, TorchEngineConfig
+from trajmesh.rollout.synthetic_engine import SyntheticEngineConfig
 
 
 def _load_error(**engine: object) -> str:

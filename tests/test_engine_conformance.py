@@ -28,6 +28,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from chatml_model import build_chatml_model  # noqa: E402
+from vllm_server import VLLMServer, start_all  # noqa: E402
+
 from trajmesh.learner.models import (  # noqa: E402
     build_char_tokenizer,
     build_tiny_model,
@@ -45,8 +47,6 @@ from trajmesh.rollout.engines import TorchEngineConfig  # noqa: E402
 from trajmesh.rollout.generation import PauseClock, TurnSampler  # noqa: E402
 from trajmesh.rollout.hf_model import dtype_kwarg  # noqa: E402
 from trajmesh.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from vllm_server import VLLMServer, start_all  # noqa: E402
-
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
 
 SGLANG_URL = os.environ.get("TRAJMESH_SGLANG_URL")

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tiny_llama import tiny_llama  # noqa: E402
+
 from trajmesh.learner.weights import export_policy  # noqa: E402
 from trajmesh.rollout.engine_server import load_served_model, stored_dtype  # noqa: E402
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from trajmesh.learner import step
-from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES, entropy_by_action_type
-from trajmesh.learner.objective import ObjectiveConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
+from trajmesh.learner import step
+from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES, entropy_by_action_type
+from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.v1 import trajectory_pb2
 
 PROMPT, TEXT, TOOL_CALL, CODE, OBSERVATION = (
@@ -118,9 +118,9 @@ def test_a_learner_step_sets_the_gauges_and_returns_the_metrics_jsonl_record(tmp
     """LearnerService._train_step (as the offline replay drives it): the step's metrics, which run()
     writes to metrics.jsonl, carry each action type's entropy, and the gauges show the same values."""
     from prometheus_client import REGISTRY
-    from trajmesh.services.learner import LearnerService
 
     from trajmesh.config import load_config
+    from trajmesh.services.learner import LearnerService
 
     torch.manual_seed(0)
     LlamaForCausalLM(_model_config()).save_pretrained(str(tmp_path / "model"))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+
+from trajmesh import sandbox
 from trajmesh.envs.math_tool import MathToolEnv
 from trajmesh.envs.math_tool import make_tasks as math_tasks
 from trajmesh.envs.search import BM25, SearchEnv
 from trajmesh.envs.search import make_tasks as search_tasks
 from trajmesh.graders import Sample, make_grader
-
-from trajmesh import sandbox
 
 
 def test_bm25_ranks_the_matching_passage_first() -> None:

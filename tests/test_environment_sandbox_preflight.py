@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 from mesh_checks import setup_then_stop
-from trajmesh.services.environment import EnvironmentService
 
 from trajmesh import sandbox
 from trajmesh.config import load_config
+from trajmesh.services.environment import EnvironmentService
 
 
 def _setup(overrides: dict) -> EnvironmentService:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from trajmesh.envs.workplace import make_tasks as workplace_tasks
-from trajmesh.services.environment import EnvironmentService
 
 from trajmesh.config import load_config
+from trajmesh.envs.workplace import make_tasks as workplace_tasks
+from trajmesh.services.environment import EnvironmentService
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
 

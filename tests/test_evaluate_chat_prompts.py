@@ -23,14 +23,14 @@ import pytest
 pytest.importorskip("transformers")
 
 from chatml_model import build_chatml_model  # noqa: E402
+
+from trajmesh.config import RunConfig, load_config  # noqa: E402
 from trajmesh.learner.evaluate import evaluate_tasks  # noqa: E402
 from trajmesh.rollout.episode import EpisodeFormat  # noqa: E402
 from trajmesh.rollout.torch_sampler import Sampled, SamplingParams  # noqa: E402
+from trajmesh.run import train as train_mod  # noqa: E402
 from trajmesh.services.environment import EnvironmentService  # noqa: E402
 from trajmesh.services.rollout import RolloutService  # noqa: E402
-
-from trajmesh.config import RunConfig, load_config  # noqa: E402
-from trajmesh.run import train as train_mod  # noqa: E402
 from trajmesh.v1 import services_pb2_grpc, trajectory_pb2  # noqa: E402
 
 TEXTS = ["What is 2+3? Answer with a number.", "Search with <search>q</search>; reply <answer>x</answer>.",

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from trajmesh.run import train as train_mod
 from trajmesh.config import load_config
+from trajmesh.run import train as train_mod
 from trajmesh.v1 import services_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

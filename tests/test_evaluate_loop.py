@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from trajmesh.envs.math_tool import MathToolSource
 from trajmesh.envs.reasoning_gym import ReasoningGymSource
 from trajmesh.envs.search import SearchSource
@@ -18,7 +19,6 @@ from trajmesh.envs.workplace import WorkplaceSource
 from trajmesh.learner.evaluate import evaluate_tasks, pass_at_k, pass_at_ks
 from trajmesh.rollout.episode import EpisodeFormat
 from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
-
 from trajmesh.tasks import load_split
 from trajmesh.tokenizer import TextTokenizer, load_tokenizer
 

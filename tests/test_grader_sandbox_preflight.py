@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from mesh_checks import setup_then_stop
-from trajmesh.services.grader import GraderService, sandboxed_sources
 
 from trajmesh import sandbox, tasks
 from trajmesh.config import load_config
 from trajmesh.infra import NatsServer, RedisServer
+from trajmesh.services.grader import GraderService, sandboxed_sources
 
 
 def _code_graded_math(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.run.cli import main
 from trajmesh.run.inspect import format_report, inspect_run
 from trajmesh.run.manifest import build_manifest
+from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.stopgates import GateBreach, stop_record, write_stop_reason
 
 

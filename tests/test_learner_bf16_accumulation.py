@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 import torch
 from torch import nn
+
 from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")

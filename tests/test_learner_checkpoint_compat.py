@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_llama import tiny_llama
+
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed

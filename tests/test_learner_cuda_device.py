@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+
 from trajmesh.learner.microbatch import (
     collective_device,
     local_cuda_device,

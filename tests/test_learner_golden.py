@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trajmesh.contract import Trajectory
 from trajmesh.learner import step
 from trajmesh.learner.logprobs import PolicyLogprobs
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.train_engine import build_train_engine
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from trajmesh.contract import Trajectory
 
 GOLDEN = Path(__file__).parent / "golden" / "learner_loss.json"
 REGENERATE = "TRAJMESH_REGENERATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_learner_golden.py"

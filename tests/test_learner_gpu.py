@@ -18,13 +18,13 @@ pytestmark = [
 
 
 def test_two_bf16_zero3_steps_on_cuda() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trajmesh.contract import Trajectory
     from trajmesh.learner import consistency, step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
     from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from trajmesh.contract import Trajectory
 
     created = ensure_distributed("nccl")
     try:

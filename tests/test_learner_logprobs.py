@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trajmesh.learner.logprobs import PolicyLogprobs, chunked_token_stats, naive_token_stats
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from trajmesh.learner.logprobs import PolicyLogprobs, chunked_token_stats, naive_token_stats
 
 
 def _model(hidden: int = 32) -> LlamaForCausalLM:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_llama import tiny_llama
+from transformers import LlamaForCausalLM
+
+from trajmesh.contract import Trajectory
 from trajmesh.learner import step
 from trajmesh.learner.microbatch import balanced_split, global_counts, pack_micro_batches
 from trajmesh.learner.objective import ObjectiveConfig, decoupled_ppo_loss
 from trajmesh.learner.train_engine import build_train_engine
-from transformers import LlamaForCausalLM
-
-from trajmesh.contract import Trajectory
 
 
 def _model() -> LlamaForCausalLM:

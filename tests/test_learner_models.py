@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from trajmesh.contract import Trajectory
 from trajmesh.learner import step
 from trajmesh.learner.logprobs import PolicyLogprobs
 from trajmesh.learner.models import (
@@ -25,9 +28,6 @@ from trajmesh.learner.models import (
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.train_engine import build_train_engine
 from trajmesh.rollout.hf_model import dtype_kwarg, load_causal_lm
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-from trajmesh.contract import Trajectory
 
 EXTRA_EOS = 5  # an end-of-turn id only generation_config.json names
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_llama import tiny_llama
-from trajmesh.learner import step
-from trajmesh.learner.objective import ObjectiveConfig
-from trajmesh.learner.train_engine import build_train_engine
 from transformers import LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
+from trajmesh.learner import step
+from trajmesh.learner.objective import ObjectiveConfig
+from trajmesh.learner.train_engine import build_train_engine
 
 
 def _model() -> LlamaForCausalLM:

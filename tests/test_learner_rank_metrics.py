@@ -25,12 +25,12 @@ import pytest
 def _worker(out_dir: str) -> None:
     import torch
     from tiny_llama import tiny_llama
+
+    from trajmesh.contract import Trajectory
     from trajmesh.learner import step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
     from trajmesh.learner.train_engine import build_train_engine, ensure_distributed
-
-    from trajmesh.contract import Trajectory
 
     torch.set_num_threads(1)
     ensure_distributed("gloo")

@@ -40,9 +40,8 @@ HANG_S = {"fast": 300, "full": 900}  # a rank still running after this long is h
 
 
 def _batch() -> Any:
-    from trajmesh.learner import step
-
     from trajmesh.contract import Trajectory
+    from trajmesh.learner import step
 
     trajs = []
     for i in range(10):
@@ -61,6 +60,7 @@ def _train(engine_type: str, stage: int, batch: Any, adv_BT: Any, chunk_tokens: 
     """3 learner steps from tiny_llama(0) over the ranks of `group` (None: all); (engine, per step the
     loss of each update)."""
     from tiny_llama import tiny_llama
+
     from trajmesh.learner import step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
@@ -85,6 +85,7 @@ def _micro_batched_update() -> dict[str, float]:
     so the all-reduced gradients sit on the parameters) vs one forward over the whole batch."""
     import torch
     from tiny_llama import tiny_llama
+
     from trajmesh.learner import step
     from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
     from trajmesh.learner.microbatch import balanced_split, pack_micro_batches, sum_over_ranks
@@ -123,6 +124,7 @@ def _worker(out_dir: str, mode: str) -> None:
     import faulthandler
 
     import torch
+
     from trajmesh.learner import step
     from trajmesh.learner.logprobs import policy_of
     from trajmesh.learner.train_engine import ensure_distributed
@@ -147,6 +149,7 @@ def _worker(out_dir: str, mode: str) -> None:
         for stage in STAGES:
             if stage == 3:  # export of the initial weights: every rank gathers, rank 0 writes
                 from tiny_llama import tiny_llama
+
                 from trajmesh.learner.logprobs import PolicyLogprobs
                 from trajmesh.learner.train_engine import build_train_engine
 
@@ -220,6 +223,7 @@ def test_two_ranks_train_the_same_weights_as_one_and_export_the_same_bytes(tmp_p
     import torch
     from safetensors.torch import load_file
     from tiny_llama import tiny_llama
+
     from trajmesh.learner.weights import export_policy
 
     (one,) = _run(1, tmp_path / "one", "full")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trajmesh.learner import step
-from trajmesh.learner.objective import ObjectiveConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
+from trajmesh.learner import step
+from trajmesh.learner.objective import ObjectiveConfig
 
 
 def _model(**config: float) -> LlamaForCausalLM:

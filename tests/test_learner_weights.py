@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_llama import tiny_llama
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed
 from trajmesh.learner.weights import export_policy
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 

@@ -19,8 +19,8 @@ import pytest
 from trajmesh import bus as busmod
 from trajmesh.config import load_config
 from trajmesh.run.launcher import Mesh, start_mesh
-from trajmesh.security import connect_bus
 from trajmesh.run.train import _write_manifest
+from trajmesh.security import connect_bus
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(4 * 3600)]
 

@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from trajmesh.run.manifest import build_manifest, canonical_json, code_commit, compute_manifest_id, config_sha256
+from trajmesh.run.manifest import (
+    build_manifest,
+    canonical_json,
+    code_commit,
+    compute_manifest_id,
+    config_sha256,
+)
 
 
 def _build_settings(**overrides: Any) -> dict[str, Any]:

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from trajmesh.contract import Trajectory
 from trajmesh.learner.metrics import (
     ENTROPY_BY_ACTION_TYPE_NAMES,
     STEP_METRIC_NAMES,
@@ -21,8 +23,6 @@ from trajmesh.learner.metrics import (
 )
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
 from trajmesh.learner.step import build_batch
-
-from trajmesh.contract import Trajectory
 from trajmesh.v1 import trajectory_pb2
 
 F64 = torch.float64

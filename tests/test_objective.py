@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss, ppo_clip_loss
 
 F64 = torch.float64

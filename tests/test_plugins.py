@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
-from trajmesh.envs.base import SingleAnswerEnv
-from trajmesh.graders import Grade, Sample
 
 from trajmesh import plugins
 from trajmesh.config import ConfigError, SourceConfig, load_config
+from trajmesh.envs.base import SingleAnswerEnv
+from trajmesh.graders import Grade, Sample
 
 TOY_ENV_REVISION = "toy-env-v7"
 TOY_GRADER_REVISION = "toy-grader-v3"
@@ -124,7 +124,6 @@ def test_manifest_records_the_toy_sources_revisions(toy: plugins.SourcePlugin, t
 def test_manifest_records_the_graders_that_run_not_reasoning_gym(tmp_path: Path) -> None:
     from trajmesh.graders.math import MathGrader
     from trajmesh.graders.search import SearchGrader
-
     from trajmesh.run.train import _write_manifest, heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "math_tool"}, {"type": "search"}],
@@ -152,7 +151,6 @@ def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plug
     from trajmesh.learner.evaluate import evaluate_tasks
     from trajmesh.rollout.episode import EpisodeFormat
     from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
-
     from trajmesh.run.train import heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "toy"}], "tasks.heldout_size": 4})
@@ -252,7 +250,6 @@ def test_manifest_records_the_external_engine_release_by_engine_type() -> None:
 def test_manifest_records_the_grader_an_external_agent_run_delegates_to(tmp_path: Path) -> None:
     from trajmesh.graders.external_agent import ExternalAgentGrader
     from trajmesh.graders.reasoning_gym import ReasoningGymGrader
-
     from trajmesh.run.train import _write_manifest, heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "external_agent", "agent": "my_agent:solve"}],
@@ -304,7 +301,6 @@ def test_the_rollout_runs_a_sources_setup_hook_and_episode_runner_from_the_regis
     import asyncio
 
     from trajmesh.services.rollout import RolloutService
-
     from trajmesh.v1 import trajectory_pb2
 
     plugins.register_source(plugins.SourcePlugin(

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from trajmesh.config import load_config
 from trajmesh.envs.math_tool import MathToolEnv
 from trajmesh.envs.workplace import WorkplaceEnv
 from trajmesh.envs.workplace import make_tasks as workplace_tasks
-from trajmesh.services.environment import EnvironmentService
-
-from trajmesh.config import load_config
 from trajmesh.run.manifest import build_manifest, framework_versions, tree_is_dirty, truncation_policy
+from trajmesh.services.environment import EnvironmentService
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
 

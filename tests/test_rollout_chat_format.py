@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from chatml_model import build_chatml_model  # noqa: E402
-from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids  # noqa: E402
 
+from trajmesh.rollout.chat_format import ChatFormat, model_stop_ids  # noqa: E402
 from trajmesh.tokenizer import load_tokenizer  # noqa: E402
 
 TEXTS = ["What is 2+3? Answer with a number.", "<code>print(1)</code>", "<search>town</search>"] * 40

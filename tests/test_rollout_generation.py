@@ -13,11 +13,11 @@ import asyncio
 from typing import Any
 
 import pytest
+
 from trajmesh.rollout.engine_client import EngineError, GenerateResult, parse_weight_version, token_versions
 from trajmesh.rollout.engines import TorchEngineConfig
 from trajmesh.rollout.generation import EngineFailed, NewestOnly, PauseClock, TurnSampler, sampling_seed
 from trajmesh.rollout.synthetic_engine import SyntheticEngineConfig
-
 from trajmesh.v1 import trajectory_pb2
 
 EOS = 2

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from mesh_checks import write_manifest
 
-from trajmesh.services.store.archive import read_archive
 from trajmesh.config import load_config
 from trajmesh.run.launcher import start_mesh
+from trajmesh.services.store.archive import read_archive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

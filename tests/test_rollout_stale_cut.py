@@ -13,9 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from trajmesh.services.rollout import RolloutService  # noqa: E402
-
 from trajmesh.config import load_config  # noqa: E402
+from trajmesh.services.rollout import RolloutService  # noqa: E402
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
 
 ETA = 1

@@ -10,10 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
+from trajmesh.config import load_config  # noqa: E402
 from trajmesh.rollout.synthetic_engine import SyntheticEngine  # noqa: E402
 from trajmesh.services.rollout import RolloutService  # noqa: E402
-
-from trajmesh.config import load_config  # noqa: E402
 
 
 def test_stop_before_setup_closes_nothing() -> None:

@@ -8,9 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from trajmesh.services.rollout import RolloutService  # noqa: E402
-
 from trajmesh.config import load_config  # noqa: E402
+from trajmesh.services.rollout import RolloutService  # noqa: E402
 
 
 def test_a_crashed_task_fails_the_service_with_its_error() -> None:

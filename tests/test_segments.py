@@ -20,11 +20,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from trajmesh.contract import Trajectory  # noqa: E402
 from trajmesh.learner import step  # noqa: E402
 from trajmesh.learner.microbatch import global_counts  # noqa: E402
 from trajmesh.learner.objective import ObjectiveConfig, decoupled_ppo_loss  # noqa: E402
-
-from trajmesh.contract import Trajectory  # noqa: E402
 from trajmesh.v1 import trajectory_pb2 as pb  # noqa: E402
 
 TASK = pb.Task(task_id="t", group_id="g")

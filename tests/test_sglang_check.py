@@ -12,9 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trajmesh.rollout import sglang_check
-
 from trajmesh.infra import free_port
+from trajmesh.rollout import sglang_check
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_TEST = '''

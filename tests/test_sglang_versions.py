@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from sglang_fixture_server import VERSIONS, SGLangFixtureServer, fixture
+
 from trajmesh.rollout.engine_client import (
     NO_VERSIONS,
     SPANS_DICT,
@@ -23,7 +24,6 @@ from trajmesh.rollout.engine_client import (
 )
 from trajmesh.rollout.engines import TorchEngineConfig
 from trajmesh.rollout.generation import PauseClock, TurnSampler
-
 from trajmesh.v1 import trajectory_pb2
 
 EOS = 2
@@ -214,9 +214,8 @@ def test_probe_of_the_torch_engine(tmp_path):
     import subprocess
     import sys
 
-    from trajmesh.learner.models import build_char_tokenizer, build_tiny_model
-
     from trajmesh.infra import free_port
+    from trajmesh.learner.models import build_char_tokenizer, build_tiny_model
 
     build_char_tokenizer(tmp_path / "tok")
     build_tiny_model(tmp_path / "m", tmp_path / "tok", seed=0, hidden=32, layers=1, heads=2, max_positions=128)

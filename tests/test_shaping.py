@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from trajmesh.learner.shaping import MagicEntropyController, apply_truncation_policy, dapo_overlong_penalty
 
 

@@ -3,9 +3,8 @@ trainable at learner version v only if every action token's lag v − u ≤ η. 
 
 from __future__ import annotations
 
-from trajmesh.learner.step import split_stale
-
 from trajmesh.contract import Trajectory
+from trajmesh.learner.step import split_stale
 from trajmesh.v1 import trajectory_pb2
 
 

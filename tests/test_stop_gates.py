@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from trajmesh.learner import consistency
 
 from trajmesh.config import StopGatesConfig, load_config
 from trajmesh.contract import Trajectory
+from trajmesh.learner import consistency
 from trajmesh.stopgates import (
     GATES,
     TRUNCATED_RATIO,
@@ -108,8 +108,9 @@ def test_version_matched_diff_by_hand() -> None:
 
 
 def test_probe_of_a_model_scoring_its_own_samples_is_near_zero(tiny_model_dir: str) -> None:
-    from trajmesh.learner.step import build_batch, token_logprobs
     from transformers import AutoModelForCausalLM
+
+    from trajmesh.learner.step import build_batch, token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     torch.manual_seed(0)

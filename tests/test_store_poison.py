@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
-from trajmesh.services.store.service import TrajectoryStore, _Incoming
 
 from trajmesh import bus as busmod
-from trajmesh.services.store.archive import final_outcomes, read_archive
 from trajmesh.config import load_config
 from trajmesh.contract import Trajectory
 from trajmesh.infra import NatsServer, RedisServer, free_port
+from trajmesh.services.store.archive import final_outcomes, read_archive
 from trajmesh.services.store.repo import Membership
+from trajmesh.services.store.service import TrajectoryStore, _Incoming
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.timeout(120)]

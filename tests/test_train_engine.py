@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+
 from trajmesh.learner.train_engine import (
     TRAIN_ENGINES,
     DeepSpeedTrainEngine,

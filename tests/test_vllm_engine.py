@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from trajmesh.config import load_config
 from trajmesh.rollout.engine_client import EngineError, token_versions
 from trajmesh.rollout.vllm_engine import (
     VLLMEngineConfig,
@@ -16,8 +18,6 @@ from trajmesh.rollout.vllm_engine import (
     server_env,
     vllm_sampling,
 )
-
-from trajmesh.config import load_config
 
 
 def test_a_missing_interpreter_names_make_setup_vllm(tmp_path: Path) -> None:

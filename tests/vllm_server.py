@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from trajmesh.rollout.vllm_engine import SETUP_HINT, VLLMEngine, VLLMEngineConfig, start_server, stop_server
 
 from trajmesh.infra import free_port
+from trajmesh.rollout.vllm_engine import SETUP_HINT, VLLMEngine, VLLMEngineConfig, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -39,6 +39,14 @@ import nats.js.errors
 import numpy as np
 import pyarrow.parquet as pq
 from prometheus_client import Counter, Gauge
+
+from trajmesh import bus as busmod
+from trajmesh import security
+from trajmesh.bus import Bus, Consumer
+from trajmesh.contract import Trajectory
+from trajmesh.gate import AsyncStalenessGate
+from trajmesh.keys import RedisKeys
+from trajmesh.service import Service, supervise
 from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
 from trajmesh.services.store.repo import Membership, StoreRepo
@@ -50,14 +58,6 @@ from trajmesh.services.store.state import (
     StoreState,
     filter_reason,
 )
-
-from trajmesh import bus as busmod
-from trajmesh import security
-from trajmesh.bus import Bus, Consumer
-from trajmesh.contract import Trajectory
-from trajmesh.gate import AsyncStalenessGate
-from trajmesh.keys import RedisKeys
-from trajmesh.service import Service, supervise
 from trajmesh.tasks import TaskSampler
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2

@@ -20,9 +20,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from trajmesh.run.train import read_metrics
 from trajmesh.services.store.archive import final_outcomes, read_archive
 from trajmesh.stopgates import read_stop_reason
-from trajmesh.run.train import read_metrics
 
 STEP_COLUMNS = {
     "ess_ratio": "trajmesh_learner_effective_sample_size_ratio",
