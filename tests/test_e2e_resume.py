@@ -33,6 +33,17 @@ def _leftover(pattern: str) -> list[str]:
     return [line for line in res.stdout.splitlines() if "pgrep" not in line]
 
 
+def _sigterm_pending(pid: int, run_dir: Path) -> bool:
+    """The held learner's SIGTERM is pending; a learner that is gone (it had died before it was
+    held, and the launcher reaped it) fails the test with its log."""
+    try:
+        return signal_pending(pid, signal.SIGTERM)
+    except FileNotFoundError:
+        logs = sorted((run_dir / "logs").glob("learner-*.log"))
+        tail = logs[0].read_text()[-3000:] if logs else "(no learner log)"
+        raise AssertionError(f"learner pid {pid} is gone while held; its log:\n{tail}") from None
+
+
 def _write_config(tmp_path: Path, model_dir: str) -> Path:
     cfg = {
         "run_dir": str(tmp_path / "run"), "model": {"path": model_dir}, "gate": {"eta": 1},
@@ -65,7 +76,7 @@ def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
         held_at = _learner_steps(run_dir)[-1]["step"]
         assert held_at < STEPS, held_at
         proc.send_signal(signal.SIGINT)
-        while not signal_pending(learners[0], signal.SIGTERM):
+        while not _sigterm_pending(learners[0], run_dir):
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
             assert time.monotonic() < deadline, "the launcher never sent the learner SIGTERM"
             time.sleep(0.05)
