@@ -1457,3 +1457,23 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
             assert st["NoNewPrivs"] == "1", (component, st)
     written = [p for p in learner_run.rglob("*") if p.is_file()]  # the learner wrote the shared claim as 10001
     assert written and {p.stat().st_uid for p in written} == {10001}
+
+
+@pytest.mark.parametrize("component,service", [("store", "trajmesh.services.store.service:TrajectoryStore"),
+                                               ("learner", "trajmesh.services.learner:LearnerService")])
+def test_pods_outwait_their_services_bounded_stop(component: str, service: str) -> None:
+    """The kubelet SIGKILLs a pod after terminationGracePeriodSeconds; a service's own stop may take
+    service.stop_timeout_s + its stop_work_s + the watchdog's grace before it exits by itself, so a
+    grace period below that would kill a store mid-finalization or a learner mid-checkpoint."""
+    import importlib
+
+    from trajmesh.config import ServiceConfig
+    from trajmesh.service import EXIT_GRACE_S
+
+    if component == "learner":
+        pytest.importorskip("torch")
+    module, _, cls = service.partition(":")
+    bound = ServiceConfig().stop_timeout_s + getattr(importlib.import_module(module), cls).stop_work_s + EXIT_GRACE_S
+    dep = next(o for o in _objects_of(_values("default"))
+               if o["kind"] in {"Deployment", "StatefulSet"} and _component(o) == component)
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > bound
