@@ -25,9 +25,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @dataclass
@@ -208,20 +211,19 @@ def _parse_result(item: dict[str, Any], return_logprob: bool) -> GenerateResult:
     )
 
 
-class EngineClient:
-    """``async with EngineClient(url) as engine: await engine.generate(ids, {...})``."""
+class HttpSession:
+    """One aiohttp session to an engine's HTTP API, shared by the engine clients (this module's
+    SGLang-style client, rollout/vllm_engine.py's): generation requests have no total timeout (the
+    caller bounds generation time without the time the engine spends paused for weight loads,
+    services/rollout.py); control calls are bounded by `timeout_s`."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        # /generate has no total timeout here: the caller bounds generation time without the time
-        # the engine spends paused for weight loads (services/rollout.py). Control calls do.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)
         self._control_timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self.capabilities: EngineCapabilities | None = None
-        """What the server accepts and reports (None until ``probe``)."""
 
-    async def __aenter__(self) -> EngineClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -236,6 +238,15 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+class EngineClient(HttpSession):
+    """``async with EngineClient(url) as engine: await engine.generate(ids, {...})``."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        super().__init__(base_url, timeout_s=timeout_s)
+        self.capabilities: EngineCapabilities | None = None
+        """What the server accepts and reports (None until ``probe``)."""
 
     async def _post(self, path: str, body: dict[str, Any] | None = None, *, control: bool = True) -> Any:
         timeout = self._control_timeout if control else self._timeout

@@ -47,7 +47,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import Field
 
-from trajmesh.rollout.engine_client import EngineError, GenerateResult
+from trajmesh.rollout.engine_client import EngineError, GenerateResult, HttpSession
 from trajmesh.rollout.engines import HttpEngineConfig
 
 WORKER_EXTENSION = "vllm_worker.WeightReloadExtension"
@@ -216,36 +216,17 @@ def parse_choice(choice: dict[str, Any]) -> GenerateResult:
                           meta_info=meta)
 
 
-class VLLMEngine:
+class VLLMEngine(HttpSession):
     """The engine interface on a vLLM server's HTTP API (see the module docstring). ``proc``: the
     server this rollout process started (None: one at a URL)."""
 
     def __init__(self, base_url: str, *, send_seed: bool = True, proc: subprocess.Popen[bytes] | None = None,
                  timeout_s: float = 600.0) -> None:
-        self.base_url = base_url.rstrip("/")
+        super().__init__(base_url, timeout_s=timeout_s)
         self.send_seed = send_seed
         self.proc = proc
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)  # the caller bounds generation
-        self._control_timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
         self.requests_sent = 0
         """/inference/v1/generate requests made."""
-
-    async def __aenter__(self) -> VLLMEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
                     timeout: aiohttp.ClientTimeout | None = None) -> Any:
