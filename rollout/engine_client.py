@@ -541,3 +541,16 @@ class CoalescingEngine:
         for task in list(self._sending):
             task.cancel()
         await self.client.close()
+
+
+def reported_version(url: str, path: str, timeout_s: float = 5.0) -> str:
+    """The ``version`` field of the JSON an engine server answers at `path` (recorded in the run
+    manifest); "unknown" without one, "unreachable" when it does not answer. Blocking (urllib)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}{path}", timeout=timeout_s) as resp:  # noqa: S310
+            return str(json.loads(resp.read()).get("version", "unknown"))
+    except (OSError, ValueError):
+        return "unreachable"

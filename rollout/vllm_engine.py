@@ -47,7 +47,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import Field
 
-from trajmesh.rollout.engine_client import EngineError, GenerateResult, HttpSession
+from trajmesh.rollout.engine_client import EngineError, GenerateResult, HttpSession, reported_version
 from trajmesh.rollout.engines import HttpEngineConfig
 
 WORKER_EXTENSION = "vllm_worker.WeightReloadExtension"
@@ -324,14 +324,7 @@ class VLLMEngine(HttpSession):
 def server_version(url: str, timeout_s: float = 5.0) -> str:
     """The release a vLLM server at `url` reports on GET /version (recorded in the run manifest);
     "unreachable" when it does not answer."""
-    import json
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/version", timeout=timeout_s) as resp:  # noqa: S310
-            return str(json.loads(resp.read()).get("version", "unknown"))
-    except (OSError, ValueError):
-        return "unreachable"
+    return reported_version(url, "/version", timeout_s)
 
 
 async def start(svc: Any) -> VLLMEngine:

@@ -81,13 +81,9 @@ def engine_server_version(url: str, timeout_s: float = 5.0) -> str:
     """The `version` an SGLang-API inference server reports on `/get_server_info` (the external
     SGLang server's own release, which the trainer's environment may not have installed);
     "unreachable" when it does not answer."""
-    import urllib.request
+    from trajmesh.rollout.engine_client import reported_version
 
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/get_server_info", timeout=timeout_s) as resp:  # noqa: S310
-            return str(json.loads(resp.read()).get("version", "unknown"))
-    except (OSError, ValueError):
-        return "unreachable"
+    return reported_version(url, "/get_server_info", timeout_s)
 
 
 def tree_is_dirty(repo_dir: str | Path | None = None) -> bool:
