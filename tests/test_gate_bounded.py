@@ -4,8 +4,10 @@ An in-process store against real NATS and Redis (no other service) takes 40 grou
 round: one kept group (handed to the learner, reported trained one round later, so one group is in
 flight at every measurement) and one filtered group (zero variance). After each round's commit the
 gate's per-group records (`groups_done`, `groups_accepted`), the open-group set, the per-group
-membership keys and the whole key count must hold no more than the groups still in flight, while
-the gate's counters and the archive still account for every admitted trajectory exactly once.
+membership keys, the task records, the final-id set and the whole key count must hold no more than
+the groups still in flight, while the gate's counters and the archive still account for every
+admitted trajectory exactly once — and a late redelivery of a settled group's member is still a
+duplicate.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.infra import NatsServer, RedisServer, free_port
 from trajmesh.services.store.archive import final_outcomes, read_archive
+from trajmesh.services.store.repo import task_id_at
 from trajmesh.services.store.service import TrajectoryStore, _Incoming
 from trajmesh.v1 import services_pb2, trajectory_pb2
 
@@ -49,19 +52,28 @@ def _graded(task_id: str, group_id: str, index: int, reward: float, version: int
     return t.to_bytes()
 
 
-async def _admit_and_return(store: TrajectoryStore, task_id: str, rewards: list[float]) -> None:
-    """Admit one task (G members) at the gate's version, publish its members graded with `rewards`
-    and take them in (the group completes)."""
+async def _admit_and_return(store: TrajectoryStore, base: str, rewards: list[float]) -> str:
+    """Admit one task (G members) at the gate's version, with the id the store gives the task at
+    the next sampler position, publish its members graded with `rewards` and take them in (the
+    group completes). Returns the task id."""
     version = await store.w.gate.version()
-    gid = f"g-{task_id}"
-    record = {"group_id": gid, "group_size": G, "source": "chain_sum", "admitted_at_version": version}
+    cursor = await store.w.repo.next_cursor()
+    task_id, gid = task_id_at(base, cursor), f"g{cursor}-{base}"
+    record = {"group_id": gid, "group_size": G, "source": "chain_sum", "admitted_at_version": version,
+              "cursor": cursor}
     assert await store.w.repo.try_admit(task_id, record, b"", G)
     for i, reward in enumerate(rewards):
         await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, _graded(task_id, gid, i, reward, version),
                                   msg_id=f"{task_id}-{i}")
+    await _take(store, G)
+    return task_id
+
+
+async def _take(store: TrajectoryStore, n: int) -> None:
+    """Fetch `n` messages from TRAJ_GRADED and take them in as one run."""
     incoming: list[_Incoming] = []
-    while len(incoming) < G:
-        for msg in await store.w.intake.fetch(batch=G, timeout=10.0):
+    while len(incoming) < n:
+        for msg in await store.w.intake.fetch(batch=n, timeout=10.0):
             data = await store.w.intake.resolve(msg)
             traj = Trajectory.from_bytes(data)
             incoming.append(_Incoming(data, msg, traj, traj.pb.trajectory_id))
@@ -75,6 +87,8 @@ async def _sizes(store: TrajectoryStore) -> dict[str, int]:
             "groups_accepted": int(await r.hlen(keys.groups_accepted)),
             "open_groups": int(await r.scard(keys.open_groups)),
             "group_keys": len(group_keys),
+            "tasks": int(await r.hlen(keys.tasks)),
+            "final": int(await r.scard(keys.final_trajectories)),
             "dbsize": int(await r.dbsize())}
 
 
@@ -88,8 +102,10 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
         await store.setup()
         measured: list[dict[str, int]] = []
         in_flight: list[str] = []  # the kept group the learner holds, reported next round
+        first_kept = ""
         for k in range(ROUNDS):
-            await _admit_and_return(store, f"keep{k}", [1.0, 0.0])  # rewards differ: kept
+            kept_task = await _admit_and_return(store, f"keep{k}", [1.0, 0.0])  # rewards differ: kept
+            first_kept = first_kept or kept_task
             await _admit_and_return(store, f"drop{k}", [1.0, 1.0])  # zero variance: filtered
             version = await store.w.gate.version()
             if in_flight:  # the learner reports the batch it took last round, then takes this one
@@ -98,13 +114,21 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
                 await store.w.gate.set_version(version + 1)
                 version += 1
             batch = await store.next_batch(version, G, timeout_s=10.0)
-            assert [t.group_id for t in batch] == [f"g-keep{k}"] * G
+            assert [t.group_id for t in batch] == [f"g{2 * k}-keep{k}"] * G
             in_flight = [t.trajectory_id for t in batch]
             await store._commit_final()
             measured.append(await _sizes(store))
         await store.report(services_pb2.ReportRequest(learner_version=await store.w.gate.version(),
                                                       trained_ids=in_flight))
         trained.extend(in_flight)
+        await store._commit_final()
+        # A late redelivery of the first group's members (trained, settled and trimmed long ago),
+        # e.g. after a lost ack: still a duplicate, no new outcome.
+        for i in range(G):
+            await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, _graded(first_kept, "g0-keep0", i, 0.5, 0),
+                                      msg_id=f"late-{first_kept}-{i}")
+        await _take(store, G)
+        await store._commit_final()
         counters = await store.w.gate.counters()
         admitted = int(await store.w.redis.get(store.w.repo.keys.admitted_trajectories) or 0)
         final = await _sizes(store)
@@ -116,16 +140,21 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
     for k, sizes in enumerate(measured[:-1]):
         assert sizes["groups_done"] <= 1 and sizes["groups_accepted"] <= 1, (k, sizes)
         assert sizes["open_groups"] <= 1 and sizes["group_keys"] <= 2, (k, sizes)
-    assert measured[-1]["groups_done"] == measured[-1]["groups_accepted"] == measured[-1]["open_groups"] == 0
+        assert sizes["tasks"] <= 1 and sizes["final"] == 0, (k, sizes)  # the held group: none final yet
+    last = measured[-1]
+    assert last["groups_done"] == last["groups_accepted"] == last["open_groups"] == last["tasks"] == last["final"] == 0
     assert max(s["dbsize"] for s in measured[3:]) <= max(s["dbsize"] for s in measured[:3]), measured
     # Exact accounting: every admitted trajectory has one final outcome, and the gate counted each
     # kept group once.
     assert admitted == 2 * ROUNDS * G and running == 0 and accepted == ROUNDS * G
     outcomes = {tid: row["outcome"] for tid, row in final_outcomes(read_archive(Path(cfg.run_dir) / "archive")).items()}
-    expected = {f"keep{k}-{i}": "trained" for k in range(ROUNDS) for i in range(G)}
-    expected.update({f"drop{k}-{i}": "filtered" for k in range(ROUNDS) for i in range(G)})
+    expected = {f"keep{k}-c{2 * k}-{i}": "trained" for k in range(ROUNDS) for i in range(G)}
+    expected.update({f"drop{k}-c{2 * k + 1}-{i}": "filtered" for k in range(ROUNDS) for i in range(G)})
     assert outcomes == expected
     assert sorted(trained) == sorted(t for t in expected if t.startswith("keep"))
+    rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
+    assert sorted(r["trajectory_id"] for r in rows if r["outcome"] == "duplicate") == [
+        f"keep0-c0-{i}" for i in range(G)]
 
 
 class _Killed(BaseException):
@@ -142,8 +171,8 @@ def test_a_store_killed_before_its_cleanup_leaves_no_records_behind(
     async def main() -> tuple[dict[str, int], dict[str, int], bool, int, int]:
         store = TrajectoryStore(cfg)
         await store.setup()
-        await _admit_and_return(store, "keep0", [1.0, 0.0])
-        await _admit_and_return(store, "drop0", [1.0, 1.0])
+        await _admit_and_return(store, "keep", [1.0, 0.0])
+        await _admit_and_return(store, "drop", [1.0, 1.0])
         batch = await store.next_batch(0, G, timeout_s=10.0)
 
         async def killed(*_: object) -> None:
@@ -168,6 +197,7 @@ def test_a_store_killed_before_its_cleanup_leaves_no_records_behind(
     left, after, recovering, accepted, running = asyncio.run(main())
     assert left["groups_done"] == 2 and left["open_groups"] == 2  # what the killed store left
     assert after["groups_done"] == after["groups_accepted"] == after["open_groups"] == after["group_keys"] == 0, after
+    assert after["tasks"] == after["final"] == 0, after
     assert not recovering and (accepted, running) == (G, 0)
     outcomes = {tid: row["outcome"] for tid, row in final_outcomes(read_archive(Path(cfg.run_dir) / "archive")).items()}
-    assert outcomes == {"keep0-0": "trained", "keep0-1": "trained", "drop0-0": "filtered", "drop0-1": "filtered"}
+    assert outcomes == {"keep-c0-0": "trained", "keep-c0-1": "trained", "drop-c1-0": "filtered", "drop-c1-1": "filtered"}

@@ -19,13 +19,21 @@ class RedisKeys:
 
     @property
     def tasks(self) -> str:
-        """Hash task_id → JSON task record (reference answer for the grader, group size)."""
+        """Hash task_id → JSON task record (reference answer for the grader, group size); an entry
+        goes once its group is settled (`settled_tasks` remembers it)."""
         return self._k("tasks")
 
     @property
     def final_trajectories(self) -> str:
-        """Set of trajectory ids with a final outcome (dedupe: a redelivery of one is a duplicate)."""
+        """Set of trajectory ids with a final outcome (dedupe: a redelivery of one is a duplicate);
+        a settled group's ids leave it (`settled_tasks` remembers them)."""
         return self._k("final")
+
+    @property
+    def settled_tasks(self) -> str:
+        """Bitmap, one bit per sampler position: set once that task's group is settled (every member
+        final) and its task record and final marks are trimmed — 125 kB per million tasks."""
+        return self._k("settled_tasks")
 
     def group_received(self, group_id: str) -> str:
         """Set of member trajectory ids of a group the store has taken in (survives a store restart)."""

@@ -7,7 +7,8 @@ MULTI replies, so the store's wiring never counts reply positions:
   release, each one atomic gate script (`trajmesh.gate`);
 - per message: its task record and whether its id is final (one round trip for a batch);
 - per group member: membership in `received` / `valid` and both counts after it (one MULTI);
-- ids marked final, membership cleanup (with a settled group's gate records);
+- ids marked final, membership cleanup (with a settled group's gate records, task record and
+  final ids: a run's Redis holds only what is in flight, plus one bit per settled task);
 - recovery: which ids a previous store held (`owed_ids`), which open groups a killed store
   left settled (`settled_open_groups`), and which admitted ids have no final outcome at the end of
   a finished run (`unfinished_members`).
@@ -27,6 +28,17 @@ from trajmesh.keys import RedisKeys
 from trajmesh.services.store.state import member_ids
 
 
+def task_id_at(base_task_id: str, cursor: int) -> str:
+    """The id the store gives the task it draws at sampler position `cursor`."""
+    return f"{base_task_id}-c{cursor}"
+
+
+def task_cursor(task_id: str) -> int | None:
+    """The sampler position in a store-made task id (`task_id_at`); None for any other id."""
+    head, sep, tail = task_id.rpartition("-c")
+    return int(tail) if sep and head and tail.isdigit() else None
+
+
 def _text(raw: bytes | str | None) -> str:
     """A Redis reply as text (the client returns bytes)."""
     if raw is None:
@@ -44,6 +56,9 @@ class Lookup:
     group_pending: bool = True
     """Whether its group is still pending (never handed to the learner). False: a learner may
     have trained it already and not yet reported it (a store restarted in between)."""
+    settled: bool = False
+    """Whether its task's group was settled and trimmed (task record and final ids gone): every
+    member has its final outcome, so a late redelivery of one is a duplicate."""
 
 
 @dataclass(frozen=True)
@@ -126,12 +141,14 @@ class StoreRepo:
             pipe.hget(self.keys.tasks, task_id)
             pipe.sismember(self.keys.final_trajectories, tid)
             pipe.zscore(self.keys.pending_groups, group_ids[k] if group_ids is not None else "")
+            pipe.getbit(self.keys.settled_tasks, task_cursor(task_id) or 0)
         version_raw, *found = await pipe.execute()
         out = []
-        for k in range(len(items)):
-            raw, final, pending = found[3 * k], found[3 * k + 1], found[3 * k + 2]
+        for k, (task_id, _) in enumerate(items):
+            raw, final, pending, settled = found[4 * k: 4 * k + 4]
             out.append(Lookup(json.loads(raw) if raw is not None else None, bool(final),
-                              group_pending=group_ids is None or pending is not None))
+                              group_pending=group_ids is None or pending is not None,
+                              settled=raw is None and task_cursor(task_id) is not None and bool(settled)))
         return int(version_raw or 0), out
 
     async def record_members(self, members: list[Membership]) -> list[tuple[int, int]]:
@@ -195,14 +212,18 @@ class StoreRepo:
             await self.r.sadd(self.keys.final_trajectories, *final_ids)
 
     async def cleanup(self, groups: list[str], settled: Sequence[str] = ()) -> None:
-        """Drop the membership sets of groups whose members are final (after the acks), and the
-        gate records (`groups_done`, `groups_accepted`) of the `settled` ones — complete, every
-        member final — in the same MULTI, so a run's Redis holds only what is in flight. Safe for
-        recovery: a settled group's members are all final, so none can rebuild it (a redelivery
-        is a duplicate), and the end of a run looks a group up only for members without a final
-        outcome."""
+        """Drop the membership sets of groups whose members are final (after the acks), and for
+        the `settled` ones — complete, every member final — their gate records (`groups_done`,
+        `groups_accepted`), their task's record and their members' final marks, in the same
+        MULTI, so a run's Redis holds only what is in flight. What stays of a settled task is one
+        bit at its sampler position (`settled_tasks`): a late redelivery of a member (an ack lost,
+        a rollout resumed long after its task went elsewhere) is still known as a duplicate. Safe
+        for recovery: a settled group's members are all final, so none can rebuild it, and the end
+        of a run looks a task up only for members without a final outcome. A task id the store
+        did not make (no sampler position) keeps its record and final marks."""
         if not groups and not settled:
             return
+        trimmed = await self._settled_members(list(settled))
         pipe = self.r.pipeline(transaction=True)
         for gid in groups:
             pipe.delete(self.keys.group_received(gid), self.keys.group_valid(gid))
@@ -211,7 +232,28 @@ class StoreRepo:
         if settled:
             pipe.srem(self.keys.groups_done, *settled)
             pipe.hdel(self.keys.groups_accepted, *settled)
+        for task_id, (cursor, members) in trimmed.items():
+            pipe.setbit(self.keys.settled_tasks, cursor, 1)
+            pipe.hdel(self.keys.tasks, task_id)
+            pipe.srem(self.keys.final_trajectories, *members)
         await pipe.execute()
+
+    async def _settled_members(self, groups: list[str]) -> dict[str, tuple[int, list[str]]]:
+        """Task id → (sampler position, member ids received) of these settled groups, for the
+        tasks the store made (`task_cursor`); read before the cleanup's MULTI deletes the sets."""
+        if not groups:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for gid in groups:
+            pipe.smembers(self.keys.group_received(gid))
+        out: dict[str, tuple[int, list[str]]] = {}
+        for members in await pipe.execute():
+            for tid in sorted(_text(t) for t in members):
+                task_id = tid.rpartition("-")[0]
+                cursor = task_cursor(task_id)
+                if cursor is not None:
+                    out.setdefault(task_id, (cursor, []))[1].append(tid)
+        return out
 
     # ------------------------------------------------------------------ recovery
     async def owed_ids(self) -> set[str]:

@@ -49,7 +49,7 @@ from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
 from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
-from trajmesh.services.store.repo import Membership, StoreRepo
+from trajmesh.services.store.repo import Membership, StoreRepo, task_id_at
 from trajmesh.services.store.state import (
     ACCEPTED_BEFORE_CRASH,
     NOT_RETURNED,
@@ -347,7 +347,7 @@ class TrajectoryStore(Service):
         cursor = await self.w.repo.next_cursor()
         task = self.sampler.task_at(cursor)
         pb = trajectory_pb2.Task(
-            task_id=f"{task.task_id}-c{cursor}",
+            task_id=task_id_at(task.task_id, cursor),
             group_id=f"g{cursor}-{task.task_id}",
             source=task.source,
             revision=task.revision,
@@ -446,7 +446,8 @@ class TrajectoryStore(Service):
         for it in todo:
             rec = records.get(id(it))
             task = rec.task if rec is not None else None
-            if it.peek is not None and it.tid and task is not None and rec is not None and rec.already_final:
+            if it.peek is not None and it.tid and rec is not None and (
+                    rec.settled or (task is not None and rec.already_final)):
                 RETRIED.labels(source=it.peek.pb.task_source).inc()
                 self._finalize(it.peek, "duplicate", "duplicate_trajectory_id", it.msg, mark=False)
                 continue
