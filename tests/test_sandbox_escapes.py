@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from trajmesh import sandbox
+from trajmesh import cgroups, sandbox
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,7 +44,7 @@ res = sandbox.run_code(job["code"], limits=sandbox.SandboxLimits(**job["limits"]
 env["stdout"] = res.stdout
 exec(job["check"], env)
 print(json.dumps({"status": res.status, "subclass": res.subclass, "stdout": res.stdout,
-                  "stderr": res.stderr[-2000:], "check": env.get("verdict")}))
+                  "stderr": res.stderr[-2000:], "check": env.get("verdict"), "cgroup": sandbox.cgroup_mode().kind}))
 """
 
 
@@ -76,17 +76,30 @@ def _attack(mode: str, code: str, setup: str = "", check: str = "") -> dict[str,
 
 def _attack_with(mode: str, code: str, limits: dict[str, Any], setup: str = "", check: str = "") -> dict[str, Any]:
     """Runs `code` in the sandbox from a child process as root or as uid 65534; `setup` and `check`
-    run in that child before and after (`check` sets `verdict`, returned as "check")."""
+    run in that child before and after (`check` sets `verdict`, returned as "check"). Where root
+    has a cgroup mode, the uid 65534 child starts in a cgroup delegated to it (as a service of
+    that uid would be given one), so its calls get their cgroups there."""
+    delegated = None
     if mode == "rootless" and os.geteuid() == 0:
         exe = _rootless_python()
         assert exe is not None
         cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
                "--bounding-set=-all", exe]
+        if sandbox.cgroup_mode().kind != "none":
+            delegated = cgroups.delegate(NOBODY, NOBODY, f"trajmesh-test-{os.getpid()}-{secrets.token_hex(4)}")
     else:
         cmd = [sys.executable]
     job = {"setup": setup, "code": code, "check": check, "limits": limits}
-    out = subprocess.run([*cmd, "-I", "-c", _CHILD, str(REPO)], input=json.dumps(job), capture_output=True,
-                         text=True, timeout=150, cwd="/")
+    try:
+        out = subprocess.run([*cmd, "-I", "-c", _CHILD, str(REPO)], input=json.dumps(job), capture_output=True,
+                             text=True, timeout=150, cwd="/",
+                             preexec_fn=(lambda: cgroups.join(delegated)) if delegated else None)
+    finally:
+        if delegated is not None:
+            left = [f"{d}/{n}" for d in delegated.dirs for n in os.listdir(d) if n.startswith(cgroups.CALL_PREFIX)]
+            cgroups.undelegate(delegated)
+    if delegated is not None:
+        assert left == [], f"call cgroups left behind: {left}"
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["subclass"] != "setup", result["stderr"]
@@ -294,6 +307,9 @@ def test_resource_abuse_is_contained_rootless(code: str, subclass: str) -> None:
     wall_s = 20.0 if subclass == "cpu_time" else 3.0
     limits = {**LIMITS, "wall_s": wall_s, "cpu_s": 1, "max_processes": 16, "output_bytes": 8192}
     res = _attack_with("rootless", code, limits)
+    assert res["cgroup"] == sandbox.cgroup_mode().kind  # the delegated cgroup holds for uid 65534
+    if res["cgroup"] != "none":  # the call's cgroup limit fires before the per-process rlimit
+        subclass = {"process_limit": "pids_limit", "cpu_time": "cpu_limit"}.get(subclass, subclass)
     assert (res["status"], res["subclass"]) == (sandbox.SANDBOX_ERROR, subclass), res
 
 

@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from trajmesh import cgroups
+
 OK, ERROR, SANDBOX_ERROR = "ok", "error", "SANDBOX_ERROR"
 """`status` values: ran and exited 0; the program failed on its own (exception, exit code);
 the sandbox stopped a violation or a limit (see `SUBCLASSES`)."""
@@ -55,8 +57,11 @@ the sandbox stopped a violation or a limit (see `SUBCLASSES`)."""
 SUBCLASSES = (
     "wall_timeout", "cpu_time", "memory", "process_limit", "output_limit", "file_size",
     "network", "fs_write", "secret_access", "signal", "orphan_process", "setup",
+    "memory_limit", "pids_limit", "cpu_limit",
 )
-"""Every `subclass` of SANDBOX_ERROR (metrics export each with an initial 0)."""
+"""Every `subclass` of SANDBOX_ERROR (metrics export each with an initial 0). The last three are the
+call's cgroup's (all its processes together): an OOM kill at `memory_bytes`, a fork refused at
+pids.max, the CPU seconds of all its processes past `cpu_s`."""
 VIOLATIONS = ("network", "fs_write", "secret_access", "signal")
 """The only names the audit pipe may carry; anything else the program writes there is dropped."""
 AUDIT_CAP_BYTES, REPORT_CAP_BYTES = 4096, 4096
@@ -73,6 +78,14 @@ SYSTEM_BINDS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 prefixes. Symlinks (merged /usr) are recreated as symlinks."""
 DEVICES = ("null", "zero", "full", "random", "urandom")
 """Device files bound into the sandbox's /dev."""
+USER_NS_MAX = {"max_inotify_instances": 16, "max_inotify_watches": 1024, "max_fanotify_groups": 0,
+               "max_fanotify_marks": 0, "max_user_namespaces": 0, "max_mnt_namespaces": 0,
+               "max_pid_namespaces": 0, "max_net_namespaces": 0, "max_ipc_namespaces": 0,
+               "max_uts_namespaces": 0, "max_cgroup_namespaces": 0, "max_time_namespaces": 0}
+"""/proc/sys/user limits of the call's user namespace, written by its init: the kernel charges these
+objects to every user namespace up to the host's, i.e. to the uid that runs the service."""
+HIDDEN_PROC = ("keys", "key-users")
+"""/proc files covered with /dev/null inside (rootless, they list the caller's keyrings)."""
 
 SECCOMP_DENY = (
     "keyctl", "add_key", "request_key",                             # keyrings
@@ -121,11 +134,16 @@ class SandboxLimits:
     wall_s: float = 10.0
     """Wall-clock deadline of the whole call, seconds (sleeping past it is `wall_timeout`)."""
     cpu_s: int = 5
-    """CPU seconds of the program (RLIMIT_CPU); keep below wall_s so spinning is `cpu_time`."""
+    """CPU seconds of the call: with a cgroup, of all its processes together (`cpu_limit`); else of
+    each process (RLIMIT_CPU, `cpu_time`). Keep below wall_s so spinning is not `wall_timeout`."""
     memory_bytes: int = 1 << 30
-    """Address space of each sandboxed process (RLIMIT_AS)."""
+    """Memory of the call with a cgroup (all its processes, tmpfs, shm and memfd pages included:
+    `memory_limit`); also the address space of each process (RLIMIT_AS, `memory`)."""
     max_processes: int = 32
-    """Processes of the sandbox uid in its namespace (RLIMIT_NPROC), the program included."""
+    """Processes (tasks) of the program, itself included: with a cgroup pids.max of the call
+    (`pids_limit`); else RLIMIT_NPROC of the sandbox uid in its namespace (`process_limit`)."""
+    cpus: float = 1.0
+    """CPU cores the call's processes may use at once (cgroup CPU quota; no effect without one)."""
     file_size_bytes: int = 8 << 20
     """Largest file the program may write (RLIMIT_FSIZE)."""
     tmpfs_bytes: int = 64 << 20
@@ -183,120 +201,56 @@ def uses_uid_pool() -> bool:
     return os.geteuid() == 0
 
 
-CGROUP_MOUNT = "/sys/fs/cgroup"
-CGROUP_CONTROLLERS = ("memory", "pids", "cpu")
-"""cgroup v2 controllers one call's cgroup needs (memory.max, pids.max, cpu.stat)."""
-
-
 class SandboxUnavailable(RuntimeError):
     """The sandbox cannot give the isolation the configuration asks for (raised at service start-up)."""
 
 
+_CGROUP_FIX = {
+    "v2": "give the service a cgroup v2 subtree with memory pids cpu delegated (systemd Delegate=yes; "
+          "in a pod, a writable cgroupfs)",
+    "v1": "on a cgroup v1 host run the service as root (in a pod: privileged, or a writable "
+          "/sys/fs/cgroup/{memory,pids,cpu,cpuacct}) or in a cgroup delegated to its uid",
+}
+
+
 def preflight(allow_without_cgroup: bool) -> str:
     """Start-up check for a service that runs sandboxed code (`sandbox.allow_without_cgroup` in the
-    run config). Returns a line to log; raises SandboxUnavailable when the sandbox cannot run, or
-    when cgroup v2 delegation is unavailable and weaker limits were not allowed explicitly."""
+    run config). Returns a line to log naming the cgroup mode (v2, v1 or none); raises
+    SandboxUnavailable when the sandbox cannot run, or when no per-call cgroup can be made here and
+    weaker limits were not allowed explicitly."""
     problem = unavailable_reason()
     if problem:
         raise SandboxUnavailable(f"sandbox unavailable: {problem}")
-    missing = cgroup_problem()
-    if not missing:
-        return f"sandbox: one cgroup v2 per call under {_cgroup_parent()[0]}"
+    found = cgroups.mode()
+    if found.kind != "none":
+        return f"sandbox: cgroup {found.kind}: {found.describe()}"
     if not allow_without_cgroup:
         raise SandboxUnavailable(
-            f"sandbox: no cgroup v2 delegation ({missing}); per-process rlimits alone let CPU and memory "
-            "multiply by the process count. Give the service a delegated cgroup v2 subtree, or set "
-            "sandbox.allow_without_cgroup: true to run with these weaker limits.")
-    return f"sandbox: WEAKER LIMITS (allowed by sandbox.allow_without_cgroup): no cgroup v2 delegation ({missing})"
+            f"sandbox: cgroup none: {found.problem}. Per-process rlimits alone let CPU and memory multiply by "
+            f"the process count and miss tmpfs/shm/memfd pages. To fix: {_CGROUP_FIX['v2']}; or "
+            f"{_CGROUP_FIX['v1']}; or set sandbox.allow_without_cgroup: true to run with these weaker limits.")
+    return f"sandbox: cgroup none: WEAKER LIMITS (allowed by sandbox.allow_without_cgroup): {found.problem}"
+
+
+def cgroup_mode() -> cgroups.CgroupMode:
+    """The per-call cgroup mode of this process (detected once; trajmesh/cgroups.py)."""
+    return cgroups.mode()
 
 
 def cgroup_problem() -> str:
-    """Why calls cannot each get their own cgroup v2 here ("" when they can)."""
-    return _cgroup_parent()[1]
+    """Why calls cannot each get their own cgroup here ("" when they can, on v2 or v1)."""
+    return cgroups.mode().problem
 
 
-@functools.lru_cache(maxsize=1)
-def _cgroup_parent() -> tuple[str, str]:
-    """(the delegated cgroup under which each call gets one child, "") or ("", why there is none). The first
-    call moves this process's cgroup members into a `service` leaf (cgroup v2 lets only leaves hold
-    processes) and enables the controllers for a `sandbox` sibling."""
-    try:
-        mounts = open("/proc/self/mounts").read().split("\n")
-        if not any(line.split()[1:3] == [CGROUP_MOUNT, "cgroup2"] for line in mounts if line):
-            return "", f"{CGROUP_MOUNT} is not a cgroup2 mount (cgroup v1 or hybrid)"
-        own = [line[3:] for line in open("/proc/self/cgroup").read().splitlines() if line.startswith("0::")]
-        base = CGROUP_MOUNT + (own[0] if own else "/").rstrip("/")
-        have = open(base + "/cgroup.controllers").read().split()
-        if not set(CGROUP_CONTROLLERS) <= set(have):
-            return "", f"controllers {sorted(set(CGROUP_CONTROLLERS) - set(have))} not delegated to {base}"
-        if not os.access(base, os.W_OK) or not os.access(base + "/cgroup.subtree_control", os.W_OK):
-            return "", f"{base} is not writable by uid {os.geteuid()} (not delegated)"
-        return _delegate(base), ""
-    except (OSError, IndexError) as exc:
-        return "", f"cgroup v2 setup failed: {exc}"
+def _pids_max(limits: SandboxLimits) -> int:
+    return limits.max_processes + 3  # + the init, its child and pid 1
 
 
-def _delegate(base: str) -> str:
-    enable = " ".join("+" + c for c in CGROUP_CONTROLLERS)
-    if base != CGROUP_MOUNT:  # the root cgroup may hold processes; any other must be a leaf to delegate
-        os.makedirs(base + "/service", exist_ok=True)
-        for pid in open(base + "/cgroup.procs").read().split():
-            with open(base + "/service/cgroup.procs", "w") as fh:
-                fh.write(pid)
-    with open(base + "/cgroup.subtree_control", "w") as fh:
-        fh.write(enable)
-    os.makedirs(base + "/sandbox", exist_ok=True)
-    with open(base + "/sandbox/cgroup.subtree_control", "w") as fh:
-        fh.write(enable)
-    return base + "/sandbox"
-
-
-class _CallCgroup:
-    """One call's cgroup: memory.max (tmpfs, shm, memfd and kernel memory included), pids.max, the
-    CPU seconds of all its processes, and the kill of all of them at once."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    @classmethod
-    def create(cls, limits: SandboxLimits) -> _CallCgroup | None:
-        if cgroup_problem():
-            return None
-        path = f"{_cgroup_parent()[0]}/call-{os.getpid()}-{random.getrandbits(48):012x}"
-        os.mkdir(path)
-        group = cls(path)
-        group.write("memory.max", str(limits.memory_bytes))
-        group.write("memory.swap.max", "0")
-        group.write("memory.oom.group", "1")
-        group.write("pids.max", str(limits.max_processes + 3))  # + the init, its child and pid 1
-        return group
-
-    def write(self, name: str, value: str) -> None:
-        with open(f"{self.path}/{name}", "w") as fh:
-            fh.write(value)
-
-    def cpu_s(self) -> float:
-        for line in open(f"{self.path}/cpu.stat").read().splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1]) / 1e6
-        return 0.0
-
-    def oom_killed(self) -> bool:
-        events = dict(line.split() for line in open(f"{self.path}/memory.events").read().splitlines())
-        return int(events.get("oom_kill", "0")) > 0
-
-    def kill(self) -> None:
-        self.write("cgroup.kill", "1")
-
-    def remove(self) -> None:
-        """Removes the cgroup once its processes are gone (the pid namespace is torn down by then)."""
-        for _ in range(100):
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                self.kill()
-                time.sleep(0.01)
+def _call_cgroup(limits: SandboxLimits) -> cgroups.CallCgroup | None:
+    found = cgroups.mode()
+    if found.kind == "none":
+        return None
+    return cgroups.CallCgroup.create(found, limits.memory_bytes, _pids_max(limits), limits.cpus)
 
 
 # The init: started by the service with only a tiny bootstrap on its command line (so the program's
@@ -308,10 +262,13 @@ _INIT = r"""
 import ctypes, json, os, signal, struct
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals from inside
 cfg = P["cfg"]
-if cfg["cgroup_procs"]:  # first, so that every process of the call is born in its cgroup
-    with open(cfg["cgroup_procs"], "w") as fh:
+for _procs in cfg["cgroup_procs"]:  # first, so that every process of the call is born in its cgroup
+    with open(_procs, "w") as fh:
         fh.write("0")
 libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL: a service killed mid-call takes its call with it
+if os.getppid() != cfg["service_pid"]:
+    os._exit(114)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 NS = cfg["ns"]
 U, G = cfg["inner_id"], cfg["inner_id"]
@@ -364,6 +321,9 @@ def build_root():
     try:  # before pivot_root: the kernel allows a new proc only beside a fully visible one
         mount("proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         have_proc = True
+        for name in cfg["hidden_proc"]:
+            if os.path.exists(r + "/proc/" + name):
+                mount(r + "/dev/null", r + "/proc/" + name, None, MS_BIND)
     except OSError:  # masked host /proc (a pod without procMount: Unmasked): run without /proc
         have_proc = False
     os.makedirs(r + "/tmp/work", 0o755)
@@ -415,7 +375,7 @@ def prepare_program():
     L = cfg["limits"]
     for what, val in ((resource.RLIMIT_CPU, (L["cpu_s"], L["cpu_s"] + 1)),
                       (resource.RLIMIT_AS, (L["memory_bytes"],) * 2),
-                      (resource.RLIMIT_NPROC, (L["max_processes"],) * 2),
+                      (resource.RLIMIT_NPROC, (L["nproc"],) * 2),
                       (resource.RLIMIT_FSIZE, (L["file_size_bytes"],) * 2),
                       (resource.RLIMIT_NOFILE, (L["open_files"],) * 2),
                       (resource.RLIMIT_CORE, (0, 0))):
@@ -464,6 +424,13 @@ def namespaced():
     # Runs in the new namespaces once the parent has written the id maps.
     global FDS  # bind sources, opened with the caller's access (the program's uid may not reach /root/...)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG: the service's kill of the init reaches the namespace
+    libc.prctl(4, 0)  # PR_SET_DUMPABLE 0: the program (same uid) cannot write its inits' /proc files
+    for name, value in cfg["user_max"].items():  # this namespace's quotas (charged to the caller's uid)
+        try:
+            with open("/proc/sys/user/" + name, "w") as fh:
+                fh.write(str(value))
+        except FileNotFoundError:  # a kernel without this quota
+            pass
     FDS = {src: os.open(src, os.O_PATH) for src, kind, _ in cfg["binds"] if kind != "link"}
     if cfg["root_mode"]:  # host uid 0 is unmapped here: take the mapped id (capabilities in the namespace stay)
         os.setgroups([])
@@ -613,9 +580,17 @@ def encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def _interpreter() -> str:
+    """This interpreter's path with its directories resolved (a venv reached through a symlinked
+    directory) but its own name kept: a venv's `bin/python` link is how it finds its pyvenv.cfg."""
+    return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+
+
 def _python_prefixes() -> list[str]:
-    """This interpreter's install prefixes (base and venv), outermost only, outside SYSTEM_BINDS."""
-    found = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)})
+    """This interpreter's install prefixes (base and venv) and the directory of the binary it runs,
+    real paths, outermost only, outside SYSTEM_BINDS."""
+    found = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                                  os.path.dirname(os.path.realpath(sys.executable)))})
     out: list[str] = []
     for p in found:
         covered = [d for d in (*SYSTEM_BINDS, *out) if p == d or p.startswith(d.rstrip("/") + "/")]
@@ -629,7 +604,7 @@ def _site_dirs() -> str:
     """This interpreter's site-packages (the program's interpreter starts without `site`)."""
     import site
 
-    return os.pathsep.join(p for p in site.getsitepackages() if os.path.isdir(p))
+    return os.pathsep.join(os.path.realpath(p) for p in site.getsitepackages() if os.path.isdir(p))
 
 
 def _binds() -> list[tuple[str, str, str]]:
@@ -650,6 +625,8 @@ def _classify(rep: dict, violations: list[str], stderr: str, killed_for: str, li
     for kind in VIOLATIONS:
         if kind in violations:
             return kind
+    if killed_for in ("memory_limit", "pids_limit", "cpu_limit"):
+        return killed_for
     tail = stderr[-4000:]
     if "BlockingIOError" in tail or "Resource temporarily unavailable" in tail or "fork: retry" in tail:
         return "process_limit"
@@ -689,9 +666,9 @@ def _run(code: str, stdin: str, limits: SandboxLimits, start: float) -> SandboxR
                              wall_s=time.monotonic() - start)
     root = tempfile.mkdtemp(prefix="trajmesh-sbx-")
     fds: list[int] = []
-    group: _CallCgroup | None = None
+    group: cgroups.CallCgroup | None = None
     try:
-        group = _CallCgroup.create(limits)
+        group = _call_cgroup(limits)
         report_r, report_w = os.pipe()
         audit_r, audit_w = os.pipe()
         payload = os.memfd_create("trajmesh-sandbox-init")
@@ -712,13 +689,16 @@ def _run(code: str, stdin: str, limits: SandboxLimits, start: float) -> SandboxR
         _clean_up(fds, root, group, lease)
 
 
-def _clean_up(fds: list[int], root: str, group: _CallCgroup | None, lease: _UidLease | None) -> None:
+def _clean_up(fds: list[int], root: str, group: cgroups.CallCgroup | None, lease: _UidLease | None) -> None:
     """Closes the call's descriptors, removes its mount point and cgroup, frees its uid; a failure
     here never replaces the call's result."""
     for fd in fds:
         os.close(fd)
     try:
         os.rmdir(root)  # empty on the host: the tmpfs was mounted in the sandbox's mount namespace
+    except OSError:
+        pass
+    try:
         if group is not None:
             group.remove()
     except OSError:
@@ -729,18 +709,21 @@ def _clean_up(fds: list[int], root: str, group: _CallCgroup | None, lease: _UidL
 
 
 def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], report_w: int,
-                 audit_w: int, group: _CallCgroup | None) -> dict[str, Any]:
+                 audit_w: int, group: cgroups.CallCgroup | None) -> dict[str, Any]:
     machine = platform.machine()
     return {
-        "cgroup_procs": f"{group.path}/cgroup.procs" if group else "",
+        "cgroup_procs": group.procs_files() if group else [], "service_pid": os.getpid(),
         "root": root, "root_mode": uses_uid_pool(), "outer_uid": outer[0], "outer_gid": outer[1],
         "inner_id": SANDBOX_UID, "report_fd": report_w, "audit_fd": audit_w, "binds": _binds(),
         "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes,
-        "prefixes": _python_prefixes(), "python": sys.executable, "boot": _BOOT, "site": _site_dirs(),
-        "prefix": sys.prefix, "exec_prefix": sys.exec_prefix,
+        "prefixes": _python_prefixes(), "python": _interpreter(), "boot": _BOOT, "site": _site_dirs(),
+        "prefix": os.path.realpath(sys.prefix), "exec_prefix": os.path.realpath(sys.exec_prefix),
         "nr": SYSCALL_NUMBERS[machine], "deny": list(SECCOMP_DENY), "arch": AUDIT_ARCH[machine], "ns": CLONE_NEW_ALL,
-        "limits": {k: getattr(limits, k) for k in ("cpu_s", "memory_bytes", "max_processes", "file_size_bytes",
-                                                   "open_files")},
+        # With a cgroup its limits come first and the per-process rlimits are a backstop just above them.
+        "limits": {"cpu_s": limits.cpu_s + (1 if group else 0), "memory_bytes": limits.memory_bytes,
+                   "nproc": _pids_max(limits) + 1 if group else limits.max_processes,
+                   "file_size_bytes": limits.file_size_bytes, "open_files": limits.open_files},
+        "user_max": USER_NS_MAX, "hidden_proc": list(HIDDEN_PROC),
     }
 
 
@@ -768,7 +751,7 @@ def _reap(uid: int, timeout_s: float = 5.0) -> None:
 
 
 def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: str,
-             limits: SandboxLimits, start: float, group: _CallCgroup | None) -> SandboxResult:
+             limits: SandboxLimits, start: float, group: cgroups.CallCgroup | None) -> SandboxResult:
     """Feeds stdin and reads stdout/stderr (capped), the audit and report pipes (capped) from one
     selector loop until EOF or the deadline, which counts from the call's start."""
     assert proc.stdin and proc.stdout and proc.stderr
@@ -786,8 +769,8 @@ def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: 
     if killed_for:
         _kill(proc, bufs[report_r], group)
     proc.wait()  # the init waits for pid 1, whose exit waits out every process of its namespace
-    if group is not None and not killed_for and group.oom_killed():
-        killed_for = "memory"
+    if group is not None and not killed_for:
+        killed_for = _cgroup_verdict(group, limits)
     for fd in (report_r, audit_r):  # after a kill, keep what was already written (capped)
         try:
             os.set_blocking(fd, False)
@@ -798,7 +781,20 @@ def _collect(proc: subprocess.Popen[bytes], report_r: int, audit_r: int, stdin: 
                    killed_for, limits, start)
 
 
-def _kill(proc: subprocess.Popen[bytes], report: bytearray, group: _CallCgroup | None) -> None:
+def _cgroup_verdict(group: cgroups.CallCgroup, limits: SandboxLimits) -> str:
+    """The call's cgroup limit it hit so far ("" for none): an OOM kill (v1 kills one process, not
+    the call: the service ends the rest), a refused fork, or its CPU seconds past the budget."""
+    events = group.events()
+    if events["oom_kill"]:
+        return "memory_limit"
+    if events["pids_max"]:
+        return "pids_limit"
+    if group.cpu_s() > limits.cpu_s:
+        return "cpu_limit"
+    return ""
+
+
+def _kill(proc: subprocess.Popen[bytes], report: bytearray, group: cgroups.CallCgroup | None) -> None:
     """SIGKILL to the call's cgroup (all of it at once), the namespace's pid 1 (all its processes
     die with it) and the init."""
     if group is not None:
@@ -848,14 +844,16 @@ class _StdinFeed:
 
 
 def _pump(sel: selectors.BaseSelector, bufs: dict[int, bytearray], caps: dict[int, int], feed: _StdinFeed,
-          deadline: float, limits: SandboxLimits, out_fds: tuple[int, int], group: _CallCgroup | None) -> str:
+          deadline: float, limits: SandboxLimits, out_fds: tuple[int, int], group: cgroups.CallCgroup | None) -> str:
     """The selector loop; returns why the program must be killed ("" when every pipe hit EOF)."""
     while len(sel.get_map()) > 0:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return "wall_timeout"
-        if group is not None and group.cpu_s() > limits.cpu_s:  # CPU of all its processes together
-            return "cpu_time"
+        if group is not None:  # memory, tasks and CPU of all its processes together
+            verdict = _cgroup_verdict(group, limits)
+            if verdict:
+                return verdict
         for key, _ in sel.select(timeout=min(remaining, 0.25 if group else 0.5)):
             if key.fd == feed.fd:
                 feed.write()
