@@ -451,8 +451,10 @@ FAULT_SCENARIOS = {
 @pytest.mark.parametrize("scenario", list(FAULT_SCENARIOS))
 def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_model_dir: str, scenario: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """One fault mid-run; then exact accounting, nothing in flight unaccounted, zero stale
-    quarantines, gate counters = archive, and no process of the run left (from /proc)."""
+    """One fault mid-run; then progress (two more learner steps, or the end of the budget, within
+    a bound from the run's own rate before the fault, plus one mesh start and two ack waits), exact
+    accounting, nothing in flight unaccounted, zero stale quarantines, gate counters = archive,
+    and no process of the run left (from /proc)."""
     over, fault = FAULT_SCENARIOS[scenario]
     mark = uuid.uuid4().hex
     monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
@@ -461,11 +463,21 @@ def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_mode
         "learner.keep_batches": False, **over})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
+    started = time.monotonic()
     mesh = start_mesh(cfg)
+    start_s = time.monotonic() - started
     try:
         cfg = mesh.cfg
+        _supervise_until(mesh, lambda: _steps(cfg) >= 1, timeout_s=300)
+        t_from, s_from = time.monotonic(), _steps(cfg)
         _supervise_until(mesh, lambda: _steps(cfg) >= 3, timeout_s=300)
+        s_per_step = (time.monotonic() - t_from) / max(1, _steps(cfg) - s_from)
         fault(mesh)
+        before = _steps(cfg)
+        ack_wait_s = max(cfg.store.intake_ack_wait_s, cfg.rollout.task_ack_wait_s)
+        bound_s = start_s + 2 * ack_wait_s + 10 * 2 * s_per_step
+        _supervise_until(mesh, lambda: _steps(cfg) >= min(before + 2, SCENARIO_STEPS), timeout_s=bound_s,
+                         what=f"{scenario} at step {before}, {s_per_step:.2f} s/step before it")
         learner = lambda: next(p for p in mesh.procs if p.name == "learner")  # noqa: E731 - replaced on restart
         _supervise_until(mesh, lambda: learner().popen.poll() == 0, timeout_s=500)
         end_run(mesh)

@@ -14,8 +14,10 @@ trajectory publish of the rollout waits for its PubAck (the moment that timed ou
 environment's gRPC deadline (120 s) and the wait for an announced version (30 s) are longer than
 the pause: a Step answered during it and a version announced meanwhile are read on resume.
 
-The same progress check runs after NATS and Redis are SIGKILLed together (slow), where the rollout
-once crashed the same way and kept sampling with old weights.
+A second run pauses every service in turn the same way — the rollout (engine running), the
+store, a grader, the environment, the learner (each with its children) — with the same progress
+check after each pause. The same check runs after NATS and Redis are SIGKILLed together (slow),
+where the rollout once crashed the same way and kept sampling with old weights.
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ from trajmesh.run.train import read_metrics
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ETA = 1
-STEPS = 10
-"""The run's budget: the fault lands after step `RATE_TO`, and `K` steps must follow it."""
 RATE_FROM, RATE_TO = 1, 4
 """The pre-fault rate is measured between these learner steps."""
 K = 3
@@ -57,6 +57,7 @@ GROUP_SIZE = 16
 """Large groups: the rollout publishes a group's trajectories one after another, so a group's
 publishing lasts long enough for the pause to land in it."""
 TASK_ACK_WAIT_S = 4.0
+STORE_ACK_WAIT_S = 4.0
 REQUEST_TIMEOUT_S = 6.0
 JETSTREAM_API_TIMEOUT_S = 5.0
 """nats-py's default timeout of a JetStream API call (a publish waiting for its PubAck)."""
@@ -64,15 +65,21 @@ STOP_S = 1.5 * max(TASK_ACK_WAIT_S, REQUEST_TIMEOUT_S, JETSTREAM_API_TIMEOUT_S)
 """How long the rollout stays stopped: past every timeout on its path (the fault's duration)."""
 
 
-def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
+def _budget(faults: int) -> int:
+    """The run's learner steps: the first fault lands after step `RATE_TO`, `K` steps must follow
+    each fault, and two spare steps cover a step taken while a fault is applied."""
+    return RATE_TO + faults * (K + 1) + 2
+
+
+def _build_config(run_dir: Path, model_dir: str, steps: int) -> RunConfig:
     return load_config(None, {
         "run_dir": str(run_dir), "model.path": model_dir, "gate.eta": ETA,
         "tasks.group_size": GROUP_SIZE, "tasks.heldout_size": 20, "tasks.train_size": 300,
         "tasks.sampling.max_new_tokens": 6, "store.drop_zero_variance_groups": False,
-        "store.intake_ack_wait_s": 4.0, "rollout.task_ack_wait_s": TASK_ACK_WAIT_S,
+        "store.intake_ack_wait_s": STORE_ACK_WAIT_S, "rollout.task_ack_wait_s": TASK_ACK_WAIT_S,
         "rollout.engine.request_timeout_s": REQUEST_TIMEOUT_S,
         "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
-        "learner.engine.type": "torch", "learner.batch_groups": 1, "learner.max_steps": STEPS,
+        "learner.engine.type": "torch", "learner.batch_groups": 1, "learner.max_steps": steps,
         "learner.checkpoint_every": 3, "learner.keep_batches": False,
     })
 
@@ -215,6 +222,22 @@ def _pause_rollout(mesh: Mesh, start_s: float) -> Recovery:
     return Recovery(TASK_ACK_WAIT_S, restarts=False, note=f"rollout publishes retried: {retried}")
 
 
+def _pause(name: str) -> Callable[[Mesh, float], Recovery]:
+    """SIGSTOP service `name` with its children (its process group) for STOP_S, then SIGCONT.
+    Nothing may die of it; the run may take one task ack wait and one store ack wait longer (what
+    the paused service held is redelivered meanwhile)."""
+    def fault(mesh: Mesh, start_s: float) -> Recovery:
+        victim = next(p for p in mesh.procs if p.name == name and p.popen.poll() is None)
+        os.killpg(victim.popen.pid, signal.SIGSTOP)
+        try:
+            time.sleep(STOP_S)  # the fault's duration, not a synchronization
+            assert _state(victim.popen.pid) == "T"
+        finally:
+            os.killpg(victim.popen.pid, signal.SIGCONT)
+        return Recovery(TASK_ACK_WAIT_S + STORE_ACK_WAIT_S, restarts=False, note=f"{name} paused")
+    return fault
+
+
 def _kill_nats_and_redis(mesh: Mesh, start_s: float) -> Recovery:
     """SIGKILL nats-server and Redis together while the rollout publishes, keep them down for
     STOP_S (every request in flight times out), then the launcher restarts both (same ports and
@@ -234,34 +257,41 @@ def _kill_nats_and_redis(mesh: Mesh, start_s: float) -> Recovery:
                     note=f"servers back in {restart_s:.1f} s")
 
 
-def _run_with_fault(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPatch,
-                    fault: Callable[[Mesh, float], Recovery]) -> None:
-    """Runs the mesh to RATE_TO (the pre-fault rate), applies `fault` (given the mesh and how long
-    this run's mesh took to start), then checks progress, accounting and that nothing is left."""
+def _run_with_faults(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPatch,
+                     faults: list[Callable[[Mesh, float], Recovery]]) -> None:
+    """Runs the mesh to RATE_TO (the pre-fault rate), applies each fault in turn (given the mesh
+    and how long this run's mesh took to start), K learner steps within the bound after each, then
+    checks accounting and that nothing is left."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
-    cfg = _build_config(tmp_path / "run", model_dir)
+    steps = _budget(len(faults))
+    cfg = _build_config(tmp_path / "run", model_dir, steps)
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     started = time.monotonic()
     mesh = start_mesh(cfg)
     start_s = time.monotonic() - started  # one start of every service: covers restarting one
+    notes = []
     try:
         cfg = mesh.cfg
         t_from = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_FROM, 300, "before the fault")
         s_from = _steps(cfg)
         t_to = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_TO, 300, "before the fault")
         s_per_step = (t_to - t_from) / max(1, _steps(cfg) - s_from)
-        recovery = fault(mesh, start_s)
-        before = _steps(cfg)
-        assert before + K <= STEPS, f"the learner reached step {before} of {STEPS} during the fault"
-        bound_s = recovery.extra_s + SLACK * K * s_per_step
-        _supervise_until(mesh, lambda: _steps(cfg) >= before + K, bound_s,
-                         f"no progress after the fault ({s_per_step:.2f} s/step before it, "
-                         f"{K} steps from step {before} allowed {bound_s:.0f} s)")
-        if not recovery.restarts:
-            assert not mesh.restarts, f"a service died of the fault: {mesh.restarts}\n" + "\n".join(
-                tail(p.log_path) for p in mesh.procs if (p.name, p.replica) in mesh.restarts)
+        for fault in faults:
+            restarts_before = dict(mesh.restarts)
+            recovery = fault(mesh, start_s)
+            before = _steps(cfg)
+            assert before + K <= steps, f"the learner reached step {before} of {steps} during the fault"
+            bound_s = recovery.extra_s + SLACK * K * s_per_step
+            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + K, bound_s,
+                             f"no progress after the fault ({recovery.note}; {s_per_step:.2f} s/step "
+                             f"before it, {K} steps from step {before} allowed {bound_s:.0f} s)")
+            if not recovery.restarts:
+                died = {k: n for k, n in mesh.restarts.items() if restarts_before.get(k) != n}
+                assert not died, f"a service died of the fault ({recovery.note}): {died}\n" + "\n".join(
+                    tail(p.log_path) for p in mesh.procs if (p.name, p.replica) in died)
+            notes.append(recovery.note)
 
         learner = lambda: next(p for p in mesh.procs if p.name == "learner")  # noqa: E731 - replaced on restart
         _supervise_until(mesh, lambda: learner().popen.poll() == 0, 300, "the learner's budget")
@@ -276,16 +306,17 @@ def _run_with_fault(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPa
     assert not any(k.startswith("in_flight_at_stop") for k in acct["by_reason"]), acct["by_reason"]
     check_no_stale(acct)
     assert not processes_marked(mark), processes_marked(mark)
-    print(f"{s_per_step:.2f} s/step before the fault; {recovery.note}; restarts {mesh.restarts}; "
+    print(f"{s_per_step:.2f} s/step before the faults; {'; '.join(notes)}; restarts {mesh.restarts}; "
           f"outcomes {acct['by_reason']}")
 
 
-def test_rollout_paused_past_its_timeouts_then_the_run_makes_progress(
+def test_every_service_paused_in_turn_then_the_run_makes_progress(
         tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _run_with_fault(tmp_path, tiny_model_dir, monkeypatch, _pause_rollout)
+    _run_with_faults(tmp_path, tiny_model_dir, monkeypatch,
+                     [_pause_rollout, *(_pause(n) for n in ("store", "grader", "environment", "learner"))])
 
 
 @pytest.mark.slow
 def test_nats_and_redis_killed_together_then_the_run_makes_progress(
         tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _run_with_fault(tmp_path, tiny_model_dir, monkeypatch, _kill_nats_and_redis)
+    _run_with_faults(tmp_path, tiny_model_dir, monkeypatch, [_kill_nats_and_redis])
