@@ -10,7 +10,7 @@ never rewarded).
 
 Try it by hand against any OpenAI-compatible server::
 
-    python examples/openai_agent.py --base-url http://127.0.0.1:8000/v1 "What is 2+3?"
+    python examples/openai_agent.py --base-url http://127.0.0.1:8000/v1 --model NAME "What is 2+3?"
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ def run_tool(name: str, arguments: str) -> str:
 
 
 def solve(task: dict[str, Any], base_url: str, api_key: str) -> str:
-    """Answers ``task["prompt"]``, calling tools until the model answers in text (or MAX_STEPS)."""
+    """Answers ``task["prompt"]``, calling tools until the model answers in text (or MAX_STEPS),
+    with the model the task names (``task["model"]``: the name the endpoint serves)."""
     client = OpenAI(base_url=base_url, api_key=api_key, timeout=300)
     messages: list[dict[str, Any]] = [{"role": "user", "content": task["prompt"]}]
     for _ in range(MAX_STEPS):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+        reply = client.chat.completions.create(model=task["model"], messages=messages, tools=TOOLS,
                                                temperature=0, max_tokens=64).choices[0].message
         messages.append(reply.model_dump(exclude_none=True))
         if not reply.tool_calls:
@@ -60,5 +61,6 @@ if __name__ == "__main__":
     parser.add_argument("prompt")
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--api-key", default="unused")
+    parser.add_argument("--model", required=True, help="the served model's name (GET <base-url>/models)")
     ns = parser.parse_args()
-    print(solve({"prompt": ns.prompt}, ns.base_url, ns.api_key))
+    print(solve({"prompt": ns.prompt, "model": ns.model}, ns.base_url, ns.api_key))

@@ -58,19 +58,15 @@ RETRY_AFTER_S = 1
 class ApiError(Exception):
     """A request the endpoint refuses; rendered in the calling API's error shape."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
-class StopStringSampler(TurnSampler):
-    """The rollout's TurnSampler, passing the request's ``stop`` strings to the engine too."""
-
-    def _sampling(self, params: Any, room: int, seed: int | None) -> dict[str, Any]:
-        sampling = super()._sampling(params, room, seed)
-        if getattr(params, "stop", None):
-            sampling["stop"] = list(params.stop)
-        return sampling
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+"""The model's native (Hermes) tool-call tags: stop strings that keep a turn to one call
+(``parallel_tool_calls: false``) or to text (``tool_choice: none``)."""
 
 
 @dataclass
@@ -90,7 +86,7 @@ class Sample:
 def _error_body(api: str, err: ApiError) -> dict[str, Any]:
     if api == "messages":
         return {"type": "error", "error": {"type": err.kind, "message": err.message}}
-    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": None}}
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
 
 
 def _require(cond: bool, message: str, param: str | None = None) -> None:
@@ -308,10 +304,13 @@ class AgentEndpoint:
     # ----------------------------------------------------------------- generation
 
     def sampling(self, body: dict[str, Any], *, max_key: str, stop_key: str = "stop") -> SimpleNamespace:
-        """temperature, top_p, max tokens and stop strings of a request, validated."""
+        """temperature, top_p, max tokens, stop strings and stop token ids (vLLM's ``stop_token_ids``
+        extension) of a request, validated. ``stop`` is what the engine stops on: the request's
+        strings (``user_stop``) and those a tool policy adds (``keep_stop``: text kept through them)."""
         temperature = body.get("temperature", 1.0)
         top_p = body.get("top_p", 1.0)
-        max_tokens = body.get(max_key) or body.get("max_completion_tokens") or self.default_max_tokens
+        asked = body.get(max_key) or body.get("max_completion_tokens")
+        max_tokens = asked or self.default_max_tokens
         _require(isinstance(temperature, (int, float)) and 0 <= temperature <= 2,
                  "temperature must be a number in [0, 2]", "temperature")
         _require(isinstance(top_p, (int, float)) and 0 < top_p <= 1, "top_p must be in (0, 1]", "top_p")
@@ -320,14 +319,48 @@ class AgentEndpoint:
         stop = [stop] if isinstance(stop, str) else stop
         _require(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
                  f"{stop_key} must be a string or a list of strings", stop_key)
+        stop_ids = body.get("stop_token_ids") or []
+        _require(isinstance(stop_ids, list) and all(isinstance(t, int) and t >= 0 for t in stop_ids),
+                 "stop_token_ids must be a list of token ids", "stop_token_ids")
         return SimpleNamespace(temperature=float(temperature), top_p=float(top_p), top_k=-1,
-                               max_new_tokens=max_tokens, stop=stop)
+                               max_new_tokens=max_tokens, max_key=max_key, max_asked=asked is not None,
+                               stop=list(stop), user_stop=list(stop), keep_stop=[], stop_token_ids=list(stop_ids))
+
+    def fit_context(self, api: str, prompt_len: int, params: SimpleNamespace) -> None:
+        """Refuses a prompt the engine's context cannot take (400 ``context_length_exceeded``) and a
+        ``max_tokens`` above what fits beside it; a budget the request did not name is capped."""
+        caps = self.sampler.capabilities()
+        room = caps.room(prompt_len)
+        if room is None:
+            return
+        limit = caps.context_len if caps.context_len is not None else caps.max_input_len
+        if room <= 0:
+            raise ApiError(400, f"prompt is too long: {prompt_len} tokens > {room + prompt_len} maximum"
+                           if api == "messages" else
+                           f"This model's maximum context length is {limit} tokens. However, your "
+                           f"{'prompt' if api == 'completions' else 'messages'} resulted in {prompt_len} "
+                           "tokens. Please reduce the length of the messages.",
+                           param="prompt" if api == "completions" else "input" if api == "responses" else "messages",
+                           code="context_length_exceeded")
+        if params.max_new_tokens <= room:
+            return
+        if not params.max_asked:
+            params.max_new_tokens = room
+            return
+        asked = params.max_new_tokens
+        raise ApiError(400, f"input length and `max_tokens` exceed context limit: {prompt_len} + {asked} > "
+                       f"{prompt_len + room}, decrease input length or `max_tokens` and try again"
+                       if api == "messages" else
+                       f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{prompt_len + asked} tokens ({prompt_len} in the messages, {asked} in the completion). "
+                       "Please reduce the length of the messages or completion.",
+                       param=params.max_key, code="context_length_exceeded")
 
     async def generate(self, session: AgentSession, api: str, plan: PromptPlan, params: SimpleNamespace, n: int,
                        request: Request) -> tuple[Call, list[Sample]]:
         """Samples `n` choices for one call, records them, drops them if the caller hung up."""
-        raw = await request.body()
-        fingerprint = hashlib.sha256(api.encode() + raw).hexdigest()
+        self.fit_context(api, len(plan.prompt_ids), params)
+        fingerprint = request_fingerprint(api, await request.body())
         if int(request.headers.get("x-stainless-retry-count", "0") or 0) > 0:
             self.orphans_dropped += session.drop_retried(fingerprint)
         call = session.begin(api, plan, fingerprint)
@@ -339,17 +372,40 @@ class AgentEndpoint:
         call.finished = time.time()
         samples = []
         for turn in turns:
-            session.add_completion(call, turn.ids, turn.logps, turn.versions)
-            samples.append(self._sample(turn, params.stop))
+            sample = self._sample(turn, params)
+            session.add_completion(call, sample.turn.ids, sample.turn.logps, sample.turn.versions)
+            samples.append(sample)
         if await request.is_disconnected():
             self.orphans_dropped += session.drop(call)
         return call, samples
 
-    def _sample(self, turn: Turn, stops: list[str]) -> Sample:
+    def _cut_at_stop(self, turn: Turn, stops: list[str]) -> Turn:
+        """The turn up to the token that completes its first stop string (kept, as SGLang and vLLM keep
+        it): the engine stops there, but a stop string spanning a resubmission after a weight load,
+        or an engine that ignored it, leaves tokens after it that the agent never receives."""
+        ids = turn.ids
+        if not stops or _first_stop(self.tokenizer.decode(ids), stops) is None:
+            return turn
+        lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _first_stop(self.tokenizer.decode(ids[:mid]), stops) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        if hi == len(ids):
+            return turn
+        return Turn(ids[:hi], turn.logps[:hi], turn.versions[:hi], "stop")
+
+    def _sample(self, turn: Turn, params: SimpleNamespace) -> Sample:
+        turn = self._cut_at_stop(turn, params.stop)
         text = self.tokenizer.decode(turn.ids)
-        matched = next((s for s in stops if s in text), None)
-        if matched is not None:
-            text = text[:text.index(matched)]
+        hit = _first_stop(text, params.stop)
+        matched = None
+        if hit is not None:
+            pos, stop = hit
+            text = text[:pos + len(stop)] if stop in params.keep_stop else text[:pos]
+            matched = stop if stop in params.user_stop else None
         content, calls = parse_tool_calls(text)
         finish = ("tool_calls" if calls else "length" if turn.finish == "length" else
                   "stop_sequence" if matched is not None else "stop")
@@ -364,6 +420,54 @@ class AgentEndpoint:
 
 
 # --------------------------------------------------------------------- the HTTP routes
+
+
+def request_fingerprint(api: str, raw: bytes) -> str:
+    """A request's identity for SDK retries: the API and its body bytes (a retry resends them)."""
+    return hashlib.sha256(api.encode() + raw).hexdigest()
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string in `text` (position, string); None: none occurs."""
+    hits = [(text.find(s), -len(s), s) for s in stops if s in text]
+    if not hits:
+        return None
+    pos, _, stop = min(hits)
+    return pos, stop
+
+
+def _unconstrained(what: str, param: str) -> ApiError:
+    return ApiError(400, f"{what} needs constrained decoding, which this endpoint does not offer: its engines "
+                    "generate freely (leave it unset, or use 'auto')", param=param)
+
+
+def tool_policy(params: SimpleNamespace, *, choice: str, one_call: bool) -> None:
+    """Honours a tool choice through stop strings on the model's native tool-call tags: ``none``
+    stops before a call begins (the text before it is the answer), ``one_call`` (no parallel tool
+    calls) stops after the first call closes. `choice` is auto | none (the rest answer 400 earlier)."""
+    if choice == "none":
+        params.stop.append(TOOL_CALL_OPEN)
+    if one_call:
+        params.stop.append(TOOL_CALL_CLOSE)
+        params.keep_stop.append(TOOL_CALL_CLOSE)
+
+
+def _openai_tool_choice(body: dict[str, Any], param: str = "tool_choice") -> str:
+    """auto | none for the OpenAI APIs' ``tool_choice``; ``required`` and a named function answer 400."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required" or isinstance(choice, dict):
+        raise _unconstrained(f"tool_choice {json.dumps(choice)}", param)
+    raise ApiError(400, f"tool_choice {choice!r} is not one of auto, none, required or a function", param=param)
+
+
+def _openai_output_format(fmt: Any, param: str) -> None:
+    """``response_format`` / ``text.format``: plain text only (a JSON schema answers 400)."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    raise _unconstrained(f"{param} of type {kind!r}", param)
 
 
 def _usage(call: Call, samples: list[Sample]) -> tuple[int, int]:
@@ -390,6 +494,8 @@ async def chat_completions(ep: AgentEndpoint, session: AgentSession, body: dict[
     n = body.get("n") or 1
     _require(isinstance(n, int) and 1 <= n <= 16, "n must be an integer in [1, 16]", "n")
     params = ep.sampling(body, max_key="max_tokens")
+    _openai_output_format(body.get("response_format"), "response_format")
+    tool_policy(params, choice=_openai_tool_choice(body), one_call=body.get("parallel_tool_calls") is False)
     plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
     call, samples = await ep.generate(session, "chat", plan, params, n, request)
     choices = []
@@ -436,9 +542,11 @@ async def responses(ep: AgentEndpoint, session: AgentSession, body: dict[str, An
                     request: Request) -> dict[str, Any]:
     _require(not body.get("previous_response_id"), "previous_response_id is not supported: send the whole "
              "conversation in input", "previous_response_id")
-    _require(not body.get("stream"), "stream is not supported", "stream")
     messages, tools = responses_messages(body), _tool_schemas(body.get("tools"), "responses")
     params = ep.sampling(body, max_key="max_output_tokens")
+    _openai_output_format((body.get("text") or {}).get("format"), "text.format")
+    choice = _openai_tool_choice(body)
+    tool_policy(params, choice=choice, one_call=body.get("parallel_tool_calls") is False)
     plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
     call, (s,) = await ep.generate(session, "responses", plan, params, 1, request)
     session.remember_chat(call.completions[0], messages, tools, _returned(s))
@@ -454,7 +562,8 @@ async def responses(ep: AgentEndpoint, session: AgentSession, body: dict[str, An
     return {"id": rid, "object": "response", "created_at": int(call.started), "model": ep.model_name,
             "status": "incomplete" if s.finish == "length" else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if s.finish == "length" else None,
-            "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools") or [],
+            "output": output, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+            "tool_choice": choice, "tools": body.get("tools") or [],
             "usage": {"input_tokens": p, "output_tokens": n, "total_tokens": p + n,
                       "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
@@ -463,6 +572,12 @@ async def messages(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any
     _require(isinstance(body.get("max_tokens"), int), "max_tokens: field required", "max_tokens")
     msgs, tools = anthropic_messages(body), _tool_schemas(body.get("tools"), "messages")
     params = ep.sampling(body, max_key="max_tokens", stop_key="stop_sequences")
+    choice = body.get("tool_choice") or {"type": "auto"}
+    _require(isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none"),
+             "tool_choice.type must be auto, any, tool or none", "tool_choice")
+    if choice["type"] in ("any", "tool"):
+        raise _unconstrained(f"tool_choice {choice['type']!r}", "tool_choice")
+    tool_policy(params, choice=choice["type"], one_call=bool(choice.get("disable_parallel_tool_use")))
     plan = session.chat_prompt(msgs, tools, lambda m, gen: ep.render(m, tools, gen))
     call, (s,) = await ep.generate(session, "messages", plan, params, 1, request)
     session.remember_chat(call.completions[0], msgs, tools, _returned(s))
@@ -521,7 +636,40 @@ def messages_stream(resp: dict[str, Any], include_usage: bool) -> list[str]:
     return [*out, _sse({"type": "message_stop"}, "message_stop")]
 
 
-STREAMED = {"chat": chat_stream, "messages": messages_stream}
+def responses_stream(resp: dict[str, Any], include_usage: bool) -> list[str]:
+    """A finished Responses answer as the API's streaming events: ``response.created``, per output
+    item its ``added`` / delta / ``done`` events (text parts; function-call arguments), then
+    ``response.completed`` (``response.incomplete`` when the budget ran out) with the whole response."""
+    events: list[dict[str, Any]] = []
+    pending = {**resp, "status": "in_progress", "output": [], "incomplete_details": None}
+    events += [{"type": "response.created", "response": pending},
+               {"type": "response.in_progress", "response": pending}]
+    for i, item in enumerate(resp["output"]):
+        at = {"item_id": item["id"], "output_index": i}
+        if item["type"] == "message":
+            events.append({"type": "response.output_item.added", "output_index": i,
+                           "item": {**item, "status": "in_progress", "content": []}})
+            for k, part in enumerate(item["content"]):
+                events += [{"type": "response.content_part.added", **at, "content_index": k,
+                            "part": {**part, "text": ""}},
+                           {"type": "response.output_text.delta", **at, "content_index": k, "delta": part["text"],
+                            "logprobs": []},
+                           {"type": "response.output_text.done", **at, "content_index": k, "text": part["text"],
+                            "logprobs": []},
+                           {"type": "response.content_part.done", **at, "content_index": k, "part": part}]
+        else:
+            events += [{"type": "response.output_item.added", "output_index": i,
+                        "item": {**item, "status": "in_progress", "arguments": ""}},
+                       {"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]},
+                       {"type": "response.function_call_arguments.done", **at, "name": item["name"],
+                        "arguments": item["arguments"]}]
+        events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+    events.append({"type": "response.incomplete" if resp["status"] == "incomplete" else "response.completed",
+                   "response": resp})
+    return [_sse({**e, "sequence_number": n}, e["type"]) for n, e in enumerate(events)]
+
+
+STREAMED = {"chat": chat_stream, "messages": messages_stream, "responses": responses_stream}
 """APIs that take ``stream: true`` (the answer is generated, then sent as events)."""
 
 HANDLERS = {"chat/completions": ("chat", chat_completions), "completions": ("completions", completions),
@@ -529,10 +677,22 @@ HANDLERS = {"chat/completions": ("chat", chat_completions), "completions": ("com
 
 
 def _retryable(ep: AgentEndpoint, api: str) -> JSONResponse:
+    """The answer to a call that arrives while weights load (the caller records it as refused)."""
     ep.retryable_answers += 1
     err = ApiError(529 if api == "messages" else 503, "weights are loading; retry shortly",
                    kind="overloaded_error" if api == "messages" else "server_error")
     return JSONResponse(_error_body(api, err), status_code=err.status, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _check_model(ep: AgentEndpoint, api: str, body: dict[str, Any]) -> None:
+    """The request names the served model (``ep.model_name``); another name is a 404 ``model_not_found``."""
+    model = body.get("model")
+    _require(isinstance(model, str) and bool(model), "model: field required (the served model's name)", "model")
+    if model != ep.model_name:
+        if api == "messages":
+            raise ApiError(404, f"model: {model} (this endpoint serves {ep.model_name!r})", kind="not_found_error")
+        raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it (this endpoint "
+                       f"serves `{ep.model_name}`).", code="model_not_found")
 
 
 def _authorized(ep: AgentEndpoint, request: Request) -> bool:
@@ -548,13 +708,16 @@ async def _dispatch(ep: AgentEndpoint, path: str, sid: str | None, request: Requ
         if not _authorized(ep, request):
             raise ApiError(401, "invalid API key", kind="authentication_error")
         session = ep.session(sid or request.headers.get(SESSION_HEADER))
-        if not ep.pause.ready.is_set():
-            return _retryable(ep, api)
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError:
             raise ApiError(400, "the body is not valid JSON") from None
         _require(isinstance(body, dict), "the body must be a JSON object")
+        _check_model(ep, api, body)
+        if not ep.pause.ready.is_set():
+            session.refuse(request_fingerprint(api, raw))
+            return _retryable(ep, api)
         _require(not body.get("stream") or api in STREAMED, f"stream is not supported on {path}", "stream")
         result = await handler(ep, session, body, request)
         if body.get("stream"):

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client import Counter
@@ -44,6 +45,12 @@ AGENT_SEGMENTED = Counter("trajmesh_rollout_agent_segmented_trajectories_total",
                           "External agents' trajectories holding several segments (each trained as its own row)")
 
 
+def served_model_name(configured: str, model_path: str) -> str:
+    """The name the endpoint serves the policy under: the configured one, else the model
+    directory's (or hub id's) last component, never a path."""
+    return configured or Path(model_path.rstrip("/")).name
+
+
 async def serve_endpoint(rollout: AgentHost, sources: list[Any]) -> None:
     """``rollout_setup``: the endpoint external agents call, generating with this rollout process's
     sampler (pauses for weight loads included); sets ``rollout.agent_server`` / ``agent_serve_task``
@@ -52,8 +59,8 @@ async def serve_endpoint(rollout: AgentHost, sources: list[Any]) -> None:
 
     ecfg = rollout.cfg.rollout.agent_endpoint
     endpoint = AgentEndpoint(rollout.tokenizer, rollout.chat, rollout.sampler, rollout.pause,
-                             model_name=rollout.cfg.model.path, default_max_tokens=ecfg.max_tokens,
-                             api_key=ecfg.api_key)
+                             model_name=served_model_name(ecfg.model_name, rollout.cfg.model.path),
+                             default_max_tokens=ecfg.max_tokens, api_key=ecfg.api_key)
     port = ecfg.port or free_port()
     rollout.agent_server, rollout.agent_serve_task = await serve(endpoint, ecfg.host, port)
     rollout.agents = AgentRunner(endpoint, f"http://{ecfg.host}:{port}", api_key=ecfg.api_key or "trajmesh")

@@ -63,10 +63,11 @@ HIDDEN_METADATA = ("solution", "answer", "entry")
 """Task metadata the agent never sees (reference solutions and answers)."""
 
 
-def task_dict(task: trajectory_pb2.Task) -> dict[str, Any]:
-    """What the agent gets: the task without its reference answer or solution."""
+def task_dict(task: trajectory_pb2.Task, model: str) -> dict[str, Any]:
+    """What the agent gets: the task without its reference answer or solution, and ``model``, the
+    name its calls must give (the endpoint's served model)."""
     meta = {k: v for k, v in json.loads(task.metadata_json or "{}").items() if k not in HIDDEN_METADATA}
-    return {"task_id": task.task_id, "source": task.source, "prompt": task.prompt, "metadata": meta}
+    return {"task_id": task.task_id, "source": task.source, "prompt": task.prompt, "metadata": meta, "model": model}
 
 
 def hosted_environment(task: trajectory_pb2.Task) -> HostedEnvironment | None:
@@ -127,7 +128,7 @@ class AgentRunner:
 
     async def _process(self, entry: str, task: trajectory_pb2.Task, base_url: str, budget_s: float,
                        python_path: list[str]) -> AgentOutcome:
-        payload = json.dumps({"entry": entry, "task": task_dict(task), "base_url": base_url, "api_key": self.api_key})
+        payload = json.dumps({"entry": entry, "task": task_dict(task, self.endpoint.model_name), "base_url": base_url, "api_key": self.api_key})
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([*python_path, env.get("PYTHONPATH", "")]).strip(os.pathsep)
         proc = await asyncio.create_subprocess_exec(
@@ -151,7 +152,7 @@ class AgentRunner:
         return AgentOutcome(trajectory_pb2.EOS, str(answer))
 
     async def _http(self, url: str, task: trajectory_pb2.Task, base_url: str, budget_s: float) -> AgentOutcome:
-        body = {"task": task_dict(task), "base_url": base_url, "api_key": self.api_key}
+        body = {"task": task_dict(task, self.endpoint.model_name), "base_url": base_url, "api_key": self.api_key}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=budget_s)) as http, \
                     http.post(url, json=body) as resp:

@@ -149,6 +149,9 @@ class AgentSession:
         self.turn_end_id = turn_end_id
         """The id of the template's end-of-turn token (ChatML ``<|im_end|>``), if it is one token."""
         self.calls: list[Call] = []
+        self.attempts: list[tuple[str, Call | None]] = []
+        """Every request in arrival order: its fingerprint and its call (None: refused with a retryable
+        answer while weights loaded, nothing generated)."""
         self.started = time.time()
         self.closed = False
         """No more calls are taken (the task ended, timed out or was abandoned)."""
@@ -210,6 +213,7 @@ class AgentSession:
     def begin(self, api: str, plan: PromptPlan, fingerprint: str) -> Call:
         call = Call(len(self.calls), api, plan.prompt_ids, plan.parent, plan.reason, fingerprint, time.time())
         self.calls.append(call)
+        self.attempts.append((fingerprint, call))
         if plan.parent is not None:
             plan.parent.continued = True
         return call
@@ -231,15 +235,20 @@ class AgentSession:
     def remember_text(self, comp: Completion, prompt: str, returned: str) -> None:
         self._text_continuations[prompt + returned] = comp
 
+    def refuse(self, fingerprint: str) -> None:
+        """Records a request answered retryable (503 / 529) while weights loaded: generated nothing."""
+        self.attempts.append((fingerprint, None))
+
     def drop_retried(self, fingerprint: str) -> int:
-        """An SDK retry of the request `fingerprint`: the latest earlier call with that body whose
-        completions nobody continued was never received. Its completions become orphans."""
-        for call in reversed(self.calls):
-            if call.fingerprint == fingerprint and call.finished and not any(c.continued for c in call.completions):
-                if all(c.orphan for c in call.completions):
-                    continue
-                return self.drop(call)
-        return 0
+        """An SDK retry of the request `fingerprint`: its previous attempt is the latest one with that
+        body. If that attempt generated an answer (finished, and nobody continued it), the agent never
+        received it: its completions become orphans. A refused attempt, one still generating (its
+        hang-up is caught when it ends) or an earlier identical request (a second sample the agent
+        asked for) costs nothing."""
+        previous = next((call for fp, call in reversed(self.attempts) if fp == fingerprint), None)
+        if previous is None or not previous.finished or any(c.continued for c in previous.completions):
+            return 0
+        return self.drop(previous)
 
     def drop(self, call: Call) -> int:
         """Marks a call's completions as never received; returns how many were live."""

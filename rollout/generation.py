@@ -133,7 +133,9 @@ class TurnSampler:
         """The version the owner has loaded: the tokens' version when the engine reports none."""
 
     async def sample(self, context: list[int], params: Any, seed: int | None = None) -> Turn:
-        """`params`: temperature, top_p, top_k, max_new_tokens (the task's SamplingParams)."""
+        """`params`: temperature, top_p, top_k, max_new_tokens (the task's SamplingParams); optional
+        ``stop`` (strings) and ``stop_token_ids`` go to the engine too, which ends the turn on them
+        (the token that completes a stop string stays in the output, as SGLang and vLLM keep it)."""
         turn = Turn([], [], [], "length")
         budget, aborts = int(params.max_new_tokens), 0
         while True:
@@ -159,7 +161,7 @@ class TurnSampler:
             TOKENS.inc(len(res.output_ids))
             finish = str(res.finish_reason.get("type", "abort"))
             ENGINE_REQUESTS.labels(finish_reason=finish if finish in ("stop", "length") else "abort").inc()
-            if res.output_ids and res.output_ids[-1] in self.stop_ids:
+            if res.output_ids and res.output_ids[-1] in self.stop_ids | _request_stop_ids(params):
                 turn.finish = "stop"  # before the abort check: SGLang aborts after appending EOS
                 return turn
             if finish != "abort" or len(turn.ids) >= budget:
@@ -184,7 +186,10 @@ class TurnSampler:
     def _sampling(self, params: Any, room: int, seed: int | None, caps: EngineCapabilities) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             "temperature": params.temperature, "top_p": params.top_p or 1.0, "top_k": params.top_k or -1,
-            "max_new_tokens": room, "stop_token_ids": sorted(self.stop_ids)}
+            "max_new_tokens": room, "stop_token_ids": sorted(self.stop_ids | _request_stop_ids(params))}
+        stop = list(getattr(params, "stop", None) or ())
+        if stop:
+            sampling["stop"] = stop
         if seed is not None and caps.sampling_seed:
             sampling["sampling_seed"] = seed
         return sampling
@@ -212,6 +217,11 @@ class TurnSampler:
         if not isinstance(res, GenerateResult) or res.logprobs is None or len(res.logprobs) != len(res.output_ids):
             raise EngineFailed("bad_response", "no per-token log-probs")
         return res
+
+
+def _request_stop_ids(params: Any) -> set[int]:
+    """The request's own stop token ids (``params.stop_token_ids``), beside the model's."""
+    return {int(t) for t in getattr(params, "stop_token_ids", None) or ()}
 
 
 class NewestOnly:

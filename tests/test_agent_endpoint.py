@@ -69,6 +69,8 @@ class RecordingEngine(EngineClient):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.records: list[tuple[list[int], list[int]]] = []
+        self.samplings: list[dict[str, Any]] = []
+        """The sampling fields of each answered /generate, beside ``records``."""
         self.interrupt: Interrupt | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         """The endpoint's event loop (uvicorn's thread): where the test runs its weight update."""
@@ -84,6 +86,7 @@ class RecordingEngine(EngineClient):
             await asyncio.to_thread(cut.release.wait, 120)
             res = dataclasses.replace(res, finish_reason={"type": "abort", "message": "generation paused"})
         self.records.append((list(input_ids), list(res.output_ids)))
+        self.samplings.append(dict(sampling))
         return res
 
 
@@ -396,13 +399,13 @@ from openai import OpenAI
 
 def call_then_crash(task, base_url, api_key):
     OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
+        model=task["model"], messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
     raise RuntimeError("the agent broke")
 
 
 def call_then_hang(task, base_url, api_key):
     OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
+        model=task["model"], messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
     time.sleep(3600)
 
 
@@ -420,7 +423,7 @@ def solve_then_edit_history(task, base_url, api_key):
 
     answer = solve(task, base_url, api_key)
     OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": task["prompt"]},
+        model=task["model"], messages=[{"role": "user", "content": task["prompt"]},
                              {"role": "assistant", "content": "I will not use tools."},
                              {"role": "user", "content": "Why?"}], max_tokens=4)
     return answer
@@ -501,7 +504,7 @@ def test_http_agent(h: Harness) -> None:
             return web.Response(status=500)
         client = openai.AsyncOpenAI(base_url=body["base_url"], api_key=body["api_key"])
         reply = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": body["task"]["prompt"]}], max_tokens=3)
+            model=body["task"]["model"], messages=[{"role": "user", "content": body["task"]["prompt"]}], max_tokens=3)
         answered.append(f"agent says: {reply.choices[0].message.content}")
         return web.json_response({"answer": answered[-1]})
 
@@ -695,7 +698,7 @@ ACTIONS = __ACTIONS__
 def act(task, base_url, api_key):
     """One model call, then the scripted tool calls on the environment the runner hosts."""
     OpenAI(base_url=base_url, api_key=api_key).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
+        model=task["model"], messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2)
     for name, arguments in ACTIONS:
         body = json.dumps({"tool_call": {"name": name, "arguments": arguments}}).encode()
         req = urllib.request.Request(base_url.removesuffix("/v1") + "/env/step", data=body,
@@ -751,3 +754,196 @@ def test_workplace_task_is_graded_by_the_hosted_environments_final_state(h: Harn
         urllib.request.urlopen(req)
     assert err.value.code == 400 and "no hosted environment" in json.load(err.value)["error"]["message"]
     h.ep.close_session("noenv")
+
+
+# --------------------------------------------------------------------- the APIs' exact behaviour
+
+
+def _mid_token_stop(h: Harness) -> tuple[str, int, str]:
+    """A stop string inside the scripted tool call that ends one character into a token of two or
+    more characters: (stop, k, text before it); the engine's output ends with token k (kept, as
+    SGLang and vLLM keep the token that completes a stop string)."""
+    call = h.script["call"][:-1]
+    full = h.tok.decode(call)
+    for k in range(2, len(call)):
+        pre, upto = h.tok.decode(call[:k]), h.tok.decode(call[:k + 1])
+        if len(upto) - len(pre) < 2 or not upto.startswith(pre):
+            continue
+        stop = pre[-3:] + upto[len(pre)]
+        if full.find(stop) == len(pre) - 3 and not pre[-3:].isspace():
+            return stop, k, pre[:-3]
+    raise AssertionError("no token of two characters in the scripted call")
+
+
+def test_stop_string_stops_the_engine_and_the_trajectory_is_what_the_agent_got(h: Harness) -> None:
+    """``stop`` reaches the engine, which ends the turn at the token completing the stop string;
+    the answer is the text before it, and the trajectory, the usage, the log-probs and the next
+    call's prompt prefix hold exactly the tokens generated up to there."""
+    stop, k, before_stop = _mid_token_stop(h)
+    expected = h.script["call"][:k + 1]
+    session = h.ep.open_session("stop1")
+    client = h.openai("stop1")
+    tools = [{"type": "function", "function": ADD_FN}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    n = len(h.engine.records)
+    first = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, temperature=0, max_tokens=64,
+                                           stop=[stop], logprobs=True)
+    assert h.engine.samplings[n]["stop"] == [stop]  # the engine, not the endpoint, stopped
+    (in1, out1), = h.engine.records[n:]
+    assert out1 == expected
+    choice = first.choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (before_stop, None, "stop")
+    assert first.usage.completion_tokens == len(expected) == len(choice.logprobs.content)
+    msgs += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=2)
+    (in2, out2), = h.engine.records[n + 1:]
+    assert in2[:len(in1) + len(expected)] == in1 + expected
+    (traj,) = session.trajectories(None, base_id="t")
+    assert _sampled(traj) == [expected, out2]
+    aclient = anthropic.Anthropic(base_url=f"{h.url}/sessions/stop1", api_key="unused", timeout=120)
+    a_tools = [{"name": ADD_FN["name"], "description": ADD_FN["description"], "input_schema": ADD_FN["parameters"]}]
+    msg = aclient.messages.create(model="tiny", max_tokens=64, messages=[{"role": "user", "content": QUESTION}],
+                                  tools=a_tools, stop_sequences=[stop], extra_body={"temperature": 0})
+    assert (msg.stop_reason, msg.stop_sequence, msg.usage.output_tokens) == ("stop_sequence", stop, len(expected))
+    assert [b.text for b in msg.content] == [before_stop] and h.engine.records[-1][1] == expected
+
+
+def test_identical_request_retried_after_a_refusal_keeps_the_delivered_answer(h: Harness) -> None:
+    """A best-of-2 agent sends one request twice; the second is refused (503) during a weight load
+    and the SDK retries it. Both answers reached the agent: both are trained, none is an orphan."""
+    session = h.ep.open_session("retry2")
+    msgs = [{"role": "user", "content": "Say hi."}]
+    n = len(h.engine.records)
+    h.openai("retry2").chat.completions.create(model="tiny", messages=msgs, max_tokens=6)
+    result: dict[str, Any] = {}
+    h.pause.pause()
+    try:
+        refused = h.ep.retryable_answers
+        worker = threading.Thread(target=lambda: result.update(r=h.openai("retry2", max_retries=3).chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=6)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while h.ep.retryable_answers == refused:  # the second request's first attempt was refused
+            assert time.monotonic() < deadline and worker.is_alive()
+            time.sleep(0.02)
+    finally:
+        h.pause.resume()
+    worker.join(timeout=120)
+    assert result["r"].choices
+    assert [c.orphan for call in session.calls for c in call.completions] == [False, False]
+    assert [call is None for _, call in session.attempts] == [False, True, False]  # the refusal is recorded
+    outs = [out for _, out in h.engine.records[n:]]
+    assert sorted(_sampled(t)[0] for t in session.trajectories(None, base_id="t")) == sorted(outs)
+    assert h.ep.close_session("retry2").calls[1].completions[0].output_ids == outs[1]
+
+
+def test_context_model_and_budget_errors_are_the_apis_own(h: Harness) -> None:
+    """A prompt past the context: 400 ``context_length_exceeded`` (Anthropic: invalid_request_error);
+    ``max_tokens`` above what fits: 400; a model the endpoint does not serve: 404 ``model_not_found``.
+    Each is the SDKs' own exception type, and none reaches the engine or the session's record."""
+    session = h.ep.open_session("err1")
+    client = h.openai("err1", max_retries=0)
+    aclient = anthropic.Anthropic(base_url=f"{h.url}/sessions/err1", api_key="unused", max_retries=0)
+    long_text = " ".join([QUESTION] * 400)
+    assert len(h.tok.encode(long_text)) > 1024  # the harness engine's context
+    n = len(h.engine.records)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_text}])
+    assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=1000)
+    assert (err.value.code, err.value.param) == ("context_length_exceeded", "max_tokens")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input=long_text)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": QUESTION}])
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(anthropic.BadRequestError) as aerr:
+        aclient.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": long_text}])
+    assert aerr.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError):
+        aclient.messages.create(model="tiny", max_tokens=1000, messages=[{"role": "user", "content": QUESTION}])
+    with pytest.raises(anthropic.NotFoundError) as anf:
+        aclient.messages.create(model="claude-x", max_tokens=8, messages=[{"role": "user", "content": QUESTION}])
+    assert anf.value.body["error"]["type"] == "not_found_error"
+    assert len(h.engine.records) == n and session.calls == []
+    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=2)
+    assert ok.model == "tiny" and len(session.calls) == 1
+    h.ep.close_session("err1")
+
+
+def test_served_model_name_is_configured_or_the_model_directorys() -> None:
+    from trajmesh.config import load_config
+    from trajmesh.rollout.agent_episodes import served_model_name
+
+    assert load_config(None, {}).rollout.agent_endpoint.model_name == ""
+    assert served_model_name("", "/models/Qwen2.5-0.5B-Instruct/") == "Qwen2.5-0.5B-Instruct"
+    assert served_model_name("", "Qwen/Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
+    assert served_model_name("policy", "/models/Qwen2.5-0.5B-Instruct") == "policy"
+
+
+def test_tool_choice_and_parallel_tool_calls_are_honoured_or_refused(h: Harness) -> None:
+    """``tool_choice: none`` stops the engine before a tool call begins and ``parallel_tool_calls:
+    false`` after the first call closes (stop strings on the native tags, the tokens kept as
+    generated); what the engine cannot constrain (``required``, a named function, a JSON schema)
+    answers 400."""
+    session = h.ep.open_session("choice1")
+    client = h.openai("choice1", max_retries=0)
+    tools = [{"type": "function", "function": ADD_FN}]
+    msgs = [{"role": "user", "content": QUESTION}]
+    open_tag, close_tag = (h.tok.tokenizer.token_to_id(t) for t in ("<tool_call>", "</tool_call>"))
+    call = h.script["call"]
+    n = len(h.engine.records)
+    none = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, tool_choice="none",
+                                          temperature=0, max_tokens=64)
+    assert (none.choices[0].message.tool_calls, none.choices[0].finish_reason) == (None, "stop")
+    assert h.engine.records[n][1] == call[:call.index(open_tag) + 1]
+    one = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, parallel_tool_calls=False,
+                                         temperature=0, max_tokens=64)
+    assert "</tool_call>" in h.engine.samplings[n + 1]["stop"]
+    assert h.engine.records[n + 1][1] == call[:call.index(close_tag) + 1]  # ends at the call: no second one
+    assert [tc.function.name for tc in one.choices[0].message.tool_calls] == ["add"]
+    assert one.choices[0].finish_reason == "tool_calls"
+    resp = client.responses.create(model="tiny", input=QUESTION, tools=[{"type": "function", **ADD_FN}],
+                                   tool_choice="none", parallel_tool_calls=False, temperature=0, max_output_tokens=64)
+    assert (resp.tool_choice, resp.parallel_tool_calls) == ("none", False)
+    assert [o.type for o in resp.output] == ["message"]
+    refused = [
+        lambda: client.chat.completions.create(model="tiny", messages=msgs, tools=tools, tool_choice="required"),
+        lambda: client.chat.completions.create(model="tiny", messages=msgs, tools=tools,
+                                               tool_choice={"type": "function", "function": {"name": "add"}}),
+        lambda: client.chat.completions.create(model="tiny", messages=msgs, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        lambda: client.responses.create(model="tiny", input=QUESTION, text={"format": {"type": "json_object"}}),
+    ]
+    for ask in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            ask()
+        assert err.value.param in ("tool_choice", "response_format", "text.format")
+    aclient = anthropic.Anthropic(base_url=f"{h.url}/sessions/choice1", api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError):
+        aclient.messages.create(model="tiny", max_tokens=8, messages=msgs, tool_choice={"type": "any"},
+                                tools=[{"name": "add", "input_schema": ADD_FN["parameters"]}])
+    assert len(session.calls) == 3
+    h.ep.close_session("choice1")
+
+
+def test_responses_streaming_gives_the_sdk_its_event_sequence(h: Harness) -> None:
+    """``stream: true`` on the Responses API: the SDK's stream helper assembles the answer from the
+    events (it checks their order) and the final response is the recorded call."""
+    session = h.ep.open_session("rstream1")
+    client = h.openai("rstream1")
+    tools = [{"type": "function", **ADD_FN}]
+    with client.responses.stream(model="tiny", input=QUESTION, tools=tools, temperature=0,
+                                 max_output_tokens=64) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+    calls = [o for o in final.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3})]
+    assert final.usage.output_tokens == len(h.script["call"])
+    (traj,) = session.trajectories(None, base_id="t")
+    assert _sampled(traj) == [h.script["call"]]
+    h.ep.close_session("rstream1")

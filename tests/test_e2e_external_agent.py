@@ -100,7 +100,7 @@ def solve_then_edit_history(task, base_url, api_key):
     """The example's tool loop, then one call on a rewritten history: a second segment."""
     answer = solve(task, base_url, api_key)
     OpenAI(base_url=base_url, api_key=api_key, timeout=300).chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": task["prompt"]},
+        model=task["model"], messages=[{"role": "user", "content": task["prompt"]},
                                   {"role": "assistant", "content": "I will not use tools."},
                                   {"role": "user", "content": "Why?"}], temperature=0, max_tokens=4)
     return answer

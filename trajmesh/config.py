@@ -238,7 +238,10 @@ class AgentEndpointConfig(_Strict):
     api_key: str | None = None
     """When set, agents must send it (``Authorization: Bearer`` or ``x-api-key``)."""
     max_tokens: int = Field(256, gt=0)
-    """Completion budget of a call that names none."""
+    """Completion budget of a call that names none (capped to what fits the engine's context)."""
+    model_name: str = ""
+    """The served model's name: calls must name it (another is a 404 ``model_not_found``) and every
+    answer carries it; agents get it as the task's ``model``. Empty: the model directory's name."""
 
 
 class RolloutConfig(_Strict):
