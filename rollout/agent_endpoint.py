@@ -23,9 +23,18 @@ work unchanged; ``/v1/...`` with an ``X-Trajmesh-Session`` header works too. Ses
 whoever runs the agent (``open_session``); a call to an unknown or closed session is a 404 in the
 API's error shape. While weights load (``PauseClock`` not ready) new calls are refused with a
 retryable 503 (Anthropic: 529 ``overloaded_error``) and ``Retry-After``, which both SDKs retry;
-calls already generating wait for the load and continue under the new version. A request an SDK
-retries (``x-stainless-retry-count`` > 0) drops the earlier attempt's completions, and a completion
-whose caller hung up before the answer is dropped too (orphans, never trained).
+calls already generating wait for the load and continue under the new version; a refused attempt
+is recorded as refused (``AgentSession.refuse``). A request an SDK retries
+(``x-stainless-retry-count`` > 0) drops its previous attempt's completions when that attempt
+generated them, and a completion whose caller hung up before the answer is dropped too (orphans,
+never trained).
+
+Stop strings go to the engine (``TurnSampler``); the token completing one is kept, as SGLang and
+vLLM keep it, and a turn is cut there so the recorded tokens are the ones behind the text the agent
+got. ``tool_choice: none`` and ``parallel_tool_calls: false`` are stop strings on the native
+tool-call tags; what needs constrained decoding (``tool_choice`` required / named, JSON formats)
+answers 400, as do a prompt past the context (``context_length_exceeded``) and a ``max_tokens``
+above what fits; a ``model`` other than the served one is 404 ``model_not_found``.
 """
 
 from __future__ import annotations
