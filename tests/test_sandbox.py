@@ -164,3 +164,26 @@ def test_a_python_install_under_tmp_stays_usable_and_read_only() -> None:
         assert stdout.splitlines()[1] == "ro 30"  # EROFS: the venv is mounted read-only inside
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_venv_reached_through_a_symlink_runs_calls(tmp_path: Path) -> None:
+    # A shared or relocated venv is often a symlink to the real directory; the new root binds real
+    # paths, so the interpreter, its prefixes and site-packages must be resolved before binding.
+    import json
+    import subprocess
+    import sys
+
+    link = tmp_path / "venv"
+    link.symlink_to(os.path.realpath(sys.prefix), target_is_directory=True)
+    python = link / "bin" / os.path.basename(sys.executable)
+    assert python.exists()
+    probe = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom trajmesh import sandbox\n"
+             "r = sandbox.run_code('import sys, json\\nprint(6 * 7, sys.prefix)\\n"
+             "import pydantic\\nprint(pydantic.__name__)')\n"
+             "print(json.dumps([sys.prefix, r.status, r.subclass, r.stdout, r.stderr[-500:]]))\n")
+    out = subprocess.run([str(python), "-c", probe, str(Path(__file__).resolve().parents[1])],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    prefix, status, subclass, stdout, stderr = json.loads(out.strip().splitlines()[-1])
+    assert prefix == str(link)  # the caller's interpreter runs through the link
+    assert (status, subclass) == (sandbox.OK, ""), stderr
+    assert stdout.split() == ["42", os.path.realpath(sys.prefix), "pydantic"]  # site-packages of the venv

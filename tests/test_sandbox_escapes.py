@@ -337,3 +337,35 @@ def test_every_namespace_is_the_calls_own(mode: str) -> None:
     inside = json.loads(_attack(mode, code)["stdout"])
     shared = [k for k in host if inside[k] == host[k]]
     assert shared == [], f"namespaces shared with the caller: {shared}"
+
+
+def test_per_user_kernel_quotas_are_capped_in_the_calls_namespace(mode: str) -> None:
+    # inotify instances are charged to every user namespace up to the host's, i.e. to the uid running
+    # the service: without a cap of its own, one call could take all of them while it runs.
+    # Only the first process prints: the total of what the four got at once.
+    code = ("import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\nr, w = os.pipe()\nmain = os.getpid()\n"
+            "for _ in range(3):\n    if os.fork() == 0:\n        break\n"
+            "n = 0\nwhile n < 55 and libc.inotify_init() >= 0:\n    n += 1\nos.write(w, b'%d\\n' % n)\n"
+            "if os.getpid() == main:\n    got = b''\n    while got.count(b'\\n') < 4:\n        got += os.read(r, 64)\n"
+            "    print(sum(int(x) for x in got.split()))\nelse:\n    time.sleep(5)\n")
+    res = _attack(mode, code)
+    total = int(res["stdout"].split()[-1])
+    assert total <= sandbox.USER_NS_MAX["max_inotify_instances"], f"the call held {total} inotify instances"
+
+
+def test_proc_keys_shows_none_of_the_callers_keys(mode: str) -> None:
+    desc = "trajmesh-keyring-" + secrets.token_hex(6)
+    header = _KEYS.format(secret="x", planted="y") + f"DESC = {desc!r}\n"
+    setup = header + "KID = libc.syscall(NR[0], b'user', DESC.encode(), b'v', 1, -4)\nassert KID > 0\n"  # user keyring
+    code = "for p in ('/proc/keys', '/proc/key-users'):\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print('denied', e)\n"
+    check = header + "libc.syscall(NR[2], 3, KID)\n"  # KEYCTL_REVOKE
+    res = _attack(mode, code, setup=setup, check=check)
+    assert desc not in res["stdout"]
+
+
+def test_the_program_cannot_write_its_inits_proc_files(mode: str) -> None:
+    code = ("for f in ('oom_score_adj', 'coredump_filter', 'clear_refs'):\n    try:\n"
+            "        open('/proc/1/' + f, 'w').write('1')\n        print('wrote', f)\n"
+            "    except OSError as e:\n        print('refused', f, e.errno)\n")
+    res = _attack(mode, code)
+    assert "wrote" not in res["stdout"] and res["stdout"].count("refused") == 3, res["stdout"]
