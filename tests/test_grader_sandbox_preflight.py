@@ -1,18 +1,19 @@
 """The grader service checks the sandbox at start-up when a configured source is graded by running
-model code (the `code` grader): without cgroup v2 delegation it refuses (SandboxUnavailable) unless
-sandbox.allow_without_cgroup, like the environment service (test_environment_sandbox_preflight.py).
+model code (the `code` grader): without a per-call cgroup (v2 or v1) it refuses (SandboxUnavailable)
+unless sandbox.allow_without_cgroup, like the environment service (test_environment_sandbox_preflight.py).
 
 No built-in source yields code-graded tasks yet, so the refusal tests stand one in: math_tool tasks
 relabelled `grader: code` (the grader reads a task's grader from its metadata)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from mesh_checks import setup_then_stop
 
-from trajmesh import sandbox, tasks
+from trajmesh import cgroups, sandbox, tasks
 from trajmesh.config import load_config
 from trajmesh.infra import NatsServer, RedisServer
 from trajmesh.services.grader import GraderService, sandboxed_sources
@@ -45,13 +46,22 @@ def test_sandboxed_sources_read_each_sources_grader(monkeypatch: pytest.MonkeyPa
     assert sandboxed_sources(cfg) == ["m"]
 
 
-@pytest.mark.skipif(not sandbox.cgroup_problem(), reason="this host delegates cgroup v2: nothing to refuse")
+@pytest.fixture
+def no_cgroup(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process as on a host with no usable cgroup (v1 and v2 alike)."""
+    monkeypatch.setenv(cgroups.ENV, "none")
+    cgroups.mode.cache_clear()
+    yield
+    cgroups.mode.cache_clear()
+
+
+@pytest.mark.skipif(not sandbox.available(), reason="sandbox unavailable on this kernel")
 def test_refuses_to_grade_model_code_without_cgroups_unless_allowed(
-        monkeypatch: pytest.MonkeyPatch, nats_server: NatsServer, redis_server: RedisServer,
+        monkeypatch: pytest.MonkeyPatch, no_cgroup: None, nats_server: NatsServer, redis_server: RedisServer,
         tiny_model_dir: str) -> None:
     _code_graded_math(monkeypatch)
     code = {"tasks.sources": [{"type": "math_tool"}]}
-    with pytest.raises(sandbox.SandboxUnavailable, match="allow_without_cgroup"):
+    with pytest.raises(sandbox.SandboxUnavailable, match="cgroup none: .*allow_without_cgroup"):
         _setup(code, nats_server, redis_server, tiny_model_dir)
     service = _setup({**code, "sandbox.allow_without_cgroup": True}, nats_server, redis_server, tiny_model_dir)
     assert service.consumer is not None  # the operator's explicit opt-in: setup went on to the bus

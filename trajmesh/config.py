@@ -270,8 +270,9 @@ class SandboxConfig(_Strict):
     docs/SECURITY.md "Sandbox")."""
 
     allow_without_cgroup: bool = False
-    """Run sandboxed code where cgroup v2 delegation is unavailable, with per-process rlimits only:
-    CPU seconds and memory then multiply by the process count, and tmpfs/shm/memfd pages are not
+    """Run sandboxed code where no per-call cgroup can be made (neither a delegated cgroup v2 subtree
+    nor writable cgroup v1 memory/pids/cpu/cpuacct hierarchies), with per-process rlimits only: CPU
+    seconds and memory then multiply by the process count, and tmpfs/shm/memfd pages are not
     counted. False: a service calling `sandbox.preflight` refuses to start there and says why."""
 
 
