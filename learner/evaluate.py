@@ -6,7 +6,14 @@ every stop id), the same environment classes (`envs/`, in-process: tools and the
 budgets and terminal reasons. Each episode is scored by its source's grader (`graders/`):
 reasoning-gym ``score_answer``, math-verify, search normalized exact match, workplace final state.
 The policy is a hook (`Policy`): the model sampled in-process with ``sample_batch``
-(rollout/torch_sampler.py, ``ModelPolicy``), a scripted one in tests.
+(rollout/torch_sampler.py, ``ModelPolicy``) in `trajmesh train`, the run's inference engine in
+the evaluator service (services/evaluator.py), a scripted one in tests.
+
+Above the episodes sits what both callers share: the held-out split of every source
+(`heldout_tasks`), one source's greedy and sampled figures (`evaluate_source`), the pooled record
+and its selection score (`heldout_result`), the best-score tracker and regression stop
+(`HeldoutTracker`) and the best-checkpoint snapshot (`keep_best`). The module imports without
+torch (the launcher and `trajmesh inspect` read it).
 
 Log-probabilities of ``sample_batch``: for a sampled row (temperature T > 0) the recorded value is
 ``log_softmax(logits / T)[token]`` over the full vocabulary, before top-k/top-p truncation — the
@@ -17,10 +24,20 @@ distribution at the sampling temperature (SGLang's default). For a greedy row (T
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+import shutil
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from trajmesh.rollout.episode import Episode, EpisodeFormat, ModelPolicy, Policy, play_episodes
-from trajmesh.rollout.torch_sampler import GREEDY_EPS
+
+if TYPE_CHECKING:
+    from trajmesh.config import RunConfig
+
+PolicyFactory = Callable[[int], Policy]
+"""A policy for one evaluation pass, given the pass's sampling seed."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -60,6 +77,8 @@ def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any
     correct for pass@k when its reward is ≥ 1. Also returns the graders' and environments'
     revisions that ran, and the terminal reasons.
     """
+    from trajmesh.rollout.torch_sampler import GREEDY_EPS
+
     if temperature <= GREEDY_EPS:
         samples = 1
     params = fmt.sampling(temperature, top_p, max_new_tokens)
@@ -112,3 +131,124 @@ def evaluate(
                          eos_id=tok.eos_token_id, seed=seed, batch_size=batch_size)
     return evaluate_tasks(policy, fmt, tasks, temperature=temperature, top_p=top_p,
                           samples=samples, max_new_tokens=max_new_tokens, max_turns=max_turns, seed=seed)
+
+
+def heldout_tasks(cfg: RunConfig) -> dict[str, list[dict[str, Any]]]:
+    """The held-out split of every source, by source name (each evaluated and reported on its own)."""
+    from trajmesh.tasks import load_split
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for src in cfg.tasks.sources:
+        _, held = load_split(src, 8, cfg.tasks.heldout_size)
+        out[src.name] = [{"prompt": t.prompt, "answer": t.answer, "task_id": t.task_id, "source": t.source,
+                          "environment": t.environment, "metadata": t.metadata} for t in held]
+    return out
+
+
+def eval_budgets(cfg: RunConfig) -> tuple[int, int]:
+    """(tokens per turn, turns per episode) of the held-out evaluation."""
+    sp = cfg.tasks.sampling
+    return cfg.eval.max_new_tokens or sp.max_new_tokens, cfg.eval.max_turns or sp.max_turns
+
+
+def evaluate_source(make_policy: PolicyFactory, fmt: EpisodeFormat, tasks: list[dict[str, Any]], cfg: RunConfig,
+                    samples: int, noise_seeds: int = 0) -> dict[str, Any]:
+    """Greedy and sampled figures of one source (plus `noise_seeds` one-sample sampled accuracies);
+    `make_policy(seed)` gives the policy of each pass, `fmt` the rollout's `EpisodeFormat`."""
+    max_new_tokens, max_turns = eval_budgets(cfg)
+
+    def run(temperature: float, n: int, seed: int) -> dict[str, Any]:
+        return evaluate_tasks(make_policy(seed), fmt, tasks, temperature=temperature, top_p=cfg.eval.top_p,
+                              samples=n, max_new_tokens=max_new_tokens, max_turns=max_turns, seed=seed)
+
+    greedy = run(0.0, 1, cfg.seed)
+    sampled = run(cfg.eval.temperature, samples, cfg.seed + 1)
+    out: dict[str, Any] = {"greedy_accuracy": float(greedy["accuracy"]), "sampled_accuracy": float(sampled["accuracy"]),
+                           "n_tasks": sampled["n_tasks"], "samples": sampled["samples"],
+                           "terminal_reasons": sampled["terminal_reasons"],
+                           "mean_response_tokens": sampled["mean_response_tokens"]}
+    for k, v in sampled["pass_at_k"].items():
+        out[f"sampled_pass_at_{k}"] = float(v)
+    if noise_seeds:
+        out["sampled_accuracy_seeds"] = [float(run(cfg.eval.temperature, 1, cfg.seed + 100 + i)["accuracy"])
+                                         for i in range(noise_seeds)]
+    return out
+
+
+def pooled(per_source: dict[str, dict[str, Any]], key: str) -> float | None:
+    """Problem-weighted mean of a per-source figure (the pooled headline numbers)."""
+    rows = [(r[key], r["n_tasks"]) for r in per_source.values() if r.get(key) is not None]
+    n = sum(w for _, w in rows)
+    return sum(v * w for v, w in rows) / n if n else None
+
+
+def heldout_score(result: dict[str, Any], metric: str) -> float:
+    """The selection score of an evaluation: the mean over sources of `<metric>_accuracy`."""
+    per = result["heldout"]
+    return sum(float(r[f"{metric}_accuracy"]) for r in per.values()) / len(per)
+
+
+def heldout_result(per: dict[str, dict[str, Any]], metric: str, noise_seeds: int = 0) -> dict[str, Any]:
+    """One evaluation's record from its per-source figures (`heldout.<source>`): the pooled headline
+    keys, the seed noise with `noise_seeds`, and the selection `score` by `metric`."""
+    out: dict[str, Any] = {"heldout": per}
+    for key in ("greedy_accuracy", "sampled_accuracy", *(k for k in next(iter(per.values())) if "pass_at" in k)):
+        out[key] = pooled(per, key)
+    if noise_seeds:
+        n = sum(r["n_tasks"] for r in per.values())
+        accs = [sum(r["sampled_accuracy_seeds"][i] * r["n_tasks"] for r in per.values()) / n for i in range(noise_seeds)]
+        out["sampled_accuracy_seeds"] = accs
+        out["sampled_accuracy_seed_std"] = statistics.stdev(accs) if len(accs) > 1 else 0.0
+    out["score"] = heldout_score(out, metric)
+    return out
+
+
+class HeldoutTracker:
+    """The best held-out score so far and the regression stop (pure: no I/O).
+
+    A regression is a score more than `margin` below the best; `confirmations` consecutive ones
+    stop the run (one noisy evaluation does not). A new best resets the count."""
+
+    def __init__(self, margin: float | None, confirmations: int) -> None:
+        self.margin = margin
+        self.confirmations = confirmations
+        self.best: dict[str, Any] | None = None
+        self.below = 0
+
+    def observe(self, version: int, score: float) -> tuple[bool, bool]:
+        """(new best?, stop?) after an evaluation of `version` scoring `score`."""
+        if self.best is None or score > self.best["score"]:
+            self.best = {"version": version, "score": score}
+            self.below = 0
+            return True, False
+        if self.margin is not None and score < self.best["score"] - self.margin:
+            self.below += 1
+        else:
+            self.below = 0
+        return False, self.margin is not None and self.below >= self.confirmations
+
+    def regression_message(self, metric: str, score: float) -> str:
+        """What a confirmed regression stop says (stop_reason.json)."""
+        best = self.best or {}
+        return (f"held-out {metric} score {score:.4f} more than {self.margin} below the best "
+                f"{best.get('score', float('nan')):.4f} (version {best.get('version')}) "
+                f"on {self.below} consecutive evaluations")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard link (the learner never rewrites a published file: each version is a new directory,
+    so a link is a snapshot and costs no space); a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def keep_best(run_dir: Path, weights: Path) -> Path:
+    """Snapshots a weights dir as RUN_DIR/best (temp dir + rename): the learner prunes old versions."""
+    best, tmp = run_dir / "best", run_dir / ".best.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(weights, tmp, copy_function=_link_or_copy)
+    shutil.rmtree(best, ignore_errors=True)
+    tmp.replace(best)
+    return best

@@ -27,6 +27,14 @@ from rich.live import Live
 from rich.table import Table
 
 from trajmesh.config import RunConfig, dump_config
+from trajmesh.learner.evaluate import (
+    HeldoutTracker,
+    eval_budgets,
+    evaluate_source,
+    heldout_result,
+    heldout_tasks,
+    keep_best,
+)
 from trajmesh.rollout.engines import HttpEngineConfig
 from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
 from trajmesh.run.run_end import end_run
@@ -37,24 +45,6 @@ console = Console()
 
 class RunDirExists(RuntimeError):
     pass
-
-
-def heldout_tasks(cfg: RunConfig) -> dict[str, list[dict[str, Any]]]:
-    """The held-out split of every source, by source name (each evaluated and reported on its own)."""
-    from trajmesh.tasks import load_split
-
-    out: dict[str, list[dict[str, Any]]] = {}
-    for src in cfg.tasks.sources:
-        _, held = load_split(src, 8, cfg.tasks.heldout_size)
-        out[src.name] = [{"prompt": t.prompt, "answer": t.answer, "task_id": t.task_id, "source": t.source,
-                          "environment": t.environment, "metadata": t.metadata} for t in held]
-    return out
-
-
-def eval_budgets(cfg: RunConfig) -> tuple[int, int]:
-    """(tokens per turn, turns per episode) of the held-out evaluation."""
-    sp = cfg.tasks.sampling
-    return cfg.eval.max_new_tokens or sp.max_new_tokens, cfg.eval.max_turns or sp.max_turns
 
 
 def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -84,49 +74,6 @@ def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -
             "sources": sources}
 
 
-def _evaluate_source(model: Any, fmt: Any, tasks: list[dict[str, Any]], cfg: RunConfig, samples: int,
-                     noise_seeds: int) -> dict[str, Any]:
-    """Greedy and sampled figures of one source (plus `noise_seeds` one-sample sampled accuracies);
-    `fmt`: the rollout's `EpisodeFormat` of the run's model."""
-    from trajmesh.learner.evaluate import evaluate_tasks
-    from trajmesh.rollout.episode import ModelPolicy
-
-    max_new_tokens, max_turns = eval_budgets(cfg)
-    tok = fmt.tokenizer
-
-    def run(temperature: float, n: int, seed: int) -> dict[str, Any]:
-        policy = ModelPolicy(model, pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                             eos_id=tok.eos_token_id, seed=seed)
-        return evaluate_tasks(policy, fmt, tasks, temperature=temperature, top_p=cfg.eval.top_p, samples=n,
-                              max_new_tokens=max_new_tokens, max_turns=max_turns, seed=seed)
-
-    greedy = run(0.0, 1, cfg.seed)
-    sampled = run(cfg.eval.temperature, samples, cfg.seed + 1)
-    out: dict[str, Any] = {"greedy_accuracy": float(greedy["accuracy"]), "sampled_accuracy": float(sampled["accuracy"]),
-                           "n_tasks": sampled["n_tasks"], "samples": sampled["samples"],
-                           "terminal_reasons": sampled["terminal_reasons"],
-                           "mean_response_tokens": sampled["mean_response_tokens"]}
-    for k, v in sampled["pass_at_k"].items():
-        out[f"sampled_pass_at_{k}"] = float(v)
-    if noise_seeds:
-        out["sampled_accuracy_seeds"] = [float(run(cfg.eval.temperature, 1, cfg.seed + 100 + i)["accuracy"])
-                                         for i in range(noise_seeds)]
-    return out
-
-
-def _pooled(per_source: dict[str, dict[str, Any]], key: str) -> float | None:
-    """Problem-weighted mean of a per-source figure (the pre-per-source headline numbers)."""
-    rows = [(r[key], r["n_tasks"]) for r in per_source.values() if r.get(key) is not None]
-    n = sum(w for _, w in rows)
-    return sum(v * w for v, w in rows) / n if n else None
-
-
-def heldout_score(result: dict[str, Any], metric: str) -> float:
-    """The selection score of an evaluation: the mean over sources of `<metric>_accuracy`."""
-    per = result["heldout"]
-    return sum(float(r[f"{metric}_accuracy"]) for r in per.values()) / len(per)
-
-
 def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: RunConfig, samples: int = 4,
                  noise_seeds: int = 0) -> dict[str, Any]:
     """Held-out figures of a model dir per source (`heldout.<source>`), greedy and sampled, each
@@ -138,7 +85,7 @@ def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: Run
     import torch
 
     from trajmesh.learner.models import load_model
-    from trajmesh.rollout.episode import EpisodeFormat
+    from trajmesh.rollout.episode import EpisodeFormat, ModelPolicy
 
     torch.manual_seed(cfg.seed)
     model, _ = load_model(model_dir)
@@ -147,42 +94,14 @@ def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: Run
     # The rollout's episode layout, from the run's model dir as the rollout loads it (a weights
     # dir holds the tokenizer but not always the chat template or generation config).
     fmt = EpisodeFormat.load(cfg.model.path or model_dir)
-    per = {name: _evaluate_source(model, fmt, tasks, cfg, samples, noise_seeds) for name, tasks in held.items()}
-    out: dict[str, Any] = {"heldout": per}
-    for key in ("greedy_accuracy", "sampled_accuracy", *(k for k in next(iter(per.values())) if "pass_at" in k)):
-        out[key] = _pooled(per, key)
-    if noise_seeds:
-        n = sum(r["n_tasks"] for r in per.values())
-        accs = [sum(r["sampled_accuracy_seeds"][i] * r["n_tasks"] for r in per.values()) / n for i in range(noise_seeds)]
-        out["sampled_accuracy_seeds"] = accs
-        out["sampled_accuracy_seed_std"] = statistics.stdev(accs) if len(accs) > 1 else 0.0
-    out["score"] = heldout_score(out, cfg.eval.selection_metric)
-    return out
+    tok = fmt.tokenizer
 
+    def policy(seed: int) -> ModelPolicy:
+        return ModelPolicy(model, pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                           eos_id=tok.eos_token_id, seed=seed)
 
-class HeldoutTracker:
-    """The best held-out score so far and the regression stop (pure: no I/O).
-
-    A regression is a score more than `margin` below the best; `confirmations` consecutive ones
-    stop the run (one noisy evaluation does not). A new best resets the count."""
-
-    def __init__(self, margin: float | None, confirmations: int) -> None:
-        self.margin = margin
-        self.confirmations = confirmations
-        self.best: dict[str, Any] | None = None
-        self.below = 0
-
-    def observe(self, version: int, score: float) -> tuple[bool, bool]:
-        """(new best?, stop?) after an evaluation of `version` scoring `score`."""
-        if self.best is None or score > self.best["score"]:
-            self.best = {"version": version, "score": score}
-            self.below = 0
-            return True, False
-        if self.margin is not None and score < self.best["score"] - self.margin:
-            self.below += 1
-        else:
-            self.below = 0
-        return False, self.margin is not None and self.below >= self.confirmations
+    per = {name: evaluate_source(policy, fmt, tasks, cfg, samples, noise_seeds) for name, tasks in held.items()}
+    return heldout_result(per, cfg.eval.selection_metric, noise_seeds)
 
 
 def write_metric(run_dir: Path, record: dict[str, Any]) -> None:
@@ -282,31 +201,12 @@ def latest_weights_dir(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard link (the learner never rewrites a published file: each version is a new directory,
-    so a link is a snapshot and costs no space); a copy across file systems."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _keep_best(run_dir: Path, weights: Path) -> Path:
-    """Snapshots a weights dir as RUN_DIR/best (temp dir + rename): the learner prunes old versions."""
-    best, tmp = run_dir / "best", run_dir / ".best.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(weights, tmp, copy_function=_link_or_copy)
-    shutil.rmtree(best, ignore_errors=True)
-    tmp.replace(best)
-    return best
-
-
 def _record_eval(run_dir: Path, tracker: HeldoutTracker, record: dict[str, Any], weights: Path | None) -> bool:
     """Appends an eval record, keeps the weights if they are the new best; True when the held-out
     regression stop is confirmed."""
     improved, stop = tracker.observe(int(record["version"]), float(record["score"]))
     if improved and tracker.best is not None:
-        path = _keep_best(run_dir, weights) if weights is not None and record["version"] > 0 else weights
+        path = keep_best(run_dir, weights) if weights is not None and record["version"] > 0 else weights
         tracker.best.update(path=str(path) if path else None, phase=record["phase"], rl_seconds=record["rl_seconds"])
         record = {**record, "best": True}
     write_metric(run_dir, record)
