@@ -3,15 +3,18 @@
 ::
 
     run_code(code)
+        │ creates the call's cgroup (v2 or v1, trajmesh/cgroups.py) where this process may
         │ spawns the init: python -I -S; its script, config and the code come on a memfd
-        │ (it joins the call's cgroup v2 when delegated)
+        │ (it joins the call's cgroup first; it dies with the service: PDEATHSIG)
         │     fork ─▶ unshare user+mnt+pid+ipc+uts+net+cgroup+time; the init writes the id map
         │       fork ─▶ pid 1: tmpfs root, read-only nosuid nodev binds of the interpreter prefixes
         │               and system libraries, capped tmpfs /tmp, fresh /proc, pivot_root
         │         fork ─▶ program: rlimits, uid 1000 in the namespace, no groups or capabilities,
         │                 anonymous session keyring, no_new_privs, seccomp ─▶ python main.py
         │ one selector loop: stdin fed, stdout/stderr, audit and report pipes read (all capped)
-        │ deadline: SIGKILL to pid 1 (its namespace dies with it) and cgroup.kill
+        │ every 0.25 s with a cgroup: its OOM kills, refused forks, CPU seconds of all processes
+        │ deadline or limit: SIGKILL to the cgroup, pid 1 (its namespace dies with it), the init
+        │ the end: cgroup removed (what is left killed), uid lease freed
         ▼
     SandboxResult(status, subclass)
 
@@ -20,11 +23,13 @@ caller's own when rootless, a leased one when root), so no capability or host ui
 mount namespace's root is a fresh tmpfs with only the interpreter and system libraries bound
 read-only (no host data, socket directory or checkout is reachable), writable space is one tmpfs
 capped in bytes and inodes; private network (down loopback), IPC, UTS, cgroup, time and PID
-namespaces (nothing outlives the call); `PR_SET_NO_NEW_PRIVS` and nosuid mounts (setuid binaries
-gain nothing); a seccomp filter denying keyring, io_uring, ptrace, bpf, mount-family and
-namespace-creation calls (`SECCOMP_DENY`); rlimits for CPU, address space, processes, file size
-and open files; where cgroup v2 is delegated, one cgroup per call (memory with tmpfs/shm/memfd,
-pids, CPU seconds of all processes, kill of all at once; `preflight` for services). The service
+namespaces (nothing outlives the call), the namespace's own per-user kernel quotas capped
+(`USER_NS_MAX`), `/proc/keys` hidden, the inits non-dumpable; `PR_SET_NO_NEW_PRIVS` and nosuid
+mounts (setuid binaries gain nothing); a seccomp filter denying keyring, io_uring, ptrace, bpf,
+mount-family and namespace-creation calls (`SECCOMP_DENY`); rlimits for CPU, address space,
+processes, file size and open files; where cgroup v2 or v1 is writable (root, or a delegated
+cgroup), one cgroup per call (memory with tmpfs/shm/memfd/SysV shm, pids, a CPU quota, the CPU
+seconds of all processes, kill of all; `preflight` for services says which mode holds). The service
 enforces the wall-clock deadline and the output cap. Classification is best effort: a Python
 audit hook in the sandbox names which forbidden operation was attempted (network, fs_write,
 secret_access, signal), the init reports orphans, and exit signals / messages give the resource
