@@ -947,3 +947,33 @@ def test_responses_streaming_gives_the_sdk_its_event_sequence(h: Harness) -> Non
     (traj,) = session.trajectories(None, base_id="t")
     assert _sampled(traj) == [h.script["call"]]
     h.ep.close_session("rstream1")
+
+
+def test_openai_agents_sdk_runs_streamed_on_the_responses_model(h: Harness) -> None:
+    """The OpenAI Agents SDK's ``Runner.run_streamed`` with its Responses model drives the tool loop
+    through the endpoint; every trained span is exactly the tokens behind what the SDK received."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    session = h.ep.open_session("oa-sdk1")
+
+    async def add(_ctx: Any, arguments: str) -> str:
+        args = json.loads(arguments)
+        return str(args["a"] + args["b"])
+
+    tool = agents.FunctionTool(name=ADD_FN["name"], description=ADD_FN["description"],
+                               params_json_schema=ADD_FN["parameters"], on_invoke_tool=add, strict_json_schema=False)
+    model = agents.OpenAIResponsesModel(model="tiny", openai_client=openai.AsyncOpenAI(
+        base_url=h.base("oa-sdk1"), api_key="unused", timeout=120))
+    agent = agents.Agent(name="adder", model=model, tools=[tool],
+                         model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+
+    async def run() -> tuple[Any, list[str]]:
+        result = agents.Runner.run_streamed(agent, input=QUESTION)
+        kinds = [event.type async for event in result.stream_events()]
+        return result, kinds
+
+    result, kinds = asyncio.run(run())
+    assert result.final_output == ANSWER and "raw_response_event" in kinds
+    (traj,) = h.ep.close_session("oa-sdk1").trajectories(None, base_id="t")
+    assert _sampled(traj) == [h.script["call"], h.script["answer"]]
+    assert [c.reason for c in session.calls] == ["first", "continued"]
