@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trajmesh import sandbox
+from trajmesh import cgroups, sandbox
 
 pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox unavailable on this kernel (see sandbox.unavailable_reason())"),
               pytest.mark.timeout(120)]
@@ -58,9 +58,17 @@ def _sandbox_processes() -> list[int]:
     return sorted(out)
 
 
+def _call_cgroups() -> list[str]:
+    """This process's calls' cgroups under its parents (none between calls)."""
+    mine = f"{cgroups.CALL_PREFIX}{os.getpid()}-"
+    return [p for p in cgroups.leftovers(sandbox.cgroup_mode()) if os.path.basename(p).startswith(mine)]
+
+
 def _run(code: str, limits: sandbox.SandboxLimits = LIMITS) -> sandbox.SandboxResult:
+    assert _call_cgroups() == []
     res = sandbox.run_code(code, limits=limits)
     assert _sandbox_processes() == [], "a sandboxed process outlived the call"
+    assert _call_cgroups() == [], "a call's cgroup outlived the call"
     healthy = sandbox.run_code("print(6 * 7)", limits=LIMITS)
     assert healthy.ok and healthy.stdout.strip() == "42"
     return res

@@ -389,5 +389,5 @@ def join(found: CgroupMode) -> None:
 
 
 def undelegate(found: CgroupMode) -> None:
-    """Removes what `delegate` made, killing any process still in it."""
-    _remove_dirs(found.dirs, kill=True)
+    """Removes what `delegate` made, call cgroups left in it and any process still there included."""
+    _remove_dirs(leftovers(found) + found.dirs, kill=True)
