@@ -170,3 +170,23 @@ def test_external_agent_grader_scores_the_returned_answer_and_never_a_timeout() 
     timed_out = Sample(spec.answer, [spec.answer], True, [], "WALL_TIMEOUT", final_answer=spec.answer)
     grade = grader.grade(timed_out, task)
     assert (grade.reward, grade.components["finished"]) == (0.0, 0.0)
+
+
+def test_a_retry_drops_only_its_own_previous_attempt(tools: tuple[Any, ChatFormat]) -> None:
+    """An identical request sent twice (two samples the agent asked for), the second refused while
+    weights load and retried: nothing is dropped. A retry whose previous attempt generated an answer
+    drops that answer; one whose previous attempt is still generating drops nothing."""
+    tok, _ = tools
+    s = _session(tools)
+    end = tok.tokenizer.token_to_id("<|im_end|>")
+    msgs = [{"role": "user", "content": "Say hi."}]
+    delivered = _turn(s, msgs, tok.encode("hi") + [end], "hi", fp="same")
+    s.refuse("same")  # the second request's first attempt, refused (503)
+    assert s.drop_retried("same") == 0 and not delivered.completions[0].orphan
+    retried = _turn(s, msgs, tok.encode("hello") + [end], "hello", fp="same")
+    # another SDK retry of the same body: the previous attempt (`retried`) was never received
+    assert s.drop_retried("same") == 1 and retried.completions[0].orphan
+    assert not delivered.completions[0].orphan
+    running = s.begin("chat", s.chat_prompt(msgs, None, _render(s.chat)), "same")  # not finished yet
+    assert s.drop_retried("same") == 0 and running.completions == []
+    assert [call is None for _, call in s.attempts] == [False, True, False, False]
