@@ -12,7 +12,10 @@
     store ◀── gRPC Report(trained, quarantined) ;  metrics.jsonl ; checkpoint every N steps and on stop
 
 The learner owns the version: it increases by exactly one per step. It stops after
-`learner.max_steps` steps or `learner.max_seconds` of RL, writing a final checkpoint.
+`learner.max_steps` steps or `learner.max_seconds` of RL, writing a final checkpoint, or earlier on
+a stop gate or a confirmed held-out regression: the evaluator's records on EVAL
+(services/evaluator.py) feed a `HeldoutTracker` here, which also snapshots the best version's
+weights as RUN_DIR/best.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.learner import consistency
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
+from trajmesh.learner.evaluate import HeldoutTracker, keep_best
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
 from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
@@ -150,6 +154,11 @@ class LearnerService(Service):
         self.channel: grpc.aio.Channel | None = None
         self.store: Any = None
         self.engine: TrainEngine | None = None
+        self.tracker = HeldoutTracker(self.cfg.eval.stop_regression_margin, self.cfg.eval.stop_confirmations)
+        """Leader: the best held-out score and the regression count, from the EVAL records."""
+        self.regression: dict[str, Any] | None = None
+        """Leader: the stop record of a confirmed held-out regression (None: none); the step loop
+        stops on it."""
 
     @property
     def leader(self) -> bool:
@@ -263,6 +272,14 @@ class LearnerService(Service):
         if not self.leader:
             await self._follow()
             return
+        evals = asyncio.ensure_future(self._watch_evals())
+        evals.add_done_callback(self._evals_done)
+        try:
+            await self._steps()
+        finally:
+            evals.cancel()
+
+    async def _steps(self) -> None:
         lc = self.cfg.learner
         eta = self.cfg.effective_eta
         temperature = self.cfg.tasks.sampling.temperature or 1.0
@@ -271,6 +288,9 @@ class LearnerService(Service):
         first_call = True
         while (self.steps_done < lc.max_steps and time.monotonic() - loop_start < lc.max_seconds
                and not self.stopping.is_set()):
+            if self.regression is not None:
+                await self._stop_on_regression()
+                return
             wait_start = time.perf_counter()
             if replay:  # batches trained after the last checkpoint, before a crash: same data order
                 resp = replay.pop(0)
@@ -318,6 +338,58 @@ class LearnerService(Service):
         if not self.stopping.is_set():  # budget spent: the run is over, the store stops admitting
             await self.redis.set(self.keys.run_finished, "budget")
         log.info("learner done: %d steps, version %d", self.steps_done, self.version)
+
+    # ------------------------------------------------------------------ held-out evaluation
+    async def _watch_evals(self) -> None:
+        """Consumes the EVAL records (all of them, oldest first: a restarted learner rebuilds the
+        same tracker), the first per version: a new best snapshots that version's weights as
+        RUN_DIR/best; a confirmed regression (`eval.stop_regression_margin`,
+        `eval.stop_confirmations`) sets `self.regression`, which the step loop stops on."""
+        seen: set[int] = set()
+        metric = self.cfg.eval.selection_metric
+        async for raw in self.bus.eval_records():
+            record = json.loads(raw)
+            version, score = int(record["version"]), float(record["score"])
+            if version in seen:
+                continue
+            seen.add(version)
+            improved, stop = self.tracker.observe(version, score)
+            if improved:
+                self._keep_best(version)
+            if stop and self.regression is None:
+                msg = self.tracker.regression_message(metric, score)
+                log.error("held-out regression: %s", msg)
+                self.regression = {"reason": "heldout_regression", "gates": ["heldout_regression"],
+                                   "messages": [msg], "evaluated_version": version, "best": self.tracker.best}
+
+    def _evals_done(self, task: asyncio.Task[None]) -> None:
+        """The EVAL watch never ends by itself: an error stops the learner (exit non-zero)."""
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.exception())  # type: ignore[arg-type]
+
+    def _keep_best(self, version: int) -> None:
+        """RUN_DIR/best := the weights of `version` (the base model stays where it is)."""
+        assert self.tracker.best is not None
+        if version == 0:
+            self.tracker.best["path"] = self.cfg.model.path
+            return
+        dirs = sorted((self.run_dir / "weights").glob(f"v{version:06d}-*"))
+        try:
+            if not dirs:
+                raise FileNotFoundError(f"no weights dir of v{version}")
+            self.tracker.best["path"] = str(keep_best(self.run_dir, dirs[-1]))
+        except OSError as exc:  # pruned before its evaluation arrived
+            log.warning("best held-out version v%d not kept as %s/best: %s", version, self.run_dir, exc)
+
+    async def _stop_on_regression(self) -> None:
+        """stop_reason.json (+ a stop record in metrics.jsonl), a checkpoint, and the run marked
+        finished in Redis, as a stop gate does; run() then returns (exit 0)."""
+        assert self.regression is not None
+        write_stop_reason(self.run_dir, {**self.regression, "step": self.steps_done, "version": self.version,
+                                         "time": time.time()})
+        if self.steps_done > 0:
+            await self._checkpoint_async()
+        await self.redis.set(self.keys.run_finished, "heldout_regression")
 
     # ------------------------------------------------------------------ ranks
     def _broadcast(self, command: list[Any]) -> list[Any]:

@@ -96,6 +96,8 @@ for _reason in trajectory_pb2.TerminalReason.keys():  # exported at 0 so rates e
 
 class RolloutService(Service):
     name = "rollout"
+    engine_log_prefix = "engine"
+    """The torch engine's log: RUN_DIR/logs/<prefix>-<replica>.log."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -167,7 +169,7 @@ class RolloutService(Service):
 
     def _start_torch_engine(self, model_path: str, version: int) -> str:
         port = free_port()
-        log_path = Path(self.cfg.run_dir) / "logs" / f"engine-{self.replica}.log"
+        log_path = Path(self.cfg.run_dir) / "logs" / f"{self.engine_log_prefix}-{self.replica}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", model_path,
                "--port", str(port), "--host", "127.0.0.1", "--version", str(version),

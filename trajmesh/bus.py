@@ -6,6 +6,7 @@
    store ───────────────────▶ rollout ──────────────────▶ grader ──────────────────▶ store
                                                                                        │
    rollout ◀── KV trajmesh_weights["latest"] + WEIGHTS (limits, last N) ◀── learner ◀──┘
+   evaluator ◀── (same KV watch) ;  evaluator ── EVAL (limits, every record) ──▶ learner, readers
 
    any message above the server's max_payload: bytes ─▶ object store `trajmesh_blobs`,
    the stream carries an empty message with header `Trajmesh-Blob: <name>`.
@@ -54,10 +55,12 @@ __all__ = [
     "KV_WEIGHTS",
     "KV_WEIGHTS_KEY",
     "OBJ_BLOBS",
+    "STREAM_EVAL",
     "STREAM_TASKS",
     "STREAM_TRAJ_GRADED",
     "STREAM_TRAJ_RAW",
     "STREAM_WEIGHTS",
+    "SUBJECT_EVAL",
     "SUBJECT_TASKS",
     "SUBJECT_TRAJ_GRADED",
     "SUBJECT_TRAJ_RAW",
@@ -81,6 +84,11 @@ STREAM_TRAJ_GRADED = "TRAJ_GRADED"
 SUBJECT_TRAJ_GRADED = "trajmesh.traj.graded"
 STREAM_WEIGHTS = "WEIGHTS"
 SUBJECT_WEIGHTS = "trajmesh.weights"
+# Held-out evaluation records (one JSON record per evaluated version, services/evaluator.py).
+STREAM_EVAL = "EVAL"
+SUBJECT_EVAL = "trajmesh.eval"
+EVAL_HISTORY = 100_000
+"""Eval records the EVAL stream keeps (a record per evaluated version: a run's whole history)."""
 
 # Weight announcements for late joiners: KV bucket and its single key.
 KV_WEIGHTS = "trajmesh_weights"
@@ -144,7 +152,8 @@ class StreamSpec:
     name: str
     subject: str
     retention: api.RetentionPolicy
-    # Messages kept per subject; -1 = unlimited (work queues drop a message once acked).
+    # Messages kept per subject of a limits stream; -1: the weights history (`ensure_streams`).
+    # Work queues keep every message until it is acked.
     max_msgs_per_subject: int = -1
 
 
@@ -153,6 +162,7 @@ _SPECS: tuple[StreamSpec, ...] = (
     StreamSpec(STREAM_TRAJ_RAW, SUBJECT_TRAJ_RAW, api.RetentionPolicy.WORK_QUEUE),
     StreamSpec(STREAM_TRAJ_GRADED, SUBJECT_TRAJ_GRADED, api.RetentionPolicy.WORK_QUEUE),
     StreamSpec(STREAM_WEIGHTS, SUBJECT_WEIGHTS, api.RetentionPolicy.LIMITS),
+    StreamSpec(STREAM_EVAL, SUBJECT_EVAL, api.RetentionPolicy.LIMITS, max_msgs_per_subject=EVAL_HISTORY),
 )
 
 
@@ -403,7 +413,8 @@ class Bus:
                 storage=api.StorageType.FILE,
                 duplicate_window=duplicate_window_s,
                 max_msgs=max_queue_msgs if work_queue else -1,
-                max_msgs_per_subject=-1 if work_queue else weights_history,
+                max_msgs_per_subject=-1 if work_queue else (
+                    spec.max_msgs_per_subject if spec.max_msgs_per_subject > 0 else weights_history),
                 discard=api.DiscardPolicy.NEW if work_queue else api.DiscardPolicy.OLD,
             )
             await self._create_or_update_stream(config)
@@ -648,6 +659,24 @@ class Bus:
             for t in tasks:
                 t.cancel()
             await watcher.stop()
+
+    # -- held-out evaluation --------------------------------------------------------------
+    async def publish_eval(self, version: int, record: bytes) -> api.PubAck:
+        """Publish one eval record (JSON) of ``version`` on EVAL (deduped per version within the
+        duplicate window: a retried publish is stored once)."""
+        return await self.publish(SUBJECT_EVAL, record, msg_id=f"eval-v{version}",
+                                  headers={WEIGHTS_VERSION_HEADER: str(version)})
+
+    async def eval_records(self) -> AsyncGenerator[bytes, None]:
+        """Every eval record on EVAL, oldest first, then each new one as it is published (an
+        ordered ephemeral consumer: a restarted reader replays the whole history)."""
+        sub = await self.js.subscribe(self.layout.subject(SUBJECT_EVAL), stream=self.layout.stream(STREAM_EVAL),
+                                      ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL)
+        try:
+            async for msg in sub.messages:
+                yield bytes(msg.data)
+        finally:
+            await sub.unsubscribe()
 
     # -- introspection --------------------------------------------------------------------
     async def stream_info(self, stream: str) -> api.StreamInfo:

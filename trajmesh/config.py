@@ -547,6 +547,13 @@ class EvalConfig(_Strict):
     the best so far on `stop_confirmations` consecutive evaluations. None: off."""
     stop_confirmations: int = Field(2, ge=1)
     """Consecutive evaluations below best − margin that confirm a regression."""
+    in_mesh: bool = False
+    """`trajmesh train`: evaluate with the evaluator service (services/evaluator.py, one process
+    with its own engine, as on a cluster) instead of in the launcher process; summary.json's
+    before/after figures then come from its records of the first and last version."""
+    every_versions: int = Field(10, ge=1)
+    """The evaluator service evaluates a version at least this many versions after the last one
+    it evaluated (and always the first, version 0, and the last)."""
 
 
 class RunConfig(_Strict):

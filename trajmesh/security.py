@@ -65,9 +65,9 @@ __all__ = [
 
 log = logging.getLogger("trajmesh.security")
 
-Role = Literal["admin", "store", "rollout", "grader", "learner", "environment"]
+Role = Literal["admin", "store", "rollout", "grader", "learner", "evaluator", "environment"]
 # Roles with a NATS user. The environment service never talks to NATS.
-NATS_ROLES: tuple[Role, ...] = ("admin", "store", "rollout", "grader", "learner")
+NATS_ROLES: tuple[Role, ...] = ("admin", "store", "rollout", "grader", "learner", "evaluator")
 
 # Environment variables a service reads its credentials from; NAME_FILE names a file holding it.
 ENV_NATS_USER = "TRAJMESH_NATS_USER"
@@ -148,7 +148,8 @@ def nats_permissions(role: Role, namespace: str = "") -> Permissions:
     store: publishes TASKS; consumes TRAJ_GRADED; reads the backlog of every work queue.
     rollout: consumes TASKS; publishes TRAJ_RAW; reads and watches the weights KV.
     grader: consumes TRAJ_RAW; publishes TRAJ_GRADED.
-    learner: the only writer of weights (KV ``latest`` + WEIGHTS stream).
+    learner: the only writer of weights (KV ``latest`` + WEIGHTS stream); reads the EVAL records.
+    evaluator: reads and watches the weights KV; publishes EVAL (it never touches the training streams).
     store, rollout, grader: read/write the blob object store (large messages travel through it).
     admin: everything (the launcher/operator provisions streams and inspects the run).
     """
@@ -163,6 +164,7 @@ def nats_permissions(role: Role, namespace: str = "") -> Permissions:
                                                    busmod.STREAM_TRAJ_GRADED))
     kv_bucket, obj_bucket = lay.bucket(busmod.KV_WEIGHTS), lay.bucket(busmod.OBJ_BLOBS)
     kv_stream, obj_stream = f"KV_{kv_bucket}", f"OBJ_{obj_bucket}"
+    eval_stream = lay.stream(busmod.STREAM_EVAL)
     blobs = [f"$O.{obj_bucket}.>", *_read_stream(obj_stream), *_watch_stream(obj_stream),
              f"$JS.API.STREAM.PURGE.{obj_stream}", "$JS.API.STREAM.NAMES"]  # get() looks the stream up by subject
     pub: list[str]
@@ -177,9 +179,13 @@ def nats_permissions(role: Role, namespace: str = "") -> Permissions:
                *_read_stream(kv_stream), *_watch_stream(kv_stream)]
     elif role == "grader":
         pub = [lay.subject(busmod.SUBJECT_TRAJ_GRADED), *_consume(raw, "grader"), *blobs]
+    elif role == "evaluator":
+        pub = [lay.subject(busmod.SUBJECT_EVAL), f"$JS.API.STREAM.INFO.{eval_stream}",
+               *_read_stream(kv_stream), *_watch_stream(kv_stream)]
     else:  # learner
         pub = [lay.subject(busmod.SUBJECT_WEIGHTS), f"$KV.{kv_bucket}.{busmod.KV_WEIGHTS_KEY}",
-               *_read_stream(kv_stream), f"$JS.API.STREAM.INFO.{lay.stream(busmod.STREAM_WEIGHTS)}"]
+               *_read_stream(kv_stream), f"$JS.API.STREAM.INFO.{lay.stream(busmod.STREAM_WEIGHTS)}",
+               *_read_stream(eval_stream), *_watch_stream(eval_stream)]
     return Permissions(publish=tuple(dict.fromkeys(pub)), subscribe=(f"{inbox_prefix(role, namespace)}.>",))
 
 
@@ -385,7 +391,8 @@ async def _bind(bus: Bus, role: Role, timeout_s: float = _BIND_TIMEOUT_S) -> Non
 
     needs = {"store": (busmod.STREAM_TASKS, busmod.STREAM_TRAJ_GRADED),
              "rollout": (busmod.STREAM_TASKS,), "grader": (busmod.STREAM_TRAJ_RAW,),
-             "learner": (busmod.STREAM_WEIGHTS,)}.get(role, ())
+             "learner": (busmod.STREAM_WEIGHTS, busmod.STREAM_EVAL),
+             "evaluator": (busmod.STREAM_EVAL,)}.get(role, ())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     for stream in needs:

@@ -14,7 +14,7 @@ import yaml
 
 from trajmesh.config import ConfigError, load_config
 
-SERVICES = ("store", "rollout", "environment", "grader", "learner")
+SERVICES = ("store", "rollout", "environment", "grader", "learner", "evaluator")
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -57,6 +57,10 @@ def _build_service(name: str, args: argparse.Namespace) -> Any:
         from trajmesh.services.rollout import RolloutService
 
         return RolloutService(cfg, **kw)
+    if name == "evaluator":
+        from trajmesh.services.evaluator import EvaluatorService
+
+        return EvaluatorService(cfg, **kw)
     from trajmesh.services.learner import LearnerService
 
     return LearnerService(cfg, **kw)

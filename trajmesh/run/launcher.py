@@ -6,7 +6,8 @@
       ├─ model: config path, or the embedded demo model (tiny Llama + SFT warm start, cached)
       ├─ held-out accuracy before RL (greedy and T=1)
       ├─ nats-server -js and redis-server on free loopback ports, data under RUN_DIR/infra
-      ├─ trajmesh serve environment|store|grader|rollout|learner  (one process each replica)
+      ├─ trajmesh serve environment|store|grader|rollout|learner  (one process each replica),
+      │  and the evaluator with eval.in_mesh
       ├─ watch: progress from metrics.jsonl; any service dying stops the run
       ├─ learner exits after its budget → stop services (SIGTERM by pid, then SIGKILL to each
       │  service's process group: engines and other children never outlive it) → stop NATS/Redis
@@ -39,7 +40,7 @@ from trajmesh.rollout.engines import HttpEngineConfig
 
 log = logging.getLogger("trajmesh.run.launcher")
 
-SERVICE_ORDER = ("environment", "store", "grader", "rollout", "learner")
+SERVICE_ORDER = ("environment", "store", "grader", "rollout", "evaluator", "learner")
 
 
 @dataclass
@@ -110,11 +111,11 @@ class Mesh:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master}) for rank in range(world)]
 
     def startup_bound_s(self, procs: list[Proc]) -> float:
-        """How long `procs` may take to become healthy: 180 s, or for a rollout its engine's own
-        start-up allowance (`rollout.engine.startup_timeout_s`: a rollout is healthy once its engine
-        is, and a vLLM server takes minutes on a loaded CPU) plus 60 s."""
+        """How long `procs` may take to become healthy: 180 s, or for a rollout (or the evaluator) its
+        engine's own start-up allowance (`rollout.engine.startup_timeout_s`: it is healthy once its
+        engine is, and a vLLM server takes minutes on a loaded CPU) plus 60 s."""
         engine_wait = getattr(self.cfg.rollout.engine, "startup_timeout_s", None)
-        if engine_wait is not None and any(p.name == "rollout" for p in procs):
+        if engine_wait is not None and any(p.name in ("rollout", "evaluator") for p in procs):
             return max(180.0, float(engine_wait) + 60.0)
         return 180.0
 
@@ -278,8 +279,8 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
         if mesh.nats is not None and creds is not None and sec.nats_auth:
             asyncio.run(security.provision(resolved))  # services may only bind, not create
         replicas = {"environment": cfg.environment.replicas, "store": 1, "grader": cfg.grader.replicas,
-                    "rollout": cfg.rollout.replicas, "learner": 0}
-        for wave in (("environment", "store"), ("grader", "rollout"), ("learner",)):
+                    "rollout": cfg.rollout.replicas, "evaluator": 1 if cfg.eval.in_mesh else 0, "learner": 0}
+        for wave in (("environment", "store"), ("grader", "rollout", "evaluator"), ("learner",)):
             started = []
             for name in wave:
                 if name not in services:

@@ -7,6 +7,11 @@
                      │ new best: copy the weights to RUN_DIR/best        │ regression confirmed:
                      │                                                   ▼ stop_reason.json, SIGTERM learner
     learner exits 0 ── drain ── evaluate_dir(final weights) ── summary.json (per source, best checkpoint)
+
+With `eval.in_mesh` the launcher evaluates nothing itself: the evaluator service (started with the
+mesh) writes every eval record, the learner keeps RUN_DIR/best and stops on a regression, and
+summary.json's before/after figures are the evaluator's records of version 0 and the last version
+(`wait_final_eval` waits for the latter before the mesh stops).
 """
 
 from __future__ import annotations
@@ -242,7 +247,7 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     tracker = HeldoutTracker(cfg.eval.stop_regression_margin, cfg.eval.stop_confirmations)
     if resume:
         _replay_evals(run_dir, tracker, cfg.model.path or "")
-    else:
+    elif not cfg.eval.in_mesh:  # in the mesh the evaluator service evaluates version 0
         n = sum(len(t) for t in held.values())
         console.print(f"held-out evaluation before RL ({n} problems, {len(held)} sources)…")
         before = evaluate_dir(cfg.model.path or "", held, cfg, samples=cfg.eval.samples, noise_seeds=cfg.eval.noise_seeds)
@@ -251,7 +256,10 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
         console.print(f"before RL: { {k: v for k, v in before.items() if k != 'heldout'} }")
     mesh = start_mesh(cfg)
     try:
-        _watch(mesh, held, tracker, eval_every_s, eval_samples or cfg.eval.samples_during)
+        _watch(mesh, held, tracker, 0.0 if cfg.eval.in_mesh else eval_every_s,
+               eval_samples or cfg.eval.samples_during)
+        if cfg.eval.in_mesh:
+            wait_final_eval(mesh)
         end_run(mesh)  # drain, stop, and a store that died while stopping finalizes again
         acct = accounting(mesh.cfg)
     finally:
@@ -301,6 +309,47 @@ def _watch(mesh: Mesh, held: dict[str, list[dict[str, Any]]], tracker: HeldoutTr
                 last_eval = time.monotonic()
             progress.update(steps, evals)
             time.sleep(1.0)
+
+
+FINAL_EVAL_WAIT_S = 900.0
+"""How long `trajmesh train` waits for the evaluator's record of the last version after the learner
+exits (one full evaluation: every source, greedy, `eval.samples` and the noise seeds)."""
+
+
+def wait_final_eval(mesh: Mesh, timeout_s: float = FINAL_EVAL_WAIT_S) -> dict[str, Any] | None:
+    """After the learner exited: the evaluator's "after" record of the last version, waiting for it
+    (restarting dead services meanwhile) up to `timeout_s`; None if it did not come."""
+    run_dir = Path(mesh.cfg.run_dir)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_metrics(run_dir)
+        steps = [r for r in records if r.get("kind") == "learner_step"]
+        final = steps[-1]["version"] if steps else 0
+        after = [r for r in records if r.get("kind") == "eval" and r.get("phase") == "after"
+                 and r.get("version") == final]
+        if after:
+            return after[-1]
+        if time.monotonic() > deadline:
+            log.warning("no evaluator record of the last version v%d after %.0fs", final, timeout_s)
+            return None
+        mesh.restart_dead()
+        time.sleep(1.0)
+
+
+def _mesh_tracker(cfg: RunConfig, records: list[dict[str, Any]]) -> HeldoutTracker:
+    """The tracker the learner ran over the evaluator's records (the first record per version),
+    with the best version's path: the base model for version 0, else RUN_DIR/best."""
+    tracker = HeldoutTracker(cfg.eval.stop_regression_margin, cfg.eval.stop_confirmations)
+    seen: set[int] = set()
+    for r in records:
+        if r.get("kind") != "eval" or "score" not in r or int(r["version"]) in seen:
+            continue
+        seen.add(int(r["version"]))
+        improved, _ = tracker.observe(int(r["version"]), float(r["score"]))
+        if improved and tracker.best is not None:
+            path = cfg.model.path if r["version"] == 0 else str(Path(cfg.run_dir) / "best")
+            tracker.best.update(path=path, phase=r["phase"], rl_seconds=r["rl_seconds"])
+    return tracker
 
 
 def _stop_on_regression(mesh: Mesh, tracker: HeldoutTracker, record: dict[str, Any], step: int) -> None:
@@ -401,9 +450,13 @@ def _summarize(cfg: RunConfig, held: dict[str, list[dict[str, Any]]], acct: dict
     steps = [r for r in records if r.get("kind") == "learner_step"]
     before = next((r for r in records if r.get("kind") == "eval" and r.get("phase") == "before"), {})
     w = latest_weights_dir(run_dir)
-    after = evaluate_dir(str(w), held, cfg, samples=cfg.eval.samples, noise_seeds=cfg.eval.noise_seeds) \
-        if w is not None else {}
-    if after:
+    if cfg.eval.in_mesh:  # the evaluator's records: version 0 and the last version
+        after: dict[str, Any] = next((r for r in reversed(records) if r.get("kind") == "eval" and r.get("phase") == "after"), {})
+        tracker = _mesh_tracker(cfg, records)
+    else:
+        after = evaluate_dir(str(w), held, cfg, samples=cfg.eval.samples, noise_seeds=cfg.eval.noise_seeds) \
+            if w is not None else {}
+    if after and not cfg.eval.in_mesh:
         _record_eval(run_dir, tracker, {"kind": "eval", "phase": "after", "version": steps[-1]["version"] if steps else 0,
                                         "rl_seconds": steps[-1]["rl_seconds"] if steps else 0.0, **after}, w)
     outcomes = acct["outcomes"]

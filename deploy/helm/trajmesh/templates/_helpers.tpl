@@ -385,7 +385,7 @@ true
 
 {{/* Roles with a NATS user, in the order of trajmesh.security.NATS_ROLES (environment has none). */}}
 {{- define "trajmesh.natsRoles" -}}
-{{- list "admin" "store" "rollout" "grader" "learner" | toJson -}}
+{{- list "admin" "store" "rollout" "grader" "learner" "evaluator" | toJson -}}
 {{- end -}}
 
 {{/* Secret holding one NATS password per role (keys: the role names); "" when auth is off. */}}
@@ -396,7 +396,7 @@ true
 {{- else if .Values.nats.auth.create -}}
 {{- printf "%s-auth" (include "trajmesh.natsName" .) -}}
 {{- else -}}
-{{- fail "nats.auth.enabled needs nats.auth.existingSecret (a Secret with keys admin, store, rollout, grader, learner) or nats.auth.create=true" -}}
+{{- fail "nats.auth.enabled needs nats.auth.existingSecret (a Secret with keys admin, store, rollout, grader, learner, evaluator) or nats.auth.create=true" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -462,9 +462,15 @@ Returns JSON {role: {"publish": [...], "subscribe": [...]}}.
 {{- $grader := concat (list (printf "%strajmesh.traj.graded" $subj))
       (include "trajmesh.js.consume" (dict "stream" $raw "durable" "grader") | fromJsonArray)
       $blobs -}}
+{{- $evalStream := printf "%sEVAL" $pre -}}
 {{- $learner := concat (list (printf "%strajmesh.weights" $subj) (printf "$KV.%s.latest" $kvBucket))
-      $kvRead (list (printf "$JS.API.STREAM.INFO.%sWEIGHTS" $pre)) -}}
-{{- $pub := dict "admin" (list ">") "store" $store "rollout" $rollout "grader" $grader "learner" $learner -}}
+      $kvRead (list (printf "$JS.API.STREAM.INFO.%sWEIGHTS" $pre))
+      (include "trajmesh.js.readStream" $evalStream | fromJsonArray)
+      (include "trajmesh.js.watchStream" $evalStream | fromJsonArray) -}}
+{{- $evaluator := concat (list (printf "%strajmesh.eval" $subj) (printf "$JS.API.STREAM.INFO.%s" $evalStream))
+      $kvRead (include "trajmesh.js.watchStream" $kvStream | fromJsonArray) -}}
+{{- $pub := dict "admin" (list ">") "store" $store "rollout" $rollout "grader" $grader "learner" $learner
+      "evaluator" $evaluator -}}
 {{- $out := dict -}}
 {{- range $role := include "trajmesh.natsRoles" . | fromJsonArray -}}
 {{- $sub := ternary (list ">") (list (printf "_INBOX_%s%s.>" $pre $role)) (eq $role "admin") -}}

@@ -1,0 +1,275 @@
+"""Evaluator service: weight announcements → held-out evaluation on the run's engine → EVAL records.
+
+::
+
+    WEIGHTS KV ──▶ weights_loop (the rollout's) ── load into this process's own engine
+                        │ holds eval_lock: no weights load while an evaluation runs
+                        ▼
+    eval_loop ── due? version 0 (before), ≥ every_versions after the last one (during), the last
+       ▲            │ (run_finished in Redis, set by the learner when it stops for good, and the
+       │            │  newest announced version loaded: after)
+       │            ▼
+       │     per source: evaluate_source (learner/evaluate.py) in a worker thread: the held-out
+       │     split played by play_episodes (rollout/episode.py) through EnginePolicy → TurnSampler
+       │     → the engine; greedy and sampled with pass@k, scored by the source's own grader
+       │            ▼
+       └── one record per evaluated version ──▶ EVAL (NATS; the learner's tracker reads it)
+                                             ──▶ RUN_DIR/metrics.jsonl {"kind": "eval", ...}
+                                             ──▶ gauges trajmesh_evaluator_heldout_*{source}
+
+The evaluator is the rollout's machinery (`RolloutService`: the same weight watch, engine factory
+and turn sampler, the same `EpisodeFormat`) without its task loop: it never pulls TASKS, never
+publishes trajectories, never touches the gate, so eval traffic never enters the store's
+accounting and never trains. The held-out split of each source is drawn as `trajmesh train` draws
+it (`heldout_tasks`: `trajmesh.tasks.load_split`, disjoint from training).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+from prometheus_client import Counter, Gauge, Histogram
+
+from trajmesh import bus as busmod
+from trajmesh import security
+from trajmesh.keys import RedisKeys
+from trajmesh.learner.evaluate import HeldoutTracker, evaluate_source, heldout_result, heldout_tasks
+from trajmesh.rollout.generation import TurnSampler, sampling_seed
+from trajmesh.service import supervise
+from trajmesh.services.rollout import RolloutService
+from trajmesh.v1 import trajectory_pb2
+
+log = logging.getLogger("trajmesh.evaluator")
+
+HELDOUT_ACCURACY = Gauge("trajmesh_evaluator_heldout_accuracy_ratio",
+                         "Held-out accuracy of the last evaluated version, per task source", ["source", "mode"])
+HELDOUT_SCORE = Gauge("trajmesh_evaluator_heldout_score_ratio",
+                      "Held-out selection score (eval.selection_metric, mean over sources) of the last evaluation")
+SCORE_BELOW_BEST = Gauge("trajmesh_evaluator_heldout_score_below_best_ratio",
+                         "Best held-out score so far minus the last one (0 at a new best): the regression")
+EVALUATED_VERSION = Gauge("trajmesh_evaluator_evaluated_version", "Policy version of the last evaluation")
+EVALUATIONS = Counter("trajmesh_evaluator_evaluations_total", "Evaluations published, by phase", ["phase"])
+EVAL_SECONDS = Histogram("trajmesh_evaluator_evaluation_seconds", "Wall time of one evaluation (every source)",
+                         buckets=(5, 10, 30, 60, 120, 300, 600, 1200, 3600))
+PUBLISH_FAILURES = Counter("trajmesh_evaluator_publish_failures_total",
+                           "Failed EVAL publish attempts (each retried until PUBLISH_RETRY_S)")
+for _phase in ("before", "during", "after"):
+    EVALUATIONS.labels(phase=_phase)
+
+FINISH_POLL_S = 2.0
+"""How often the eval loop reads `run_finished` while no new version arrives (Redis has no event
+for the key; the read is one EXISTS)."""
+PUBLISH_RETRY_S = 60.0
+"""How long an eval record's publish is retried (NATS restarting) before the evaluator fails."""
+
+
+class EnginePolicy:
+    """`Policy` (rollout/episode.py) over the run's engine: each `generate` call of play_episodes
+    (in a worker thread) samples its contexts concurrently with the rollout's `TurnSampler` on the
+    service's event loop, one engine sampling seed per row and call (deterministic per pass)."""
+
+    def __init__(self, sampler: TurnSampler, loop: asyncio.AbstractEventLoop, seed: int) -> None:
+        self.sampler, self.loop, self.seed = sampler, loop, seed
+        self.calls = 0
+
+    def generate(self, contexts: list[list[int]], params: Any) -> list[Any]:
+        self.calls += 1
+        return asyncio.run_coroutine_threadsafe(self._turns(contexts, params, self.calls), self.loop).result()
+
+    async def _turns(self, contexts: list[list[int]], params: Any, call: int) -> list[Any]:
+        from trajmesh.rollout.torch_sampler import Sampled
+
+        turns = await asyncio.gather(*(self.sampler.sample(ctx, params, sampling_seed(self.seed, f"eval-{call}", i))
+                                       for i, ctx in enumerate(contexts)))
+        return [Sampled(t.ids, t.logps, {"type": t.finish}) for t in turns]
+
+
+class EvaluatorService(RolloutService):
+    name = "evaluator"
+    engine_log_prefix = "evaluator-engine"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held = heldout_tasks(self.cfg)
+        """The held-out split of every source, by source name."""
+        self.eval_lock = asyncio.Lock()
+        """Held by an evaluation and by a weights load: no version changes under an evaluation."""
+        self.last_evaluated: int | None = None
+        """The version of the last evaluation (None: none yet in this process)."""
+        self.final_done = False
+        """The last version's ("after") record is out: nothing more to evaluate."""
+        self.tracker = HeldoutTracker(self.cfg.eval.stop_regression_margin, self.cfg.eval.stop_confirmations)
+        """The best score so far (for the below-best gauge; the learner runs its own over EVAL)."""
+        self.redis: Any = None
+        self.keys = RedisKeys(self.cfg.infra.namespace)
+
+    async def setup(self) -> None:
+        """The rollout's engine, sampler and weight watch, without its task consumer or environments."""
+        from trajmesh import plugins
+        from trajmesh.rollout.episode import EpisodeFormat
+        from trajmesh.rollout.generation import PauseClock
+
+        cfg = self.cfg
+        assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
+        self.bus = await security.connect_bus(cfg, "evaluator", name=self.worker_id)
+        self.redis = security.redis_client(cfg)
+        self.format = EpisodeFormat.load(cfg.model.path)
+        self.tokenizer, self.chat, self.stop_ids = self.format.tokenizer, self.format.chat, self.format.stop_ids
+        self.version = 0
+        self.engine = await plugins.load(plugins.engine(cfg.rollout.engine.type).start)(self)
+        self.pause = PauseClock()
+        context_len = await self.engine.context_length()
+        self.sampler = TurnSampler(self.engine, cfg.rollout.engine, stop_ids=self.stop_ids, pause=self.pause,
+                                   context_len=context_len, loaded_version=lambda: self.version)
+        self.version_changed = asyncio.Condition()
+        latest = await self.bus.latest_weights()
+        if latest is not None and trajectory_pb2.WeightsAnnouncement.FromString(latest).version > 0:
+            self.last_evaluated = -1  # a run under way: its base model is not "before" any more
+
+    async def run(self) -> None:
+        await supervise(self.weights_loop(), self.eval_loop(), stopping=self.stopping)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def _load_weights(self, ann: trajectory_pb2.WeightsAnnouncement) -> None:
+        """The rollout's load, never while an evaluation runs (the watch keeps only the newest
+        announcement meanwhile)."""
+        async with self.eval_lock:
+            await super()._load_weights(ann)
+
+    # ------------------------------------------------------------------ what to evaluate
+    async def eval_loop(self) -> None:
+        """Evaluates each due version. Waits for a weights load (`version_changed`) or, every
+        FINISH_POLL_S, for the run's end (`run_finished`); returns never (the service stops it)."""
+        while True:
+            async with self.eval_lock:
+                phase = await self._due(self.version)
+                if phase is not None:
+                    await self.evaluate(self.version, phase)
+            await self._wait_for_change(self.version)
+
+    async def _wait_for_change(self, seen: int) -> None:
+        """Until a version other than `seen` is loaded, at most FINISH_POLL_S."""
+        async with self.version_changed:
+            try:
+                await asyncio.wait_for(self.version_changed.wait_for(lambda: self.version != seen), FINISH_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _due(self, version: int) -> str | None:
+        """The phase of an evaluation of the loaded `version` now, None if none is due."""
+        if self.final_done:
+            return None
+        if await self._finished_at(version):
+            return "after"
+        if self.last_evaluated is None:
+            return "before" if version == 0 else "during"
+        if version - self.last_evaluated >= self.cfg.eval.every_versions:
+            return "during"
+        return None
+
+    async def _finished_at(self, version: int) -> bool:
+        """The learner has finished (run_finished) and `version` is the newest it announced."""
+        if not await self.redis.exists(self.keys.run_finished):
+            return False
+        latest = await self._live_bus().latest_weights()
+        return latest is None or trajectory_pb2.WeightsAnnouncement.FromString(latest).version == version
+
+    # ------------------------------------------------------------------ one evaluation
+    async def evaluate(self, version: int, phase: str) -> dict[str, Any]:
+        """Every source's held-out split on the loaded weights; publishes and records the result."""
+        cfg = self.cfg
+        full = phase in ("before", "after")  # the summary's figures: full samples and seed noise
+        samples = cfg.eval.samples if full else cfg.eval.samples_during
+        noise = cfg.eval.noise_seeds if full else 0
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        log.info("evaluating v%d (%s): %d sources", version, phase, len(self.held))
+
+        def make_policy(seed: int) -> EnginePolicy:
+            return EnginePolicy(self.sampler, loop, seed)
+
+        per = {}
+        for name, tasks in self.held.items():
+            per[name] = await asyncio.to_thread(evaluate_source, make_policy, self.format, tasks, cfg, samples, noise)
+        result = heldout_result(per, cfg.eval.selection_metric, noise)
+        seconds = time.monotonic() - start
+        record = {"kind": "eval", "phase": phase, "version": version, "rl_seconds": self._rl_seconds(version),
+                  "source": "evaluator", "evaluator": self.worker_id, "eval_seconds": seconds, "time": time.time(),
+                  **result}
+        await self._publish(version, phase, record)
+        self._append_metrics(record)
+        self._export(record)
+        EVAL_SECONDS.observe(seconds)
+        self.last_evaluated = version
+        self.final_done = phase == "after"
+        log.info("v%d (%s): score %.4f in %.0fs", version, phase, result["score"], seconds)
+        return record
+
+    def _rl_seconds(self, version: int) -> float:
+        """RL seconds at the newest learner step up to `version` (the learner's metrics.jsonl
+        records; 0 for the base model, or when this process cannot see the run dir's file)."""
+        path = Path(self.cfg.run_dir) / "metrics.jsonl"
+        best = 0.0
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            return best
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+            if r.get("kind") == "learner_step" and int(r.get("version", -1)) <= version:
+                best = max(best, float(r.get("rl_seconds", 0.0)))
+        return best
+
+    async def _publish(self, version: int, phase: str, record: dict[str, Any]) -> None:
+        """The record on EVAL, retried while NATS restarts (msg id per version and phase)."""
+        data = json.dumps(record).encode()
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        delay = 0.2
+        while True:
+            try:
+                await self._live_bus().publish(busmod.SUBJECT_EVAL, data, msg_id=f"eval-v{version}-{phase}",
+                                               headers={busmod.WEIGHTS_VERSION_HEADER: str(version)})
+                return
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                PUBLISH_FAILURES.inc()
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("publishing the eval record of v%d failed (%r); retrying in %.1fs", version, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _append_metrics(self, record: dict[str, Any]) -> None:
+        """One line appended to RUN_DIR/metrics.jsonl with one write on an O_APPEND descriptor, so
+        it never interleaves with the learner's lines."""
+        path = Path(self.cfg.run_dir) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def _export(self, record: dict[str, Any]) -> None:
+        for name, r in record["heldout"].items():
+            HELDOUT_ACCURACY.labels(source=name, mode="greedy").set(r["greedy_accuracy"])
+            HELDOUT_ACCURACY.labels(source=name, mode="sampled").set(r["sampled_accuracy"])
+        score = float(record["score"])
+        self.tracker.observe(int(record["version"]), score)
+        HELDOUT_SCORE.set(score)
+        SCORE_BELOW_BEST.set(max(0.0, float((self.tracker.best or {}).get("score", score)) - score))
+        EVALUATED_VERSION.set(int(record["version"]))
+        EVALUATIONS.labels(phase=record["phase"]).inc()
