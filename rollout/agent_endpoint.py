@@ -344,7 +344,9 @@ class AgentEndpoint:
             return
         limit = caps.context_len if caps.context_len is not None else caps.max_input_len
         if room <= 0:
-            raise ApiError(400, f"prompt is too long: {prompt_len} tokens > {room + prompt_len} maximum"
+            longest = min(n for n in (caps.context_len and caps.context_len - 2,
+                                      caps.max_input_len and caps.max_input_len - 1) if n is not None)
+            raise ApiError(400, f"prompt is too long: {prompt_len} tokens > {longest} maximum"
                            if api == "messages" else
                            f"This model's maximum context length is {limit} tokens. However, your "
                            f"{'prompt' if api == 'completions' else 'messages'} resulted in {prompt_len} "
