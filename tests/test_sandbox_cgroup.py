@@ -151,11 +151,11 @@ def test_a_service_killed_mid_call_leaves_a_cgroup_the_next_start_sweeps() -> No
     try:
         deadline = time.monotonic() + 60
         procs: list[int] = []
-        while len(procs) < 4 and time.monotonic() < deadline:  # the init, its child, pid 1 and the program
+        while len(procs) < 3 and time.monotonic() < deadline:  # the init's child, pid 1 and the program
             stale = _ours(service.pid)
             procs = [int(p) for p in open(stale[0] + "/cgroup.procs").read().split()] if stale else []
             time.sleep(0.02)  # a poll on the kernel's view of the call's cgroup
-        assert len(procs) >= 4, "the call never started"
+        assert len(procs) >= 3, "the call never started"
         service.send_signal(signal.SIGKILL)
         service.wait()
     finally:

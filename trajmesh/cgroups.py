@@ -278,7 +278,7 @@ class CallCgroup:
         _write(self.paths["pids"] + "/pids.max", str(pids_max))
 
     def procs_files(self) -> list[str]:
-        """The files the call's first process writes "0" to, joining every hierarchy."""
+        """The files the call's first process (the init's child) writes "0" to, joining every hierarchy."""
         return [d + "/cgroup.procs" for d in self.dirs]
 
     def cpu_s(self) -> float:

@@ -5,7 +5,7 @@
     run_code(code)
         │ creates the call's cgroup (v2 or v1, trajmesh/cgroups.py) where this process may
         │ spawns the init: python -I -S; its script, config and the code come on a memfd
-        │ (it joins the call's cgroup first; it dies with the service: PDEATHSIG)
+        │ (its child joins the call's cgroup first; the init dies with the service: PDEATHSIG)
         │     fork ─▶ unshare user+mnt+pid+ipc+uts+net+cgroup+time; the init writes the id map
         │       fork ─▶ pid 1: tmpfs root, read-only nosuid nodev binds of the interpreter prefixes
         │               and system libraries, capped tmpfs /tmp, fresh /proc, pivot_root
@@ -248,7 +248,7 @@ def cgroup_problem() -> str:
 
 
 def _pids_max(limits: SandboxLimits) -> int:
-    return limits.max_processes + 3  # + the init, its child and pid 1
+    return limits.max_processes + 2  # + the init's child (which joins first) and pid 1
 
 
 def _call_cgroup(limits: SandboxLimits) -> cgroups.CallCgroup | None:
@@ -267,13 +267,11 @@ _INIT = r"""
 import ctypes, json, os, signal, struct
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals from inside
 cfg = P["cfg"]
-for _procs in cfg["cgroup_procs"]:  # first, so that every process of the call is born in its cgroup
-    with open(_procs, "w") as fh:
-        fh.write("0")
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL: a service killed mid-call takes its call with it
 if os.getppid() != cfg["service_pid"]:
     os._exit(114)
+libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: a killed call's zombies come back here, reaped at once
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 NS = cfg["ns"]
 U, G = cfg["inner_id"], cfg["inner_id"]
@@ -468,6 +466,9 @@ go_r, go_w = os.pipe()
 inner = os.fork()
 if inner == 0:
     try:
+        for procs in cfg["cgroup_procs"]:  # first: every later process of the call is born in its cgroup
+            with open(procs, "w") as fh:  # (this init stays outside, out of reach of its OOM kills)
+                fh.write("0")
         check(libc.unshare(NS), "unshare")
         os.write(ready_w, b"u")
         if os.read(go_r, 1) != b"m":
@@ -482,6 +483,11 @@ if os.read(ready_r, 1) == b"u":
     write_id_maps(inner)
     os.write(go_w, b"m")
 _, status = os.waitpid(inner, 0)
+while True:  # pid 1, when its parent was killed first
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
 os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 112)
 """
 
@@ -800,15 +806,17 @@ def _cgroup_verdict(group: cgroups.CallCgroup, limits: SandboxLimits) -> str:
 
 
 def _kill(proc: subprocess.Popen[bytes], report: bytearray, group: cgroups.CallCgroup | None) -> None:
-    """SIGKILL to the call's cgroup (all of it at once), the namespace's pid 1 (all its processes
-    die with it) and the init."""
+    """SIGKILL to the call's cgroup (the init is outside it), the namespace's pid 1 (all its
+    processes die with it), then the init once it has reaped them (a subreaper: nothing is left for the host's init to
+    reap, so the uid is free at once); the init itself if it has not exited within 2 s."""
     if group is not None:
         group.kill()
     first = bytes(report).split(b"\n", 1)[0]
     if first.startswith(b"pid ") and first[4:].isdigit() and proc.poll() is None:
-        try:  # pid 1 is the init's child: while the init runs (unreaped child), the pid is not reused
+        try:  # pid 1 is the init's grandchild, reaped only by it: while the init runs, not reused
             os.kill(int(first[4:]), signal.SIGKILL)
-        except OSError:
+            proc.wait(timeout=2.0)
+        except (OSError, subprocess.TimeoutExpired):
             pass
     proc.kill()
 
