@@ -7,7 +7,7 @@ gate's per-group records (`groups_done`, `groups_accepted`), the open-group set,
 membership keys, the task records, the final-id set and the whole key count must hold no more than
 the groups still in flight, while the gate's counters and the archive still account for every
 admitted trajectory exactly once — and a late redelivery of a settled group's member is still a
-duplicate.
+duplicate, and a learner's repeated report of it (a replay after a restart) records nothing twice.
 """
 
 from __future__ import annotations
@@ -129,6 +129,9 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
                                       msg_id=f"late-{first_kept}-{i}")
         await _take(store, G)
         await store._commit_final()
+        # A learner replaying after its restart reports that group trained again: not recorded twice.
+        await store.report(services_pb2.ReportRequest(learner_version=await store.w.gate.version(),
+                                                      trained_ids=[f"{first_kept}-{i}" for i in range(G)]))
         counters = await store.w.gate.counters()
         admitted = int(await store.w.redis.get(store.w.repo.keys.admitted_trajectories) or 0)
         final = await _sizes(store)
@@ -153,6 +156,7 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
     assert outcomes == expected
     assert sorted(trained) == sorted(t for t in expected if t.startswith("keep"))
     rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
+    assert sorted(r["trajectory_id"] for r in rows if r["outcome"] == "trained") == sorted(trained)
     assert sorted(r["trajectory_id"] for r in rows if r["outcome"] == "duplicate") == [
         f"keep0-c0-{i}" for i in range(G)]
 

@@ -145,10 +145,10 @@ class StoreRepo:
         version_raw, *found = await pipe.execute()
         out = []
         for k, (task_id, _) in enumerate(items):
-            raw, final, pending, settled = found[4 * k: 4 * k + 4]
-            out.append(Lookup(json.loads(raw) if raw is not None else None, bool(final),
-                              group_pending=group_ids is None or pending is not None,
-                              settled=raw is None and task_cursor(task_id) is not None and bool(settled)))
+            raw, final, pending, bit = found[4 * k: 4 * k + 4]
+            settled = task_cursor(task_id) is not None and bool(bit)
+            out.append(Lookup(json.loads(raw) if raw is not None else None, bool(final) or settled,
+                              group_pending=group_ids is None or pending is not None, settled=settled))
         return int(version_raw or 0), out
 
     async def record_members(self, members: list[Membership]) -> list[tuple[int, int]]:
@@ -202,9 +202,18 @@ class StoreRepo:
         return {_text(t) for members in await pipe.execute() for t in members}
 
     async def finals(self, tids: list[str]) -> list[bool]:
+        """Whether each id has a final outcome: marked final, or a member of a task whose group was
+        settled and trimmed (`settled_tasks`; a learner replaying after its restart reports such
+        ids again, and they must not be recorded twice)."""
         if not tids:
             return []
-        return [bool(x) for x in await self.r.smismember(self.keys.final_trajectories, tids)]
+        pipe = self.r.pipeline(transaction=False)
+        pipe.smismember(self.keys.final_trajectories, tids)
+        cursors = [task_cursor(tid.rpartition("-")[0]) for tid in tids]
+        for cursor in cursors:
+            pipe.getbit(self.keys.settled_tasks, cursor or 0)
+        marked, *settled = await pipe.execute()
+        return [bool(m) or (c is not None and bool(b)) for m, c, b in zip(marked, cursors, settled, strict=True)]
 
     async def mark_final(self, final_ids: list[str]) -> None:
         """Mark ids final (after their archive rows are on disk, before their messages are acked)."""
