@@ -18,9 +18,9 @@ memory (anonymous, tmpfs, /dev/shm, memfd, SysV shm and kernel memory alike; v1
 `cgroup.kill` or `memory.oom.group`: `kill` signals every listed pid until none is left.
 
 The parent is the calling process's own cgroup (v1: in each hierarchy; v2: a `sandbox` child, after
-moving the process's cgroup members into a `service` leaf). It must be writable: root, or a cgroup
-delegated to the service's uid (`delegate`: the directory and its `cgroup.procs` chowned, as
-systemd's `Delegate=yes` does). A call cgroup is named after its service's pid and that process's
+moving the process's cgroup members into a `service` leaf where the kernel requires it). It must
+be writable: root, or a cgroup delegated to the service's uid (`delegate`: the directory and its
+`cgroup.procs` chowned, as systemd's `Delegate=yes` does). A call cgroup is named after its service's pid and that process's
 start time, so the first `mode()` of a later service removes those whose service is gone
 (killed -9 mid-call) and leaves those of a live one alone.
 
@@ -30,6 +30,7 @@ cgroup: per-process rlimits only) chooses the mode.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import random
@@ -130,21 +131,27 @@ def _detect_v2(mounts: list[_Mount], own: dict[str, str]) -> tuple[CgroupMode | 
         return None, f"cgroup v2 controllers {missing} not available in {base} (bound to v1 hierarchies, or not delegated)"
     if not _writable(base) or not os.access(base + "/cgroup.subtree_control", os.W_OK):
         return None, f"{base} is not writable by uid {os.geteuid()} (not delegated)"
-    return CgroupMode("v2", {c: _delegate_v2(base, m2[0].point) for c in V2_CONTROLLERS}), ""
+    parent = _delegate_v2(base)
+    return CgroupMode("v2", {c: parent for c in V2_CONTROLLERS}), ""
 
 
-def _delegate_v2(base: str, mount_point: str) -> str:
-    """Moves this cgroup's members into a `service` leaf (v2 lets only leaves hold processes, the
-    root excepted), enables the controllers for a `sandbox` sibling and returns it."""
+def _delegate_v2(base: str) -> str:
+    """Enables the controllers for a `sandbox` child and returns it. v2 lets only leaves hold
+    processes (the host's root excepted): where the kernel refuses (EBUSY), this cgroup's members
+    move into a `service` leaf first (a container's namespace root too; the host's root never)."""
     enable = " ".join("+" + c for c in V2_CONTROLLERS)
-    if base.rstrip("/") != mount_point.rstrip("/"):
+    try:
+        _write(base + "/cgroup.subtree_control", enable)
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
         os.makedirs(base + "/service", exist_ok=True)
         for pid in open(base + "/cgroup.procs").read().split():
             try:
                 _write(base + "/service/cgroup.procs", pid)
             except ProcessLookupError:
                 continue
-    _write(base + "/cgroup.subtree_control", enable)
+        _write(base + "/cgroup.subtree_control", enable)
     os.makedirs(base + "/sandbox", exist_ok=True)
     _write(base + "/sandbox/cgroup.subtree_control", enable)
     return base + "/sandbox"
@@ -372,7 +379,7 @@ def delegate(uid: int, gid: int, name: str) -> CgroupMode:
         raise OSError(f"no cgroup to delegate from: {found.problem}")
     out = {}
     for d in found.dirs:
-        # v2: the sandbox parent is this process's; a delegated child is a sibling of its `service` leaf
+        # v2: d is this process's `sandbox` cgroup (controllers enabled); the child is made under it
         child = f"{d}/{name}"
         os.makedirs(child, exist_ok=True)
         for f in ("", "/cgroup.procs", "/tasks", "/cgroup.subtree_control", "/cgroup.threads"):
