@@ -16,68 +16,19 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from store_checks import admit_and_take, graded, store_config, take
 
 from trajmesh import bus as busmod
-from trajmesh.config import RunConfig, load_config
-from trajmesh.contract import Trajectory
-from trajmesh.infra import NatsServer, RedisServer, free_port
+from trajmesh.infra import NatsServer, RedisServer
 from trajmesh.services.store.archive import final_outcomes, read_archive
-from trajmesh.services.store.repo import task_id_at
-from trajmesh.services.store.service import TrajectoryStore, _Incoming
-from trajmesh.v1 import services_pb2, trajectory_pb2
+from trajmesh.services.store.service import TrajectoryStore
+from trajmesh.v1 import services_pb2
 
 pytestmark = [pytest.mark.timeout(180)]
 
 ROUNDS = 20
 G = 2
-
-
-def _build_config(tmp_path: Path, nats: NatsServer, redis: RedisServer, model_dir: str) -> RunConfig:
-    return load_config(None, {
-        "run_dir": str(tmp_path / "run"), "model.path": model_dir, "tasks.group_size": G,
-        "learner.batch_groups": 1, "gate.eta": 2, "store.drop_zero_variance_groups": True,
-        "infra.nats_url": nats.url, "infra.redis_url": redis.public_url,
-        "infra.store_address": f"127.0.0.1:{free_port()}",
-        "infra.security.nats_auth": False, "infra.security.redis_auth": False,
-    })
-
-
-def _graded(task_id: str, group_id: str, index: int, reward: float, version: int) -> bytes:
-    task = trajectory_pb2.Task(task_id=task_id, group_id=group_id, source="chain_sum", group_size=G)
-    t = Trajectory.new(task, trajectory_id=f"{task_id}-{index}")
-    t.append_prompt([1, 5, 6])
-    t.append_sampled([7, 2], [-0.5, -0.1], version)
-    t.finish(trajectory_pb2.EOS)
-    t.set_reward(reward)
-    return t.to_bytes()
-
-
-async def _admit_and_return(store: TrajectoryStore, base: str, rewards: list[float]) -> str:
-    """Admit one task (G members) at the gate's version, with the id the store gives the task at
-    the next sampler position, publish its members graded with `rewards` and take them in (the
-    group completes). Returns the task id."""
-    version = await store.w.gate.version()
-    cursor = await store.w.repo.next_cursor()
-    task_id, gid = task_id_at(base, cursor), f"g{cursor}-{base}"
-    record = {"group_id": gid, "group_size": G, "source": "chain_sum", "admitted_at_version": version,
-              "cursor": cursor}
-    assert await store.w.repo.try_admit(task_id, record, b"", G)
-    for i, reward in enumerate(rewards):
-        await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, _graded(task_id, gid, i, reward, version),
-                                  msg_id=f"{task_id}-{i}")
-    await _take(store, G)
-    return task_id
-
-
-async def _take(store: TrajectoryStore, n: int) -> None:
-    """Fetch `n` messages from TRAJ_GRADED and take them in as one run."""
-    incoming: list[_Incoming] = []
-    while len(incoming) < n:
-        for msg in await store.w.intake.fetch(batch=n, timeout=10.0):
-            data = await store.w.intake.resolve(msg)
-            traj = Trajectory.from_bytes(data)
-            incoming.append(_Incoming(data, msg, traj, traj.pb.trajectory_id))
-    await store._intake_run(incoming)
+CONFIG = {"tasks.group_size": G, "learner.batch_groups": 1, "gate.eta": 2, "store.drop_zero_variance_groups": True}
 
 
 async def _sizes(store: TrajectoryStore) -> dict[str, int]:
@@ -94,7 +45,7 @@ async def _sizes(store: TrajectoryStore) -> dict[str, int]:
 
 def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: NatsServer,
                                                  redis_server: RedisServer, tiny_model_dir: str) -> None:
-    cfg = _build_config(tmp_path, nats_server, redis_server, tiny_model_dir)
+    cfg = store_config(tmp_path, nats_server, redis_server, tiny_model_dir, **CONFIG)
     trained: list[str] = []
 
     async def main() -> tuple[list[dict[str, int]], int, int, int]:
@@ -104,9 +55,9 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
         in_flight: list[str] = []  # the kept group the learner holds, reported next round
         first_kept = ""
         for k in range(ROUNDS):
-            kept_task = await _admit_and_return(store, f"keep{k}", [1.0, 0.0])  # rewards differ: kept
+            kept_task = await admit_and_take(store, f"keep{k}", [1.0, 0.0])  # rewards differ: kept
             first_kept = first_kept or kept_task
-            await _admit_and_return(store, f"drop{k}", [1.0, 1.0])  # zero variance: filtered
+            await admit_and_take(store, f"drop{k}", [1.0, 1.0])  # zero variance: filtered
             version = await store.w.gate.version()
             if in_flight:  # the learner reports the batch it took last round, then takes this one
                 await store.report(services_pb2.ReportRequest(learner_version=version, trained_ids=in_flight))
@@ -125,9 +76,9 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
         # A late redelivery of the first group's members (trained, settled and trimmed long ago),
         # e.g. after a lost ack: still a duplicate, no new outcome.
         for i in range(G):
-            await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, _graded(first_kept, "g0-keep0", i, 0.5, 0),
+            await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, graded(first_kept, "g0-keep0", i, 0.5, 0, G),
                                       msg_id=f"late-{first_kept}-{i}")
-        await _take(store, G)
+        await take(store, G)
         await store._commit_final()
         # A learner replaying after its restart reports that group trained again: not recorded twice.
         await store.report(services_pb2.ReportRequest(learner_version=await store.w.gate.version(),
@@ -170,13 +121,13 @@ def test_a_store_killed_before_its_cleanup_leaves_no_records_behind(
     """Killed after marking a commit's ids final and acking them, before the cleanup: the groups it
     settled keep their records in Redis. The next store finds them settled (gate accounting done,
     all G members final) and drops them on start; nothing is owed, nothing counted twice."""
-    cfg = _build_config(tmp_path, nats_server, redis_server, tiny_model_dir)
+    cfg = store_config(tmp_path, nats_server, redis_server, tiny_model_dir, **CONFIG)
 
     async def main() -> tuple[dict[str, int], dict[str, int], bool, int, int]:
         store = TrajectoryStore(cfg)
         await store.setup()
-        await _admit_and_return(store, "keep", [1.0, 0.0])
-        await _admit_and_return(store, "drop", [1.0, 1.0])
+        await admit_and_take(store, "keep", [1.0, 0.0])
+        await admit_and_take(store, "drop", [1.0, 1.0])
         batch = await store.next_batch(0, G, timeout_s=10.0)
 
         async def killed(*_: object) -> None:

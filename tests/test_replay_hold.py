@@ -22,62 +22,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from store_checks import admit_and_take, store_config
 
-from trajmesh import bus as busmod
-from trajmesh.config import RunConfig, load_config
-from trajmesh.contract import Trajectory
-from trajmesh.infra import NatsServer, RedisServer, free_port
+from trajmesh.infra import NatsServer, RedisServer
 from trajmesh.services.store.archive import final_outcomes, read_archive
-from trajmesh.services.store.service import TrajectoryStore, _Incoming
+from trajmesh.services.store.service import TrajectoryStore
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.timeout(300)]
 
 G = 2
+CONFIG = {"tasks.group_size": G, "learner.batch_groups": 1, "gate.eta": 2, "learner.max_steps": 2,
+          "learner.checkpoint_every": 20, "learner.engine.type": "torch",
+          "learner.consistency_probe_trajectories": 0}
 
 
 class _Killed(BaseException):
     """The learner process died here (a BaseException: no handler of the service catches it)."""
-
-
-def _build_config(tmp_path: Path, nats: NatsServer, redis: RedisServer, model_dir: str) -> RunConfig:
-    return load_config(None, {
-        "run_dir": str(tmp_path / "run"), "model.path": model_dir, "tasks.group_size": G,
-        "learner.batch_groups": 1, "gate.eta": 2, "learner.max_steps": 2, "learner.checkpoint_every": 20,
-        "learner.engine.type": "torch", "learner.consistency_probe_trajectories": 0,
-        "infra.nats_url": nats.url, "infra.redis_url": redis.public_url,
-        "infra.store_address": f"127.0.0.1:{free_port()}",
-        "infra.security.nats_auth": False, "infra.security.redis_auth": False,
-    })
-
-
-def _graded(task_id: str, group_id: str, index: int, reward: float, version: int) -> bytes:
-    task = trajectory_pb2.Task(task_id=task_id, group_id=group_id, source="chain_sum", group_size=G)
-    t = Trajectory.new(task, trajectory_id=f"{task_id}-{index}")
-    t.append_prompt([1, 5, 6])
-    t.append_sampled([7, 2 + index], [-0.5, -0.1], version)
-    t.finish(trajectory_pb2.EOS)
-    t.set_reward(reward)
-    return t.to_bytes()
-
-
-async def _rollout_group(store: TrajectoryStore, task_id: str, sampled_with: int) -> None:
-    """Admit a task at the gate's version and take in its G members, sampled with `sampled_with`
-    and graded (rewards differ: the group is kept)."""
-    gid = f"g-{task_id}"
-    record = {"group_id": gid, "group_size": G, "source": "chain_sum",
-              "admitted_at_version": await store.w.gate.version()}
-    assert await store.w.repo.try_admit(task_id, record, b"", G)
-    for i in range(G):
-        await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, _graded(task_id, gid, i, float(i), sampled_with),
-                                  msg_id=f"{task_id}-{i}")
-    incoming: list[_Incoming] = []
-    while len(incoming) < G:
-        for msg in await store.w.intake.fetch(batch=G, timeout=10.0):
-            data = await store.w.intake.resolve(msg)
-            traj = Trajectory.from_bytes(data)
-            incoming.append(_Incoming(data, msg, traj, traj.pb.trajectory_id))
-    await store._intake_run(incoming)
 
 
 def _watch_announcements(learner: Any, seen: list[trajectory_pb2.WeightsAnnouncement],
@@ -99,7 +60,7 @@ def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
         tmp_path: Path, nats_server: NatsServer, redis_server: RedisServer, tiny_model_dir: str) -> None:
     from trajmesh.services.learner import LearnerService
 
-    cfg = _build_config(tmp_path, nats_server, redis_server, tiny_model_dir)
+    cfg = store_config(tmp_path, nats_server, redis_server, tiny_model_dir, **CONFIG)
     before: list[trajectory_pb2.WeightsAnnouncement] = []
     after: list[trajectory_pb2.WeightsAnnouncement] = []
 
@@ -110,7 +71,7 @@ def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
         learner = LearnerService(cfg)
         await learner.setup()
         await learner._checkpoint_async()  # the checkpoint the restart resumes from (v0)
-        await _rollout_group(store, "ta", sampled_with=0)
+        await admit_and_take(store, "ta", [0.0, 1.0], sampled_with=0)
         _watch_announcements(learner, before, kill_after=1)
         with pytest.raises(_Killed):
             await learner.run()
@@ -119,8 +80,8 @@ def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
         await learner.redis.aclose()
         announced = trajectory_pb2.WeightsAnnouncement.FromString(await store.w.bus.latest_weights())
         # 2. A rollout samples with the announced weights; the store keeps the group for the learner.
-        await _rollout_group(store, "tb", sampled_with=announced.version)
-        held = [store.state.holds(f"tb-{i}") for i in range(G)]
+        tb = await admit_and_take(store, "tb", [0.0, 1.0], sampled_with=announced.version)
+        held = [store.state.holds(f"{tb}-{i}") for i in range(G)]
         ready = [g.group_id for g in store.state.ready]
         if held != [True] * G:  # discarded: no learner would ever train it (fail now, not at a timeout)
             await store.stop()
@@ -142,7 +103,7 @@ def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
                 "final_version": again.version, "counters": counters, "admitted": admitted}
 
     out = asyncio.run(main())
-    assert out["held"] == [True] * G and out["ready"] == ["g-tb"], \
+    assert out["held"] == [True] * G and out["ready"] == ["g1-tb"], \
         "the group sampled with the announced version was not kept for the replaying learner"
     assert out["announced"] == 1 and out["resumed_from"] == 0 and out["final_version"] == 2
     rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
@@ -150,7 +111,8 @@ def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
     final = {tid: (r["outcome"], r["learner_version"]) for tid, r in
              final_outcomes(read_archive(Path(cfg.run_dir) / "archive")).items()}
     # ta trained at v0 (reported by the replay), tb at v1 = the version it was sampled with.
-    assert final == {"ta-0": ("trained", 0), "ta-1": ("trained", 0), "tb-0": ("trained", 1), "tb-1": ("trained", 1)}
+    assert final == {"ta-c0-0": ("trained", 0), "ta-c0-1": ("trained", 0),
+                     "tb-c1-0": ("trained", 1), "tb-c1-1": ("trained", 1)}
     assert len([r for r in rows if r["outcome"] == "trained"]) == 2 * G  # each trained once
     counters = out["counters"]
     assert out["admitted"] == 2 * G and counters.running == 0 and counters.accepted == 2 * G
