@@ -78,6 +78,7 @@ def _wait_for_version(cfg: RunConfig, version: int, learner_alive: object, timeo
     raise TimeoutError(f"weights v{version} not announced in {timeout_s}s")
 
 
+@pytest.mark.slow  # the joining run below kills a rollout the same way and checks the same accounting
 def test_killed_rollout_loses_no_admitted_task(tmp_path: Path, tiny_model_dir: str) -> None:
     _run(tmp_path, tiny_model_dir, join=False)
 
