@@ -240,6 +240,8 @@ def test_service_monitors_need_the_api() -> None:
         ({"nats": {"auth": {"passwords": {"environment": "abcdefghijklmnopq"}}}}, "environment"),
         ({"nats": {"auth": {"users": []}}}, "users"),
         ({"nats": {"auth": {"provision": {"backoffLimit": -1}}}}, "/nats/auth/provision/backoffLimit"),
+        ({"evaluator": {"replicaCount": 2}}, "/evaluator/replicaCount"),
+        ({"evaluator": {"engine": "torch"}}, "engine"),  # the engine is the rollout's
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:
@@ -923,7 +925,9 @@ def test_dashboards_and_rules_come_from_files() -> None:
 
 
 # ---------------------------------------------------------------- NATS users (nats.auth)
-NATS_SERVICE_ROLES = ("store", "rollout", "grader", "learner")
+NATS_SERVICE_ROLES = ("store", "rollout", "grader", "learner", "evaluator")
+OFF_BY_DEFAULT = {"evaluator"}
+"""Components no CI case enables (their pods are checked by the evaluator tests below)."""
 NATS_AUTH_SECRET_ENV = re.compile(r"^TRAJMESH_NATS_PASSWORD_([A-Z]+)$")
 
 
@@ -1094,7 +1098,7 @@ def test_each_pod_gets_only_its_own_nats_password(case: str) -> None:
             else:  # environment, redis, sglang, fetch-model
                 assert not refs and not users, (case, comp, c["name"], refs)
     if auth:
-        assert {"nats", "provision", *NATS_SERVICE_ROLES} <= seen, seen
+        assert {"nats", "provision", *NATS_SERVICE_ROLES} - OFF_BY_DEFAULT <= seen, seen
     else:
         assert "provision" not in seen
 
@@ -1285,12 +1289,20 @@ def test_chart_nats_conf_enforces_users_on_a_real_server(tmp_path: Path, monkeyp
             [msg] = await graded.fetch(1, timeout=5)
             assert await graded.resolve(msg) == b"traj"
             await msg.ack()
+            assert await buses["evaluator"].latest_weights() == b"w1"  # the evaluator watches weights
+            await buses["evaluator"].publish_eval(1, b'{"version": 1}')
+            records = buses["learner"].eval_records()
+            assert await asyncio.wait_for(records.__anext__(), 5) == b'{"version": 1}'
+            await records.aclose()
         finally:
             for b in buses.values():
                 await b.close()
         work_log.append(server.log_path.read_text(errors="replace"))
         for role, act, subject in [
             ("rollout", "pub", lay.subject(busmod.SUBJECT_WEIGHTS)),  # only the learner publishes weights
+            ("evaluator", "pub", lay.subject(busmod.SUBJECT_TRAJ_RAW)),  # eval traffic never reaches training
+            ("evaluator", "pub", lay.subject(busmod.SUBJECT_TASKS)),
+            ("rollout", "pub", lay.subject(busmod.SUBJECT_EVAL)),  # only the evaluator publishes eval records
             ("rollout", "pub", lay.subject(busmod.SUBJECT_TASKS)),
             ("grader", "pub", lay.subject(busmod.SUBJECT_TRAJ_RAW)),
             ("store", "pub", f"$KV.{lay.bucket(busmod.KV_WEIGHTS)}.latest"),
@@ -1337,6 +1349,53 @@ def test_golden_render(case: str) -> None:
         path.write_text(text)
     assert path.exists(), f"missing golden {path}; run with UPDATE_GOLDEN=1"
     assert text == path.read_text(), f"render of {case} differs from {path}; review, then UPDATE_GOLDEN=1"
+
+
+# ---------------------------------------------------------------- the evaluator
+def _with_evaluator(case: str) -> dict[str, Any]:
+    return _merged(_values(case), {"evaluator": {"enabled": True}})
+
+
+def test_evaluator_is_off_by_default() -> None:
+    for case in CASES:
+        assert not [o["kind"] for o in _objects(case) if _component(o) == "evaluator"], case
+
+
+@pytest.mark.parametrize("case", ["default", "cpu-only", "vllm"])
+def test_evaluator_pod_is_the_rollout_pod_with_the_evaluator_in_place_of_the_agent(case: str) -> None:
+    """evaluator.enabled: one replica of the rollout's pod (the same engine sidecar, image, GPU),
+    whose agent container runs `trajmesh serve evaluator` with the evaluator's NATS user; its Service
+    and ServiceAccount; every object valid and the chart lint-clean."""
+    values = _with_evaluator(case)
+    report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE)
+    assert not [m for m in report["messages"] if m["severity"] >= 2] and not report["errors"], report
+    objs = _objects_of(values)
+    for obj in objs:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    deps = {_component(o): o for o in objs if o["kind"] == "Deployment"}
+    ev, ro = deps["evaluator"], deps["rollout"]
+    assert ev["spec"]["replicas"] == 1
+    ev_pod, ro_pod = ev["spec"]["template"]["spec"], ro["spec"]["template"]["spec"]
+    ev_by = {c["name"]: c for c in ev_pod["containers"]}
+    ro_by = {c["name"]: c for c in ro_pod["containers"]}
+    assert set(ev_by) == set(ro_by) - {"rollout"} | {"evaluator"}
+    for name in set(ro_by) - {"rollout"}:  # the engine sidecar, exactly the rollout's
+        assert ev_by[name] == ro_by[name], name
+    agent = ev_by["evaluator"]
+    assert agent["command"] == ["python", "/etc/trajmesh/entrypoint.py", "evaluator"]
+    assert agent["image"] == ro_by["rollout"]["image"]
+    env = {e["name"]: e for e in agent.get("env", [])}
+    if _nats_auth_on(case):
+        assert env["TRAJMESH_NATS_USER"]["value"] == "evaluator"
+        assert env["TRAJMESH_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "evaluator"
+    assert [i["name"] for i in ev_pod.get("initContainers", [])] == [i["name"] for i in ro_pod.get("initContainers", [])]
+    def gpus(pod: dict[str, Any]) -> list[Any]:
+        return [c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") for c in pod["containers"]]
+
+    assert gpus(ev_pod) == gpus(ro_pod)
+    kinds = {(o["kind"], _component(o)) for o in objs}
+    assert {("Service", "evaluator"), ("ServiceAccount", "evaluator")} <= kinds
 
 
 # ---------------------------------------------------------------- the chart, run as local processes
@@ -1391,6 +1450,7 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     the pod's securityContext says (uid 10001, fsGroup volumes, no capabilities, no_new_privs), so
     the code call runs the rootless sandbox as a pod would; not root, that part is skipped."""
     import shutil
+    import time
 
     from mesh_checks import check_archive, check_gate_reconciles
 
@@ -1403,9 +1463,10 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     values = _merged(_values("cpu-only"), {
         "model": {"source": "pvc://trajmesh-models/tiny"},
         "rollout": {"replicaCount": 1, "concurrentTasks": 2}, "environment": {"replicaCount": 1},
-        "grader": {"replicaCount": 1},
+        "grader": {"replicaCount": 1}, "evaluator": {"enabled": True},
         "trajmesh": {"config": {
             "gate": {"eta": 1},
+            "eval": {"every_versions": 1, "samples": 2, "samples_during": 1, "noise_seeds": 0},
             "tasks": {"group_size": 2, "train_size": 100, "heldout_size": 5, "sampling": {"max_new_tokens": 6}},
             "learner": {"batch_groups": 2, "max_steps": CHART_RUN_STEPS, "checkpoint_every": CHART_RUN_STEPS}}},
     })
@@ -1413,12 +1474,13 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
                                            {"nats": nats_server_binary(), "redis-server": redis_server_binary()})
     kubelet.setup()
     shutil.copytree(tiny_model_dir, tmp_path / "pvc" / "trajmesh-models" / "tiny")
+    learner_run = tmp_path / "pvc" / "trajmesh-shared" / "run"  # the learner mounts the shared claim at /shared
     try:
         for component in ("nats", "redis"):
             kubelet.start(kubelet.pod(component))
         provision = kubelet.pod("provision")
         assert kubelet.run_to_completion(provision) == 0, kubelet.tail(provision)
-        for component in ("environment", "store", "grader", "rollout", "learner"):
+        for component in ("environment", "store", "grader", "rollout", "evaluator", "learner"):
             kubelet.start(kubelet.pod(component), wait_ready_s=300, may_finish=component == "learner")
         observation, info = _code_call(kubelet.pod("environment"))
         assert "42" in observation and info["tool_call"]["status"] == "ok", (observation, info)
@@ -1428,11 +1490,17 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
                  and all(p.poll() is None for p in kubelet.pod(c).procs)}
         learner = kubelet.pod("learner")
         assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
+        evaluator = kubelet.pod("evaluator")
+        deadline = time.monotonic() + 300  # its record of the last version (it sees run_finished)
+        while not [r for r in read_metrics(learner_run) if r.get("phase") == "after"]:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in evaluator.procs), \
+                kubelet.tail(evaluator)
+            time.sleep(0.5)
         store = kubelet.pod("store")
         cfg = RunConfig.model_validate(yaml.safe_load(
             (tmp_path / "pods" / store.name / "volumes" / "runtime" / "config.yaml").read_text()))
         drain(cfg)
-        for component in ("rollout", "grader", "environment"):
+        for component in ("rollout", "evaluator", "grader", "environment"):
             kubelet.stop(kubelet.pod(component))
         assert kubelet.stop(store, grace_s=120) == [0], kubelet.tail(store)
         acct = accounting(cfg)
@@ -1440,9 +1508,13 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
         check_gate_reconciles(cfg, rows)
     finally:
         kubelet.stop_all()
-    learner_run = tmp_path / "pvc" / "trajmesh-shared" / "run"  # the learner mounts the shared claim at /shared
     steps = [m for m in read_metrics(learner_run) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == list(range(1, CHART_RUN_STEPS + 1))
+    # The evaluator pod's records (on the shared claim beside the learner's): per source, >= 2 versions.
+    evals = [m for m in read_metrics(learner_run) if m.get("kind") == "eval"]
+    assert len({m["version"] for m in evals}) >= 2 and evals[0]["phase"] == "before", evals
+    assert evals[-1]["phase"] == "after" and evals[-1]["version"] == CHART_RUN_STEPS
+    assert all(sorted(m["heldout"]) == ["chain_sum"] and m["heldout"]["chain_sum"]["n_tasks"] == 5 for m in evals)
     if not kubelet.users_emulated:
         pytest.skip(f"the mesh trained as this test's user; the pods' uid part needs root: {kubelet.why_not_users}")
     # The pods ran as the chart's podSecurityContext says: the code call above ran as uid 10001 with
