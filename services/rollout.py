@@ -66,6 +66,8 @@ INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
 ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
                        "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
+ENV_WAITS = Counter("trajmesh_rollout_environment_waits_total",
+                    "Reset rounds in which no environment replica answered (the episode waits, then retries)")
 BUS_FAILURES = Counter("trajmesh_rollout_bus_failures_total",
                        "NATS operations of a task that failed or timed out (publishes are retried), by operation",
                        ["operation"])
@@ -473,18 +475,30 @@ class RolloutService(Service):
     async def _reset(
         self, task: trajectory_pb2.Task, tid: str, seed: int
     ) -> tuple[Any, Any] | None:
-        """Reset on the session's sticky replica; on an infrastructure error retry the next replicas."""
+        """Reset on the session's sticky replica; on an infrastructure error try the next replicas,
+        and while none answers keep trying with backoff for `rollout.environment_wait_s` (the
+        task's heartbeat keeps it meanwhile). None: still no replica by then."""
         first = int(hashlib.sha256(tid.encode()).hexdigest(), 16) % len(self.envs)
-        for k in range(len(self.envs)):
-            env = self.envs[(first + k) % len(self.envs)]
-            try:
-                req = services_pb2.ResetRequest(session_id=tid, task=task, seed=seed)
-                return env, await env.Reset(req, timeout=ENV_STEP_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise  # a config error (unknown environment), not infrastructure: fail loudly
-                ENV_FAILURES.labels(exc.code().name.lower()).inc()
-        return None
+        deadline = time.monotonic() + self.cfg.rollout.environment_wait_s
+        delay = 0.2
+        while True:
+            for k in range(len(self.envs)):
+                env = self.envs[(first + k) % len(self.envs)]
+                try:
+                    req = services_pb2.ResetRequest(session_id=tid, task=task, seed=seed)
+                    return env, await env.Reset(req, timeout=ENV_STEP_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise  # a config error (unknown environment), not infrastructure: fail loudly
+                    ENV_FAILURES.labels(exc.code().name.lower()).inc()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("no environment replica answered a Reset of %s for %.0fs", tid,
+                            self.cfg.rollout.environment_wait_s)
+                return None
+            ENV_WAITS.inc()
+            await asyncio.sleep(min(delay, left))  # backoff while the environment is away
+            delay = min(delay * 2, 2.0)
 
     async def _generate(
         self, context: list[int], sp: trajectory_pb2.SamplingParams, seed: int

@@ -253,6 +253,12 @@ class RolloutConfig(_Strict):
     """Tasks one rollout process works on at once."""
     task_ack_wait_s: float = Field(60.0, gt=0)
     """Seconds before a task taken by a rollout that died (never acked) is redelivered to another."""
+    environment_wait_s: float = Field(60.0, ge=0)
+    """How long an episode's Reset keeps trying while no environment replica answers (a pod
+    restarting), with backoff, before the trajectory ends INFRA_FAILURE. Nothing of the episode
+    exists yet, so waiting loses nothing; failing at once ends every new task and lets the store
+    admit the next as fast as they fail. A Step that fails mid-episode is not retried (the
+    session lived on the replica that is gone)."""
     agent_endpoint: AgentEndpointConfig = Field(default_factory=lambda: AgentEndpointConfig())
     """The OpenAI/Anthropic-compatible endpoint external agents call (served when a task source is
     ``external_agent``)."""
