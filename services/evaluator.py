@@ -55,7 +55,7 @@ HELDOUT_SCORE = Gauge("trajmesh_evaluator_heldout_score_ratio",
 SCORE_BELOW_BEST = Gauge("trajmesh_evaluator_heldout_score_below_best_ratio",
                          "Best held-out score so far minus the last one (0 at a new best): the regression")
 EVALUATED_VERSION = Gauge("trajmesh_evaluator_evaluated_version", "Policy version of the last evaluation")
-EVALUATIONS = Counter("trajmesh_evaluator_evaluations_total", "Evaluations published, by phase", ["phase"])
+EVALUATIONS = Counter("trajmesh_evaluator_versions_evaluated_total", "Evaluations published, by phase", ["phase"])
 EVAL_SECONDS = Histogram("trajmesh_evaluator_evaluation_seconds", "Wall time of one evaluation (every source)",
                          buckets=(5, 10, 30, 60, 120, 300, 600, 1200, 3600))
 PUBLISH_FAILURES = Counter("trajmesh_evaluator_publish_failures_total",

@@ -68,6 +68,7 @@ def exported_metric_names() -> set[str]:
     from prometheus_client import REGISTRY
 
     import trajmesh.services.environment  # noqa: F401
+    import trajmesh.services.evaluator  # noqa: F401
     import trajmesh.services.grader  # noqa: F401
     import trajmesh.services.learner  # noqa: F401
     import trajmesh.services.rollout  # noqa: F401
@@ -141,7 +142,7 @@ METRIC_UNIT_WORDS = {
     "call", "request", "error", "failure", "step", "update", "audit", "breach", "violation", "timeout",
     "reason", "action", "session", "component",
 }
-METRIC_SUBSYSTEMS = {"store", "rollout", "learner", "environment", "grader", "bus"}
+METRIC_SUBSYSTEMS = {"store", "rollout", "learner", "environment", "grader", "bus", "evaluator"}
 # Suffixes Prometheus reserves for the series of histograms, summaries and counters.
 RESERVED_SUFFIXES = ("_sum", "_count", "_bucket", "_created", "_total")
 METRIC_SOURCES = ["trajmesh", "services", "learner", "rollout", "envs", "graders"]
@@ -220,9 +221,22 @@ def test_alert_rules_have_for_severity_and_summary() -> None:
     data = yaml.safe_load(RULES.read_text())
     alerts = {r["alert"]: r for g in data["groups"] for r in g["rules"]}
     for name in ("TrajmeshLearnerStalled", "TrajmeshPolicyLagNearEta", "TrajmeshEssFractionLow",
-                 "TrajmeshEntropyCollapse", "TrajmeshJetStreamConsumerLag", "TrajmeshVerifierErrorRate"):
+                 "TrajmeshEntropyCollapse", "TrajmeshJetStreamConsumerLag", "TrajmeshVerifierErrorRate",
+                 "TrajmeshHeldoutRegression"):
         assert name in alerts
     for name, rule in alerts.items():
         assert "for" in rule, name
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
         assert rule["annotations"]["summary"], name
+
+
+def test_overview_shows_heldout_accuracy_per_source_and_the_regression() -> None:
+    """The evaluator's figures on the overview: accuracy by source (and mode), and the score's
+    distance below its best, which TrajmeshHeldoutRegression alerts on."""
+    dash = _load(ROOT / "deploy" / "helm" / "trajmesh" / "dashboards" / "trajmesh-overview.json")
+    exprs = dashboard_exprs(dash)
+    per_source = [e for _, e in exprs if "trajmesh_evaluator_heldout_accuracy_ratio" in metric_names(e)]
+    assert per_source and all(re.search(r"by \(source", e) for e in per_source), per_source
+    assert any("trajmesh_evaluator_heldout_score_below_best_ratio" in metric_names(e) for _, e in exprs)
+    rules = dict(rule_exprs())
+    assert "trajmesh_evaluator_heldout_score_below_best_ratio" in metric_names(rules["TrajmeshHeldoutRegression"])

@@ -67,6 +67,8 @@ def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
         "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": 1000,
         "learner.checkpoint_every": 1000,
+        # The evaluator too (its gauges feed the overview's held-out panels and an alert).
+        "eval.in_mesh": True, "eval.samples": 1, "eval.noise_seeds": 0, "eval.every_versions": 2,
     })
 
 
@@ -157,7 +159,8 @@ def scraped_mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) 
             assert not mesh.dead(), [(p.label, p.log_path.read_text()[-2000:]) for p in mesh.dead()]
             steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
             scraped = prom.query(f"min(trajmesh_learner_steps_total) >= {MIN_STEPS}")["data"]["result"]
-            if len(steps) >= MIN_STEPS and scraped:
+            evaluated = prom.query("trajmesh_evaluator_heldout_accuracy_ratio")["data"]["result"]
+            if len(steps) >= MIN_STEPS and scraped and evaluated:
                 break
             assert time.monotonic() < deadline, f"only {len(steps)} learner steps"
             time.sleep(1.0)
