@@ -7,9 +7,11 @@ import inspect
 import json
 import os
 import signal
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trajmesh import security
 from trajmesh.config import RunConfig
@@ -17,8 +19,38 @@ from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.services.store.archive import read_archive
 
+if TYPE_CHECKING:
+    from trajmesh.run.launcher import Mesh
+
 FINAL_OUTCOMES = ("trained", "filtered", "quarantined", "failed_infra", "in_flight_at_stop")
 """Every admitted trajectory ends as exactly one of these."""
+
+
+def learner_steps(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The run's learner-step metric records so far, in order."""
+    from trajmesh.run.train import read_metrics
+
+    return [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+
+
+def last_step(cfg: RunConfig) -> int:
+    """The learner step the run has reached (0 before the first)."""
+    steps = learner_steps(cfg)
+    return int(steps[-1]["step"]) if steps else 0
+
+
+def supervise_until(mesh: Mesh, cond: Callable[[], bool], timeout_s: float = 180.0, what: str = "") -> float:
+    """Restart dead services (as the launcher's supervisor does) until `cond()` holds; returns the
+    moment it held (time.monotonic). Fails after `timeout_s` naming `what`, the learner's step,
+    the restarts so far and the services dead now."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        mesh.restart_dead()
+        assert time.monotonic() < deadline, (
+            f"{what or 'waiting'}: learner at step {last_step(mesh.cfg)} after {timeout_s:.0f} s; "
+            f"restarts {mesh.restarts}; dead {[p.label for p in mesh.dead()]}")
+        time.sleep(0.2)
+    return time.monotonic()
 
 
 def write_manifest(cfg: RunConfig) -> None:

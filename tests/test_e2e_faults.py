@@ -39,7 +39,9 @@ from mesh_checks import (
     check_gate_reconciles,
     check_no_stale,
     kill_group,
+    last_step,
     processes_marked,
+    supervise_until,
     write_manifest,
 )
 from safetensors.torch import load_file
@@ -49,7 +51,6 @@ from trajmesh.gate import StalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Mesh, accounting, start_mesh
 from trajmesh.run.run_end import drain_supervised, end_run
-from trajmesh.run.train import read_metrics
 from trajmesh.security import redis_sync_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -73,20 +74,6 @@ def _build_config(run_dir: Path, model_dir: str, **over: object) -> RunConfig:
     })
 
 
-def _steps(cfg: RunConfig) -> int:
-    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
-    return steps[-1]["step"] if steps else 0
-
-
-def _supervise_until(mesh: Mesh, cond, timeout_s: float = 180.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        mesh.restart_dead()
-        assert time.monotonic() < deadline, \
-            f"no progress after a fault ({what or 'waiting'}): learner at step {_steps(mesh.cfg)} after {timeout_s:.0f} s"
-        time.sleep(0.3)
-
-
 def _kill(mesh: Mesh, name: str) -> None:
     victim = next(p for p in mesh.procs if p.name == name and p.popen.poll() is None)
     kill_group(victim.popen.pid)  # the process and its children (rollout's engine)
@@ -97,7 +84,7 @@ def _kill(mesh: Mesh, name: str) -> None:
 def _progressed(cfg: RunConfig, before: int) -> bool:
     """Two learner steps after a fault at step `before`, or the end of the budget (on a fast machine
     the last faults can land within two steps of it: waiting for more once failed a run)."""
-    return _steps(cfg) >= min(before + 2, STEPS)
+    return last_step(cfg) >= min(before + 2, STEPS)
 
 
 def _gate_bound_holds(cfg: RunConfig) -> bool:
@@ -114,26 +101,37 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
     cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"learner.checkpoint_every": REPLAY_CKPT})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
+    started = time.monotonic()
     mesh = start_mesh(cfg)
+    start_s = time.monotonic() - started
     try:
         cfg = mesh.cfg
+        supervise_until(mesh, lambda: last_step(cfg) >= 1, what="the first step")
+        t_from = time.monotonic()
+        supervise_until(mesh, lambda: last_step(cfg) >= 3, what="the third step")
+        s_per_step = (time.monotonic() - t_from) / 2
+        # Progress after a fault: two steps (plus what a restarted learner replays) at a tenth of
+        # the run's own rate, after one mesh start and two ack waits (what the dead held comes
+        # back by redelivery); never less than a minute.
+        bound_s = max(60.0, start_s + 2 * 4.0 + 10 * (2 + REPLAY_CKPT) * s_per_step)
         for name in ("rollout", "environment", "grader", "store", "learner"):
-            _supervise_until(mesh, lambda: _steps(cfg) >= 2, what=f"before killing {name}")
             if name == "learner":  # two steps past a checkpoint: the restart replays below the announced version
-                _supervise_until(mesh, lambda: _steps(cfg) % REPLAY_CKPT == 2, what="a step 2 past a checkpoint")
-            before = _steps(cfg)
+                supervise_until(mesh, lambda: last_step(cfg) % REPLAY_CKPT == 2, what="a step 2 past a checkpoint")
+            before = last_step(cfg)
             _kill(mesh, name)
-            _supervise_until(mesh, lambda b=before: _progressed(cfg, b), what=f"{name} killed at step {before}")
+            supervise_until(mesh, lambda b=before: _progressed(cfg, b), timeout_s=bound_s,
+                             what=f"{name} killed at step {before}, {s_per_step:.2f} s/step before")
             assert _gate_bound_holds(cfg), f"gate bound broken after killing {name}"
         for server in (mesh.nats, mesh.redis):
             assert server is not None
-            before = _steps(cfg)
+            before = last_step(cfg)
             server.kill()
             server.restart()
-            _supervise_until(mesh, lambda b=before: _progressed(cfg, b), what=f"{server.name} restarted at step {before}")
+            supervise_until(mesh, lambda b=before: _progressed(cfg, b), timeout_s=bound_s,
+                             what=f"{server.name} restarted at step {before}, {s_per_step:.2f} s/step before")
             assert _gate_bound_holds(cfg)
         learner = next(p for p in mesh.procs if p.name == "learner")
-        _supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)
+        supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)
         assert end_run(mesh) == 0
         acct = accounting(cfg)
         rows = check_archive(cfg, acct, ETA)
@@ -194,10 +192,10 @@ def _kill_store_at(mesh: Mesh, moment: str, delay_s: float) -> int:
     cfg = mesh.cfg
     learner = next(p for p in mesh.procs if p.name == "learner")
     if moment == "near_end":
-        _supervise_until(mesh, lambda: _steps(cfg) >= STOP_STEPS - 1, timeout_s=300)
+        supervise_until(mesh, lambda: last_step(cfg) >= STOP_STEPS - 1, timeout_s=300)
         time.sleep(delay_s)
         _kill(mesh, "store")
-    _supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)
+    supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=400)
     if moment == "after_learner":
         time.sleep(delay_s)
         _kill(mesh, "store")
@@ -309,7 +307,7 @@ def test_run_stopped_with_work_in_flight_records_each_trajectory_once(
     frozen: list[int] = []
     try:
         cfg = mesh.cfg
-        _supervise_until(mesh, lambda: _steps(cfg) >= 2, timeout_s=300)
+        supervise_until(mesh, lambda: last_step(cfg) >= 2, timeout_s=300)
         store = next(p for p in mesh.procs if p.name == "store")
         rollout = next(p for p in mesh.procs if p.name == "rollout")
         graders = [p.popen.pid for p in mesh.procs if p.name == "grader"]
@@ -329,9 +327,9 @@ def test_run_stopped_with_work_in_flight_records_each_trajectory_once(
                 return True
             _thaw(frozen)  # the engine finished them just before it froze: try again
             return False
-        _supervise_until(mesh, freeze_with_work_in_flight, timeout_s=180)
+        supervise_until(mesh, freeze_with_work_in_flight, timeout_s=180)
         learner = next(p for p in mesh.procs if p.name == "learner")
-        _supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=INFLIGHT_RL_SECONDS + 120)
+        supervise_until(mesh, lambda: learner.popen.poll() == 0, timeout_s=INFLIGHT_RL_SECONDS + 120)
         for pid in graders:
             kill_group(pid)  # works on a stopped process; nothing restarts them now
         _thaw([engine])  # resumes mid-generation (its rollout, if restarted meanwhile, has a new one)
@@ -416,12 +414,12 @@ def _kill_store_repeatedly(mesh: Mesh) -> None:
         return any(p.name == "learner" and p.popen.poll() == 0 for p in mesh.procs)
 
     for _ in range(3):
-        before = _steps(mesh.cfg)
+        before = last_step(mesh.cfg)
         _kill(mesh, "store")
         # Progress alone is not enough: the learner may step once more before the kill lands, and
         # the next kill then found no live store (StopIteration in a run on a loaded machine). On
         # an idle machine the learner may finish its budget before a third kill has a step to see.
-        _supervise_until(mesh, lambda b=before: (_steps(mesh.cfg) >= b + 1 or learner_done()) and store_alive())
+        supervise_until(mesh, lambda b=before: (last_step(mesh.cfg) >= b + 1 or learner_done()) and store_alive())
 
 
 def _hang(name: str):  # type: ignore[no-untyped-def]
@@ -468,18 +466,18 @@ def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_mode
     start_s = time.monotonic() - started
     try:
         cfg = mesh.cfg
-        _supervise_until(mesh, lambda: _steps(cfg) >= 1, timeout_s=300)
-        t_from, s_from = time.monotonic(), _steps(cfg)
-        _supervise_until(mesh, lambda: _steps(cfg) >= 3, timeout_s=300)
-        s_per_step = (time.monotonic() - t_from) / max(1, _steps(cfg) - s_from)
+        supervise_until(mesh, lambda: last_step(cfg) >= 1, timeout_s=300)
+        t_from, s_from = time.monotonic(), last_step(cfg)
+        supervise_until(mesh, lambda: last_step(cfg) >= 3, timeout_s=300)
+        s_per_step = (time.monotonic() - t_from) / max(1, last_step(cfg) - s_from)
         fault(mesh)
-        before = _steps(cfg)
+        before = last_step(cfg)
         ack_wait_s = max(cfg.store.intake_ack_wait_s, cfg.rollout.task_ack_wait_s)
         bound_s = start_s + 2 * ack_wait_s + 10 * 2 * s_per_step
-        _supervise_until(mesh, lambda: _steps(cfg) >= min(before + 2, SCENARIO_STEPS), timeout_s=bound_s,
+        supervise_until(mesh, lambda: last_step(cfg) >= min(before + 2, SCENARIO_STEPS), timeout_s=bound_s,
                          what=f"{scenario} at step {before}, {s_per_step:.2f} s/step before it")
         learner = lambda: next(p for p in mesh.procs if p.name == "learner")  # noqa: E731 - replaced on restart
-        _supervise_until(mesh, lambda: learner().popen.poll() == 0, timeout_s=500)
+        supervise_until(mesh, lambda: learner().popen.poll() == 0, timeout_s=500)
         end_run(mesh)
         acct = accounting(cfg)
         rows = check_archive(cfg, acct, ETA)

