@@ -21,11 +21,14 @@ volume mounts, declared ports, readiness probes) and
   supplementalGroups as its groups, the capability bounding set emptied (the chart drops ALL),
   ``PR_SET_NO_NEW_PRIVS`` for ``allowPrivilegeEscalation: false``; its volumes are made writable
   the way the kubelet does it (fsGroup: group-owned, group-writable, setgid directories; emptyDirs
-  0777; policy OnRootMismatch) and its private root is owned by that user. Not root: every process
-  runs as this user (``users_emulated`` is False and says why).
+  0777; policy OnRootMismatch) and its private root is owned by that user; and, as a kubelet gives
+  every pod a cgroup, such a pod's processes start in a cgroup of their own delegated to that user
+  (`trajmesh.cgroups.delegate`, in whichever mode this host has: v2 or v1), so the sandbox in the
+  environment and grader pods makes one cgroup per call under it; it is removed when the pod
+  stops. Not root: every process runs as this user (``users_emulated`` is False and says why).
 
 So a workload that misses a mount (its path then lands in its private root, empty), a variable, or
-a port fails as it would on a cluster. What it does not emulate: resource limits, seccomp and
+a port fails as it would on a cluster. What it does not emulate: the pods' resource limits (their cgroups have none), seccomp and
 AppArmor profiles, procMount, user-namespaced pods (hostUsers), restarts, probes other than
 readiness (awaited), network policies.
 """
@@ -63,6 +66,17 @@ class RunAs:
     no_new_privs: bool
 
 
+def _delegate_cgroup(pod_name: str, run_as: RunAs) -> Any:
+    """A cgroup for the pod's processes, delegated to its user; None where this host has none
+    (the sandbox's preflight then says so, as on a node without a delegated cgroup)."""
+    from trajmesh import cgroups
+
+    try:
+        return cgroups.delegate(run_as.uid, run_as.gid, f"trajmesh-pod-{pod_name}")
+    except OSError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,6 +95,8 @@ class Pod:
     ports: dict[int, int] = field(default_factory=dict)
     """containerPort -> host port."""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    cgroup: Any = None
+    """The pod's delegated cgroup (`trajmesh.cgroups.CgroupMode`), None when it has none."""
 
     def container_ports(self) -> list[dict[str, Any]]:
         return [p for c in self.spec["containers"] for p in c.get("ports", []) or []]
@@ -324,8 +340,11 @@ class LocalKubelet:
         if run_as is not None:
             (self.root / "home").chmod(0o1777)
             self._own_volumes(pod, container, run_as)
+            if pod.cgroup is None:
+                pod.cgroup = _delegate_cgroup(pod.name, run_as)
             spec = {"uid": run_as.uid, "gid": run_as.gid, "groups": list(run_as.groups),
                     "no_new_privs": run_as.no_new_privs,
+                    "cgroup_dirs": pod.cgroup.dirs if pod.cgroup is not None else [],
                     "reach": sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, self.root, REPO)})}
             argv = [sys.executable, str(PODEXEC), json.dumps(spec), "--", *argv]
         log = open(self.logs / f"{pod.name}.{container['name']}.log", "ab")  # noqa: SIM115 - child owns it
@@ -413,6 +432,11 @@ class LocalKubelet:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
             codes.append(p.returncode)
+        if pod.cgroup is not None:
+            from trajmesh import cgroups
+
+            cgroups.undelegate(pod.cgroup)
+            pod.cgroup = None
         return codes
 
     def stop_all(self) -> None:

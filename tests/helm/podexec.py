@@ -5,11 +5,13 @@ by ``local_kubelet.py`` (``python podexec.py SPEC_JSON -- ARGV...``), it
    an unprivileged uid: a directory on the way that only root may traverse (``/root`` holding this
    machine's interpreter, pytest's ``/tmp/pytest-of-root``) is covered by a tmpfs (0755) into which
    just the needed paths are bind-mounted back (a container has its own root filesystem instead);
-2. drops privileges the way the pod's securityContext asks: supplementary groups (fsGroup and
+2. moves itself into the pod's cgroup (``cgroup_dirs``: the kubelet delegated them to the pod's
+   user), as a container runtime starts a container in its pod's cgroup;
+3. drops privileges the way the pod's securityContext asks: supplementary groups (fsGroup and
    supplementalGroups), runAsGroup, the whole capability bounding set and ambient set
    (``capabilities.drop: [ALL]``), ``PR_SET_NO_NEW_PRIVS`` when ``allowPrivilegeEscalation: false``,
    then runAsUser (which clears the permitted and effective sets);
-3. execs the container's command (same pid, so ``/proc/PID/status`` shows the result).
+4. execs the container's command (same pid, so ``/proc/PID/status`` shows the result).
 
 Not a test module. Linux only; needs root (the caller checks).
 """
@@ -89,6 +91,9 @@ def main() -> None:
     spec, argv = json.loads(sys.argv[1]), sys.argv[sep + 1:]
     cwd = os.getcwd()
     make_reachable(spec["reach"] + [cwd])
+    for d in spec.get("cgroup_dirs", []):
+        with open(f"{d}/cgroup.procs", "w") as f:
+            f.write("0")
     drop_privileges(spec["uid"], spec["gid"], spec["groups"], spec["no_new_privs"])
     os.chdir(cwd)  # through the bind mounts, as the pod's user
     os.execvp(argv[0], argv)
