@@ -79,6 +79,13 @@ def sampling_seed(run_seed: int, task_id: str, sample_index: int) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFFFFFF
 
 
+WAIT_SLICE_S = 0.5
+"""A request's wait for its answer is cut into slices this long, to see a frozen process."""
+FROZEN_AFTER_S = 0.25
+"""A slice that overran by more than this: the process was frozen (or its loop blocked) meanwhile,
+and the overrun does not count against the request's timeout."""
+
+
 class PauseClock:
     """Whether the engine is paused for a weight load, how often it was, and for how long."""
 
@@ -195,17 +202,26 @@ class TurnSampler:
         return sampling
 
     async def _request(self, input_ids: list[int], sampling: dict[str, Any]) -> GenerateResult:
-        """One /generate; times out after cfg.request_timeout_s of unpaused time."""
+        """One /generate; times out after cfg.request_timeout_s of generation time: time paused
+        for a weight load does not count, nor time this process itself was frozen (SIGSTOP, a
+        blocked event loop), seen as a wait that overran its slice (the engine kept going; its
+        answer is read on resume instead of the request failing the moment the process thaws)."""
         task = asyncio.ensure_future(self.engine.generate(input_ids, sampling))
         start, paused_at_start = time.monotonic(), self.pause.paused_seconds()
+        frozen = 0.0
         try:
             while True:
-                active = time.monotonic() - start - (self.pause.paused_seconds() - paused_at_start)
+                now = time.monotonic()
+                active = now - start - (self.pause.paused_seconds() - paused_at_start) - frozen
                 if active >= self.cfg.request_timeout_s:
                     raise EngineFailed("timeout", f"no answer in {self.cfg.request_timeout_s}s of generation")
-                done, _ = await asyncio.wait({task}, timeout=self.cfg.request_timeout_s - active)
+                wait_s = min(WAIT_SLICE_S, self.cfg.request_timeout_s - active)
+                done, _ = await asyncio.wait({task}, timeout=wait_s)
                 if done:
                     break
+                overrun = time.monotonic() - now - wait_s
+                if overrun > FROZEN_AFTER_S:
+                    frozen += overrun
             res = task.result()
         except EngineError as exc:
             kind = "http_4xx" if exc.status is not None and exc.status < 500 else "http_5xx"

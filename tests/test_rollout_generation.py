@@ -10,6 +10,7 @@ is driven directly for the abort-after-EOS order.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -138,6 +139,29 @@ def test_request_timeout_excludes_time_paused():
     with pytest.raises(EngineFailed) as failed:
         asyncio.run(_sampler(ScriptedEngine(never), request_timeout_s=0.2).sample([1], PARAMS))
     assert failed.value.reason == "timeout"
+
+
+def test_request_timeout_excludes_time_the_process_was_frozen():
+    """The process freezes (SIGSTOP; here its event loop is blocked, which stops it the same way)
+    for longer than the request timeout while the engine works; the engine's answer, there right
+    after the thaw, is taken: the request does not time out the moment the process thaws."""
+    answered = asyncio.Event()
+
+    async def answers_after_the_freeze() -> GenerateResult:
+        await answered.wait()
+        return _result([5, EOS], "stop")
+
+    async def main() -> Any:
+        loop = asyncio.get_running_loop()
+
+        def freeze() -> None:
+            time.sleep(3.0)  # the freeze itself (1.5x the timeout), not a synchronization
+            loop.call_later(0.1, answered.set)  # the engine's answer arrives just after the thaw
+        loop.call_later(0.05, freeze)
+        return await _sampler(ScriptedEngine(answers_after_the_freeze), request_timeout_s=2.0).sample([1], PARAMS)
+
+    turn = asyncio.run(main())
+    assert turn.ids == [5, EOS]
 
 
 def test_context_cap_and_seed_reach_the_request():
