@@ -47,6 +47,7 @@ from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
 from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
+from trajmesh.learner.simulated import simulated_train_batch
 from trajmesh.learner.step import StepPlan, advantages_BT, build_batch, split_stale, train_batch
 from trajmesh.learner.train_engine import TrainEngine, build_train_engine, wants_deterministic
 from trajmesh.learner.weights import export_policy, sha256_file
@@ -261,6 +262,8 @@ class LearnerService(Service):
         self.plan = StepPlan(micro_batch_tokens=lc.micro_batch_tokens, minibatches=lc.ppo.minibatches,
                              epochs=lc.ppo.epochs)
         self.objective: ObjectiveConfig = lc.objective  # the config's type, used by the loss as is
+        # The step itself: the real one, or a benchmark's modelled GPU step (learner/simulated.py).
+        self.train_batch = simulated_train_batch(lc.simulated_step) if lc.simulated_step.enabled else train_batch
         ec = lc.entropy
         self.entropy_ctl = (MagicEntropyController(target_entropy=ec.target_entropy, delta=ec.delta,
                                                    max_coef=ec.max_coef) if ec.type == "magic" else None)
@@ -533,14 +536,9 @@ class LearnerService(Service):
                 metrics.update(consistency.probe(model, keep, version=self.version, pad_id=self.pad_id,
                                                  temperature=temperature,
                                                  max_trajectories=lc.consistency_probe_trajectories))
-            if lc.simulated_step.enabled:  # benchmark model of a GPU step (bench/bench_systems.py): no training
-                seconds = lc.simulated_step.seconds(int((batch.mask_BT > 0).sum()))
-                time.sleep(seconds)  # in a worker thread (asyncio.to_thread): no CPU taken
-                step_metrics: dict[str, Any] = {"simulated_step_seconds": seconds}
-            else:
-                step_metrics = train_batch(engine, batch, adv_BT, self.objective, self.plan,
-                                           temperature=temperature, version=self.version,
-                                           max_lag=max(eta, 1) + 1, entropy_coef=alpha)
+            step_metrics = self.train_batch(engine, batch, adv_BT, self.objective, self.plan,
+                                            temperature=temperature, version=self.version,
+                                            max_lag=max(eta, 1) + 1, entropy_coef=alpha)
             if self.entropy_ctl is not None and not lc.simulated_step.enabled:
                 self.entropy_ctl.update(step_metrics["trajmesh_learner_entropy_nats"])
                 step_metrics["trajmesh_learner_entropy_coef"] = alpha
