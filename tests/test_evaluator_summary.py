@@ -56,6 +56,9 @@ def test_the_launcher_waits_for_the_last_versions_record(tmp_path: Path) -> None
     cfg = _run(tmp_path, [_eval("before", 0, 0.5, 0.25), _eval("during", 2, 0.5, 0.25)])
     mesh = Mesh(cfg, Path(cfg.run_dir) / "config.resolved.yaml")
     assert wait_final_eval(mesh, timeout_s=0.0) is None  # the last version is 3: no record of it yet
+    with open(Path(cfg.run_dir) / "metrics.jsonl", "a") as fh:  # a record of an earlier run segment's end
+        fh.write(json.dumps(_eval("after", 2, 0.5, 0.25)) + "\n")
+    assert wait_final_eval(mesh, timeout_s=0.0) is None
     with open(Path(cfg.run_dir) / "metrics.jsonl", "a") as fh:
         fh.write(json.dumps(_eval("after", 3, 0.5, 0.5)) + "\n")
     record = wait_final_eval(mesh, timeout_s=0.0)

@@ -317,7 +317,8 @@ exits (one full evaluation: every source, greedy, `eval.samples` and the noise s
 
 
 def wait_final_eval(mesh: Mesh, timeout_s: float = FINAL_EVAL_WAIT_S) -> dict[str, Any] | None:
-    """After the learner exited: the evaluator's "after" record of the last version, waiting for it
+    """After the learner exited: the evaluator's "after" record of the last version (the newest
+    announced one: the learner's last, or a newer one announced by someone else), waiting for it
     (restarting dead services meanwhile) up to `timeout_s`; None if it did not come."""
     run_dir = Path(mesh.cfg.run_dir)
     deadline = time.monotonic() + timeout_s
@@ -326,7 +327,7 @@ def wait_final_eval(mesh: Mesh, timeout_s: float = FINAL_EVAL_WAIT_S) -> dict[st
         steps = [r for r in records if r.get("kind") == "learner_step"]
         final = steps[-1]["version"] if steps else 0
         after = [r for r in records if r.get("kind") == "eval" and r.get("phase") == "after"
-                 and r.get("version") == final]
+                 and int(r.get("version", -1)) >= final]
         if after:
             return after[-1]
         if time.monotonic() > deadline:
