@@ -66,8 +66,8 @@ INFLIGHT = Gauge("trajmesh_rollout_tasks_in_flight", "Tasks being rolled out")
 EPISODE_SECONDS = Histogram("trajmesh_rollout_episode_seconds", "Wall time of one trajectory")
 ENV_FAILURES = Counter("trajmesh_rollout_environment_failures_total",
                        "Environment RPC failures (trajectory excluded as INFRA_FAILURE)", ["code"])
-ENV_WAITS = Counter("trajmesh_rollout_environment_waits_total",
-                    "Reset rounds in which no environment replica answered (the episode waits, then retries)")
+ENV_WAIT_SECONDS = Counter("trajmesh_rollout_environment_wait_seconds_total",
+                           "Seconds episodes waited at Reset for an environment replica to answer")
 BUS_FAILURES = Counter("trajmesh_rollout_bus_failures_total",
                        "NATS operations of a task that failed or timed out (publishes are retried), by operation",
                        ["operation"])
@@ -496,7 +496,7 @@ class RolloutService(Service):
                 log.warning("no environment replica answered a Reset of %s for %.0fs", tid,
                             self.cfg.rollout.environment_wait_s)
                 return None
-            ENV_WAITS.inc()
+            ENV_WAIT_SECONDS.inc(min(delay, left))
             await asyncio.sleep(min(delay, left))  # backoff while the environment is away
             delay = min(delay * 2, 2.0)
 
