@@ -1420,7 +1420,7 @@ def _objects_of(values: dict[str, Any]) -> list[dict[str, Any]]:
 CHART_RUN_STEPS = 2
 
 
-def _code_call(env_pod: Any) -> tuple[str, dict[str, Any]]:
+def _code_call(env_pod: Any, code: str = "print(6*7)") -> tuple[str, dict[str, Any]]:
     """A math-tool session on the environment pod's gRPC port: one sandboxed code call."""
     import grpc
 
@@ -1434,7 +1434,7 @@ def _code_call(env_pod: Any) -> tuple[str, dict[str, Any]]:
             task = trajectory_pb2.Task(environment="math_tool", prompt="What is 6*7?", answer="42")
             await stub.Reset(services_pb2.ResetRequest(session_id="chart-code-call", task=task, seed=0), timeout=60)
             step = await stub.Step(services_pb2.StepRequest(session_id="chart-code-call",
-                                                            action="<code>print(6*7)</code>"), timeout=60)
+                                                            action=f"<code>{code}</code>"), timeout=60)
             return step.observation, json.loads(step.info_json or "{}")
 
     return asyncio.run(go())
@@ -1448,12 +1448,14 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     goes through the environment pod. A workload missing a mount, a variable or a port fails here
     (the store without the model volume did). Run as root, every trajmesh pod's processes run as
     the pod's securityContext says (uid 10001, fsGroup volumes, no capabilities, no_new_privs), so
-    the code call runs the rootless sandbox as a pod would; not root, that part is skipped."""
+    the code call runs the rootless sandbox as a pod would, in a cgroup the kubelet delegated to
+    the pod (one cgroup per call in this host's mode); not root, that part is skipped."""
     import shutil
     import time
 
     from mesh_checks import check_archive, check_gate_reconciles
 
+    from trajmesh import cgroups
     from trajmesh.config import RunConfig
     from trajmesh.infra import nats_server_binary, redis_server_binary
     from trajmesh.run.launcher import accounting
@@ -1482,7 +1484,25 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
         assert kubelet.run_to_completion(provision) == 0, kubelet.tail(provision)
         for component in ("environment", "store", "grader", "rollout", "evaluator", "learner"):
             kubelet.start(kubelet.pod(component), wait_ready_s=300, may_finish=component == "learner")
-        observation, info = _code_call(kubelet.pod("environment"))
+        env_pod = kubelet.pod("environment")
+        seen_calls: set[str] = set()
+        if kubelet.users_emulated and cgroups.detect().kind != "none":
+            assert env_pod.cgroup is not None, "the kubelet delegated no cgroup to the environment pod"
+            # The environment pod (uid 10001, in the cgroup the kubelet delegated to it) runs the
+            # sandbox in this host's mode: the call's own cgroup appears under the pod's while the
+            # call runs (the 1.5 s sleep is the call's length, not a synchronization).
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                call = pool.submit(_code_call, env_pod, "import time; time.sleep(1.5); print(6*7)")
+                while not call.done():  # polls the call's state on the host
+                    seen_calls.update(os.path.basename(p) for p in cgroups.leftovers(env_pod.cgroup))
+                    time.sleep(0.01)
+                observation, info = call.result()
+            assert any(n.startswith(cgroups.CALL_PREFIX) for n in seen_calls), (env_pod.cgroup, seen_calls)
+            assert not cgroups.leftovers(env_pod.cgroup), "the call's cgroup outlived the call"
+        else:
+            observation, info = _code_call(env_pod)
         assert "42" in observation and info["tool_call"]["status"] == "ok", (observation, info)
         assert not info["tool_call"].get("sandbox_error"), info  # not SANDBOX_ERROR
         users = {c: [kubelet.process_status(p) for p in kubelet.pod(c).procs]
