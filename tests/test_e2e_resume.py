@@ -61,7 +61,11 @@ def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
     cfg_path = _write_config(tmp_path, tiny_model_dir)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "trajmesh.run.cli", "train", str(cfg_path), "--eval-every", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # SIGINT at its default in the run: a test process started in the background of a
+    # non-interactive shell (`cmd &`, as CI harnesses do) inherits SIGINT ignored, and so would
+    # `trajmesh train`, which then trained its whole budget through the interrupt.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while len(_learner_steps(run_dir)) < 3:
         assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
