@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ETA = 2
 STEPS = 12
-JOIN_STEPS = 80
+JOIN_STEPS = 24
 SHORT_ACK_WAIT_S = 3.0
 
 
@@ -88,7 +88,7 @@ def test_rollout_joins_mid_run_from_latest_weights(tmp_path: Path, tiny_model_di
 
 
 def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
-    # The joiner needs a few seconds to start (torch import, engine): give the learner more steps.
+    # After the joiner started (the learner held meanwhile) it needs a few steps to take part.
     cfg = _build_config(tmp_path / "run", tiny_model_dir, steps=JOIN_STEPS if join else STEPS)
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
@@ -110,16 +110,22 @@ def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
             mesh.stop_services()
             check_archive(cfg, accounting(cfg), ETA)
             return
-        # A new rollout process joins and starts from the latest announced weights.
-        announced = asyncio.run(_latest_version(cfg))
-        joiner = mesh.start_service("rollout", 2)
-        mesh.wait_healthy([joiner])
-        deadline = time.monotonic() + 60
-        while _metric(joiner.metrics_port, "trajmesh_rollout_policy_version") < announced:
-            assert time.monotonic() < deadline, "the joiner did not load the announced weights"
-            time.sleep(0.2)
+        # A new rollout process joins and starts from the latest announced weights. The learner is
+        # held (SIGSTOP) while the joiner starts (longer than a short run would last on a loaded
+        # machine), so the joiner always takes part in the rest of the run.
+        os.kill(learner.popen.pid, signal.SIGSTOP)
+        try:
+            announced = asyncio.run(_latest_version(cfg))
+            joiner = mesh.start_service("rollout", 2)
+            mesh.wait_healthy([joiner])
+            deadline = time.monotonic() + 60
+            while _metric(joiner.metrics_port, "trajmesh_rollout_policy_version") < announced:
+                assert time.monotonic() < deadline, "the joiner did not load the announced weights"
+                time.sleep(0.2)
+        finally:
+            os.kill(learner.popen.pid, signal.SIGCONT)
         assert announced >= 1
-        assert learner.popen.poll() is None, "the learner finished before the joiner took part; raise STEPS"
+        assert learner.popen.poll() is None, "the learner finished before the joiner took part"
 
         assert learner.popen.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
         others_dead = [p.label for p in mesh.dead() if p not in (learner, victim)]
