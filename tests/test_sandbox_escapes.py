@@ -308,9 +308,14 @@ def test_resource_abuse_is_contained_rootless(code: str, subclass: str) -> None:
     limits = {**LIMITS, "wall_s": wall_s, "cpu_s": 1, "max_processes": 16, "output_bytes": 8192}
     res = _attack_with("rootless", code, limits)
     assert res["cgroup"] == sandbox.cgroup_mode().kind  # the delegated cgroup holds for uid 65534
-    if res["cgroup"] != "none":  # the call's cgroup limit fires before the per-process rlimit
-        subclass = {"process_limit": "pids_limit", "cpu_time": "cpu_limit"}.get(subclass, subclass)
-    assert (res["status"], res["subclass"]) == (sandbox.SANDBOX_ERROR, subclass), res
+    allowed = {subclass}
+    if res["cgroup"] != "none":
+        # The call's cgroup limit, set just below the per-process rlimit backstop, usually fires
+        # first; under load the backstop can win the race (RLIMIT_NPROC counts every process of
+        # the uid on the host; RLIMIT_CPU fires between two reads of the cgroup's usage): both
+        # contain the call. That the cgroup alone contains it is tests/test_sandbox_cgroup.py's.
+        allowed |= {{"process_limit": "pids_limit", "cpu_time": "cpu_limit"}.get(subclass, subclass)}
+    assert res["status"] == sandbox.SANDBOX_ERROR and res["subclass"] in allowed, res
 
 
 def test_an_orphan_is_reported_and_killed_rootless() -> None:
