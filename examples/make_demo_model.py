@@ -12,11 +12,10 @@ import argparse
 import json
 import time
 
+from trajmesh.config import DemoModelConfig
 from trajmesh.envs import chain_sum
 from trajmesh.learner.evaluate import evaluate
 from trajmesh.learner.models import load_model, prepare_demo_model
-
-from trajmesh.config import DemoModelConfig
 
 
 def main() -> None:
