@@ -25,7 +25,7 @@ import redis.asyncio
 
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
-from trajmesh.services.store.state import member_ids
+from trajmesh.services.store.state import member_ids, member_task_id
 
 
 def task_id_at(base_task_id: str, cursor: int) -> str:
@@ -37,6 +37,12 @@ def task_cursor(task_id: str) -> int | None:
     """The sampler position in a store-made task id (`task_id_at`); None for any other id."""
     head, sep, tail = task_id.rpartition("-c")
     return int(tail) if sep and head and tail.isdigit() else None
+
+
+def _final(marked: object, cursor: int | None, settled_bit: object) -> bool:
+    """An id is final when marked so, or when its task (at sampler position `cursor`) was settled
+    and trimmed (`settled_tasks` bit set)."""
+    return bool(marked) or (cursor is not None and bool(settled_bit))
 
 
 def _text(raw: bytes | str | None) -> str:
@@ -52,13 +58,11 @@ class Lookup:
     task: dict[str, Any] | None
     """Its task's record (None: unknown task id)."""
     already_final: bool
-    """Whether its id has a final outcome (a redelivery of it is a duplicate)."""
+    """Whether its id has a final outcome (a redelivery of it is a duplicate); also when its task's
+    group was settled and trimmed (task record gone, `settled_tasks` bit set)."""
     group_pending: bool = True
     """Whether its group is still pending (never handed to the learner). False: a learner may
     have trained it already and not yet reported it (a store restarted in between)."""
-    settled: bool = False
-    """Whether its task's group was settled and trimmed (task record and final ids gone): every
-    member has its final outcome, so a late redelivery of one is a duplicate."""
 
 
 @dataclass(frozen=True)
@@ -146,9 +150,8 @@ class StoreRepo:
         out = []
         for k, (task_id, _) in enumerate(items):
             raw, final, pending, bit = found[4 * k: 4 * k + 4]
-            settled = task_cursor(task_id) is not None and bool(bit)
-            out.append(Lookup(json.loads(raw) if raw is not None else None, bool(final) or settled,
-                              group_pending=group_ids is None or pending is not None, settled=settled))
+            out.append(Lookup(json.loads(raw) if raw is not None else None, _final(final, task_cursor(task_id), bit),
+                              group_pending=group_ids is None or pending is not None))
         return int(version_raw or 0), out
 
     async def record_members(self, members: list[Membership]) -> list[tuple[int, int]]:
@@ -209,11 +212,11 @@ class StoreRepo:
             return []
         pipe = self.r.pipeline(transaction=False)
         pipe.smismember(self.keys.final_trajectories, tids)
-        cursors = [task_cursor(tid.rpartition("-")[0]) for tid in tids]
+        cursors = [task_cursor(member_task_id(tid)) for tid in tids]
         for cursor in cursors:
             pipe.getbit(self.keys.settled_tasks, cursor or 0)
-        marked, *settled = await pipe.execute()
-        return [bool(m) or (c is not None and bool(b)) for m, c, b in zip(marked, cursors, settled, strict=True)]
+        marked, *bits = await pipe.execute()
+        return [_final(m, c, b) for m, c, b in zip(marked, cursors, bits, strict=True)]
 
     async def mark_final(self, final_ids: list[str]) -> None:
         """Mark ids final (after their archive rows are on disk, before their messages are acked)."""
@@ -258,7 +261,7 @@ class StoreRepo:
         out: dict[str, tuple[int, list[str]]] = {}
         for members in await pipe.execute():
             for tid in sorted(_text(t) for t in members):
-                task_id = tid.rpartition("-")[0]
+                task_id = member_task_id(tid)
                 cursor = task_cursor(task_id)
                 if cursor is not None:
                     out.setdefault(task_id, (cursor, []))[1].append(tid)

@@ -446,8 +446,7 @@ class TrajectoryStore(Service):
         for it in todo:
             rec = records.get(id(it))
             task = rec.task if rec is not None else None
-            if it.peek is not None and it.tid and rec is not None and (
-                    rec.settled or (task is not None and rec.already_final)):
+            if it.peek is not None and it.tid and rec is not None and rec.already_final:
                 RETRIED.labels(source=it.peek.pb.task_source).inc()
                 self._finalize(it.peek, "duplicate", "duplicate_trajectory_id", it.msg, mark=False)
                 continue

@@ -366,3 +366,8 @@ def member_ids(task_id: str, group_size: int) -> list[str]:
     """The trajectory ids rollout gives a task's G samples (`services/rollout.py`: task id + index)."""
     return [f"{task_id}-{i}" for i in range(group_size)]
 
+
+def member_task_id(trajectory_id: str) -> str:
+    """The task id of one of its members' ids (`member_ids`, inverted)."""
+    return trajectory_id.rpartition("-")[0]
+
