@@ -496,8 +496,9 @@ class RolloutService(Service):
                 log.warning("no environment replica answered a Reset of %s for %.0fs", tid,
                             self.cfg.rollout.environment_wait_s)
                 return None
-            ENV_WAIT_SECONDS.inc(min(delay, left))
-            await asyncio.sleep(min(delay, left))  # backoff while the environment is away
+            wait_s = min(delay, left)
+            ENV_WAIT_SECONDS.inc(wait_s)
+            await asyncio.sleep(wait_s)  # backoff while the environment is away
             delay = min(delay * 2, 2.0)
 
     async def _generate(

@@ -106,14 +106,15 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
     start_s = time.monotonic() - started
     try:
         cfg = mesh.cfg
-        supervise_until(mesh, lambda: last_step(cfg) >= 1, what="the first step")
-        t_from = time.monotonic()
-        supervise_until(mesh, lambda: last_step(cfg) >= 3, what="the third step")
-        s_per_step = (time.monotonic() - t_from) / 2
+        t_from = supervise_until(mesh, lambda: last_step(cfg) >= 1, what="the first step")
+        s_from = last_step(cfg)
+        t_to = supervise_until(mesh, lambda: last_step(cfg) >= 3, what="the third step")
+        s_per_step = (t_to - t_from) / max(1, last_step(cfg) - s_from)
+        ack_wait_s = max(cfg.store.intake_ack_wait_s, cfg.rollout.task_ack_wait_s)
         # Progress after a fault: two steps (plus what a restarted learner replays) at a tenth of
         # the run's own rate, after one mesh start and two ack waits (what the dead held comes
         # back by redelivery); never less than a minute.
-        bound_s = max(60.0, start_s + 2 * 4.0 + 10 * (2 + REPLAY_CKPT) * s_per_step)
+        bound_s = max(60.0, start_s + 2 * ack_wait_s + 10 * (2 + REPLAY_CKPT) * s_per_step)
         for name in ("rollout", "environment", "grader", "store", "learner"):
             if name == "learner":  # two steps past a checkpoint: the restart replays below the announced version
                 supervise_until(mesh, lambda: last_step(cfg) % REPLAY_CKPT == 2, what="a step 2 past a checkpoint")
@@ -466,10 +467,10 @@ def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_mode
     start_s = time.monotonic() - started
     try:
         cfg = mesh.cfg
-        supervise_until(mesh, lambda: last_step(cfg) >= 1, timeout_s=300)
-        t_from, s_from = time.monotonic(), last_step(cfg)
-        supervise_until(mesh, lambda: last_step(cfg) >= 3, timeout_s=300)
-        s_per_step = (time.monotonic() - t_from) / max(1, last_step(cfg) - s_from)
+        t_from = supervise_until(mesh, lambda: last_step(cfg) >= 1, timeout_s=300)
+        s_from = last_step(cfg)
+        t_to = supervise_until(mesh, lambda: last_step(cfg) >= 3, timeout_s=300)
+        s_per_step = (t_to - t_from) / max(1, last_step(cfg) - s_from)
         fault(mesh)
         before = last_step(cfg)
         ack_wait_s = max(cfg.store.intake_ack_wait_s, cfg.rollout.task_ack_wait_s)
