@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
 from trajmesh import bus as busmod
@@ -58,16 +57,12 @@ EVALUATED_VERSION = Gauge("trajmesh_evaluator_evaluated_version", "Policy versio
 EVALUATIONS = Counter("trajmesh_evaluator_versions_evaluated_total", "Evaluations published, by phase", ["phase"])
 EVAL_SECONDS = Histogram("trajmesh_evaluator_evaluation_seconds", "Wall time of one evaluation (every source)",
                          buckets=(5, 10, 30, 60, 120, 300, 600, 1200, 3600))
-PUBLISH_FAILURES = Counter("trajmesh_evaluator_publish_failures_total",
-                           "Failed EVAL publish attempts (each retried until PUBLISH_RETRY_S)")
 for _phase in ("before", "during", "after"):
     EVALUATIONS.labels(phase=_phase)
 
 FINISH_POLL_S = 2.0
 """How often the eval loop reads `run_finished` while no new version arrives (Redis has no event
 for the key; the read is one EXISTS)."""
-PUBLISH_RETRY_S = 60.0
-"""How long an eval record's publish is retried (NATS restarting) before the evaluator fails."""
 
 
 class EnginePolicy:
@@ -236,21 +231,9 @@ class EvaluatorService(RolloutService):
 
     async def _publish(self, version: int, phase: str, record: dict[str, Any]) -> None:
         """The record on EVAL, retried while NATS restarts (msg id per version and phase)."""
-        data = json.dumps(record).encode()
-        deadline = time.monotonic() + PUBLISH_RETRY_S
-        delay = 0.2
-        while True:
-            try:
-                await self._live_bus().publish(busmod.SUBJECT_EVAL, data, msg_id=f"eval-v{version}-{phase}",
-                                               headers={busmod.WEIGHTS_VERSION_HEADER: str(version)})
-                return
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                PUBLISH_FAILURES.inc()
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("publishing the eval record of v%d failed (%r); retrying in %.1fs", version, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        await self._live_bus().publish(busmod.SUBJECT_EVAL, json.dumps(record).encode(),
+                                       msg_id=f"eval-v{version}-{phase}", retry_s=busmod.PUBLISH_RETRY_S,
+                                       headers={busmod.WEIGHTS_VERSION_HEADER: str(version)})
 
     def _append_metrics(self, record: dict[str, Any]) -> None:
         """One line appended to RUN_DIR/metrics.jsonl with one write on an O_APPEND descriptor, so

@@ -129,7 +129,8 @@ class GraderService(Service):
             for msg in await consumer.fetch(batch=16, timeout=1.0):
                 data = await consumer.resolve(msg)
                 out, msg_id = await self._grade(data)
-                await bus.publish(busmod.SUBJECT_TRAJ_GRADED, out, msg_id=msg_id)
+                await bus.publish(busmod.SUBJECT_TRAJ_GRADED, out, msg_id=msg_id,
+                                  retry_s=busmod.PUBLISH_RETRY_S if msg_id else 0.0)
                 await msg.ack()
 
     async def _grade(self, data: bytes) -> tuple[bytes, str | None]:

@@ -126,6 +126,16 @@ WEIGHTS_PUBLISH_RETRY_S = 120.0
 """How long a weights announcement is retried while NATS is unreachable (restarting) before it
 fails; a JetStream restart with recovery takes seconds to tens of seconds."""
 
+PUBLISH_RETRY_S = 60.0
+"""How long a deduplicated publish (one with a msg id) is retried by its service before it fails:
+NATS restarting, or the process paused past the request's deadline (the stream ack came while it
+was stopped). The retried copy is stored once."""
+
+PUBLISH_RETRIES = Counter(
+    "trajmesh_bus_publish_retries_total",
+    "Publishes retried after a NATS error or timeout (each with its msg id: stored once)",
+    ["subject"],
+)
 WEIGHTS_PUBLISH_FAILURES = Counter(
     "trajmesh_bus_weights_publish_failures_total",
     "Failed weights announcement attempts (NATS unreachable or timed out), each retried until its deadline",
@@ -462,13 +472,37 @@ class Bus:
         *,
         msg_id: str | None = None,
         headers: dict[str, str] | None = None,
+        retry_s: float = 0.0,
     ) -> api.PubAck:
         """Publish to a stream subject (unprefixed) and wait for the stream's ack.
 
         ``msg_id`` sets ``Nats-Msg-Id``: a second publish with the same id inside the duplicate
         window is not stored again (``PubAck.duplicate`` is True). Payloads above
         :attr:`max_inline_bytes` go through :meth:`publish_large`.
+
+        With ``retry_s`` (it needs ``msg_id``, which makes a retry safe) a NATS error or timeout is
+        retried with backoff for up to ``retry_s`` seconds, then raised.
         """
+        if retry_s <= 0:
+            return await self._publish_once(subject, data, msg_id=msg_id, headers=headers)
+        if msg_id is None:
+            raise ValueError("a retried publish needs a msg_id (a retry without one may be stored twice)")
+        deadline = time.monotonic() + retry_s
+        delay = 0.2
+        while True:
+            try:
+                return await self._publish_once(subject, data, msg_id=msg_id, headers=headers)
+            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as err:
+                if time.monotonic() + delay > deadline:
+                    raise
+                PUBLISH_RETRIES.labels(subject=subject).inc()
+                _log.warning("publishing %s on %s failed (%r); retrying in %.1f s", msg_id, subject, err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _publish_once(
+        self, subject: str, data: bytes, *, msg_id: str | None, headers: dict[str, str] | None,
+    ) -> api.PubAck:
         if len(data) > self.max_inline_bytes:
             return await self.publish_large(subject, data, msg_id=msg_id, headers=headers)
         hdrs = dict(headers or {})

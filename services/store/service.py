@@ -374,7 +374,7 @@ class TrajectoryStore(Service):
         if not await self.w.repo.try_admit(pb.task_id, record, data, pb.group_size):
             log.info("gate capacity taken meanwhile: sampler position %d skipped", cursor)
             return False
-        await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=pb.task_id)
+        await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=pb.task_id, retry_s=busmod.PUBLISH_RETRY_S)
         await self.w.repo.published(pb.task_id)
         TASKS_ADMITTED.labels(source=pb.source).inc()
         TRAJ_ADMITTED.inc(pb.group_size)
@@ -382,7 +382,7 @@ class TrajectoryStore(Service):
 
     async def _republish_unpublished(self) -> None:
         for task_id, data in (await self.w.repo.unpublished()).items():
-            await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=task_id)
+            await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=task_id, retry_s=busmod.PUBLISH_RETRY_S)
             await self.w.repo.published(task_id)
             log.info("republished task %s admitted by an earlier store", task_id)
 
