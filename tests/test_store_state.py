@@ -9,6 +9,9 @@ from trajmesh.contract import Trajectory
 from trajmesh.services.store.state import (
     HELD_AT_STOP,
     UNUSED_AT_END,
+    Event,
+    InvalidTransition,
+    InvariantViolation,
     StoreState,
     TrajectoryState,
     filter_reason,
@@ -74,11 +77,11 @@ def test_redelivery_of_a_held_message_keeps_the_newest_handle() -> None:
     s = StoreState()
     _take(s, "a-0", "a", 1, 1)
     s.redelivered("a-0", "msg-new")
-    assert s.held["a-0"] == "msg-new"
+    assert s.records["a-0"].msg == "msg-new"
     _ready_group(s, "b", order=1)
     s.hand_out(1, 10, now=0.0)
     s.redelivered("b-0", "msg-b-new")
-    assert s.handed_out["b-0"] == "msg-b-new" and s.state("b-0") is TrajectoryState.HANDED_OUT
+    assert s.records["b-0"].msg == "msg-b-new" and s.state("b-0") is TrajectoryState.HANDED_OUT
 
 
 def test_filtered_group_is_final_and_acked_at_commit() -> None:
@@ -110,7 +113,7 @@ def test_hand_out_serves_oldest_admission_first_and_whole_groups() -> None:
     assert s.hand_out(3, 10, now=0.0) == []  # fewer than 3 groups ready: nothing
     out = s.hand_out(1, 10, now=0.0)
     assert [t.trajectory_id for t in out] == ["old-0", "old-1"]
-    assert s.state("old-0") is TrajectoryState.HANDED_OUT and "old-0" not in s.held
+    assert s.state("old-0") is TrajectoryState.HANDED_OUT
     assert s.hand_out(1, 1, now=0.0) == []  # a group never split to fit max_trajectories
 
 
@@ -150,8 +153,8 @@ def test_dead_learner_recycles_handed_out_groups_in_admission_order() -> None:
     _ready_group(s, "later", order=5)
     assert s.recycle_handed_out(now=1.0) == {"first": 10, "second": 20}  # back to pending, with versions
     assert [g.group_id for g in s.ready] == ["first", "second", "later"]
-    assert s.state("first-0") is TrajectoryState.READY and s.held["first-0"] == "msg-first-0"
-    assert not s.handed_out and not s.handed_traj
+    assert s.state("first-0") is TrajectoryState.READY and s.records["first-0"].msg == "msg-first-0"
+    assert not s.handed and s.held_counts()["handed_out"] == 0
     assert s.recycle_handed_out(now=2.0) == {}
 
 
@@ -235,7 +238,7 @@ def test_end_of_run_finalizes_everything_held() -> None:
         ("partial-0", *HELD_AT_STOP),
     }
     assert UNUSED_AT_END == ("filtered", "unused_at_end_of_run") and HELD_AT_STOP[0] == "in_flight_at_stop"
-    assert not s.held and not s.handed_out and not s.ready and not s.assembling
+    assert not s.records and not s.handed and not s.ready and not s.assembling
     ids, msgs, groups, settled = s.take_commit()
     assert sorted(ids) == ["handed-0", "handed-1", "partial-0", "ready-0", "ready-1"]
     assert len(msgs) == 5 and sorted(groups) == ["handed", "partial", "ready"]
@@ -275,3 +278,41 @@ def test_a_batch_taken_before_the_new_learners_version_counts_as_trained_not_rec
     s.hand_out(1, 10, now=0.0, learner_version=5)
     assert s.trained_unreported(5) == {}  # a learner back at v5 never got past that step
     assert s.trained_unreported(6) == {5: ["trained-0", "trained-1"]}
+
+
+def test_an_event_the_table_does_not_allow_raises() -> None:
+    """The transitions table is the only way a record moves: a READY member cannot be taken in
+    again, a record cannot be recycled unless handed out, a held id cannot be finalized by hand."""
+    s = StoreState()
+    _ready_group(s, "a", order=0)
+    with pytest.raises(InvalidTransition, match="take in state ready"):
+        _take(s, "a-0", "a", 2, 2)
+    with pytest.raises(InvalidTransition, match="recycle in state ready"):
+        s._apply(Event.RECYCLE, [s.records["a-0"]])
+    with pytest.raises(InvalidTransition, match="finalized while ready"):
+        s.finalize("a-0", "msg")
+    with pytest.raises(InvalidTransition, match="redeliver in state none"):
+        s.redelivered("unknown-0", "msg")
+    assert s.state("a-0") is TrajectoryState.READY and s.held_counts()["ready"] == 2
+
+
+def test_every_transition_keeps_the_counts_and_indexes_of_its_records() -> None:
+    """Each record's state agrees with the group indexes after every event of a full life."""
+    s = StoreState()
+    _ready_group(s, "a", order=0)
+    assert s.held_counts() == {"received": 0, "ready": 2, "handed_out": 0}
+    s.hand_out(1, 10, now=0.0, learner_version=3)
+    assert s.held_counts() == {"received": 0, "ready": 0, "handed_out": 2}
+    assert s.records["a-0"].taken_at == 3 and s.ready == [] and list(s.handed) == ["a"]
+    s.recycle_handed_out(now=1.0)
+    assert s.records["a-0"].taken_at is None and [g.group_id for g in s.ready] == ["a"] and not s.handed
+    s.report("a-0")
+    assert s.held_counts() == {"received": 0, "ready": 1, "handed_out": 0} and "a-0" not in s.records
+
+
+def test_a_broken_index_is_caught_by_the_next_transition() -> None:
+    s = StoreState()
+    _ready_group(s, "a", order=0)
+    s.handed["a"] = s.ready[0]  # an index out of step with the records
+    with pytest.raises(InvariantViolation, match="a-0 .ready. disagrees"):
+        s.redelivered("a-0", "msg-new")

@@ -684,9 +684,10 @@ class TrajectoryStore(Service):
         for t in trajs:
             if self._too_stale(t, learner_version):
                 STALE_HANDED_OUT.inc()
+                rec = self.state.records.get(t.trajectory_id)
                 log.warning("handing out stale %s to the learner at v%d: sampled at v%d, admitted at v%d",
                             t.trajectory_id, learner_version, self._oldest_version(t),
-                            self.state.handed_meta.get(t.group_id, (0, -1))[1])
+                            rec.admitted_version if rec is not None else -1)
 
     async def report(self, req: services_pb2.ReportRequest) -> None:
         """The learner's verdict on a batch: final outcomes, committed before the reply.

@@ -1,6 +1,9 @@
 """The trajectory store's bookkeeping as one pure state machine (no I/O, no torch).
 
-Every trajectory the store takes in as a group member is in exactly one state::
+Every trajectory the store takes in as a valid group member has one `TrajectoryRecord` with an
+explicit state; `TRANSITIONS` says, for each (state, event), the next state and the side effects,
+and `StoreState._apply` is the one function that moves records (and the group indexes derived from
+them) and checks the invariants after each move::
 
     RECEIVED ──(its group completes, kept)──▶ READY ──(NextBatch)──▶ HANDED_OUT ──(Report)──▶ FINAL
        │                                         │                       │
@@ -8,9 +11,10 @@ Every trajectory the store takes in as a group member is in exactly one state::
        └────────────────▶ FINAL ◀────────────────┘                       │  back to READY, in order)
                                                                          └──▶ READY
 
-Until FINAL a trajectory's TRAJ_GRADED message stays unacked (JetStream redelivers it to a
-restarted store). FINAL means: archived, then (at the next `take_commit`) marked final in Redis and
-acked. Recovery paths:
+An invalid member never gets a record: it is FINAL on arrival (`finalize`). A record reaching FINAL
+leaves the store's memory; its outcome waits in the commit queue. Until FINAL a trajectory's
+TRAJ_GRADED message stays unacked (JetStream redelivers it to a restarted store). FINAL means:
+archived, then (at the next `take_commit`) marked final in Redis and acked. Recovery paths:
 
 - **redelivery** of a message the store still holds: the newest handle replaces the old one;
 - **a dead learner** (the next one says so on its first NextBatch): what it took and never
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -53,14 +57,92 @@ finished as kept while its store's own ``accepted`` row was lost unflushed in a 
 
 class TrajectoryState(enum.Enum):
     RECEIVED = "received"
-    """Taken in as a valid member; its group is still assembling."""
+    """Taken in as a valid member; its group is still assembling (or being judged)."""
     READY = "ready"
     """Its group is complete and kept, waiting for the learner."""
     HANDED_OUT = "handed_out"
     """Given to the learner, not yet reported."""
+    FINAL = "final"
+    """Its outcome is decided: the record is gone, the outcome waits for the next commit."""
 
 
-@dataclass
+HELD_STATES = (TrajectoryState.RECEIVED, TrajectoryState.READY, TrajectoryState.HANDED_OUT)
+"""The states of a record the store keeps (FINAL ones leave)."""
+
+
+class Event(enum.Enum):
+    TAKE = "take"
+    """A valid member's membership is recorded in Redis (`take_member`)."""
+    REDELIVER = "redeliver"
+    """A newer message for an id already held (`redelivered`)."""
+    KEEP = "keep"
+    """Its complete group passed the filters (`make_ready`)."""
+    FILTER = "filter"
+    """Its complete group was dropped by a filter (`filter_group`)."""
+    HAND_OUT = "hand_out"
+    """Its group went to the learner (`hand_out`)."""
+    REPORT = "report"
+    """The learner's verdict, or a report of an id a restarted store holds again (`report`)."""
+    RECYCLE = "recycle"
+    """A new learner process: the old one's unreported group goes back (`recycle_handed_out`)."""
+    END_OF_RUN = "end_of_run"
+    """The run finished while it was held (`end_of_run`)."""
+
+
+class Effect(enum.Enum):
+    """The side effects a transition has besides the record's new state (see `StoreState._effect`)."""
+    JOIN_GROUP = "join_group"
+    """The record is created and its trajectory joins its group's members."""
+    NEW_HANDLE = "new_handle"
+    """The record keeps the newest message handle."""
+    PAY_OWED = "pay_owed"
+    """Recovery: the id is back (or final), no longer owed."""
+    QUEUE_GROUP = "queue_group"
+    """Its group enters the READY index (sorted by admission order), once."""
+    UNQUEUE_GROUP = "unqueue_group"
+    """Its group leaves the READY index."""
+    HAND_GROUP = "hand_group"
+    """Its group enters the HANDED_OUT index, stamped with the learner version that took it."""
+    UNHAND_GROUP = "unhand_group"
+    """Its group leaves the HANDED_OUT index (the taker's version is cleared)."""
+    QUEUE_FINAL = "queue_final"
+    """Its id and message go to the commit queue (marked final and acked at the next commit)."""
+    LEAVE = "leave"
+    """The record goes and its trajectory leaves its group; a group left empty leaves the indexes."""
+
+
+_S, _E, _F = TrajectoryState, Event, Effect
+TRANSITIONS: dict[tuple[TrajectoryState | None, Event], tuple[TrajectoryState, tuple[Effect, ...]]] = {
+    (None, _E.TAKE): (_S.RECEIVED, (_F.JOIN_GROUP, _F.PAY_OWED)),
+    (_S.RECEIVED, _E.REDELIVER): (_S.RECEIVED, (_F.NEW_HANDLE, _F.PAY_OWED)),
+    (_S.READY, _E.REDELIVER): (_S.READY, (_F.NEW_HANDLE, _F.PAY_OWED)),
+    (_S.HANDED_OUT, _E.REDELIVER): (_S.HANDED_OUT, (_F.NEW_HANDLE, _F.PAY_OWED)),
+    (_S.RECEIVED, _E.KEEP): (_S.READY, (_F.QUEUE_GROUP,)),
+    (_S.RECEIVED, _E.FILTER): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
+    (_S.READY, _E.HAND_OUT): (_S.HANDED_OUT, (_F.UNQUEUE_GROUP, _F.HAND_GROUP)),
+    (_S.HANDED_OUT, _E.RECYCLE): (_S.READY, (_F.UNHAND_GROUP, _F.QUEUE_GROUP)),
+    # A report's outcome is queued by the caller (`finalize`): only it knows whether Redis has the
+    # id final already (then the message is acked without a second mark).
+    (_S.RECEIVED, _E.REPORT): (_S.FINAL, (_F.PAY_OWED, _F.LEAVE)),
+    (_S.READY, _E.REPORT): (_S.FINAL, (_F.PAY_OWED, _F.LEAVE)),
+    (_S.HANDED_OUT, _E.REPORT): (_S.FINAL, (_F.PAY_OWED, _F.LEAVE)),
+    (_S.RECEIVED, _E.END_OF_RUN): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
+    (_S.READY, _E.END_OF_RUN): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
+    (_S.HANDED_OUT, _E.END_OF_RUN): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
+}
+"""(state, event) → (next state, side effects); state None: the id has no record. Any pair not
+here is a bug of the caller (`InvalidTransition`)."""
+
+
+class InvalidTransition(RuntimeError):
+    """An event the transitions table does not allow in the record's state."""
+
+
+class InvariantViolation(RuntimeError):
+    """The records and the indexes derived from them disagree after a transition."""
+
+
+@dataclass(eq=False)
 class Group:
     group_id: str
     expected: int
@@ -71,9 +153,38 @@ class Group:
     """Learner version when the gate admitted it: it must be trained at a version ≤ this + η."""
     source: str = ""
     members: list[Trajectory] = field(default_factory=list)
-    """Valid members received so far (the ones the learner may train)."""
+    """Valid members held (the ones the learner may train): every one has a record."""
     ready_at: float = 0.0
     """time.time() when the group became ready for the learner."""
+    taken_at: int | None = None
+    """The learner version that took it (None unless its members are HANDED_OUT)."""
+
+
+@dataclass(eq=False)
+class TrajectoryRecord:
+    """One held trajectory: its state, its group (admission order and version), its message."""
+    traj: Trajectory
+    group: Group
+    msg: Any
+    """The newest unacked TRAJ_GRADED message handle (None: it came back by Report only)."""
+    state: TrajectoryState = TrajectoryState.RECEIVED
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.traj.trajectory_id
+
+    @property
+    def group_id(self) -> str:
+        return self.group.group_id
+
+    @property
+    def admitted_version(self) -> int:
+        return self.group.admitted_version
+
+    @property
+    def taken_at(self) -> int | None:
+        """The learner version that took it (HANDED_OUT only)."""
+        return self.group.taken_at
 
 
 class Commit(NamedTuple):
@@ -98,7 +209,7 @@ class Final:
 
 
 class StoreState:
-    """Owns every held trajectory's and group's state and its transitions (see the module doc)."""
+    """Owns every held trajectory's record and its transitions (see the module doc)."""
 
     def __init__(self, straggler_wait_s: float = 60.0) -> None:
         self.straggler_wait_s = straggler_wait_s
@@ -108,20 +219,19 @@ class StoreState:
         """When the learner was first held for the due groups now missing (None: not held)."""
         self.given_up: set[str] = set()
         """Due groups the learner stopped waiting for."""
+        self.records: dict[str, TrajectoryRecord] = {}
+        """Held trajectory id → its record (the truth; everything below but the commit queue and
+        recovery is an index over it, kept by `_apply`)."""
         self.assembling: dict[str, Group] = {}
-        """Groups with members RECEIVED, waiting for the rest of their G."""
+        """Groups still waiting for the rest of their G (their members RECEIVED)."""
         self.ready: list[Group] = []
-        """READY groups, sorted by `order`."""
-        self.held: dict[str, Any] = {}
-        """RECEIVED or READY trajectory id → its unacked message."""
-        self.handed_out: dict[str, Any] = {}
-        """HANDED_OUT trajectory id → its unacked message (None: came back by Report only)."""
-        self.handed_traj: dict[str, Trajectory] = {}
-        """HANDED_OUT trajectory id → the trajectory (to recycle it for a new learner)."""
-        self.handed_meta: dict[str, tuple[int, int]] = {}
-        """Group id → (admission order, admission version) of groups with members HANDED_OUT."""
-        self.handed_at: dict[str, int] = {}
-        """Group id → the learner version that took it (HANDED_OUT groups)."""
+        """Groups whose members are READY, sorted by `order`."""
+        self._ready_ids: set[str] = set()
+        """The ids of the groups in `ready`."""
+        self.handed: dict[str, Group] = {}
+        """Groups whose members are HANDED_OUT."""
+        self._counts: dict[TrajectoryState, int] = dict.fromkeys(HELD_STATES, 0)
+        """Records in each held state."""
         self.pending_final: list[tuple[str, Any]] = []
         """(id to mark final or '', message to ack) of outcomes archived but not yet committed."""
         self.pending_cleanup: list[str] = []
@@ -136,25 +246,118 @@ class StoreState:
         self.recovery_deadline = 0.0
         """Recovery: time after which the learner is served even if some owed ids never came back."""
 
+    # ------------------------------------------------------------------ the one transition function
+    def _apply(self, event: Event, records: Iterable[TrajectoryRecord], arg: Any = None) -> None:
+        """Moves each record by `event` (`TRANSITIONS`), doing the named side effects, then checks
+        the invariants of every record moved and of the counts (O(G) per record, G the group
+        size). The group-wide effects are idempotent, so a group's members move together. `arg`:
+        the new message handle (REDELIVER) or the learner version (HAND_OUT)."""
+        moved = list(records)
+        for rec in moved:
+            held = self.records.get(rec.trajectory_id)
+            key = (held.state if held is not None else None, event)
+            try:
+                nxt, effects = TRANSITIONS[key]
+            except KeyError:
+                raise InvalidTransition(f"{rec.trajectory_id}: {event.value} in state "
+                                        f"{key[0].value if key[0] else 'none'}") from None
+            if key[0] is not None:
+                self._counts[key[0]] -= 1
+            rec.state = nxt
+            for effect in effects:
+                self._EFFECTS[effect](self, rec, arg)
+            if nxt is not TrajectoryState.FINAL:
+                self._counts[nxt] += 1
+        for rec in moved:
+            self._check(rec)
+        if sum(self._counts.values()) != len(self.records):
+            raise InvariantViolation(f"counts {self._counts} but {len(self.records)} records")
+
+    def _check(self, rec: TrajectoryRecord) -> None:
+        tid, gid, group = rec.trajectory_id, rec.group_id, rec.group
+        in_group = any(t.trajectory_id == tid for t in group.members)
+        if rec.state is TrajectoryState.FINAL:
+            ok = tid not in self.records and not in_group
+        else:
+            ok = self.records.get(tid) is rec and in_group
+            ready, handed = gid in self._ready_ids, self.handed.get(gid) is group
+            if rec.state is TrajectoryState.READY:
+                ok = ok and ready and not handed and group.taken_at is None
+            elif rec.state is TrajectoryState.HANDED_OUT:
+                ok = ok and handed and not ready and group.taken_at is not None
+            else:
+                ok = ok and not ready and not handed
+        if not ok:
+            raise InvariantViolation(f"{tid} ({rec.state.value}) disagrees with its group {gid}")
+
+    def _join_group(self, rec: TrajectoryRecord, arg: Any) -> None:
+        self.records[rec.trajectory_id] = rec
+        if all(t.trajectory_id != rec.trajectory_id for t in rec.group.members):
+            rec.group.members.append(rec.traj)
+
+    def _new_handle(self, rec: TrajectoryRecord, arg: Any) -> None:
+        rec.msg = arg
+
+    def _pay_owed(self, rec: TrajectoryRecord, arg: Any) -> None:
+        self.owed.discard(rec.trajectory_id)
+
+    def _queue_group(self, rec: TrajectoryRecord, arg: Any) -> None:
+        group = rec.group
+        if group.group_id not in self._ready_ids:
+            self._ready_ids.add(group.group_id)
+            bisect.insort(self.ready, group, key=lambda g: g.order)
+
+    def _unqueue_group(self, rec: TrajectoryRecord, arg: Any) -> None:
+        group = rec.group
+        if group.group_id in self._ready_ids:
+            self._ready_ids.discard(group.group_id)
+            i = bisect.bisect_left(self.ready, group.order, key=lambda g: g.order)
+            while self.ready[i] is not group:
+                i += 1
+            del self.ready[i]
+
+    def _hand_group(self, rec: TrajectoryRecord, arg: Any) -> None:
+        self.handed[rec.group_id] = rec.group
+        rec.group.taken_at = arg
+
+    def _unhand_group(self, rec: TrajectoryRecord, arg: Any) -> None:
+        if self.handed.get(rec.group_id) is rec.group:
+            del self.handed[rec.group_id]
+        rec.group.taken_at = None
+
+    def _queue_final(self, rec: TrajectoryRecord, arg: Any) -> None:
+        self.pending_final.append((rec.trajectory_id, rec.msg))
+
+    def _leave(self, rec: TrajectoryRecord, arg: Any) -> None:
+        del self.records[rec.trajectory_id]
+        group = rec.group
+        group.members = [t for t in group.members if t.trajectory_id != rec.trajectory_id]
+        if not group.members:
+            self._unqueue_group(rec, None)
+            self._unhand_group(rec, None)
+
+    _EFFECTS: dict[Effect, Callable[[StoreState, TrajectoryRecord, Any], None]] = {
+        Effect.JOIN_GROUP: _join_group, Effect.NEW_HANDLE: _new_handle, Effect.PAY_OWED: _pay_owed,
+        Effect.QUEUE_GROUP: _queue_group, Effect.UNQUEUE_GROUP: _unqueue_group,
+        Effect.HAND_GROUP: _hand_group, Effect.UNHAND_GROUP: _unhand_group,
+        Effect.QUEUE_FINAL: _queue_final, Effect.LEAVE: _leave,
+    }
+
+    def _members(self, group: Group) -> list[TrajectoryRecord]:
+        return [self.records[t.trajectory_id] for t in group.members]
+
     # ------------------------------------------------------------------ queries
     def state(self, tid: str) -> TrajectoryState | None:
         """The state of a held trajectory (None: not held — unknown, or final)."""
-        if tid in self.handed_out:
-            return TrajectoryState.HANDED_OUT
-        if any(t.trajectory_id == tid for g in self.ready for t in g.members):
-            return TrajectoryState.READY
-        if tid in self.held:
-            return TrajectoryState.RECEIVED
-        return None
+        rec = self.records.get(tid)
+        return rec.state if rec is not None else None
 
     def holds(self, tid: str) -> bool:
-        return bool(tid) and (tid in self.held or tid in self.handed_out)
+        return bool(tid) and tid in self.records
 
     def held_counts(self) -> dict[str, int]:
         """Trajectories held in each state (for the store's gauge)."""
-        ready = sum(len(g.members) for g in self.ready)
-        return {TrajectoryState.RECEIVED.value: len(self.held) - ready, TrajectoryState.READY.value: ready,
-                TrajectoryState.HANDED_OUT.value: len(self.handed_out)}
+        return {s.value: n for s, n in self._counts.items()}
 
     @property
     def ready_count(self) -> int:
@@ -170,22 +373,22 @@ class StoreState:
         """Whether handing out must wait for owed trajectories to come back."""
         return bool(self.owed) and now < self.recovery_deadline
 
-    def _seen(self, tid: str) -> None:
-        self.owed.discard(tid)
-
     # ------------------------------------------------------------------ intake
     def redelivered(self, tid: str, msg: Any) -> None:
         """A message for a trajectory already held: keep the newest handle (the old one is dead)."""
-        holder = self.handed_out if tid in self.handed_out else self.held
-        holder[tid] = msg
-        self._seen(tid)
+        rec = self.records.get(tid)
+        if rec is None:
+            raise InvalidTransition(f"{tid}: redeliver in state none")
+        self._apply(Event.REDELIVER, [rec], msg)
 
     def finalize(self, tid: str, msg: Any, *, mark: bool = True) -> None:
-        """An outcome was archived: mark `tid` final (unless `mark` is False: not a member) and ack
-        `msg` at the next commit."""
+        """An outcome of an id the store does not hold was archived: mark `tid` final (unless
+        `mark` is False: not a member) and ack `msg` at the next commit."""
+        if tid in self.records:
+            raise InvalidTransition(f"{tid}: finalized while {self.records[tid].state.value}")
         self.pending_final.append((tid if mark else "", msg))
         if tid:
-            self._seen(tid)
+            self.owed.discard(tid)
 
     def take_member(self, traj: Trajectory, msg: Any, *, valid: bool, expected: int, order: int, source: str,
                     received: int, valid_count: int, admitted_version: int = 0) -> Group | None:
@@ -193,16 +396,13 @@ class StoreState:
         counts right after it). A valid one becomes RECEIVED (an invalid one was finalized by the
         caller). Returns the group when it is now complete: all G came back and every valid
         member is here (after a store restart the valid members arrive again by redelivery)."""
-        tid, gid = traj.trajectory_id, traj.group_id
+        gid = traj.group_id
         group = self.assembling.get(gid)
         if group is None:
             group = self.assembling[gid] = Group(gid, expected, order=order, admitted_version=admitted_version,
                                                  source=source)
         if valid:
-            self.held[tid] = msg
-            self._seen(tid)
-            if all(m.trajectory_id != tid for m in group.members):
-                group.members.append(traj)
+            self._apply(Event.TAKE, [TrajectoryRecord(traj, group, msg)])
         if received >= group.expected and len(group.members) >= valid_count:
             del self.assembling[gid]
             return group
@@ -211,8 +411,7 @@ class StoreState:
     def filter_group(self, group: Group, reason: str) -> list[Final]:
         """A complete group dropped by a filter: every member FINAL (filtered, `reason`)."""
         out = [Final(t.trajectory_id, "filtered", reason, t) for t in group.members]
-        for t in group.members:
-            self.finalize(t.trajectory_id, self.held.pop(t.trajectory_id, None))
+        self._apply(Event.FILTER, self._members(group))
         self.pending_cleanup.append(group.group_id)
         self.pending_settled.append(group.group_id)
         return out
@@ -220,7 +419,7 @@ class StoreState:
     def make_ready(self, group: Group, now: float) -> None:
         """A complete group kept: its members become READY."""
         group.ready_at = now
-        bisect.insort(self.ready, group, key=lambda g: g.order)
+        self._apply(Event.KEEP, self._members(group))
 
     # ------------------------------------------------------------------ the learner
     def hand_out(self, want_groups: int, max_trajectories: int, now: float,
@@ -238,7 +437,7 @@ class StoreState:
             n += len(self.ready[take].members)
             take += 1
         batch = self.ready[:take]
-        missing = set(due) - {g.group_id for g in self.ready} - self.given_up
+        missing = set(due) - self._ready_ids - self.given_up
         if missing:
             if self.held_since is None:
                 self.held_since = now
@@ -246,15 +445,10 @@ class StoreState:
                 return []
             self.given_up |= missing
         self.held_since = None
-        del self.ready[:take]
         out: list[Trajectory] = []
         for group in batch:
             out.extend(group.members)
-            self.handed_meta[group.group_id] = (group.order, group.admitted_version)
-            self.handed_at[group.group_id] = learner_version
-        for t in out:
-            self.handed_out[t.trajectory_id] = self.held.pop(t.trajectory_id, None)
-            self.handed_traj[t.trajectory_id] = t
+            self._apply(Event.HAND_OUT, self._members(group), learner_version)
         return out
 
     def held_for_stragglers(self) -> bool:
@@ -262,27 +456,23 @@ class StoreState:
         return self.held_since is not None
 
     def report(self, tid: str) -> tuple[Any, str | None]:
-        """The learner's verdict on `tid` (trained or quarantined): it leaves every buffer.
-        Returns its message (None if not held) and its group id (if it was HANDED_OUT). The
-        caller archives the outcome (unless it was final already) and calls `finalize`."""
-        msg = self.handed_out.pop(tid, None) or self.held.pop(tid, None)
-        self.held.pop(tid, None)
-        traj = self.handed_traj.pop(tid, None)
-        for group in list(self.ready) + list(self.assembling.values()):
-            group.members = [t for t in group.members if t.trajectory_id != tid]
-        self.ready = [g for g in self.ready if g.members]
-        self._seen(tid)
-        return msg, traj.group_id if traj is not None else None
+        """The learner's verdict on `tid` (trained or quarantined): its record goes. Returns its
+        message (None if not held) and its group id (if it was HANDED_OUT). The caller archives
+        the outcome (unless it was final already) and calls `finalize`."""
+        rec = self.records.get(tid)
+        if rec is None:
+            self.owed.discard(tid)
+            return None, None
+        was = rec.state
+        self._apply(Event.REPORT, [rec])
+        return rec.msg, rec.group_id if was is TrajectoryState.HANDED_OUT else None
 
     def done_reporting(self, group_ids: Iterable[str]) -> None:
         """Groups whose reported members are final: their Redis membership goes at the next commit,
         and a group none of whose members is still HANDED_OUT is settled."""
-        out_now = {t.group_id for t in self.handed_traj.values()}
         for gid in group_ids:
-            self.handed_meta.pop(gid, None)
-            self.handed_at.pop(gid, None)
             self.pending_cleanup.append(gid)
-            if gid not in out_now:
+            if gid not in self.handed:
                 self.pending_settled.append(gid)
 
     def trained_unreported(self, learner_version: int) -> dict[int, list[str]]:
@@ -293,48 +483,41 @@ class StoreState:
         train them twice or, lagging, quarantine them as stale (issue 16: a learner crashed on a
         NATS timeout, and every batch after it came out stale)."""
         out: dict[int, list[str]] = {}
-        for tid, traj in self.handed_traj.items():
-            taken = self.handed_at.get(traj.group_id, learner_version)
-            if taken < learner_version:
-                out.setdefault(taken, []).append(tid)
+        for group in self.handed.values():
+            assert group.taken_at is not None
+            if group.taken_at < learner_version:
+                out.setdefault(group.taken_at, []).extend(t.trajectory_id for t in group.members)
         return out
 
     def recycle_handed_out(self, now: float) -> dict[str, int]:
         """A new learner process: what the previous one took and never reported goes back to
         READY, whole groups in admission order. Returns group id → admission version of each."""
-        by_group: dict[str, list[Trajectory]] = {}
-        for traj in self.handed_traj.values():
-            by_group.setdefault(traj.group_id, []).append(traj)
         out = {}
-        for gid, members in by_group.items():
-            order, version = self.handed_meta.pop(gid, (1 << 62, 0))
-            self.handed_at.pop(gid, None)
-            self.make_ready(Group(gid, len(members), order=order, admitted_version=version, members=members), now)
-            out[gid] = version
-            for t in members:
-                self.held[t.trajectory_id] = self.handed_out.pop(t.trajectory_id)
-        self.handed_traj.clear()
+        for group in list(self.handed.values()):
+            group.ready_at = now
+            self._apply(Event.RECYCLE, self._members(group))
+            out[group.group_id] = group.admitted_version
         return out
 
     # ------------------------------------------------------------------ the end of a finished run
     def end_of_run(self) -> list[Final]:
         """The run is finished: everything still held becomes FINAL — READY and HANDED_OUT as
-        unused, members of incomplete groups as held at stop. Returns what to archive."""
+        unused, RECEIVED (members of incomplete groups) as held at stop. Returns what to archive."""
         out: list[Final] = []
-        for group in self.ready:
-            out += [Final(t.trajectory_id, *UNUSED_AT_END, t) for t in group.members]
-        out += [Final(tid, *UNUSED_AT_END, t) for tid, t in self.handed_traj.items()]
-        for group in self.assembling.values():
-            out += [Final(t.trajectory_id, *HELD_AT_STOP, t) for t in group.members]
-        for f in out:
-            msg = self.held.pop(f.trajectory_id, None) or self.handed_out.pop(f.trajectory_id, None)
-            self.finalize(f.trajectory_id, msg)
-        complete = [g.group_id for g in self.ready] + list(self.handed_meta)
-        self.pending_cleanup += complete + list(self.assembling)
+        complete = [g.group_id for g in self.ready] + list(self.handed)
+        incomplete = list(self.assembling)
+        for groups, outcome in ((list(self.ready), UNUSED_AT_END), (list(self.handed.values()), UNUSED_AT_END),
+                                (list(self.assembling.values()), HELD_AT_STOP)):
+            for group in groups:
+                out += [Final(t.trajectory_id, *outcome, t) for t in group.members]
+                self._apply(Event.END_OF_RUN, self._members(group))
+        for rec in list(self.records.values()):  # RECEIVED in a complete group not yet judged
+            incomplete.append(rec.group_id)
+            out.append(Final(rec.trajectory_id, *HELD_AT_STOP, rec.traj))
+            self._apply(Event.END_OF_RUN, [rec])
+        self.pending_cleanup += complete + list(dict.fromkeys(incomplete))
         self.pending_settled += complete  # an incomplete group has members that never came back
-        self.ready, self.assembling = [], {}
-        self.handed_traj.clear()
-        self.handed_meta.clear()
+        self.assembling = {}
         return out
 
     # ------------------------------------------------------------------ commit
@@ -349,7 +532,7 @@ class StoreState:
 
     def live_messages(self) -> list[Any]:
         """Messages to heartbeat (in-progress acks) while this store lives."""
-        return [m for m in list(self.held.values()) + list(self.handed_out.values()) if m is not None]
+        return [r.msg for r in self.records.values() if r.msg is not None]
 
 
 def filter_reason(rewards: list[float], *, drop_zero_variance: bool) -> str:
@@ -370,4 +553,3 @@ def member_ids(task_id: str, group_size: int) -> list[str]:
 def member_task_id(trajectory_id: str) -> str:
     """The task id of one of its members' ids (`member_ids`, inverted)."""
     return trajectory_id.rpartition("-")[0]
-
