@@ -140,7 +140,8 @@ def _edit_history(task: dict[str, Any], base_url: str, api_key: str) -> str:
 
 class AgentServer:
     """The run's HTTP agent (the source's ``agent`` URL): each POST runs the next of TARGETS on the
-    task, in a thread, and answers its final answer (500 with the error when it raised)."""
+    task, in a thread, and answers its final answer (500 with the error when it raised). An HTTP
+    agent rather than a process per sample: the frameworks are imported once (seconds each)."""
 
     def __init__(self) -> None:
         self.agents: dict[str, Any] = {**importlib.import_module("framework_agents").AGENTS,
