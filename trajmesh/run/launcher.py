@@ -280,17 +280,18 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
             asyncio.run(security.provision(resolved))  # services may only bind, not create
         replicas = {"environment": cfg.environment.replicas, "store": 1, "grader": cfg.grader.replicas,
                     "rollout": cfg.rollout.replicas, "evaluator": 1 if cfg.eval.in_mesh else 0, "learner": 0}
-        for wave in (("environment", "store"), ("grader", "rollout", "evaluator"), ("learner",)):
-            started = []
-            for name in wave:
-                if name not in services:
-                    continue
-                if name == "learner":
-                    started.extend(mesh.start_learners())
-                for i in range(replicas[name]):
-                    extra = ["--grpc-port", str(env_ports[i])] if name == "environment" else []
-                    started.append(mesh.start_service(name, i, extra))
-            mesh.wait_healthy(started)
+        # All at once, as pods on a cluster start: every service waits for what it needs (the
+        # rollout for its environment and engine, the learner for batches), so no order is needed.
+        started = []
+        for name in SERVICE_ORDER:
+            if name not in services:
+                continue
+            if name == "learner":
+                started.extend(mesh.start_learners())
+            for i in range(replicas[name]):
+                extra = ["--grpc-port", str(env_ports[i])] if name == "environment" else []
+                started.append(mesh.start_service(name, i, extra))
+        mesh.wait_healthy(started)
     except BaseException:
         mesh.stop_services(grace_s=10)
         mesh.stop_infra()
