@@ -5,7 +5,12 @@ messages injected onto TRAJ_GRADED mid-run. Checks: versions advance and rollout
 mid-run; every trained token's lag ≤ η; no trajectory trained twice; every admitted trajectory ends
 as exactly one archived outcome; each bad message is quarantined with its reason; nothing is
 quarantined as stale (the gate, not the learner's check, keeps the bound) and the gate's counters
-agree with the archive.
+agree with the archive. The run has auth on (the launcher's default), and no generated secret
+appears anywhere it could leak: every file under the run dir (service and server logs,
+metrics.jsonl, manifest.json, the config files, the archive's Parquet bytes, checkpoints, weights,
+the servers' data and config files), the /metrics text of every service while it runs, and every
+service's command line; the one exception is RUN_DIR/infra/credentials.json (mode 0600), the file
+that holds them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import stat
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +32,7 @@ from trajmesh import security
 from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.keys import RedisKeys
-from trajmesh.run.launcher import accounting, start_mesh
+from trajmesh.run.launcher import Proc, accounting, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.run.train import read_metrics
 from trajmesh.services.store.archive import read_archive
@@ -86,12 +93,61 @@ async def _inject(cfg: RunConfig, messages: dict[str, bytes]) -> None:
         await bus.close()
 
 
+def _scrape_when_ready(proc: Proc, deadline_s: float = 60.0) -> str | None:
+    """The /metrics text of a running service once its endpoint answers (a busy machine may not
+    have it listening yet, or a restarted service may be starting); None if the process exited."""
+    deadline = time.monotonic() + deadline_s
+    while proc.popen.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5) as resp:
+                return str(resp.read().decode(errors="replace"))
+        except OSError as err:  # URLError(ConnectionRefusedError), reset while it starts or stops
+            assert time.monotonic() < deadline, f"{proc.label}: /metrics did not answer in {deadline_s}s: {err}"
+            time.sleep(0.2)  # no event for "a socket started listening in another process"
+    return None
+
+
+def _check_no_secret_leaked(run_dir: Path, scraped: dict[str, str], cmdlines: dict[str, bytes]) -> None:
+    """No NATS or Redis password of the run in any file under `run_dir` but the credentials file
+    (0600), in any /metrics text or command line; no log mentions a permissions violation."""
+    creds_path = security.LocalCredentials.path(run_dir)
+    assert stat.S_IMODE(creds_path.stat().st_mode) == 0o600
+    creds = security.LocalCredentials.load(run_dir)
+    assert creds is not None
+    secrets = {f"nats:{role}": pw for role, pw in creds.nats_passwords.items()}
+    secrets["redis"] = creds.redis_password
+    assert len(scraped) >= 4, sorted(scraped)
+    files = [f for f in run_dir.rglob("*") if f.is_file() and f != creds_path]
+    kinds = {f.name for f in files}
+    assert {"manifest.json", "metrics.jsonl", "config.resolved.yaml", "nats.conf", "nats.log"} <= kinds, kinds
+    assert any(f.suffix == ".parquet" for f in files) and any(f.suffix == ".log" for f in files)
+    assert any("checkpoints" in f.parts for f in files) and any("weights" in f.parts for f in files)
+    leaks = []
+    for f in files:
+        data = f.read_bytes()
+        leaks += [f"{name} in {f.relative_to(run_dir)}" for name, s in secrets.items() if s.encode() in data]
+    for label, text in scraped.items():
+        leaks += [f"{name} in /metrics of {label}" for name, s in secrets.items() if s in text]
+    for label, argv in cmdlines.items():
+        leaks += [f"{name} in the command line of {label}" for name, s in secrets.items() if s.encode() in argv]
+    assert not leaks, leaks
+    # The mesh ran under its per-service permissions without a single refusal.
+    violations = [f.name for f in files if f.suffix == ".log" and "violation" in f.read_text(errors="replace").lower()]
+    assert not violations, violations
+
+
 def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, tiny_model_dir: str) -> None:
     cfg = _build_config(tmp_path / "run", tiny_model_dir)
+    assert cfg.infra.security.nats_auth and cfg.infra.security.redis_auth  # the launcher's default
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
+    scraped: dict[str, str] = {}
+    cmdlines: dict[str, bytes] = {}
     try:
+        for p in mesh.procs:
+            args = p.popen.args
+            cmdlines[p.label] = " ".join(map(str, args if isinstance(args, list) else [args])).encode()  # ps
         cfg = mesh.cfg
         r = security.redis_sync_client(cfg)
         keys = RedisKeys(cfg.infra.namespace)
@@ -103,6 +159,10 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
         bad = _bad_messages(task_id, future_version=10_000)
         asyncio.run(_inject(cfg, bad))
         learner = next(p for p in mesh.procs if p.name == "learner")
+        for p in mesh.procs:  # while the run goes on (a finished learner's endpoint is gone)
+            text = _scrape_when_ready(p)
+            if text is not None:
+                scraped[p.label] = text
         assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
         assert not [p.label for p in mesh.dead() if p is not learner and p.popen.returncode != 0]
         assert end_run(mesh) == 0
@@ -114,6 +174,8 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
         mesh.stop_infra()
 
     run_dir = Path(cfg.run_dir)
+    assert {"store", "rollout", "grader", "learner"} <= {p.name for p in mesh.procs}
+    _check_no_secret_leaked(run_dir, scraped, cmdlines)
     steps = [m for m in read_metrics(run_dir) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == list(range(1, STEPS + 1))  # +1 per step
 
