@@ -2,7 +2,8 @@
 
 ::
 
-    WEIGHTS KV ──▶ weights_loop (the rollout's) ── load into this process's own engine
+    WEIGHTS KV ──▶ weights_loop (the rollout's) ── load into this process's own engine, only a
+                        │ version due for evaluation (others wait as `pending`, the newest only)
                         │ holds eval_lock: no weights load while an evaluation runs
                         ▼
     eval_loop ── due? version 0 (before), ≥ every_versions after the last one (during), the last
@@ -102,6 +103,8 @@ class EvaluatorService(RolloutService):
         """The last version's ("after") record is out: nothing more to evaluate."""
         self.tracker = HeldoutTracker(self.cfg.eval.stop_regression_margin, self.cfg.eval.stop_confirmations)
         """The best score so far (for the below-best gauge; the learner runs its own over EVAL)."""
+        self.pending: trajectory_pb2.WeightsAnnouncement | None = None
+        """The newest announcement not loaded because no evaluation of it was due."""
         self.redis: Any = None
         self.keys = RedisKeys(self.cfg.infra.namespace)
 
@@ -113,6 +116,8 @@ class EvaluatorService(RolloutService):
 
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path
+        if cfg.eval.evaluator_nice > 0:  # before the engine starts: its child process inherits it
+            os.nice(cfg.eval.evaluator_nice)
         self.bus = await security.connect_bus(cfg, "evaluator", name=self.worker_id)
         self.redis = security.redis_client(cfg)
         self.format = EpisodeFormat.load(cfg.model.path)
@@ -125,8 +130,11 @@ class EvaluatorService(RolloutService):
                                    context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
         latest = await self.bus.latest_weights()
-        if latest is not None and trajectory_pb2.WeightsAnnouncement.FromString(latest).version > 0:
-            self.last_evaluated = -1  # a run under way: its base model is not "before" any more
+        if latest is not None and trajectory_pb2.WeightsAnnouncement.FromString(latest).version > 0 \
+                and (await self.bus.stream_info(busmod.STREAM_EVAL)).state.messages > 0:
+            self.last_evaluated = -1  # a run under way, evaluated before: its base model is done
+        # Otherwise (a fresh run, even one whose learner announced versions before this process was
+        # up) the engine holds the base model, version 0: "before" is evaluated first.
 
     async def run(self) -> None:
         await supervise(self.weights_loop(), self.eval_loop(), stopping=self.stopping)
@@ -138,9 +146,25 @@ class EvaluatorService(RolloutService):
 
     async def _load_weights(self, ann: trajectory_pb2.WeightsAnnouncement) -> None:
         """The rollout's load, never while an evaluation runs (the watch keeps only the newest
-        announcement meanwhile)."""
+        announcement meanwhile), and only of a version that is due (`_worth_loading`): any other
+        stays `pending` (the newest such) until a later one replaces it or it becomes due (the
+        base model evaluated, or the run finished with it: `eval_loop` loads it then)."""
         async with self.eval_lock:
+            if not await self._worth_loading(int(ann.version)):
+                self.pending = ann
+                return
+            self.pending = None
             await super()._load_weights(ann)
+
+    async def _worth_loading(self, version: int) -> bool:
+        """An evaluation of `version` would be due once it is loaded (`_due`'s rule without the
+        load): one ≥ every_versions after the last evaluated, or the run's last one; nothing before
+        the base model's "before" evaluation (the engine starts on it)."""
+        if self.final_done or self.last_evaluated is None:  # None: the base model's "before" comes first
+            return False
+        if version - self.last_evaluated >= self.cfg.eval.every_versions:
+            return True
+        return await self._finished_at(version)
 
     # ------------------------------------------------------------------ what to evaluate
     async def eval_loop(self) -> None:
@@ -148,6 +172,10 @@ class EvaluatorService(RolloutService):
         FINISH_POLL_S, for the run's end (`run_finished`); returns never (the service stops it)."""
         while True:
             async with self.eval_lock:
+                pending = self.pending
+                if pending is not None and await self._worth_loading(int(pending.version)):
+                    self.pending = None  # due now: after "before", or the run's last version
+                    await super()._load_weights(pending)  # eval_lock is held
                 phase = await self._due(self.version)
                 if phase is not None:
                     await self.evaluate(self.version, phase)

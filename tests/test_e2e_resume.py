@@ -51,6 +51,7 @@ def _write_config(tmp_path: Path, model_dir: str) -> Path:
         "rollout": {"replicas": 1, "concurrent_tasks": 2}, "grader": {"replicas": 1},
         "store": {"drop_zero_variance_groups": False},
         "learner": {"engine": {"type": "torch"}, "batch_groups": 2, "max_steps": STEPS, "checkpoint_every": 2},
+        "eval": {"in_mesh": False},  # the launcher's evaluation (--eval-every 0: before and after only)
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))

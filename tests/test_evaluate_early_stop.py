@@ -41,6 +41,7 @@ def test_two_evaluations_below_best_minus_margin_stop_the_run(tmp_path: Path, ti
         "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": 500,
         "eval.stop_regression_margin": 0.1, "eval.stop_confirmations": 2, "learner.keep_batches": True,
+        "eval.in_mesh": False,  # the launcher's own evaluation loop (the default is the evaluator service)
     })
     summary = train_mod.train(cfg, eval_every_s=0.5)
     run = Path(cfg.run_dir)

@@ -94,7 +94,8 @@ def test_sweep_e2e_two_cells_two_seeds(tmp_path: Path, tiny_model_dir: str) -> N
     args = ["sweep", "examples/demo.yaml", "--grid", "gate.eta=0,1", "--seeds", "2", "--out", str(out), "--eval-every", "5",
             "--set", f"model.path={tiny_model_dir}", "--set", "learner.max_steps=6", "--set", "learner.batch_groups=2",
             "--set", "tasks.group_size=4", "--set", "tasks.heldout_size=8", "--set", "eval.samples=2",
-            "--set", "eval.noise_seeds=0", "--set", "learner.engine.type=torch", "--set", "rollout.concurrent_tasks=4"]
+            "--set", "eval.noise_seeds=0", "--set", "learner.engine.type=torch", "--set", "rollout.concurrent_tasks=4",
+            "--set", "eval.in_mesh=false"]  # the launcher evaluates (no evaluator process per cell: the suite's time)
     root = Path(__file__).resolve().parent.parent
     import os
 

@@ -43,7 +43,7 @@ def test_a_run_with_stdout_a_pipe_prints_progress_lines_and_no_bars(tmp_path: Pa
         "tasks": {"group_size": 4, "heldout_size": 4, "train_size": 200, "sampling": {"max_new_tokens": 6}},
         "rollout": {"replicas": 1, "concurrent_tasks": 2}, "grader": {"replicas": 1},
         "learner": {"engine": {"type": "torch"}, "batch_groups": 2, "max_steps": STEPS},
-        "eval": {"samples": 1, "noise_seeds": 0}}))
+        "eval": {"samples": 1, "noise_seeds": 0, "in_mesh": False}}))  # the launcher's evaluation: "before" first
     env = {**os.environ, "TRAJMESH_PROGRESS_EVERY_S": "1"}
     for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
         env.pop(name, None)  # whatever the caller's shell says, the services turn the bars off themselves

@@ -553,13 +553,19 @@ class EvalConfig(_Strict):
     the best so far on `stop_confirmations` consecutive evaluations. None: off."""
     stop_confirmations: int = Field(2, ge=1)
     """Consecutive evaluations below best − margin that confirm a regression."""
-    in_mesh: bool = False
-    """`trajmesh train`: evaluate with the evaluator service (services/evaluator.py, one process
-    with its own engine, as on a cluster) instead of in the launcher process; summary.json's
-    before/after figures then come from its records of the first and last version."""
+    in_mesh: bool | None = None
+    """Who evaluates. True: the evaluator service (services/evaluator.py, one process with its own
+    engine, as on a cluster) starts with the mesh, and summary.json's before/after figures are its
+    records of the first and last version. False: `trajmesh train` evaluates in its own process
+    (before RL, every `--eval-every` seconds, after RL). None (default): True for `trajmesh
+    train`; a mesh started by itself (`trajmesh.run.launcher.start_mesh`) has no evaluator."""
     every_versions: int = Field(10, ge=1)
     """The evaluator service evaluates a version at least this many versions after the last one
-    it evaluated (and always the first, version 0, and the last)."""
+    it evaluated (and always the first, version 0, and the last); it loads no other version."""
+    evaluator_nice: int = Field(10, ge=0, le=19)
+    """The evaluator service lowers its CPU priority (and its engine child's) by this much at start
+    (`os.nice`): on one machine it yields the CPUs to training, and evaluates whatever is due when
+    they are free; in a pod of its own it changes nothing."""
 
 
 class RunConfig(_Strict):

@@ -8,10 +8,11 @@
                      │                                                   ▼ stop_reason.json, SIGTERM learner
     learner exits 0 ── drain ── evaluate_dir(final weights) ── summary.json (per source, best checkpoint)
 
-With `eval.in_mesh` the launcher evaluates nothing itself: the evaluator service (started with the
-mesh) writes every eval record, the learner keeps RUN_DIR/best and stops on a regression, and
-summary.json's before/after figures are the evaluator's records of version 0 and the last version
-(`wait_final_eval` waits for the latter before the mesh stops).
+By default (`eval.in_mesh` unset or true) the launcher evaluates nothing itself: the evaluator
+service (started with the mesh, as on a cluster) writes every eval record, the learner keeps
+RUN_DIR/best and stops on a regression, and summary.json's before/after figures are the
+evaluator's records of version 0 and the last version (`wait_final_eval` waits for the latter
+before the mesh stops). `eval.in_mesh: false` evaluates in this process instead, as drawn above.
 """
 
 from __future__ import annotations
@@ -240,6 +241,8 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     if resume and not (run_dir / "checkpoints" / "latest").exists():
         raise RunDirExists(f"--resume: no checkpoint in {run_dir}/checkpoints/latest")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.eval.in_mesh is None:  # `trajmesh train` measures as a cluster does: the evaluator service
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"in_mesh": True})})
     cfg = prepare_model(cfg)
     dump_config(cfg, run_dir / "config.yaml")
     held = heldout_tasks(cfg)
