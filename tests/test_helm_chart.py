@@ -1417,7 +1417,9 @@ def _objects_of(values: dict[str, Any]) -> list[dict[str, Any]]:
             for d in yaml.safe_load_all(text) if d]
 
 
-CHART_RUN_STEPS = 2
+CHART_RUN_MAX_STEPS = 200
+"""The chart run's step budget: the injected regression stops its learner long before."""
+CHART_HELDOUT = 16
 
 
 def _code_call(env_pod: Any, code: str = "print(6*7)") -> tuple[str, dict[str, Any]]:
@@ -1442,18 +1444,23 @@ def _code_call(env_pod: Any, code: str = "print(6*7)") -> tuple[str, dict[str, A
 
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
-def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> None:
+def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU chart's own workloads (commands, env, Secrets, ConfigMaps, volumes, ports) run as local
     processes (tests/helm/local_kubelet.py) and train with exact accounting; a sandboxed code call
     goes through the environment pod. A workload missing a mount, a variable or a port fails here
-    (the store without the model volume did). Run as root, every trajmesh pod's processes run as
-    the pod's securityContext says (uid 10001, fsGroup volumes, no capabilities, no_new_privs), so
-    the code call runs the rootless sandbox as a pod would, in a cgroup the kubelet delegated to
-    the pod (one cgroup per call in this host's mode); not root, that part is skipped."""
+    (the store without the model volume did). The evaluator pod publishes held-out records per
+    source; once it has two versions, the test announces a worse policy's weights (as
+    tests/test_evaluator_mesh.py does) and the learner pod stops on the regression the evaluator
+    measures, with stop_reason.json on the shared claim. Run as root, every trajmesh pod's processes
+    run as the pod's securityContext says (uid 10001, fsGroup volumes, no capabilities,
+    no_new_privs), so the code call runs the rootless sandbox as a pod would, in a cgroup the
+    kubelet delegated to the pod (one cgroup per call in this host's mode); not root, that part is
+    skipped."""
     import shutil
     import time
 
     from mesh_checks import check_archive, check_gate_reconciles
+    from test_evaluator_mesh import INJECTED_VERSION, _announce, _demo_model, _worse_policy
 
     from trajmesh import cgroups
     from trajmesh.config import RunConfig
@@ -1462,21 +1469,29 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     from trajmesh.run.run_end import drain
     from trajmesh.run.train import read_metrics
 
+    # The shipped demo policy (it solves some chain_sum problems, so a worse one scores measurably
+    # lower); greedy on CHART_HELDOUT problems, a drop of more than 0.3 confirmed once stops the run.
     values = _merged(_values("cpu-only"), {
-        "model": {"source": "pvc://trajmesh-models/tiny"},
+        "model": {"source": "pvc://trajmesh-models/demo"},
         "rollout": {"replicaCount": 1, "concurrentTasks": 2}, "environment": {"replicaCount": 1},
         "grader": {"replicaCount": 1}, "evaluator": {"enabled": True},
         "trajmesh": {"config": {
             "gate": {"eta": 1},
-            "eval": {"every_versions": 1, "samples": 2, "samples_during": 1, "noise_seeds": 0},
-            "tasks": {"group_size": 2, "train_size": 100, "heldout_size": 5, "sampling": {"max_new_tokens": 6}},
-            "learner": {"batch_groups": 2, "max_steps": CHART_RUN_STEPS, "checkpoint_every": CHART_RUN_STEPS}}},
+            "eval": {"every_versions": 1, "samples": 2, "samples_during": 1, "noise_seeds": 0,
+                     "selection_metric": "greedy", "stop_regression_margin": 0.3, "stop_confirmations": 1,
+                     "evaluator_nice": 0},  # a pod has CPUs of its own; here every pod shares this machine's
+            "tasks": {"group_size": 2, "train_size": 300, "heldout_size": CHART_HELDOUT,
+                      "sampling": {"max_new_tokens": 6}},
+            "learner": {"batch_groups": 2, "max_steps": CHART_RUN_MAX_STEPS, "checkpoint_every": 50}}},
     })
     kubelet = _load_kubelet().LocalKubelet(_objects_of(values), tmp_path, NAMESPACE,
                                            {"nats": nats_server_binary(), "redis-server": redis_server_binary()})
     kubelet.setup()
-    shutil.copytree(tiny_model_dir, tmp_path / "pvc" / "trajmesh-models" / "tiny")
-    learner_run = tmp_path / "pvc" / "trajmesh-shared" / "run"  # the learner mounts the shared claim at /shared
+    shutil.copytree(_demo_model(), tmp_path / "pvc" / "trajmesh-models" / "demo")
+    shared = tmp_path / "pvc" / "trajmesh-shared"
+    learner_run = shared / "run"  # the learner mounts the shared claim at /shared
+    # Where the evaluator pod (uid 10001 as root) can read the worse policy: the shared claim.
+    worse = _worse_policy(_demo_model(), shared / "worse")
     try:
         for component in ("nats", "redis"):
             kubelet.start(kubelet.pod(component))
@@ -1509,16 +1524,27 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
                  for c in ("environment", "grader", "store", "rollout", "learner") if kubelet.pod(c).procs
                  and all(p.poll() is None for p in kubelet.pod(c).procs)}
         learner = kubelet.pod("learner")
-        assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
         evaluator = kubelet.pod("evaluator")
+        store = kubelet.pod("store")
+        cfg = RunConfig.model_validate(yaml.safe_load(
+            (tmp_path / "pods" / store.name / "volumes" / "runtime" / "config.yaml").read_text()))
+        deadline = time.monotonic() + 300  # the evaluator's records of two versions
+        while len({r["version"] for r in read_metrics(learner_run) if r.get("kind") == "eval"}) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in evaluator.procs), \
+                kubelet.tail(evaluator)
+            assert learner.procs[0].poll() is None, kubelet.tail(learner)
+            time.sleep(0.5)
+        # The regression: a worse policy's weights announced as a new version, as the chart's
+        # admin user (the provisioning Job's credentials).
+        monkeypatch.setenv("TRAJMESH_NATS_USER", "admin")
+        monkeypatch.setenv("TRAJMESH_NATS_PASSWORD", kubelet.secrets[f"{RELEASE}-nats-auth"]["admin"])
+        asyncio.run(_announce(cfg, worse, INJECTED_VERSION))
+        assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
         deadline = time.monotonic() + 300  # its record of the last version (it sees run_finished)
         while not [r for r in read_metrics(learner_run) if r.get("phase") == "after"]:
             assert time.monotonic() < deadline and all(p.poll() is None for p in evaluator.procs), \
                 kubelet.tail(evaluator)
             time.sleep(0.5)
-        store = kubelet.pod("store")
-        cfg = RunConfig.model_validate(yaml.safe_load(
-            (tmp_path / "pods" / store.name / "volumes" / "runtime" / "config.yaml").read_text()))
         drain(cfg)
         for component in ("rollout", "evaluator", "grader", "environment"):
             kubelet.stop(kubelet.pod(component))
@@ -1529,12 +1555,20 @@ def test_chart_runs_as_local_processes(tmp_path: Path, tiny_model_dir: str) -> N
     finally:
         kubelet.stop_all()
     steps = [m for m in read_metrics(learner_run) if m.get("kind") == "learner_step"]
-    assert [m["version"] for m in steps] == list(range(1, CHART_RUN_STEPS + 1))
+    assert steps and [m["version"] for m in steps] == list(range(1, len(steps) + 1))
+    assert len(steps) < CHART_RUN_MAX_STEPS  # stopped by the regression, not by its budget
     # The evaluator pod's records (on the shared claim beside the learner's): per source, >= 2 versions.
     evals = [m for m in read_metrics(learner_run) if m.get("kind") == "eval"]
-    assert len({m["version"] for m in evals}) >= 2 and evals[0]["phase"] == "before", evals
-    assert evals[-1]["phase"] == "after" and evals[-1]["version"] == CHART_RUN_STEPS
-    assert all(sorted(m["heldout"]) == ["chain_sum"] and m["heldout"]["chain_sum"]["n_tasks"] == 5 for m in evals)
+    assert len({m["version"] for m in evals if m["version"] != INJECTED_VERSION}) >= 2, evals
+    assert evals[0]["phase"] == "before" and evals[0]["version"] == 0, evals
+    assert all(sorted(m["heldout"]) == ["chain_sum"] and m["heldout"]["chain_sum"]["n_tasks"] == CHART_HELDOUT
+               for m in evals)
+    # The worse policy was evaluated, and the learner pod stopped on that record.
+    injected = next(m for m in evals if m["version"] == INJECTED_VERSION)
+    assert injected["phase"] == "during" and injected["score"] < evals[0]["score"] - 0.3, (evals[0], injected)
+    stop = json.loads((learner_run / "stop_reason.json").read_text())
+    assert stop["reason"] == "heldout_regression" and stop["evaluated_version"] == INJECTED_VERSION, stop
+    assert evals[-1]["phase"] == "after" and evals[-1]["version"] in (steps[-1]["version"], INJECTED_VERSION)
     if not kubelet.users_emulated:
         pytest.skip(f"the mesh trained as this test's user; the pods' uid part needs root: {kubelet.why_not_users}")
     # The pods ran as the chart's podSecurityContext says: the code call above ran as uid 10001 with
