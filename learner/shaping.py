@@ -14,7 +14,8 @@ from torch import Tensor
 
 __all__ = ["MagicEntropyController", "TruncationPolicy", "apply_truncation_policy", "dapo_overlong_penalty"]
 
-TruncationPolicy = Literal["mask", "zero_reward", "soft_penalty"]
+TruncationPolicy = Literal["keep", "mask", "zero_reward", "dapo_soft"]
+"""The values of `learner.truncation.policy` (trajmesh/config.py TruncationConfig)."""
 
 
 def dapo_overlong_penalty(length_B: Tensor, max_length: int, cache_length: int) -> Tensor:
@@ -47,24 +48,27 @@ def apply_truncation_policy(
 ) -> tuple[Tensor, Tensor]:
     """Apply a truncation policy → ``(reward_B, mask_BT)`` (new tensors; inputs untouched).
 
+    * ``"keep"``: unchanged (a truncated response is trained with the reward its grader gave it).
     * ``"mask"``: truncated responses leave the loss (their mask rows become 0); rewards unchanged.
       Call it before computing advantages if the group baseline should ignore them too.
     * ``"zero_reward"``: truncated responses keep their tokens in the loss and get reward 0
       (MAGIC: a missing final answer is wrong, so it earns a negative relative advantage).
-    * ``"soft_penalty"``: every response gets ``reward + dapo_overlong_penalty(length)``; the
+    * ``"dapo_soft"``: every response gets ``reward + dapo_overlong_penalty(length)``; the
       ``truncated_B`` flags are not consulted (the length decides). ``length_B`` defaults to the
       number of loss-masked tokens per row (the response length for single-turn data); pass it
       explicitly for multi-turn data. Needs ``max_length`` and ``cache_length``.
     """
     truncated_B = truncated_B.bool()
+    if policy == "keep":
+        return reward_B.clone(), mask_BT.clone()
     if policy == "mask":
         keep_BT = (~truncated_B)[:, None] & (mask_BT > 0)
         return reward_B.clone(), keep_BT.to(mask_BT.dtype)
     if policy == "zero_reward":
         return torch.where(truncated_B, torch.zeros_like(reward_B), reward_B), mask_BT.clone()
-    if policy == "soft_penalty":
+    if policy == "dapo_soft":
         if max_length is None or cache_length is None:
-            raise ValueError("soft_penalty needs max_length and cache_length")
+            raise ValueError("dapo_soft needs max_length and cache_length")
         if length_B is None:
             length_B = (mask_BT > 0).sum(-1)
         penalty_B = dapo_overlong_penalty(length_B, max_length, cache_length).to(reward_B.dtype)

@@ -6,7 +6,7 @@ testable on its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from trajmesh.learner.microbatch import (
     sum_tensor_over_ranks,
 )
 from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
+from trajmesh.learner.shaping import TruncationPolicy, apply_truncation_policy
 from trajmesh.v1 import trajectory_pb2
 
 
@@ -150,6 +151,47 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
     reward = torch.tensor([trajs[i].reward for i, _, _ in rows], dtype=torch.float32)
     return Batch(ids, att, mask, blogp, vers, reward, gidx, [trajs[i].trajectory_id for i, _, _ in rows], atype,
                  torch.tensor([i for i, _, _ in rows], dtype=torch.long), share)
+
+
+def apply_truncation(batch: Batch, trajs: list[Trajectory], policy: TruncationPolicy, *,
+                     max_length: int | None = None, cache_length: int | None = None) -> Batch:
+    """`batch` (built from `trajs`) with `learner.truncation.policy` applied (learner/shaping.py):
+    a truncated trajectory's rows are masked out (``mask``) or rewarded 0 (``zero_reward``), or every
+    trajectory's reward gets DAPO's soft overlong penalty on its response length, the loss-masked
+    tokens over all its rows (``dapo_soft``). Every row of a trajectory ends with the same reward."""
+    if policy == "keep":
+        return batch
+    rows_B = batch.trajectory_index_B if batch.trajectory_index_B is not None else torch.arange(len(trajs))
+    truncated_B = torch.tensor([trajs[int(i)].truncated for i in rows_B.tolist()], dtype=torch.bool)
+    length_J = torch.tensor([int((t.loss_mask_T == 1).sum()) for t in trajs], dtype=torch.long)
+    reward_B, mask_BT = apply_truncation_policy(batch.reward_B, truncated_B, batch.mask_BT, policy,
+                                                length_B=length_J[rows_B], max_length=max_length,
+                                                cache_length=cache_length)
+    return replace(batch, reward_B=reward_B, mask_BT=mask_BT)
+
+
+def response_length_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
+    """Response lengths (loss-masked tokens per trajectory) of a batch: mean, p50, p90 and max, the
+    means of correct (reward > 0) and incorrect trajectories, and the mean per task source. The
+    length bias of a normalisation (survey §2.3) shows here first."""
+    if not trajs:
+        return {}
+    n_J = torch.tensor([float((t.loss_mask_T == 1).sum()) for t in trajs], dtype=torch.float64)
+    correct_J = torch.tensor([t.reward > 0 for t in trajs], dtype=torch.bool)
+    out: dict[str, Any] = {
+        "trajmesh_learner_response_length_mean_tokens": float(n_J.mean()),
+        "trajmesh_learner_response_length_p50_tokens": float(torch.quantile(n_J, 0.5)),
+        "trajmesh_learner_response_length_p90_tokens": float(torch.quantile(n_J, 0.9)),
+        "trajmesh_learner_response_length_max_tokens": float(n_J.max()),
+    }
+    for name, sel in (("correct", correct_J), ("incorrect", ~correct_J)):
+        if bool(sel.any()):
+            out[f"trajmesh_learner_response_length_{name}_mean_tokens"] = float(n_J[sel].mean())
+    by_source: dict[str, list[float]] = {}
+    for t, n in zip(trajs, n_J.tolist(), strict=True):
+        by_source.setdefault(t.pb.task_source or "-", []).append(n)
+    out["response_length_mean_tokens_by_source"] = {k: sum(v) / len(v) for k, v in sorted(by_source.items())}
+    return out
 
 
 def token_logprobs(model: Any, batch: Batch, temperature: float,

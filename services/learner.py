@@ -48,7 +48,15 @@ from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.simulated import simulated_train_batch
-from trajmesh.learner.step import StepPlan, advantages_BT, build_batch, split_stale, train_batch
+from trajmesh.learner.step import (
+    StepPlan,
+    advantages_BT,
+    apply_truncation,
+    build_batch,
+    response_length_metrics,
+    split_stale,
+    train_batch,
+)
 from trajmesh.learner.train_engine import TrainEngine, build_train_engine, wants_deterministic
 from trajmesh.learner.weights import export_policy, sha256_file
 from trajmesh.rollout.hf_model import load_causal_lm
@@ -522,7 +530,10 @@ class LearnerService(Service):
         metrics = outcome.metrics
         metrics.update(batch_health(trajs, lc.stop_gates.verifier_components))
         if keep:
-            batch = build_batch(keep, self.pad_id)
+            metrics.update(response_length_metrics(keep))
+            max_length, cache_length = lc.truncation.lengths(self.cfg.tasks.sampling)
+            batch = apply_truncation(build_batch(keep, self.pad_id), keep, lc.truncation.policy,
+                                     max_length=max_length, cache_length=cache_length)
             adv_BT = advantages_BT(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
                                    eps=lc.advantage.eps)
             engine = self._engine()

@@ -52,19 +52,19 @@ def test_truncation_policy_zero_reward_keeps_tokens() -> None:
     assert torch.equal(m, mask_BT)
 
 
-def test_truncation_policy_soft_penalty_uses_masked_length() -> None:
+def test_truncation_policy_dapo_soft_uses_masked_length() -> None:
     # masked lengths [2, 4, 3]; L_max 4, L_cache 2 -> free up to 2:
     # row0: 1 + 0 = 1 ; row1: 1 + (2-4)/2 = 0 ; row2: 0 + (2-3)/2 = -0.5
     reward_B, truncated_B, mask_BT = _build_batch()
-    r, m = apply_truncation_policy(reward_B, truncated_B, mask_BT, "soft_penalty", max_length=4, cache_length=2)
+    r, m = apply_truncation_policy(reward_B, truncated_B, mask_BT, "dapo_soft", max_length=4, cache_length=2)
     assert r.tolist() == [1.0, 0.0, -0.5]
     assert torch.equal(m, mask_BT)
     # explicit lengths (multi-turn): 5 > L_max -> -1
-    r, _ = apply_truncation_policy(reward_B, truncated_B, mask_BT, "soft_penalty", length_B=torch.tensor([5, 0, 0]),
+    r, _ = apply_truncation_policy(reward_B, truncated_B, mask_BT, "dapo_soft", length_B=torch.tensor([5, 0, 0]),
                                    max_length=4, cache_length=2)
     assert r.tolist() == [0.0, 1.0, 0.0]
     with pytest.raises(ValueError):
-        apply_truncation_policy(reward_B, truncated_B, mask_BT, "soft_penalty")
+        apply_truncation_policy(reward_B, truncated_B, mask_BT, "dapo_soft")
 
 
 def test_magic_controller_follows_report_equation() -> None:

@@ -132,8 +132,8 @@ NATS restarting, or the process paused past the request's deadline (the stream a
 was stopped). The retried copy is stored once."""
 
 PUBLISH_RETRIES = Counter(
-    "trajmesh_bus_publish_retries_total",
-    "Publishes retried after a NATS error or timeout (each with its msg id: stored once)",
+    "trajmesh_bus_publish_retried_failures_total",
+    "Failed publish attempts retried (a NATS error or timeout; the msg id stores the message once)",
     ["subject"],
 )
 WEIGHTS_PUBLISH_FAILURES = Counter(

@@ -427,6 +427,28 @@ class SimulatedStepCost(_Strict):
         return self.seconds_per_step + self.seconds_per_token * tokens
 
 
+class TruncationConfig(_Strict):
+    """What the learner trains a truncated trajectory (MAX_TOKENS / MAX_TURNS) with, applied where
+    it builds its batch (learner/step.py `apply_truncation`, learner/shaping.py). The peers disagree
+    (survey §3.7, §7.5), so it is a choice, recorded in the manifest."""
+
+    policy: Literal["keep", "mask", "zero_reward", "dapo_soft"] = "keep"
+    """keep: as graded; mask: its tokens leave the loss (its reward still counts in its group's
+    baseline); zero_reward: reward 0, tokens trained (MAGIC); dapo_soft: every trajectory's reward
+    gets DAPO's soft overlong penalty on its response length (truncated or not)."""
+    max_length: int | None = Field(None, ge=1)
+    """dapo_soft's L_max, in response tokens (a trajectory's loss-masked tokens); None:
+    tasks.sampling.max_new_tokens x max_turns."""
+    cache_length: int | None = Field(None, ge=1)
+    """dapo_soft's L_cache, the width of the penalty's ramp below L_max; None: L_max // 5 (DAPO:
+    4,096 of 20,480), at least 1."""
+
+    def lengths(self, sampling: SamplingConfig) -> tuple[int, int]:
+        """(L_max, L_cache) with the defaults resolved."""
+        max_length = self.max_length or sampling.max_new_tokens * sampling.max_turns
+        return max_length, self.cache_length or max(1, max_length // 5)
+
+
 class LearnerConfig(_Strict):
     engine: TrainEngineConfig = Field(default_factory=TrainEngineConfig)
     """Optimizer backend and ZeRO stage."""
@@ -482,6 +504,8 @@ class LearnerConfig(_Strict):
     """Entropy bonus and its controller."""
     stop_gates: StopGatesConfig = Field(default_factory=StopGatesConfig)
     """Bounds on entropy, KL, ESS, verifier disagreement, truncation and engine consistency (all off by default)."""
+    truncation: TruncationConfig = Field(default_factory=TruncationConfig)
+    """What truncated trajectories are trained with (default: as graded)."""
     consistency_probe_trajectories: int = Field(8, ge=0)
     """Trajectories per step the engine-consistency probe re-scores (0 disables the probe)."""
     seed: int = 0
@@ -613,6 +637,12 @@ class RunConfig(_Strict):
                 "learner.advantage: GRPO std scaling needs tasks.group_size >= 2 "
                 "(set group_size >= 2 or advantage.scale_by_std: false)"
             )
+        trunc = self.learner.truncation
+        if trunc.policy == "dapo_soft":
+            max_length, cache_length = trunc.lengths(self.tasks.sampling)
+            if cache_length > max_length:
+                raise ValueError(f"learner.truncation: cache_length {cache_length} is larger than "
+                                 f"max_length {max_length} (the penalty ramps over the last cache_length tokens)")
         ws = self.learner.world_size
         if ws > 1 and self.learner.engine.type != "deepspeed":
             raise ValueError(f"learner.world_size {ws} needs learner.engine.type: deepspeed "

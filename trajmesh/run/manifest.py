@@ -99,12 +99,13 @@ def tree_is_dirty(repo_dir: str | Path | None = None) -> bool:
 
 
 def truncation_policy(cfg: Any) -> dict[str, Any]:
-    """What a truncated trajectory (MAX_TOKENS / MAX_TURNS) is trained with, and the budgets.
-
-    The learner applies no truncation shaping today: a truncated trajectory keeps the reward its
-    grader gave it (usually 0) and is trained like any other; `truncation_ratio_max` may stop the run."""
+    """What a truncated trajectory (MAX_TOKENS / MAX_TURNS) is trained with (`learner.truncation`:
+    keep is the reward its grader gave it), and the budgets; `truncation_ratio_max` may stop the run."""
     sp = cfg.tasks.sampling
-    return {"policy": "grader_reward", "max_new_tokens_per_turn": sp.max_new_tokens, "max_turns": sp.max_turns,
+    trunc = cfg.learner.truncation
+    max_length, cache_length = trunc.lengths(sp)
+    shaping = {"dapo_max_length": max_length, "dapo_cache_length": cache_length} if trunc.policy == "dapo_soft" else {}
+    return {"policy": trunc.policy, **shaping, "max_new_tokens_per_turn": sp.max_new_tokens, "max_turns": sp.max_turns,
             "truncated_terminal_reasons": ["MAX_TOKENS", "MAX_TURNS"],
             "stop_gate_truncation_ratio_max": cfg.learner.stop_gates.truncation_ratio_max}
 
