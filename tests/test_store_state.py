@@ -316,3 +316,17 @@ def test_a_broken_index_is_caught_by_the_next_transition() -> None:
     s.handed["a"] = s.ready[0]  # an index out of step with the records
     with pytest.raises(InvariantViolation, match="a-0 .ready. disagrees"):
         s.redelivered("a-0", "msg-new")
+
+
+def test_a_redelivery_before_the_commit_is_acked_not_taken_again() -> None:
+    """Between an outcome's archive row and its Redis mark, a redelivery is a duplicate."""
+    s = StoreState()
+    _take(s, "a-0", "a", 1, 1, reward=1.0)
+    group = _take(s, "a-1", "a", 2, 2, reward=1.0)
+    assert group is not None
+    s.filter_group(group, "zero_variance")
+    assert s.awaiting_commit("a-0") and not s.holds("a-0")
+    s.redelivered("a-0", "msg-a-0-again")
+    ids, msgs, _, _ = s.take_commit()
+    assert sorted(ids) == ["a-0", "a-1"] and sorted(msgs) == ["msg-a-0", "msg-a-0-again", "msg-a-1"]
+    assert not s.awaiting_commit("a-0")

@@ -431,7 +431,8 @@ class TrajectoryStore(Service):
         bus (no message to ack) and end as `quarantined:poison`."""
         todo = []
         for item in items:
-            if self.state.holds(item.tid):  # redelivered while we still hold it
+            # redelivered while we still hold it, or before its outcome is marked final in Redis
+            if self.state.holds(item.tid) or self.state.awaiting_commit(item.tid):
                 self.state.redelivered(item.tid, item.msg)
             else:
                 todo.append(item)

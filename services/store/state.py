@@ -96,7 +96,7 @@ class Effect(enum.Enum):
     NEW_HANDLE = "new_handle"
     """The record keeps the newest message handle."""
     PAY_OWED = "pay_owed"
-    """Recovery: the id is back (or final), no longer owed."""
+    """Recovery: the id is back, no longer owed (a held id never is)."""
     QUEUE_GROUP = "queue_group"
     """Its group enters the READY index (sorted by admission order), once."""
     UNQUEUE_GROUP = "unqueue_group"
@@ -114,18 +114,18 @@ class Effect(enum.Enum):
 _S, _E, _F = TrajectoryState, Event, Effect
 TRANSITIONS: dict[tuple[TrajectoryState | None, Event], tuple[TrajectoryState, tuple[Effect, ...]]] = {
     (None, _E.TAKE): (_S.RECEIVED, (_F.JOIN_GROUP, _F.PAY_OWED)),
-    (_S.RECEIVED, _E.REDELIVER): (_S.RECEIVED, (_F.NEW_HANDLE, _F.PAY_OWED)),
-    (_S.READY, _E.REDELIVER): (_S.READY, (_F.NEW_HANDLE, _F.PAY_OWED)),
-    (_S.HANDED_OUT, _E.REDELIVER): (_S.HANDED_OUT, (_F.NEW_HANDLE, _F.PAY_OWED)),
+    (_S.RECEIVED, _E.REDELIVER): (_S.RECEIVED, (_F.NEW_HANDLE,)),
+    (_S.READY, _E.REDELIVER): (_S.READY, (_F.NEW_HANDLE,)),
+    (_S.HANDED_OUT, _E.REDELIVER): (_S.HANDED_OUT, (_F.NEW_HANDLE,)),
     (_S.RECEIVED, _E.KEEP): (_S.READY, (_F.QUEUE_GROUP,)),
     (_S.RECEIVED, _E.FILTER): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
     (_S.READY, _E.HAND_OUT): (_S.HANDED_OUT, (_F.UNQUEUE_GROUP, _F.HAND_GROUP)),
     (_S.HANDED_OUT, _E.RECYCLE): (_S.READY, (_F.UNHAND_GROUP, _F.QUEUE_GROUP)),
     # A report's outcome is queued by the caller (`finalize`): only it knows whether Redis has the
     # id final already (then the message is acked without a second mark).
-    (_S.RECEIVED, _E.REPORT): (_S.FINAL, (_F.PAY_OWED, _F.LEAVE)),
-    (_S.READY, _E.REPORT): (_S.FINAL, (_F.PAY_OWED, _F.LEAVE)),
-    (_S.HANDED_OUT, _E.REPORT): (_S.FINAL, (_F.PAY_OWED, _F.LEAVE)),
+    (_S.RECEIVED, _E.REPORT): (_S.FINAL, (_F.LEAVE,)),
+    (_S.READY, _E.REPORT): (_S.FINAL, (_F.LEAVE,)),
+    (_S.HANDED_OUT, _E.REPORT): (_S.FINAL, (_F.LEAVE,)),
     (_S.RECEIVED, _E.END_OF_RUN): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
     (_S.READY, _E.END_OF_RUN): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
     (_S.HANDED_OUT, _E.END_OF_RUN): (_S.FINAL, (_F.QUEUE_FINAL, _F.LEAVE)),
@@ -234,6 +234,9 @@ class StoreState:
         """Records in each held state."""
         self.pending_final: list[tuple[str, Any]] = []
         """(id to mark final or '', message to ack) of outcomes archived but not yet committed."""
+        self.finalizing: set[str] = set()
+        """The ids to mark final at the next commit: FINAL, archived, not yet marked in Redis (so a
+        redelivery now is a duplicate, not a new arrival)."""
         self.pending_cleanup: list[str] = []
         """Groups whose Redis membership sets can go at the next commit."""
         self.pending_settled: list[str] = []
@@ -279,7 +282,7 @@ class StoreState:
         if rec.state is TrajectoryState.FINAL:
             ok = tid not in self.records and not in_group
         else:
-            ok = self.records.get(tid) is rec and in_group
+            ok = self.records.get(tid) is rec and in_group and tid not in self.owed
             ready, handed = gid in self._ready_ids, self.handed.get(gid) is group
             if rec.state is TrajectoryState.READY:
                 ok = ok and ready and not handed and group.taken_at is None
@@ -327,6 +330,7 @@ class StoreState:
 
     def _queue_final(self, rec: TrajectoryRecord, arg: Any) -> None:
         self.pending_final.append((rec.trajectory_id, rec.msg))
+        self.finalizing.add(rec.trajectory_id)
 
     def _leave(self, rec: TrajectoryRecord, arg: Any) -> None:
         del self.records[rec.trajectory_id]
@@ -355,6 +359,10 @@ class StoreState:
     def holds(self, tid: str) -> bool:
         return bool(tid) and tid in self.records
 
+    def awaiting_commit(self, tid: str) -> bool:
+        """Whether `tid` is FINAL with its outcome archived and not yet marked in Redis."""
+        return tid in self.finalizing
+
     def held_counts(self) -> dict[str, int]:
         """Trajectories held in each state (for the store's gauge)."""
         return {s.value: n for s, n in self._counts.items()}
@@ -375,11 +383,15 @@ class StoreState:
 
     # ------------------------------------------------------------------ intake
     def redelivered(self, tid: str, msg: Any) -> None:
-        """A message for a trajectory already held: keep the newest handle (the old one is dead)."""
+        """A message for a trajectory already held: keep the newest handle (the old one is dead).
+        For one awaiting its commit (`awaiting_commit`) the message is acked with the others."""
         rec = self.records.get(tid)
-        if rec is None:
+        if rec is not None:
+            self._apply(Event.REDELIVER, [rec], msg)
+        elif tid in self.finalizing:
+            self.pending_final.append(("", msg))
+        else:
             raise InvalidTransition(f"{tid}: redeliver in state none")
-        self._apply(Event.REDELIVER, [rec], msg)
 
     def finalize(self, tid: str, msg: Any, *, mark: bool = True) -> None:
         """An outcome of an id the store does not hold was archived: mark `tid` final (unless
@@ -387,6 +399,8 @@ class StoreState:
         if tid in self.records:
             raise InvalidTransition(f"{tid}: finalized while {self.records[tid].state.value}")
         self.pending_final.append((tid if mark else "", msg))
+        if tid and mark:
+            self.finalizing.add(tid)
         if tid:
             self.owed.discard(tid)
 
@@ -525,6 +539,7 @@ class StoreState:
         """What to commit since the last commit (see `Commit`). The caller flushes the archive
         first, then marks, acks and cleans up, in that order."""
         pending, self.pending_final = self.pending_final, []
+        self.finalizing = set()
         groups, self.pending_cleanup = self.pending_cleanup, []
         settled, self.pending_settled = self.pending_settled, []
         ids = [tid for tid, _ in pending if tid]
