@@ -219,9 +219,15 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
 
 
 def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model_dir: str) -> None:
-    """mode: sync forces η = 0: every trained token was sampled by the version it trains."""
+    """mode: sync forces η = 0: every trained token was sampled by the version it trains. The run
+    also shapes rewards with `learner.truncation.policy: dapo_soft` (L_max 3, L_cache 2: a response
+    of n ≥ 2 tokens loses (n − 1) / 2, one past 3 loses 1): each step's reward mean is the mean of
+    its trajectories' graded rewards from the archive, each with that penalty on its length."""
     cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"mode": "sync", "learner.max_steps": 3,
-                                                           "store.drop_zero_variance_groups": False})
+                                                           "store.drop_zero_variance_groups": False,
+                                                           "learner.truncation.policy": "dapo_soft",
+                                                           "learner.truncation.max_length": 3,
+                                                           "learner.truncation.cache_length": 2})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
@@ -238,3 +244,18 @@ def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model
     assert all(m["max_token_lag"] == 0 for m in steps)
     assert all(m["trajectories_trained"] > 0 for m in steps)
     check_no_stale(acct)
+    rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
+    graded = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
+
+    def shaped(row: dict) -> float:  # DAPO's soft overlong penalty by hand, L_max 3, L_cache 2
+        n = sum(row["loss_mask"])
+        return row["reward"] + (0.0 if n <= 1 else -(n - 1) / 2 if n <= 3 else -1.0)
+
+    penalized = 0
+    for m in steps:
+        trained = [graded[r["trajectory_id"]] for r in rows
+                   if r["outcome"] == "trained" and r["learner_version"] == m["version"] - 1]
+        assert len(trained) == m["trajectories_trained"]
+        assert m["reward_mean"] == pytest.approx(sum(map(shaped, trained)) / len(trained), abs=1e-6)
+        penalized += sum(sum(r["loss_mask"]) > 1 for r in trained)
+    assert penalized, "no trained response was longer than 1 token: the penalty was never exercised"
