@@ -166,6 +166,13 @@ class TasksConfig(_Strict):
     """Held-out problems (disjoint from training) for accuracy before and after RL."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Rollout sampling parameters and token/turn budgets."""
+    verifier_audit: Literal["refuse", "warn", "off"] = "refuse"
+    """`trajmesh train` probes each source's grader first (trajmesh/run/audit.py: gold, empty,
+    garbage, format-only and prompt-echo answers) and writes RUN_DIR/verifier_audit.json; refuse:
+    a source whose grader rewards an empty, garbage or format-only answer, or has a task without a
+    gold answer, stops the run before it starts; warn: it is reported and trained on."""
+    verifier_audit_tasks: int = Field(8, ge=1)
+    """Held-out tasks per source the audit grades."""
 
 
 class GateConfig(_Strict):

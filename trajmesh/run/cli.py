@@ -66,6 +66,16 @@ def _build_service(name: str, args: argparse.Namespace) -> Any:
     return LearnerService(cfg, **kw)
 
 
+def _audit(config: str, n_tasks: int) -> int:
+    """`trajmesh envs --audit [CONFIG]`: the verifier audit's table; exit 1 when a source is refused."""
+    from trajmesh.run import audit
+
+    sources = list(load_config(config, {}).tasks.sources) if config else audit.reasoning_gym_families()
+    audits = audit.audit_sources(sources, n_tasks)
+    print(audit.format_table(audits))
+    return 1 if any(a.refused for a in audits) else 0
+
+
 def _list_envs() -> int:
     """Prints every task source, environment and grader of the plug-in registry (`trajmesh.plugins`)
     with its revision and config keys (docs/ENVIRONMENTS.md)."""
@@ -167,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("run_dir")
     p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
-    sub.add_parser("envs", help="list environments and graders with their config keys")
+    p_envs = sub.add_parser("envs", help="list environments and graders with their config keys")
+    p_envs.add_argument("--audit", nargs="?", const="", default=None, metavar="CONFIG",
+                        help="probe each source's grader (gold, empty, garbage, format-only, prompt-echo "
+                             "answers) and print the table; without CONFIG every built-in reasoning-gym family")
+    p_envs.add_argument("--audit-tasks", type=int, default=8, help="held-out tasks graded per source")
 
     p_doctor = sub.add_parser("doctor", help="check a Kubernetes cluster for what the Helm chart needs")
     p_doctor.add_argument("-f", "--values", action="append", default=[], metavar="FILE",
@@ -182,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "envs":
-        return _list_envs()
+        return _list_envs() if args.audit is None else _audit(args.audit, args.audit_tasks)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
@@ -210,13 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             return _sweep(args)
         if args.command == "train":
+            from trajmesh.run.audit import VerifierAuditRefused
             from trajmesh.run.train import RunDirExists, train
 
             cfg = load_config(args.config, _overrides(args.set))
             signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the run as Ctrl-C does
             try:
                 summary = train(cfg, resume=args.resume, fresh=args.fresh, eval_every_s=args.eval_every)
-            except RunDirExists as exc:
+            except (RunDirExists, VerifierAuditRefused) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
             except KeyboardInterrupt:

@@ -42,6 +42,7 @@ from trajmesh.learner.evaluate import (
     keep_best,
 )
 from trajmesh.rollout.engines import HttpEngineConfig
+from trajmesh.run.audit import audit_run
 from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
 from trajmesh.run.run_end import end_run
 
@@ -243,6 +244,10 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.eval.in_mesh is None:  # `trajmesh train` measures as a cluster does: the evaluator service
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"in_mesh": True})})
+    if not resume:  # before the model is built or anything starts
+        for a in audit_run(cfg, run_dir):
+            if a.refused or a.raised or a.accepted.get("prompt_echo"):
+                console.print(f"verifier audit, {a.source}: {a.as_dict()}")
     cfg = prepare_model(cfg)
     dump_config(cfg, run_dir / "config.yaml")
     held = heldout_tasks(cfg)
