@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--fresh", action="store_true", help="delete run_dir first")
     p_train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config key, e.g. --set gate.eta=0")
-    p_train.add_argument("--eval-every", type=float, default=60.0, help="seconds between held-out evaluations")
+    p_train.add_argument("--eval-every", type=float, default=60.0, help="seconds between held-out evaluations when the launcher evaluates (eval.in_mesh: false); the evaluator service counts versions (eval.every_versions)")
 
     p_sweep = sub.add_parser("sweep", help="factorial of config grids x seeds, one run each, results table and plot")
     p_sweep.add_argument("config")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p_sweep.add_argument("--seeds", type=int, default=3, help="runs per cell, seeds 0..N-1")
     p_sweep.add_argument("--out", default=None, help="sweep directory (default: runs/sweep-<config name>)")
     p_sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
-    p_sweep.add_argument("--eval-every", type=float, default=60.0, help="seconds between held-out evaluations")
+    p_sweep.add_argument("--eval-every", type=float, default=60.0, help="seconds between held-out evaluations when the launcher evaluates (eval.in_mesh: false)")
 
     p_serve = sub.add_parser("serve", help="run one service (the container entry point)")
     p_serve.add_argument("service", choices=SERVICES)
