@@ -160,6 +160,27 @@ def signal_pending(pid: int, sig: int) -> bool:
     return False
 
 
+def wait_stopped(pid: int, timeout_s: float = 60.0) -> None:
+    """Until every thread of `pid` is stopped (State T in /proc/<pid>/task/*/status), after a
+    SIGSTOP. The group stop takes each thread as it next enters the kernel, and a thread in a long
+    system call (a checkpoint's write) stops late. A signal that arrives before then is taken by
+    the process's handler and stops with it, and is never pending; a test that waits for it to be
+    pending must wait for the stop first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as fh:
+                    states += [line.split()[1] for line in fh if line.startswith("State:")]
+            except FileNotFoundError:
+                continue  # a thread that exited meanwhile
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} not stopped after {timeout_s}s: {states}"
+        time.sleep(0.01)  # no event for "the kernel finished a group stop"
+
+
 def pids_of(*needles: str) -> list[int]:
     """Live processes whose command line contains every needle (this process aside), from /proc."""
     found = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mesh_checks import pids_of, signal_pending
+from mesh_checks import pids_of, signal_pending, wait_stopped
 
 from trajmesh.run.train import read_metrics
 
@@ -78,6 +78,7 @@ def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
     assert len(learners) == 1, learners
     os.kill(learners[0], signal.SIGSTOP)
     try:
+        wait_stopped(learners[0])  # else a SIGTERM sent meanwhile is handled, never pending
         held_at = _learner_steps(run_dir)[-1]["step"]
         assert held_at < STEPS, held_at
         proc.send_signal(signal.SIGINT)
