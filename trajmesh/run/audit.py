@@ -71,9 +71,13 @@ def _probe_text(probe: str, spec: TaskSpec) -> str:
             "prompt_echo": spec.prompt}[probe]
 
 
-def _grade(spec: TaskSpec, text: str) -> float:
+def _grade(spec: TaskSpec, text: str, graders: dict[str, Any] | None = None) -> float:
+    """`text` graded as the grader service grades a sample; `graders` caches one grader per kind
+    (the service keeps one each too)."""
     task = {"source": spec.source, "answer": spec.answer, "prompt": spec.prompt, "metadata": spec.metadata}
-    grader = make_grader(grader_kind(task))
+    kind = grader_kind(task)
+    cache = graders if graders is not None else {}
+    grader = cache.get(kind) or cache.setdefault(kind, make_grader(kind))
     return float(grader.grade(Sample(text, [text], ended_with_eos=True), task).reward)
 
 
@@ -84,18 +88,19 @@ def audit_source(src: Any, n_tasks: int = 8) -> SourceAudit:
     except Exception as exc:  # noqa: BLE001 - a generator that cannot run is the finding
         return SourceAudit(src.name, error=f"{type(exc).__name__}: {exc}"[:200])
     out = SourceAudit(src.name, tasks=len(tasks), accepted=dict.fromkeys(PROBES, 0))
+    graders: dict[str, Any] = {}
     for spec in tasks:
         if spec.answer.strip() in ("", "None"):
             out.gold_missing += 1
         else:
             try:
-                out.gold_rejected += int(_grade(spec, spec.answer) < 1.0)
+                out.gold_rejected += int(_grade(spec, spec.answer, graders) < 1.0)
             except Exception as exc:  # noqa: BLE001 - a scorer's failure is the finding
                 out.gold_rejected += 1
                 out.raised.setdefault("gold", f"{type(exc).__name__}: {exc}"[:200])
         for probe in PROBES:
             try:
-                out.accepted[probe] += int(_grade(spec, _probe_text(probe, spec)) > 0.0)
+                out.accepted[probe] += int(_grade(spec, _probe_text(probe, spec), graders) > 0.0)
             except Exception as exc:  # noqa: BLE001
                 out.raised.setdefault(probe, f"{type(exc).__name__}: {exc}"[:200])
     return out
