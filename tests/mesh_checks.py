@@ -6,12 +6,15 @@ import asyncio
 import inspect
 import json
 import os
+import re
 import signal
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import pytest
 
 from trajmesh import security
 from trajmesh.config import RunConfig
@@ -82,11 +85,19 @@ def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[s
     return rows
 
 
-def check_no_stale(acct: dict[str, Any]) -> None:
+def check_no_stale(acct: dict[str, Any], run_dir: str | Path | None = None) -> None:
     """The gate kept the learner's consume-time check quiet: nothing quarantined as stale, and
-    nothing cut by the store for arriving too stale to train (`filtered:stale_on_arrival`)."""
+    nothing cut by the store for arriving too stale to train (`filtered:stale_on_arrival`). With
+    `run_dir`, a failure quotes the store's lines on the learner's holds, give-ups and stale cuts
+    (the run's directory is gone when CI reports it)."""
     stale = {k: v for k, v in acct["by_reason"].items()
              if k.startswith(("quarantined:", "filtered:")) and "stale" in k}
+    if stale and run_dir is not None:
+        said = [line.rstrip() for log in sorted((Path(run_dir) / "logs").glob("store-*.log"))
+                for line in log.open(errors="replace")
+                if re.search(r"held for due|gave up|on arrival|stale|recovering", line)]
+        pytest.fail(f"stale quarantines in a healthy run: {stale} ({json.dumps(acct)}); the store said:\n"
+                    + "\n".join(said[-60:]))
     assert not stale, f"stale quarantines in a healthy run: {stale} ({json.dumps(acct)})"
 
 

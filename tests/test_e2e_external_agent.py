@@ -78,7 +78,7 @@ def _train_through_the_mesh(tmp_path: Path, model_dir: str, source: dict[str, An
         assert end_run(mesh) == 0
         acct = accounting(mesh.cfg)
         rows = check_archive(mesh.cfg, acct, eta=1)
-        check_no_stale(acct)
+        check_no_stale(acct, mesh.cfg.run_dir)
         check_gate_reconciles(mesh.cfg, rows)
     finally:
         mesh.stop_services()

@@ -52,6 +52,7 @@ from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Mesh, accounting, start_mesh
 from trajmesh.run.run_end import drain_supervised, end_run
 from trajmesh.security import redis_sync_client
+from trajmesh.services.store.service import straggler_wait_s
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -112,9 +113,10 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
         s_per_step = (t_to - t_from) / max(1, last_step(cfg) - s_from)
         ack_wait_s = max(cfg.store.intake_ack_wait_s, cfg.rollout.task_ack_wait_s)
         # Progress after a fault: two steps (plus what a restarted learner replays) at a tenth of
-        # the run's own rate, after one mesh start and two ack waits (what the dead held comes
-        # back by redelivery); never less than a minute.
-        bound_s = max(60.0, start_s + 2 * ack_wait_s + 10 * (2 + REPLAY_CKPT) * s_per_step)
+        # the run's own rate, after one mesh start, two ack waits (what the dead held comes back by
+        # redelivery) and the store's longest hold for a due straggler (a killed grader's work comes
+        # back after the grader's ack wait); never less than a minute.
+        bound_s = max(60.0, start_s + 2 * ack_wait_s + straggler_wait_s(cfg) + 10 * (2 + REPLAY_CKPT) * s_per_step)
         for name in ("rollout", "environment", "grader", "store", "learner"):
             if name == "learner":  # two steps past a checkpoint: the restart replays below the announced version
                 supervise_until(mesh, lambda: last_step(cfg) % REPLAY_CKPT == 2, what="a step 2 past a checkpoint")
@@ -145,7 +147,7 @@ def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_
     # failed once in four full-suite runs (92 stale) before the weights watch polled the KV: after
     # the NATS restart a rollout's watch can stay dead 10-30 s, sampling tasks admitted at newer
     # versions with old weights (the likeliest cause; that run's artifacts were not kept).
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)
     _assert_replay_is_bitwise(cfg)
     _assert_replayed_below_the_announced_version(cfg)
     _assert_rollout_weights_never_step_back(cfg)
@@ -239,7 +241,7 @@ def _run_store_kill(tmp_path: Path, model_dir: str, moment: str, delay_s: float,
     finally:
         mesh.stop_services()
         mesh.stop_infra()
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)
     assert not processes_marked(mark), processes_marked(mark)
 
 
@@ -346,7 +348,7 @@ def test_run_stopped_with_work_in_flight_records_each_trajectory_once(
     print(f"at the freeze: {seen}; running at stop {left}; outcomes {acct['by_reason']}")
     assert left > 0
     assert acct["by_reason"].get("in_flight_at_stop:not_returned", 0) > 0
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)
     assert not processes_marked(mark), processes_marked(mark)
 
 
@@ -486,5 +488,5 @@ def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_mode
     finally:
         mesh.stop_services()
         mesh.stop_infra()
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)
     assert not processes_marked(mark), processes_marked(mark)

@@ -97,7 +97,7 @@ def test_two_learner_ranks_train_with_exact_accounting(tmp_path: Path, tiny_mode
         acct = accounting(cfg)
         rows = check_archive(cfg, acct, ETA)
         check_gate_reconciles(cfg, rows)
-        check_no_stale(acct)
+        check_no_stale(acct, cfg.run_dir)
     finally:
         mesh.stop_services()
         mesh.stop_infra()

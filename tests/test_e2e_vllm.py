@@ -71,4 +71,4 @@ def test_mesh_trains_on_vllm_with_exact_accounting(tmp_path: Path) -> None:
     sampled = {v for r in rows if r["outcome"] == "accepted"
                for v, m in zip(r["behavior_versions"], r["loss_mask"], strict=True) if m}
     assert max(sampled) >= 1, "rollout never sampled with weights reloaded into vLLM"
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)

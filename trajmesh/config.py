@@ -557,6 +557,12 @@ class ModelConfig(_Strict):
 
 class EvalConfig(_Strict):
     """Held-out evaluation protocol (recorded in the manifest) and the held-out early stop.
+    straggler_slack_s: float = Field(30.0, ge=0)
+    """Seconds, beyond the slowest redelivery (the longest ack wait on a trajectory's way), that the
+    learner is held for a due straggler (a group that after this step could only be trained stale):
+    time for the redelivered work to be done again — a restarted service's start, a queue ahead of
+    it on a busy machine. Past it the learner goes on and the straggler's members that come back
+    too stale are cut (`filtered:stale_on_arrival`)."""
 
     Every source is evaluated on its own `tasks.heldout_size` problems, through its environment and
     scored by its own grader, greedy and sampled (learner/evaluate.py, docs/WATCHING.md)."""

@@ -43,6 +43,7 @@ from prometheus_client import Counter, Gauge
 from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.bus import Bus, Consumer
+from trajmesh.config import RunConfig
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
@@ -163,6 +164,17 @@ class _Wiring:
     grpc_server: Any
 
 
+def straggler_wait_s(cfg: RunConfig) -> float:
+    """How long the learner is held for a due straggler: as long as it can take to come back after
+    one crash on its way (the slowest redelivery: a rollout's task, a grader's TRAJ_RAW message or a
+    store's TRAJ_GRADED message, each after its ack wait) plus `store.straggler_slack_s` to be done
+    again (90 s with the defaults). Then the learner goes on; the straggler's members that come
+    back too stale to train are cut at intake (`filtered:stale_on_arrival`), never handed to the
+    learner to be quarantined."""
+    slowest = max(cfg.rollout.task_ack_wait_s, busmod.GRADER_ACK_WAIT_S, cfg.store.intake_ack_wait_s)
+    return slowest + cfg.store.straggler_slack_s
+
+
 class TrajectoryStore(Service):
     name = "store"
     stop_work_s = 90.0
@@ -174,21 +186,14 @@ class TrajectoryStore(Service):
         super().__init__(*args, **kwargs)
         self.io: _Wiring | None = None
         """Connections (None until `setup()`)."""
-        # A due straggler is waited for as long as it can take to come back after one crash on its
-        # way (the slowest redelivery: a rollout's task, a grader's TRAJ_RAW message or a store's
-        # TRAJ_GRADED message, each after its ack wait), plus one store ack wait of slack (90 s
-        # with the defaults). Then the learner goes on; the
-        # straggler's members that come back too stale to train are cut at intake
-        # (`filtered:stale_on_arrival`), never handed to the learner to be quarantined.
-        c = self.cfg
-        straggler_wait_s = (max(c.rollout.task_ack_wait_s, busmod.GRADER_ACK_WAIT_S, c.store.intake_ack_wait_s)
-                            + c.store.intake_ack_wait_s)
-        self.state = StoreState(straggler_wait_s)
+        self.state = StoreState(straggler_wait_s(self.cfg))
         """Every held trajectory's and group's state (pure)."""
         self.vocab_size = 0
         self.sampler: TaskSampler | None = None
         self.manifest_id = ""
         self.recovery_pending = False
+        self.held_at = 0.0
+        """When the learner was last held for due stragglers (logging only)."""
         """Whether NextBatch waits for trajectories a previous store held."""
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
@@ -647,12 +652,18 @@ class TrajectoryStore(Service):
         while True:
             self.ready_changed.clear()
             due = await self.w.repo.due_groups(learner_version - self.cfg.effective_eta)
-            was_held = self.state.held_for_stragglers()
+            was_held, gave_up = self.state.held_for_stragglers(), set(self.state.given_up)
             out = self.state.hand_out(self.cfg.learner.batch_groups, max_trajectories, time.time(), due,
                                       learner_version)
             if self.state.held_for_stragglers() and not was_held:
+                self.held_at = time.time()
                 log.info("learner at v%d held for due groups not ready: %s", learner_version,
                          sorted(due - {g.group_id for g in self.state.ready}))
+            elif was_held and not self.state.held_for_stragglers():
+                log.info("learner at v%d released after %.1fs held", learner_version, time.time() - self.held_at)
+            if self.state.given_up - gave_up:
+                log.warning("learner at v%d gave up waiting (%.0fs) for due groups: %s", learner_version,
+                            self.state.straggler_wait_s, sorted(self.state.given_up - gave_up))
             STRAGGLERS_GIVEN_UP.set(len(self.state.given_up))
             if out:
                 break
