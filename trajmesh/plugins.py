@@ -52,6 +52,7 @@ BUILTIN_SOURCES = (
     "trajmesh.envs.workplace",
     "trajmesh.envs.search",
     "trajmesh.envs.external_agent_source",
+    "trajmesh.envs.gym_env",
 )
 """Modules whose ``PLUGIN`` is registered on first use of the registry (one line per source)."""
 
