@@ -27,6 +27,11 @@ The loss is ``Σ_t m_t·L_t / D`` (or the per-sequence form), with D from ``Obje
   divided by the constant, averaged over sequences (verl's ``seq-mean-token-sum-norm`` with the
   batch-size division that verl #3741 forgot).
 
+The KL-to-reference term (:func:`reference_kl_loss`, `learner.reference`) adds
+``β · Σ_t m_t·k(y_t) / D`` with ``y_t = log π_ref − log π_θ`` and one of Schulman's estimators
+k (:func:`kl_penalty`), reduced with the same denominators (the objective's, or one named by
+``learner.reference.aggregation``); it is not behavior-weighted and MIS-rejected tokens keep it.
+
 "Eligible" means ``mask_BT`` (the loss mask). Tokens that MIS rejects contribute 0 but stay in D,
 so D depends only on the loss masks and can be counted when the batch is assembled, before any
 forward pass. ``mask_BT`` may be bool or 0/1 float; it is read as ``mask > 0``.
@@ -39,7 +44,8 @@ from torch import Tensor
 
 from trajmesh.config import ObjectiveConfig
 
-__all__ = ["ObjectiveConfig", "behavior_weight", "decoupled_ppo_loss", "ppo_clip_loss"]
+__all__ = ["ObjectiveConfig", "behavior_weight", "decoupled_ppo_loss", "kl_penalty", "ppo_clip_loss",
+           "reference_kl_loss"]
 
 _LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here before exp (as verl) so garbage cannot overflow
 
@@ -197,3 +203,53 @@ def ppo_clip_loss(
     token_loss_BT, flags = _clipped_token_loss(logp_BT, old_logp_BT, adv_BT, on_BT, cfg)
     loss, denom = _aggregate(token_loss_BT, on_BT, cfg, global_token_count, global_sequence_count)
     return loss, _stats(loss, denom, on_BT, (logp_BT, old_logp_BT), flags)
+
+
+def kl_penalty(logp_BT: Tensor, ref_logp_BT: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by (about) π_θ, with
+    ``y = log π_ref − log π_θ`` clamped to ±20 (grad flows through ``logp_BT`` only):
+
+        k1 = −y             (unbiased, can be negative; grad ∂/∂logp = 1)
+        k2 = y² / 2         (biased, low variance; grad −y)
+        k3 = eʸ − 1 − y     (unbiased, ≥ 0, low variance; grad 1 − eʸ)
+    """
+    y_BT = (ref_logp_BT.detach() - logp_BT).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    if estimator == "k1":
+        return -y_BT
+    if estimator == "k2":
+        return 0.5 * y_BT * y_BT
+    if estimator == "k3":
+        return torch.expm1(y_BT) - y_BT
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def reference_kl_loss(
+    logp_BT: Tensor,
+    ref_logp_BT: Tensor,
+    mask_BT: Tensor,
+    cfg: ObjectiveConfig,
+    *,
+    estimator: str,
+    coef: float,
+    aggregation: str = "objective",
+    global_token_count: float | None = None,
+    global_sequence_count: float | None = None,
+    sequence_weight_B: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The KL-to-reference term ``coef · Σ m·k / D`` (see the module docstring): D is the
+    objective's denominator (``aggregation="objective"``) or the one named (``token_global``,
+    ``sequence_mean``), with the same global counts as the policy loss, so micro-batch and rank
+    shares sum to the full batch's term. Off the mask the term and its gradient are exactly 0.
+
+    Returns ``(term, stats)``: ``reference_kl`` (the token mean of the estimator over this call's
+    eligible tokens, detached) and ``reference_kl_loss`` (the term, detached).
+    """
+    on_BT = mask_BT > 0
+    zero = torch.zeros((), dtype=logp_BT.dtype)
+    safe_logp_BT = torch.where(on_BT, logp_BT, ref_logp_BT.detach().to(logp_BT.dtype))
+    k_BT = torch.where(on_BT, kl_penalty(safe_logp_BT, ref_logp_BT, estimator), zero)
+    agg_cfg = cfg if aggregation == "objective" else cfg.model_copy(update={"denominator": aggregation})
+    term, _ = _aggregate(k_BT, on_BT, agg_cfg, global_token_count, global_sequence_count, sequence_weight_B)
+    n = on_BT.sum().clamp_min(1).to(logp_BT.dtype)
+    stats = {"reference_kl": (k_BT.detach().sum() / n), "reference_kl_loss": (coef * term).detach()}
+    return coef * term, stats

@@ -15,7 +15,7 @@ from torch import Tensor
 from trajmesh.contract import Trajectory
 from trajmesh.learner import advantages as adv
 from trajmesh.learner.logprobs import DEFAULT_CHUNK_TOKENS, PolicyLogprobs, policy_of
-from trajmesh.learner.metrics import step_metrics, trust_region_metrics
+from trajmesh.learner.metrics import kl_estimates, step_metrics, trust_region_metrics
 from trajmesh.learner.microbatch import (
     GlobalCounts,
     balanced_split,
@@ -26,7 +26,7 @@ from trajmesh.learner.microbatch import (
     sum_over_ranks,
     sum_tensor_over_ranks,
 )
-from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss
+from trajmesh.learner.objective import ObjectiveConfig, behavior_weight, decoupled_ppo_loss, reference_kl_loss
 from trajmesh.learner.shaping import TruncationPolicy, apply_truncation_policy
 from trajmesh.v1 import trajectory_pb2
 
@@ -317,10 +317,13 @@ class _Part:
 
 
 def _micro_batch_loss(model: Any, mb: Batch, adv_BT: Tensor, prox_BT: Tensor | None, cfg: ObjectiveConfig,
-                      counts: GlobalCounts, temperature: float, entropy_coef: float) -> tuple[Tensor, _Part]:
+                      counts: GlobalCounts, temperature: float, entropy_coef: float,
+                      ref_BT: Tensor | None = None, kl: Any = None) -> tuple[Tensor, _Part]:
     """The decoupled loss of one micro-batch scaled by the update's global counts, so the
     micro-batch losses (and gradients) of an update sum to the full update's. π_prox is this
-    forward, detached, when `prox_BT` is None (one update per batch, no dropout)."""
+    forward, detached, when `prox_BT` is None (one update per batch, no dropout). With `ref_BT`
+    (π_ref's log-probs) and `kl` (`learner.reference`) whose ``kl_coef`` is above 0 the
+    KL-to-reference term is added, scaled by the same counts."""
     device = model_device(model)
     logp_BT, entropy_BT = token_logprobs(model, mb, temperature)
     dev = mb.to(device)
@@ -330,6 +333,12 @@ def _micro_batch_loss(model: Any, mb: Batch, adv_BT: Tensor, prox_BT: Tensor | N
                                      sequence_weight_B=dev.row_share_B)
     if entropy_coef:
         loss = loss - entropy_coef * (entropy_BT * dev.mask_BT).sum() / max(counts.tokens, 1.0)
+    if ref_BT is not None and kl is not None and kl.kl_coef > 0:
+        term, _ = reference_kl_loss(logp_BT, ref_BT.to(device), dev.mask_BT, cfg, estimator=kl.estimator,
+                                    coef=kl.kl_coef, aggregation=kl.aggregation,
+                                    global_token_count=counts.tokens, global_sequence_count=counts.sequences,
+                                    sequence_weight_B=dev.row_share_B)
+        loss = loss + term
     stats = {k: v.detach().cpu() for k, v in stats.items()}
     return loss, _Part(logp_BT.detach().float().cpu(), prox.detach().float().cpu(),
                        entropy_BT.detach().float().cpu(), stats)
@@ -392,14 +401,16 @@ class StepPlan:
 def accumulate_update(engine: Any, batch: Batch | None, adv_BT: Tensor, prox_BT: Tensor | None,
                       cfg: ObjectiveConfig, *, temperature: float, entropy_coef: float, micro_batch_tokens: int,
                       group: Any = None, filler: Batch | None = None,
-                      loss_scale: float = 1.0) -> list[tuple[list[int], _Part]]:
+                      loss_scale: float = 1.0, ref_BT: Tensor | None = None,
+                      kl: Any = None) -> list[tuple[list[int], _Part]]:
     """Forward + backward of every micro-batch of `batch` (gradients accumulate; the caller steps).
 
     The losses are scaled by `batch`'s global counts (all-reduced over `group`), so the accumulated
     gradient is the gradient of one forward over the whole batch (on all ranks). With several ranks,
     `loss_scale` = world size undoes the engine's gradient averaging, and a rank with fewer
     micro-batches (or none: `batch` None) runs zero-loss forwards of `filler` so that every rank
-    runs as many forwards and backwards (ZeRO's collectives)."""
+    runs as many forwards and backwards (ZeRO's collectives). `ref_BT` and `kl`: the reference's
+    log-probs of `batch` and `learner.reference` (the KL-to-reference term; None: none)."""
     mask_BT = batch.mask_BT if batch is not None else torch.zeros((0, 1))
     counts = global_counts(mask_BT, group, batch.row_share_B if batch is not None else None)
     micro = pack_micro_batches(batch.lengths(), micro_batch_tokens) if batch is not None else []
@@ -415,8 +426,9 @@ def accumulate_update(engine: Any, batch: Batch | None, adv_BT: Tensor, prox_BT:
         mb = batch.select(rows)  # type: ignore[union-attr]
         width = mb.input_ids_BT.shape[1]
         prox = None if prox_BT is None else _take(prox_BT, rows, width)
+        ref = None if ref_BT is None else _take(ref_BT, rows, width)
         loss, part = _micro_batch_loss(engine.module, mb, _take(adv_BT, rows, width), prox, cfg, counts,
-                                       temperature, entropy_coef)
+                                       temperature, entropy_coef, ref, kl)
         engine.backward(loss * loss_scale if loss_scale != 1.0 else loss, boundary=j == n - 1)
         parts.append((rows, part))
     return parts
@@ -424,7 +436,7 @@ def accumulate_update(engine: Any, batch: Batch | None, adv_BT: Tensor, prox_BT:
 
 def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig, plan: StepPlan, *,
                 temperature: float, version: int, max_lag: int, entropy_coef: float = 0.0,
-                group: Any = None) -> dict[str, Any]:
+                group: Any = None, reference: Any = None, kl: Any = None) -> dict[str, Any]:
     """One learner step: K minibatches × E epochs of optimizer updates over `batch` (docs/DESIGN.md §4).
 
     With K·E > 1, π_prox comes from one no-grad pass before the first update and every update uses
@@ -438,6 +450,12 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
     one rank) and the denominators are global. The step metrics are over the whole batch (each
     rank's rows and loss stats all-reduced: every rank reports what one rank would); in
     ``ppo_updates`` each update's figures are over its whole minibatch too.
+
+    `reference` (a :class:`~trajmesh.learner.reference.ReferencePolicy`) and `kl`
+    (`learner.reference`): π_ref's log-probs come from one no-grad pass before the first update;
+    the KL-to-reference term joins every update's loss when ``kl.kl_coef`` > 0, and the step
+    reports KL(π_θ ‖ π_ref) (``trajmesh_learner_reference_kl_k1/k2/k3``, at the first epoch's
+    forwards) and the term's value (``trajmesh_learner_reference_kl_loss``) either way.
     """
     world = _check_ranks(engine, batch, group)
     shares = _rank_shares(batch, plan.minibatches, group)
@@ -452,6 +470,13 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
         prox_BT = torch.zeros(batch.mask_BT.shape)
         if mine:
             _scatter(prox_BT, mine, prox_mine)
+    ref_BT = None
+    if reference is not None:
+        ref_mine = proximal_logprobs(reference.module, batch.select(mine) if mine else None, temperature,
+                                     plan.micro_batch_tokens, group, filler)
+        ref_BT = torch.zeros(batch.mask_BT.shape)
+        if mine:
+            _scatter(ref_BT, mine, ref_mine)
     logp_BT, prox_seen_BT, ent_BT = (torch.zeros(batch.mask_BT.shape) for _ in range(3))
     stats_all: list[dict[str, Tensor]] = []
     updates: list[dict[str, float]] = []
@@ -464,7 +489,8 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
                                       None if prox_BT is None else _take(prox_BT, rows, width), cfg,
                                       temperature=temperature, entropy_coef=entropy_coef,
                                       micro_batch_tokens=plan.micro_batch_tokens, group=group, filler=filler,
-                                      loss_scale=float(world))
+                                      loss_scale=float(world),
+                                      ref_BT=None if ref_BT is None else _take(ref_BT, rows, width), kl=kl)
             opt = engine.step()
             if world > 1:
                 updates.append(_update_record_over_ranks(batch, rows, minibatch_rows[u], parts, opt, group))
@@ -476,8 +502,31 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
                 _scatter(logp_BT, full_rows, p.logp_BT)
                 _scatter(prox_seen_BT, full_rows, p.prox_BT)
                 _scatter(ent_BT, full_rows, p.entropy_BT)
-    return _step_record(batch, mine, adv_BT, (logp_BT, prox_seen_BT, ent_BT), stats_all, updates, opt, cfg,
-                        version, max_lag, across_ranks=world > 1, group=group)
+    metrics = _step_record(batch, mine, adv_BT, (logp_BT, prox_seen_BT, ent_BT), stats_all, updates, opt, cfg,
+                           version, max_lag, across_ranks=world > 1, group=group)
+    if ref_BT is not None:
+        metrics.update(_reference_record(batch, mine, logp_BT, ref_BT, cfg, kl, across_ranks=world > 1,
+                                         group=group))
+    return metrics
+
+
+def _reference_record(batch: Batch, mine: list[int], logp_BT: Tensor, ref_BT: Tensor, cfg: ObjectiveConfig,
+                      kl: Any, *, across_ranks: bool, group: Any) -> dict[str, float]:
+    """KL(π_θ ‖ π_ref) over the whole batch (k1/k2/k3 on the first epoch's π_θ; each rank's rows
+    summed over the ranks first) and the KL term's value there, coefficient included."""
+    if across_ranks:
+        logp_BT, ref_BT = sum_tensor_over_ranks(logp_BT, group), sum_tensor_over_ranks(ref_BT, group)
+        mine = list(range(len(batch.trajectory_ids)))
+    local = batch.select(mine)
+    width = local.input_ids_BT.shape[1]
+    logp_BT, ref_BT = _take(logp_BT, mine, width), _take(ref_BT, mine, width)
+    est = kl_estimates(ref_BT, logp_BT, local.mask_BT)  # x = log π_ref − log π_θ: KL(π_θ ‖ π_ref)
+    coef = float(kl.kl_coef) if kl is not None else 0.0
+    term, _ = reference_kl_loss(logp_BT, ref_BT, local.mask_BT, cfg, estimator=kl.estimator if kl else "k3",
+                                coef=coef, aggregation=kl.aggregation if kl else "objective",
+                                sequence_weight_B=local.row_share_B)
+    return {"trajmesh_learner_reference_kl_k1": est["k1"], "trajmesh_learner_reference_kl_k2": est["k2"],
+            "trajmesh_learner_reference_kl_k3": est["k3"], "trajmesh_learner_reference_kl_loss": float(term)}
 
 
 def _step_record(batch: Batch, mine: list[int], adv_BT: Tensor, seen: tuple[Tensor, Tensor, Tensor],

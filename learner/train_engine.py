@@ -181,6 +181,18 @@ def _make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainSettings) -> tor
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, warmup))
 
 
+def _zero_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every tensor of every parameter's state to 0 (AdamW: exp_avg, exp_avg_sq, step), in place,
+    so the state's structure (and what a checkpoint of it holds) stays as it was."""
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                elif isinstance(value, (int, float)):
+                    state[key] = type(value)(0)
+
+
 def _total_grad_norm(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> float:
     norms = [p.grad.detach().float().norm(2) for p in params if p.grad is not None]
     if not norms:
@@ -233,6 +245,15 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict:
         """Restore everything :meth:`save_checkpoint` wrote; return the saved ``client_state``."""
+
+    def reset_optimizer_state(self) -> None:
+        """Zero the optimizer's moments and step counts in place (ProRL's optimizer reset): the
+        next :meth:`step` updates as a fresh AdamW would. The lr schedule and the weights stay."""
+        _zero_optimizer_state(self._inner_optimizer())
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        """The AdamW whose state holds the moments (under ZeRO: of this rank's flat partitions)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset its optimizer")
 
     @property
     def lr(self) -> float:
@@ -355,6 +376,9 @@ class TorchTrainEngine(TrainEngine):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer
 
     def save_checkpoint(self, directory: str | os.PathLike[str], client_state: dict | None = None) -> None:
         d = Path(directory)
@@ -602,6 +626,10 @@ class DeepSpeedTrainEngine(TrainEngine):
         self._engine.zero_grad()
         if self.ds_stage > 0:
             self._engine.optimizer.zero_grad()
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        # The client AdamW: ZeRO 1-3 and the bf16 optimizer step it over their fp32 partitions.
+        return self._base_optimizer
 
     def save_checkpoint(self, directory: str | os.PathLike[str], client_state: dict | None = None) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

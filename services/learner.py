@@ -46,6 +46,7 @@ from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
 from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
+from trajmesh.learner.reference import ReferencePolicy
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.simulated import simulated_train_batch
 from trajmesh.learner.step import (
@@ -71,6 +72,7 @@ from trajmesh.stopgates import (
     write_stop_reason,
 )
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+from trajmesh.weight_sync import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
 
 log = logging.getLogger("trajmesh.learner")
 
@@ -85,6 +87,8 @@ STEP_SECONDS = Histogram("trajmesh_learner_step_seconds", "Compute time of one l
 WAIT_SECONDS = Counter("trajmesh_learner_idle_seconds_total", "Seconds waiting for a batch")
 BUSY_SECONDS = Counter("trajmesh_learner_busy_seconds_total", "Seconds computing steps")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_learner_weight_publish_seconds", "Save + announce time")
+REFERENCE_RESETS = Counter("trajmesh_learner_reference_resets_total",
+                           "Reference (and optimizer) resets (learner.reference.reset_every)")
 TOKENS_TRAINED = Counter("trajmesh_learner_tokens_trained_total", "Loss-masked (action) tokens trained on")
 TRAJECTORY_AGE = Histogram("trajmesh_learner_trajectory_age_seconds",
                            "Seconds from a trajectory's creation (rollout start) to the step that trains it",
@@ -163,8 +167,12 @@ class LearnerService(Service):
         self.channel: grpc.aio.Channel | None = None
         self.store: Any = None
         self.engine: TrainEngine | None = None
+        self.reference: ReferencePolicy | None = None
+        """The frozen reference policy (`learner.reference.enabled`; None: off)."""
         self.tracker = HeldoutTracker(self.cfg.eval.stop_regression_margin, self.cfg.eval.stop_confirmations)
         """Leader: the best held-out score and the regression count, from the EVAL records."""
+        self.delta = DeltaWriter(self.cfg.weights.anchor_every) if self.cfg.weights.sync == "delta" else None
+        """Leader, ``weights.sync: delta``: the last published version's bytes, the next delta's base."""
         self.regression: dict[str, Any] | None = None
         """Leader: the stop record of a confirmed held-out regression (None: none); the step loop
         stops on it."""
@@ -211,17 +219,9 @@ class LearnerService(Service):
         # Every rank: the process group (DeepSpeed engine) and the model; a resumed group loads the
         # same checkpoint on every rank (DeepSpeed reads each rank's shards and rank 0's client state).
         self._build_trainer()
-        engine = self._engine()
         self._check_world()
         if resumed:
-            state = await asyncio.to_thread(engine.load_checkpoint, str(self.ckpt_dir / "latest"))
-            self.version = int(state["version"])
-            self.steps_done = int(state["steps_done"])
-            self.rl_seconds = float(state["rl_seconds"])
-            self.trajectories_trained = int(state["trajectories_trained"])
-            self.checkpointed_version = self.version
-            if self.entropy_ctl is not None and state.get("entropy_controller"):
-                self.entropy_ctl.load_state_dict(state["entropy_controller"])
+            state = await asyncio.to_thread(self._load_checkpoint)
             log.info("rank %d resumed from checkpoint at version %d", self.rank, self.version)
         if not self.leader:
             if resumed:
@@ -246,6 +246,21 @@ class LearnerService(Service):
         await self.redis.delete(self.keys.run_finished)  # a resumed run with a larger budget admits again
         VERSION.set(self.version)
 
+    def _load_checkpoint(self) -> dict[str, Any]:
+        """Engine, counters, entropy controller and reference from RUN_DIR/checkpoints/latest
+        (every rank); returns the checkpoint's client state."""
+        state = self._engine().load_checkpoint(str(self.ckpt_dir / "latest"))
+        self.version = int(state["version"])
+        self.steps_done = int(state["steps_done"])
+        self.rl_seconds = float(state["rl_seconds"])
+        self.trajectories_trained = int(state["trajectories_trained"])
+        self.checkpointed_version = self.version
+        if self.entropy_ctl is not None and state.get("entropy_controller"):
+            self.entropy_ctl.load_state_dict(state["entropy_controller"])
+        if self.reference is not None:
+            self.reference.load(self.ckpt_dir / "latest")
+        return state
+
     def _build_trainer(self) -> None:
         """Model, train engine, objective and entropy controller from config (no network: the
         offline replay in the tests builds the same learner)."""
@@ -260,8 +275,12 @@ class LearnerService(Service):
         if lc.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+        policy = PolicyLogprobs(model, lc.logprob_chunk_tokens)
+        # The reference first: a copy of the initial policy, before DeepSpeed partitions the policy.
+        self.reference = (ReferencePolicy(policy, lc.engine.type, zero_stage=lc.engine.zero_stage,
+                                          precision=precision) if lc.reference.enabled else None)
         self.engine = build_train_engine(
-            PolicyLogprobs(model, lc.logprob_chunk_tokens), type=lc.engine.type, lr=lc.lr,
+            policy, type=lc.engine.type, lr=lc.lr,
             warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay, grad_clip=lc.grad_clip,
             zero_stage=lc.engine.zero_stage, seed=lc.seed, precision=precision,
             deterministic=wants_deterministic(lc.deterministic, cuda=cuda),
@@ -388,8 +407,12 @@ class LearnerService(Service):
         try:
             if not dirs:
                 raise FileNotFoundError(f"no weights dir of v{version}")
-            self.tracker.best["path"] = str(keep_best(self.run_dir, dirs[-1]))
-        except OSError as exc:  # pruned before its evaluation arrived
+            if is_delta_dir(dirs[-1]):  # weights.sync delta: the full checkpoint, rebuilt
+                reconstruct(dirs[-1], self.run_dir / "best")
+                self.tracker.best["path"] = str(self.run_dir / "best")
+            else:
+                self.tracker.best["path"] = str(keep_best(self.run_dir, dirs[-1]))
+        except (OSError, WeightSyncError) as exc:  # pruned before its evaluation arrived
             log.warning("best held-out version v%d not kept as %s/best: %s", version, self.run_dir, exc)
 
     async def _stop_on_regression(self) -> None:
@@ -522,12 +545,15 @@ class LearnerService(Service):
         share). `entropy_coef`: the leader's α (None: this process's controller)."""
         lc = self.cfg.learner
         leader = self.leader
+        reset = self._reset_reference()
         keep, stale = split_stale(trajs, self.version, eta)
         for _ in stale if leader else []:
             QUARANTINED.labels(reason="stale").inc()
         outcome = StepOutcome({"trajectories_in_batch": len(trajs), "trajectories_stale": len(stale)},
                               stale_ids=[t.trajectory_id for t in stale])
         metrics = outcome.metrics
+        if self.reference is not None:
+            metrics.update(reference_reset=reset, trajmesh_learner_reference_version=self.reference.version)
         metrics.update(batch_health(trajs, lc.stop_gates.verifier_components))
         if keep:
             metrics.update(response_length_metrics(keep))
@@ -549,7 +575,8 @@ class LearnerService(Service):
                                                  max_trajectories=lc.consistency_probe_trajectories))
             step_metrics = self.train_batch(engine, batch, adv_BT, self.objective, self.plan,
                                             temperature=temperature, version=self.version,
-                                            max_lag=max(eta, 1) + 1, entropy_coef=alpha)
+                                            max_lag=max(eta, 1) + 1, entropy_coef=alpha,
+                                            reference=self.reference, kl=lc.reference)
             if self.entropy_ctl is not None and not lc.simulated_step.enabled:
                 self.entropy_ctl.update(step_metrics["trajmesh_learner_entropy_nats"])
                 step_metrics["trajmesh_learner_entropy_coef"] = alpha
@@ -583,6 +610,27 @@ class LearnerService(Service):
                 _gauge(k).set(v)
         return outcome
 
+    def _reset_reference(self) -> bool:
+        """ProRL: at a positive multiple of `learner.reference.reset_every`, before training from
+        that version, the reference becomes the current policy and (``reset_optimizer``) the
+        optimizer's state is cleared; True if this step reset. The rule depends on the version
+        only, and the reference's version is checkpointed, so a resumed or replayed learner resets
+        where an uninterrupted one did."""
+        rc = self.cfg.learner.reference
+        ref = self.reference
+        if ref is None or rc.reset_every <= 0 or self.version <= 0 or self.version % rc.reset_every:
+            return False
+        if ref.version == self.version:
+            return False
+        ref.reset_from(self._engine(), self.version)
+        if rc.reset_optimizer:
+            self._engine().reset_optimizer_state()
+        if self.leader:
+            REFERENCE_RESETS.inc()
+            log.info("reference reset to version %d%s", self.version,
+                     " (optimizer state cleared)" if rc.reset_optimizer else "")
+        return True
+
     # ------------------------------------------------------------------ weights and checkpoints
     async def _publish_weights(self) -> None:
         path = await asyncio.to_thread(self._save_weights, self.version)
@@ -611,22 +659,29 @@ class LearnerService(Service):
         tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         # Streamed in the training dtype, hashed while written, ZeRO-3 gathered module by module.
+        # weights.sync delta: only what changed since the last version (self.delta keeps its bytes).
         sha = export_policy(policy_of(self._engine().model), tmp, zero3=self.cfg.learner.engine.zero_stage == 3,
-                            dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32)
+                            dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
+                            delta=self.delta, version=version)
         assert sha is not None
-        (tmp / "model.safetensors.sha256").write_text(sha + "\n")
-        base = Path(self.cfg.model.path)  # type: ignore[arg-type]
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (base / name).exists():
-                shutil.copy(base / name, tmp / name)
-        os.replace(tmp, final)
-        # Rollout may still be loading recent versions: keep the newest few, and anything younger
-        # than a grace period (a late joiner may be loading the announced one on a busy machine).
-        keep = 2 * (self.cfg.effective_eta + 2)
-        now = time.time()
-        for old in sorted(root.glob("v*"))[:-keep]:
-            if now - old.stat().st_mtime > WEIGHTS_GRACE_S:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            (tmp / "model.safetensors.sha256").write_text(sha + "\n")
+            base = Path(self.cfg.model.path)  # type: ignore[arg-type]
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (base / name).exists():
+                    shutil.copy(base / name, tmp / name)
+            os.replace(tmp, final)
+        except BaseException:
+            if self.delta is not None:
+                self.delta.abort()  # not in place: the next version is an anchor
+            raise
+        if self.delta is not None:
+            self.delta.commit(final.name)
+        # Rollout may still be loading recent versions: keep the newest few with the anchor and
+        # deltas each is rebuilt from, and anything younger than a grace period (a late joiner may
+        # be loading the announced one on a busy machine).
+        for old in prunable(root, keep=2 * (self.cfg.effective_eta + 2), grace_s=WEIGHTS_GRACE_S):
+            shutil.rmtree(old, ignore_errors=True)
         return final
 
     async def _announce(self, version: int, path: str) -> None:
@@ -659,6 +714,8 @@ class LearnerService(Service):
             "trajectories_trained": self.trajectories_trained, "objective": self.objective.model_dump(),
             "entropy_controller": self.entropy_ctl.state_dict() if self.entropy_ctl is not None else None,
             "gate_counters": gate or {}, "sampler_cursor": cursor, "world_size": self.world_size})
+        if self.reference is not None:  # after a reset: reference.pt (ZeRO-3: one per rank)
+            self.reference.save(tmp)
         self._barrier()
         if self.leader:
             latest = self.ckpt_dir / "latest"

@@ -456,6 +456,32 @@ class TruncationConfig(_Strict):
         return max_length, self.cache_length or max(1, max_length // 5)
 
 
+class ReferenceConfig(_Strict):
+    """A frozen reference policy on the learner and a KL-to-reference loss term (learner/reference.py,
+    learner/objective.py ``reference_kl_loss``), with ProRL's periodic reference and optimizer resets."""
+
+    enabled: bool = False
+    """Keep a frozen copy of the initial policy on the learner (sharded like the policy under ZeRO-3)
+    and report KL(π_θ ‖ π_ref) every step (trajmesh_learner_reference_kl_k1/k2/k3), apart from the
+    behavior-drift KL (trajmesh_learner_kl_*)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """β: the loss gains β · (the estimator's per-token value, reduced like the policy loss); 0
+    measures the KL without the term."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator on y = log π_ref − log π_θ (|y| clamped at 20): k1 = −y, k2 = y²/2,
+    k3 = eʸ − 1 − y (Schulman's; verl's kl, mse and low_var_kl)."""
+    aggregation: Literal["objective", "token_global", "sequence_mean"] = "objective"
+    """How the per-token KL values reduce to the term: with the objective's denominator (objective),
+    over all eligible tokens of the batch (token_global), or as the mean over sequences of each
+    sequence's token mean (sequence_mean)."""
+    reset_every: int = Field(0, ge=0)
+    """ProRL: at every version that is a positive multiple of this, before training from it, the
+    reference becomes the current policy (0: never reset)."""
+    reset_optimizer: bool = True
+    """With reset_every: also clear the optimizer's moments and step counts at each reset (the
+    learning-rate schedule goes on)."""
+
+
 class LearnerConfig(_Strict):
     engine: TrainEngineConfig = Field(default_factory=TrainEngineConfig)
     """Optimizer backend and ZeRO stage."""
@@ -513,6 +539,8 @@ class LearnerConfig(_Strict):
     """Bounds on entropy, KL, ESS, verifier disagreement, truncation and engine consistency (all off by default)."""
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
     """What truncated trajectories are trained with (default: as graded)."""
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    """Frozen reference model, KL-to-reference term and resets (off by default)."""
     consistency_probe_trajectories: int = Field(8, ge=0)
     """Trajectories per step the engine-consistency probe re-scores (0 disables the probe)."""
     seed: int = 0

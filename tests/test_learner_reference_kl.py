@@ -1,0 +1,177 @@
+"""The frozen reference policy and the KL-to-reference term (`learner.reference`, learner/reference.py).
+
+Hand-computed values of the three estimators and their gradients; the term's reduction under the
+objective's denominators; the learner service's reference resets (at the configured versions,
+logged, with the optimizer's state cleared), a bitwise resume with the reference on across a reset,
+and the term holding KL(π_θ ‖ π_ref) under a bound that the same run without it exceeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trajmesh.config import ObjectiveConfig, load_config
+from trajmesh.contract import Trajectory
+from trajmesh.learner.objective import kl_penalty, reference_kl_loss
+from trajmesh.v1 import trajectory_pb2
+
+# ------------------------------------------------------------------ the estimators, by hand
+
+LOGP = [-1.0, -0.5]
+REF = [-2.0, -0.25]  # y = ref − logp = [−1, 0.25]
+
+
+@pytest.mark.parametrize("estimator,values,grads", [
+    ("k1", [1.0, -0.25], [1.0, 1.0]),
+    ("k2", [0.5, 0.25**2 / 2], [1.0, -0.25]),  # d/dlogp (y²/2) = −y
+    ("k3", [math.exp(-1.0), math.exp(0.25) - 1.25], [1.0 - math.exp(-1.0), 1.0 - math.exp(0.25)]),
+])
+def test_each_estimator_and_its_gradient_by_hand(estimator: str, values: list[float], grads: list[float]) -> None:
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    k = kl_penalty(logp, torch.tensor(REF, dtype=torch.float64), estimator)
+    assert k.tolist() == pytest.approx(values, rel=1e-12)
+    k.sum().backward()
+    assert logp.grad is not None
+    assert logp.grad.tolist() == pytest.approx(grads, rel=1e-12)
+
+
+def test_the_term_reduces_with_the_objective_denominators_and_ignores_padding() -> None:
+    """Row 0: two eligible tokens (y = −1, 0.25); row 1: one (y = 0.5) and a padding position whose
+    log-prob is −inf. k3 by hand: e^−1, e^0.25 − 1.25, e^0.5 − 1.5."""
+    k00, k01, k10 = math.exp(-1.0), math.exp(0.25) - 1.25, math.exp(0.5) - 1.5
+    logp = torch.tensor([[-1.0, -0.5], [-1.0, -math.inf]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-2.0, -0.25], [-0.5, -3.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    token, stats = reference_kl_loss(logp, ref, mask, ObjectiveConfig(), estimator="k3", coef=0.5)
+    assert float(token.detach()) == pytest.approx(0.5 * (k00 + k01 + k10) / 3, rel=1e-12)
+    assert float(stats["reference_kl"]) == pytest.approx((k00 + k01 + k10) / 3, rel=1e-12)
+    token.backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert float(logp.grad[1, 1]) == 0.0
+    assert float(logp.grad[0, 0]) == pytest.approx(0.5 * (1 - math.exp(-1.0)) / 3, rel=1e-12)
+    seq, _ = reference_kl_loss(logp, ref, mask, ObjectiveConfig(denominator="sequence_mean"), estimator="k3",
+                               coef=0.5)
+    assert float(seq.detach()) == pytest.approx(0.5 * ((k00 + k01) / 2 + k10) / 2, rel=1e-12)
+    named, _ = reference_kl_loss(logp, ref, mask, ObjectiveConfig(), estimator="k3", coef=0.5,
+                                 aggregation="sequence_mean")
+    assert float(named.detach()) == pytest.approx(float(seq.detach()), rel=1e-12)
+    # Split over two calls (micro-batches) with the whole batch's counts, the parts add up.
+    parts = [reference_kl_loss(logp[i:i + 1], ref[i:i + 1], mask[i:i + 1], ObjectiveConfig(), estimator="k3",
+                               coef=0.5, global_token_count=3.0)[0] for i in range(2)]
+    assert float(sum(parts).detach()) == pytest.approx(float(token.detach()), rel=1e-12)
+
+
+# ------------------------------------------------------------------ the learner service
+
+
+def _model_dir(tmp_path: Path) -> str:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                      tie_word_embeddings=True)
+    path = tmp_path / "model"
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+def _trajectories(step: int) -> list[Trajectory]:
+    """Two groups of four; in each, two trajectories rewarded 1 and two 0 (GRPO advantages ±)."""
+    out = []
+    for g in range(2):
+        for i in range(4):
+            t = Trajectory.new(trajectory_id=f"s{step}-g{g}-{i}")
+            t.pb.group_id, t.pb.task_id = f"g{step}-{g}", f"task{g}"
+            t.append_prompt([1, 2 + g])
+            t.append_sampled([3 + i, 8 + i + g, 14 + (i + step) % 4], [-3.0, -3.1, -2.9], 0)
+            t.finish(trajectory_pb2.EOS)
+            t.set_reward(float(i < 2))
+            out.append(t)
+    return out
+
+
+def _service(tmp_path: Path, model: str, run: str, **over: Any) -> Any:
+    from trajmesh.services.learner import LearnerService
+
+    cfg = load_config(None, {"run_dir": str(tmp_path / run), "model.path": model, "learner.engine.type": "torch",
+                             "learner.consistency_probe_trajectories": 0, "learner.warmup_steps": 0,
+                             "learner.reference.enabled": True, **over})
+    svc = LearnerService(cfg)
+    svc._build_trainer()
+    return svc
+
+
+def _steps(svc: Any, first: int, last: int) -> list[dict[str, Any]]:
+    return [svc._train_step(_trajectories(s), eta=100, temperature=1.0).metrics for s in range(first, last)]
+
+
+def test_the_reference_and_the_optimizer_reset_at_the_configured_versions(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import REGISTRY
+
+    svc = _service(tmp_path, _model_dir(tmp_path), "run", **{"learner.reference.reset_every": 2,
+                                                             "learner.reference.kl_coef": 0.1})
+    resets_before = REGISTRY.get_sample_value("trajmesh_learner_reference_resets_total") or 0.0
+    with caplog.at_level(logging.INFO, logger="trajmesh.learner"):
+        metrics = _steps(svc, 0, 3)  # versions 0, 1, 2: the reset before training from version 2
+        steps = {float(st["step"]) for st in svc.engine.optimizer.state.values()}
+        assert steps == {1.0}  # one AdamW step since the reset (three without it)
+        metrics += _steps(svc, 3, 5)  # versions 3, 4
+    assert [m["reference_reset"] for m in metrics] == [False, False, True, False, True]
+    assert [m["trajmesh_learner_reference_version"] for m in metrics] == [0, 0, 2, 2, 4]
+    # Right after a reset the reference is the policy: KL exactly 0 at that step's (pre-update) forward.
+    assert metrics[2]["trajmesh_learner_reference_kl_k3"] == 0.0
+    assert metrics[4]["trajmesh_learner_reference_kl_k3"] == 0.0
+    assert metrics[3]["trajmesh_learner_reference_kl_k3"] > 0
+    logged = [r.getMessage() for r in caplog.records if "reference reset" in r.getMessage()]
+    assert logged == ["reference reset to version 2 (optimizer state cleared)",
+                      "reference reset to version 4 (optimizer state cleared)"]
+    assert REGISTRY.get_sample_value("trajmesh_learner_reference_resets_total") == resets_before + 2
+    assert REGISTRY.get_sample_value("trajmesh_learner_reference_version") == 4.0
+
+
+def test_resume_is_bitwise_with_the_reference_on_across_a_reset(tmp_path: Path) -> None:
+    """An uninterrupted run of 6 steps (resets at versions 2 and 4) against one checkpointed at
+    version 3 (reference at 2, written to the checkpoint) and resumed by a fresh learner."""
+    model = _model_dir(tmp_path)
+    over = {"learner.reference.reset_every": 2, "learner.reference.kl_coef": 0.2, "learner.lr": 1e-2}
+    a = _service(tmp_path, model, "a", **over)
+    whole = _steps(a, 0, 6)
+
+    b = _service(tmp_path, model, "b", **over)
+    _steps(b, 0, 3)
+    assert b.reference.version == 2
+    b._checkpoint()
+    assert (b.ckpt_dir / "latest" / "reference.pt").is_file()
+    c = _service(tmp_path, model, "b", **over)  # a fresh learner on b's run dir
+    assert c.reference.version == 0
+    c._load_checkpoint()
+    assert (c.version, c.reference.version) == (3, 2)
+    resumed = _steps(c, 3, 6)
+    keys = [k for k in whole[0] if k.startswith("trajmesh_learner_") or k == "reference_reset"]
+    for x, y in zip(whole[3:], resumed, strict=True):
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}
+    pa, pc = a.engine.full_state_dict(), c.engine.full_state_dict()
+    assert all(torch.equal(pa[k], pc[k]) for k in pa)
+    ra, rc = a.reference._tensors(), c.reference._tensors()
+    assert all(torch.equal(ra[k], rc[k]) for k in ra)
+    assert any(not torch.equal(ra[k], pa[k]) for k in ra)  # the policy moved on from the last reset
+
+
+def test_the_term_keeps_kl_to_the_reference_under_a_bound_the_run_without_it_exceeds(tmp_path: Path) -> None:
+    """Same seed, same batches, lr 3e-2: with kl_coef 0 the reference is only measured and the policy
+    runs away from it; with the term it stays close."""
+    model = _model_dir(tmp_path)
+    bound = 1.0
+    kl = {}
+    for coef in (0.0, 2.0):
+        svc = _service(tmp_path, model, f"c{coef}", **{"learner.lr": 3e-2, "learner.reference.kl_coef": coef})
+        metrics = _steps(svc, 0, 8)
+        kl[coef] = [m["trajmesh_learner_reference_kl_k3"] for m in metrics]
+    assert max(kl[2.0]) < bound < kl[0.0][-1], kl
