@@ -19,6 +19,7 @@ from trajmesh.learner.objective import ObjectiveConfig
 __all__ = [
     "ENTROPY_ACTION_TYPES",
     "ENTROPY_BY_ACTION_TYPE_NAMES",
+    "REFERENCE_METRIC_NAMES",
     "STEP_METRIC_NAMES",
     "effective_sample_size",
     "entropy_by_action_type",
@@ -156,6 +157,12 @@ def lag_histogram(current_version: int, versions_BT: Tensor, mask_BT: Tensor, ma
 ENTROPY_BY_ACTION_TYPE_NAMES: dict[str, str] = {
     name: f"{_P}entropy_{name.lower()}_action_nats" for name in ENTROPY_ACTION_TYPES
 }
+
+REFERENCE_METRIC_NAMES: tuple[str, ...] = tuple(
+    _P + name for name in ("reference_kl_k1", "reference_kl_k2", "reference_kl_k3", "reference_kl_loss",
+                           "reference_version"))
+"""With `learner.reference.enabled`: KL(π_θ ‖ π_ref) by k1/k2/k3 at the step's first-epoch forwards,
+the KL term's value (coefficient included), and the policy version the reference holds."""
 
 STEP_METRIC_NAMES: tuple[str, ...] = tuple(
     _P + name

@@ -43,7 +43,7 @@ from trajmesh.learner import consistency
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.evaluate import HeldoutTracker, keep_best
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
-from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES
+from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES, REFERENCE_METRIC_NAMES
 from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.reference import ReferencePolicy
@@ -86,8 +86,8 @@ STEP_SECONDS = Histogram("trajmesh_learner_step_seconds", "Compute time of one l
 WAIT_SECONDS = Counter("trajmesh_learner_idle_seconds_total", "Seconds waiting for a batch")
 BUSY_SECONDS = Counter("trajmesh_learner_busy_seconds_total", "Seconds computing steps")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_learner_weight_publish_seconds", "Save + announce time")
-REFERENCE_RESETS = Counter("trajmesh_learner_reference_resets_total",
-                           "Reference (and optimizer) resets (learner.reference.reset_every)")
+REFERENCE_RESETS = Counter("trajmesh_learner_reference_reset_steps_total",
+                           "Learner steps that reset the reference (and the optimizer): learner.reference.reset_every")
 TOKENS_TRAINED = Counter("trajmesh_learner_tokens_trained_total", "Loss-masked (action) tokens trained on")
 TRAJECTORY_AGE = Histogram("trajmesh_learner_trajectory_age_seconds",
                            "Seconds from a trajectory's creation (rollout start) to the step that trains it",
@@ -110,7 +110,7 @@ def _gauge(name: str) -> Gauge:
 # Exported from the start (0 until the first step measures them): dashboards and stop gates read them,
 # and every action type has its entropy series even before a batch holds that type.
 for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO,
-              *ENTROPY_BY_ACTION_TYPE_NAMES.values()):
+              *ENTROPY_BY_ACTION_TYPE_NAMES.values(), *REFERENCE_METRIC_NAMES):
     _gauge(_name)
 
 

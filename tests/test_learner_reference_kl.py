@@ -117,7 +117,7 @@ def test_the_reference_and_the_optimizer_reset_at_the_configured_versions(tmp_pa
 
     svc = _service(tmp_path, _model_dir(tmp_path), "run", **{"learner.reference.reset_every": 2,
                                                              "learner.reference.kl_coef": 0.1})
-    resets_before = REGISTRY.get_sample_value("trajmesh_learner_reference_resets_total") or 0.0
+    resets_before = REGISTRY.get_sample_value("trajmesh_learner_reference_reset_steps_total") or 0.0
     with caplog.at_level(logging.INFO, logger="trajmesh.learner"):
         metrics = _steps(svc, 0, 3)  # versions 0, 1, 2: the reset before training from version 2
         steps = {float(st["step"]) for st in svc.engine.optimizer.state.values()}
@@ -132,7 +132,7 @@ def test_the_reference_and_the_optimizer_reset_at_the_configured_versions(tmp_pa
     logged = [r.getMessage() for r in caplog.records if "reference reset" in r.getMessage()]
     assert logged == ["reference reset to version 2 (optimizer state cleared)",
                       "reference reset to version 4 (optimizer state cleared)"]
-    assert REGISTRY.get_sample_value("trajmesh_learner_reference_resets_total") == resets_before + 2
+    assert REGISTRY.get_sample_value("trajmesh_learner_reference_reset_steps_total") == resets_before + 2
     assert REGISTRY.get_sample_value("trajmesh_learner_reference_version") == 4.0
 
 
@@ -175,3 +175,43 @@ def test_the_term_keeps_kl_to_the_reference_under_a_bound_the_run_without_it_exc
         metrics = _steps(svc, 0, 8)
         kl[coef] = [m["trajmesh_learner_reference_kl_k3"] for m in metrics]
     assert max(kl[2.0]) < bound < kl[0.0][-1], kl
+
+
+# ------------------------------------------------------------------ ZeRO-3: sharded like the policy
+
+@pytest.mark.slow  # ~30 s on a loaded 2-core machine (DeepSpeed's start, two ZeRO-3 engines)
+def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_from_its_shards() -> None:
+    pytest.importorskip("deepspeed")
+    from tiny_llama import tiny_llama
+
+    from trajmesh.config import ReferenceConfig
+    from trajmesh.learner import step
+    from trajmesh.learner.logprobs import PolicyLogprobs
+    from trajmesh.learner.reference import ReferencePolicy
+    from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed
+
+    created = ensure_distributed("gloo")
+    try:
+        policy = PolicyLogprobs(tiny_llama())
+        ref = ReferencePolicy(policy, "deepspeed", zero_stage=3, precision="fp32")
+        engine = build_train_engine(policy, type="deepspeed", zero_stage=3, lr=3e-2, warmup_steps=0,
+                                    weight_decay=0.0, grad_clip=1.0, seed=0)
+        pairs = ref._pairs(engine)
+        assert pairs and all(hasattr(r, "ds_id") and r.ds_tensor.numel() == p.ds_tensor.numel()
+                             for r, p in pairs)
+        batch = step.build_batch(_trajectories(0), pad_id=0)
+        adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+        kl = ReferenceConfig(enabled=True, kl_coef=0.1)
+
+        def train(version: int) -> float:
+            m = step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), step.StepPlan(micro_batch_tokens=1024),
+                                 temperature=1.0, version=version, max_lag=2, reference=ref, kl=kl)
+            return float(m["trajmesh_learner_reference_kl_k3"])
+
+        assert train(0) == 0.0  # the reference is the initial policy
+        assert train(1) > 0.0
+        ref.reset_from(engine, 2)
+        assert train(2) == 0.0
+    finally:
+        if created:
+            shutdown_distributed()
