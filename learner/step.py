@@ -231,8 +231,45 @@ def advantages_B(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> 
     return adv_J[row_traj_B.to(adv_J.device)]
 
 
-def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> Tensor:
-    """Per-token advantages of the whole batch (before any split: REINFORCE++ whitens over it)."""
+def gigpo_advantages_BT(batch: Batch, trajs: list[Trajectory], *, omega: float, gamma: float,
+                        scale_by_std: bool, eps: float) -> Tensor:
+    """GiGPO per token (:func:`trajmesh.learner.advantages.gigpo_advantages`) for a batch built from
+    `trajs` by :func:`build_batch`. A trajectory's steps are its turns (its spans' ``turn_index``);
+    step k's anchor state is ``state_hashes[k]``, the environment's state before turn k (a step with
+    no hash gets a key of its own: a singleton, A^S = 0). The episode's reward sits on its last
+    step; the step returns are discounted by `gamma`. Every action token gets its turn's advantage,
+    each segment row its trajectory's."""
+    turns = [t.num_turns for t in trajs]
+    hashes = [[(t.pb.state_hashes[k] if k < len(t.pb.state_hashes) and t.pb.state_hashes[k]
+                else f"\x00{t.trajectory_id}:{k}") for k in range(n)] for t, n in zip(trajs, turns, strict=True)]
+    rewards = [[0.0] * (n - 1) + [float(t.reward)] if n else [] for t, n in zip(trajs, turns, strict=True)]
+    row_traj_B = batch.trajectory_rows()
+    reward_J = adv.per_trajectory(batch.reward_B, row_traj_B)
+    group_J = adv.per_trajectory(batch.group_index_B, row_traj_B)
+    adv_JS, _ = adv.gigpo_advantages(reward_J, group_J, hashes, adv.discounted_returns(rewards, gamma),
+                                     omega=omega, scale_by_std=scale_by_std, eps=eps)
+    if adv_JS.shape[1] == 0:
+        return torch.zeros_like(batch.mask_BT)
+    step_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.long)
+    rows = [(i, a) for i, t in enumerate(trajs) for a, _ in (t.segment_bounds() or [(0, len(t))])]
+    width = batch.mask_BT.shape[1]
+    for r, (i, a) in enumerate(rows):
+        for span in trajs[i].pb.spans:
+            lo, hi = max(span.token_start - a, 0), min(span.token_end - a, width)
+            if lo < hi:
+                step_BT[r, lo:hi] = span.turn_index
+    adv_BS = adv_JS[row_traj_B]
+    return adv.expand_steps_to_tokens(adv_BS, step_BT.clamp(max=adv_BS.shape[1] - 1), batch.mask_BT)
+
+
+def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float,
+                  trajs: list[Trajectory] | None = None, omega: float = 1.0, gamma: float = 0.95) -> Tensor:
+    """Per-token advantages of the whole batch (before any split: REINFORCE++ whitens over it).
+    ``gigpo`` needs the `trajs` the batch was built from (their turns and state hashes)."""
+    if kind == "gigpo":
+        if trajs is None:
+            raise ValueError("advantage gigpo needs the batch's trajectories")
+        return gigpo_advantages_BT(batch, trajs, omega=omega, gamma=gamma, scale_by_std=scale_by_std, eps=eps)
     if kind == "reinforce_pp":
         return adv.reinforce_pp_advantages(batch.reward_B, batch.group_index_B, batch.mask_BT, eps=eps,
                                            trajectory_index_B=batch.trajectory_rows())

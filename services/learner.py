@@ -554,7 +554,8 @@ class LearnerService(Service):
             batch = apply_truncation(build_batch(keep, self.pad_id), keep, lc.truncation.policy,
                                      max_length=max_length, cache_length=cache_length)
             adv_BT = advantages_BT(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
-                                   eps=lc.advantage.eps)
+                                   eps=lc.advantage.eps, trajs=keep, omega=lc.advantage.gigpo_omega,
+                                   gamma=lc.advantage.gigpo_gamma)
             engine = self._engine()
             model = engine.module
             model.train()

@@ -315,8 +315,13 @@ class ServiceReplicas(_Strict):
 
 
 class AdvantageConfig(_Strict):
-    type: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Estimator: GRPO (group mean, optional std scaling), Dr.GRPO (no std, no length norm), RLOO (leave-one-out baseline) or REINFORCE++ with a group baseline (learner/advantages.py)."""
+    type: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gigpo"] = "grpo"
+    """Estimator: GRPO (group mean, optional std scaling), Dr.GRPO (no std, no length norm), RLOO (leave-one-out baseline), REINFORCE++ with a group baseline, or GiGPO (episode groups plus anchor-state step groups from the environments' state hashes; learner/advantages.py)."""
+    gigpo_omega: float = Field(1.0, ge=0)
+    """GiGPO: weight ω of the step-level (anchor-state) advantage added to the episode's."""
+    gigpo_gamma: float = Field(0.95, ge=0, le=1)
+    """GiGPO: discount of the step returns compared within an anchor-state group (the episode's
+    reward sits on its last step)."""
     scale_by_std: bool = True
     """GRPO only: divide by the group std (needs group_size > 1)."""
     eps: float = Field(1e-6, gt=0)
@@ -673,7 +678,7 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         adv = self.learner.advantage
-        if adv.type == "grpo" and adv.scale_by_std and self.tasks.group_size < 2:
+        if adv.type in ("grpo", "gigpo") and adv.scale_by_std and self.tasks.group_size < 2:
             raise ValueError(
                 "learner.advantage: GRPO std scaling needs tasks.group_size >= 2 "
                 "(set group_size >= 2 or advantage.scale_by_std: false)"
