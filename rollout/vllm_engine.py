@@ -87,6 +87,10 @@ class VLLMEngineConfig(HttpEngineConfig):
     send_seed: bool = True
     """Send each trajectory's sampling seed as vLLM's per-request ``seed`` (per-trajectory
     reproducible sampling). Turn off for a server at `url` that runs with chunked prefill."""
+    compile: bool = True
+    """Let a started server compile the model (vLLM's default: torch.compile with inductor; on CPU
+    one to two minutes of start-up, more on a busy machine). False passes ``-O0``: eager execution,
+    the same model and sampler code, a start-up of seconds (the test suite's servers)."""
     extra_args: list[str] = Field(default_factory=list)
     """Further command-line arguments of a started server (e.g. ``["--max-num-seqs", "64"]``)."""
 
@@ -114,6 +118,8 @@ def server_command(cfg: VLLMEngineConfig, model_path: str, port: int, *, python:
            "--served-model-name", "policy", "--disable-uvicorn-access-log"]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if not cfg.compile:
+        cmd += ["-O0"]
     return cmd + list(cfg.extra_args)
 
 

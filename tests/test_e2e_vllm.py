@@ -44,7 +44,7 @@ def test_mesh_trains_on_vllm_with_exact_accounting(tmp_path: Path) -> None:
         "tasks.group_size": 4, "tasks.heldout_size": 20, "tasks.train_size": 300,
         "tasks.sampling.max_new_tokens": 6,
         "rollout.replicas": 1, "rollout.concurrent_tasks": 4, "grader.replicas": 1,
-        "rollout.engine.type": "vllm", "rollout.engine.python": str(python),
+        "rollout.engine.type": "vllm", "rollout.engine.python": str(python), "rollout.engine.compile": False,
         "learner.engine.type": "torch", "learner.batch_groups": 3, "learner.max_steps": STEPS,
         "learner.checkpoint_every": 100,
     })

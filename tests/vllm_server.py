@@ -38,6 +38,7 @@ class VLLMServer:
     """One started server: ``url``, ``proc``, its log, and how long it took to become healthy."""
 
     def __init__(self, model: str, log_path: Path, **cfg: object) -> None:
+        cfg.setdefault("compile", False)  # eager: a start-up of seconds, not minutes of inductor
         self.cfg = VLLMEngineConfig(python=str(require_vllm()), **cfg)  # type: ignore[arg-type]
         self.model, self.log_path = model, log_path
         port = free_port()
