@@ -215,7 +215,7 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
     assert total - injected_quarantined == acct["admitted"], json.dumps(acct)
     # Under the gate the learner's consume-time check stays quiet: nothing quarantined as stale.
     # (The lag bound above holds by construction; this is what the gate itself must achieve.)
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)
 
 
 def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model_dir: str) -> None:
@@ -243,7 +243,7 @@ def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model
     assert [m["version"] for m in steps] == [1, 2, 3]
     assert all(m["max_token_lag"] == 0 for m in steps)
     assert all(m["trajectories_trained"] > 0 for m in steps)
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)
     rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
     graded = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
 

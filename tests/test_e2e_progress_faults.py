@@ -295,7 +295,7 @@ def _run_with_faults(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyP
         mesh.stop_infra()
     assert left == 0, f"{left} trajectories still in flight at stop"
     assert not any(k.startswith("in_flight_at_stop") for k in acct["by_reason"]), acct["by_reason"]
-    check_no_stale(acct)
+    check_no_stale(acct, cfg.run_dir)
     assert not processes_marked(mark), processes_marked(mark)
     print(f"{s_per_step:.2f} s/step before the faults; {'; '.join(notes)}; restarts {mesh.restarts}; "
           f"outcomes {acct['by_reason']}")
