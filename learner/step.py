@@ -236,16 +236,23 @@ def gigpo_advantages_BT(batch: Batch, trajs: list[Trajectory], *, omega: float, 
     """GiGPO per token (:func:`trajmesh.learner.advantages.gigpo_advantages`) for a batch built from
     `trajs` by :func:`build_batch`. A trajectory's steps are its turns (its spans' ``turn_index``);
     step k's anchor state is ``state_hashes[k]``, the environment's state before turn k (a step with
-    no hash gets a key of its own: a singleton, A^S = 0). The episode's reward sits on its last
-    step; the step returns are discounted by `gamma`. Every action token gets its turn's advantage,
-    each segment row its trajectory's."""
+    no hash gets a key of its own: a singleton, A^S = 0). Step k's reward is the environment's
+    ``step_rewards[k]`` (0 where there is none), plus the batch's reward of the trajectory (the
+    graded one, after any truncation shaping) on its last step; the step returns are discounted by
+    `gamma`. The episode-level part is GRPO on the batch's rewards. Every action token gets its
+    turn's advantage, each segment row its trajectory's."""
     turns = [t.num_turns for t in trajs]
     hashes = [[(t.pb.state_hashes[k] if k < len(t.pb.state_hashes) and t.pb.state_hashes[k]
                 else f"\x00{t.trajectory_id}:{k}") for k in range(n)] for t, n in zip(trajs, turns, strict=True)]
-    rewards = [[0.0] * (n - 1) + [float(t.reward)] if n else [] for t, n in zip(trajs, turns, strict=True)]
     row_traj_B = batch.trajectory_rows()
     reward_J = adv.per_trajectory(batch.reward_B, row_traj_B)
     group_J = adv.per_trajectory(batch.group_index_B, row_traj_B)
+    rewards = []
+    for j, (t, n) in enumerate(zip(trajs, turns, strict=True)):
+        env_r = [float(t.pb.step_rewards[k]) if k < len(t.pb.step_rewards) else 0.0 for k in range(n)]
+        if n:
+            env_r[-1] += float(reward_J[j])
+        rewards.append(env_r)
     adv_JS, _ = adv.gigpo_advantages(reward_J, group_J, hashes, adv.discounted_returns(rewards, gamma),
                                      omega=omega, scale_by_std=scale_by_std, eps=eps)
     if adv_JS.shape[1] == 0:

@@ -428,6 +428,7 @@ class RolloutService(Service):
                     span = traj.append_sampled(ids, logps, versions, action_type=kind, turn_index=turn)
                     _record_tool_call(traj, span.span_id, info)
                 traj.pb.state_hashes.append(step.state_hash)
+                traj.pb.step_rewards.append(step.reward)
                 if step.done:
                     closed = True
                     reason = trajectory_pb2.TerminalReason.Value(self.format.end_reason(ids, info))

@@ -41,6 +41,7 @@ def _play(task: dict, actions: list[str], n: int) -> tuple[Trajectory, list[str]
     for k, action in enumerate(actions):
         t.append_sampled([3 + k, 4 + k, 5 + k], [-1.0, -1.0, -1.0], 0, turn_index=k)
         res = env.step(action)
+        t.pb.step_rewards.append(res.reward)  # as services/rollout.py carries StepResponse.reward
         if res.done:
             break
         t.append_observation([20, 21])
@@ -48,6 +49,32 @@ def _play(task: dict, actions: list[str], n: int) -> tuple[Trajectory, list[str]
     t.finish(trajectory_pb2.ENV_DONE)
     t.set_reward(1.0 if env.state_hash() == task["answer"] else 0.0)
     return t, list(t.pb.state_hashes)
+
+
+def _expected(hashes: list[list[str]], rewards: list[float], step_rewards: list[list[float]]) -> list[list[float]]:
+    """GiGPO by hand: step k's reward is the environment's plus, on the last step, the episode's;
+    returns discounted back; anchor groups by state hash (one group id here)."""
+    returns = []
+    for r, env in zip(rewards, step_rewards, strict=True):
+        step_r = [*env[:-1], env[-1] + r]
+        returns.append([sum(GAMMA ** (u - k) * step_r[u] for u in range(k, len(step_r))) for k in range(len(step_r))])
+    members: dict[str, list[float]] = {}
+    for hs, rs in zip(hashes, returns, strict=True):
+        for h, g in zip(hs, rs, strict=True):
+            members.setdefault(h, []).append(g)
+    episode = [_relative(r, rewards) for r in rewards]
+    return [[episode[i] + OMEGA * _relative(g, members[h]) for h, g in zip(hashes[i], returns[i], strict=True)]
+            for i in range(len(rewards))]
+
+
+def _check(trajs: list[Trajectory], adv_BT: torch.Tensor, expected: list[list[float]]) -> None:
+    for i, t in enumerate(trajs):
+        for span in t.pb.spans:
+            got = adv_BT[i, span.token_start:span.token_end].tolist()
+            if span.action_type in (trajectory_pb2.PROMPT, trajectory_pb2.OBSERVATION):
+                assert not any(got)
+            else:
+                assert got == pytest.approx([expected[i][span.turn_index]] * 3, rel=1e-5, abs=1e-6), (i, span)
 
 
 def _relative(x: float, group: list[float]) -> float:
@@ -70,26 +97,11 @@ def test_gigpo_on_workplace_state_hashes_gives_step_advantages_where_anchor_stat
     rewards = [t.reward for t in trajs]
     assert rewards == [1.0, 1.0, 0.0, 0.0]
 
-    # By hand: the reward on each episode's last turn, discounted back; anchor groups by state.
-    turns = [len(a) for a in EPISODES]
-    returns = [[GAMMA ** (n - 1 - k) * r for k in range(n)] for n, r in zip(turns, rewards, strict=True)]
-    members: dict[str, list[float]] = {}
-    for hs, rs in zip(hashes, returns, strict=True):
-        for h, g in zip(hs, rs, strict=True):
-            members.setdefault(h, []).append(g)
+    assert [list(t.pb.step_rewards) for t in trajs] == [[0.0] * len(a) for a in EPISODES]  # workplace: 0 a step
     episode = [_relative(r, rewards) for r in rewards]
-    expected = [[episode[i] + OMEGA * _relative(g, members[h]) for h, g in zip(hashes[i], returns[i], strict=True)]
-                for i in range(4)]
-
     batch = step.build_batch(trajs, pad_id=0)
     adv_BT = step.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
-    for i, t in enumerate(trajs):
-        for span in t.pb.spans:
-            if span.action_type == trajectory_pb2.PROMPT or span.action_type == trajectory_pb2.OBSERVATION:
-                assert not adv_BT[i, span.token_start:span.token_end].any()
-                continue
-            got = adv_BT[i, span.token_start:span.token_end].tolist()
-            assert got == pytest.approx([expected[i][span.turn_index]] * 3, rel=1e-5, abs=1e-6), (i, span.turn_index)
+    _check(trajs, adv_BT, _expected(hashes, rewards, [[0.0] * len(a) for a in EPISODES]))
     # Where the initial state repeats (six steps of four episodes) the step advantage moves the
     # episode's; where a state's returns all agree (s1) or it is seen once (the wrong update's) it
     # does not.
@@ -129,3 +141,42 @@ def test_a_learner_step_trains_with_gigpo(tmp_path: Path) -> None:
     assert got == pytest.approx(float(adv_BT[on].abs().mean()), rel=1e-5)
     grpo = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=EPS)
     assert got != pytest.approx(float(grpo[on].abs().mean()), rel=1e-3)  # not the episode-level figure
+
+
+def test_gigpo_step_returns_take_the_environments_step_rewards() -> None:
+    """An environment reward on a step (here 0.5 on episode 2's lookup, 0.25 on episode 3's wrong
+    update) enters that step's return and the returns before it; the episode-level part is
+    unchanged."""
+    task = make_tasks(0, 1)[0]
+    played = [_play(task, actions, n) for n, actions in enumerate(EPISODES)]
+    trajs = [t for t, _ in played]
+    trajs[2].pb.step_rewards[0] = 0.5
+    trajs[3].pb.step_rewards[0] = 0.25
+    env = [list(t.pb.step_rewards) for t in trajs]
+    batch = step.build_batch(trajs, pad_id=0)
+    adv_BT = step.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
+    expected = _expected([h for _, h in played], [t.reward for t in trajs], env)
+    _check(trajs, adv_BT, expected)
+    without = _expected([h for _, h in played], [t.reward for t in trajs], [[0.0] * len(e) for e in env])
+    assert expected[1][0] != pytest.approx(without[1][0])  # the anchor group of s0 saw the new returns
+
+
+def test_step_rewards_are_archived() -> None:
+    """The store's archive row carries a trajectory's step rewards (an old part reads them as null)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from trajmesh.services.store.archive import ArchiveWriter, final_outcomes, read_archive
+    from trajmesh.services.store.service import TrajectoryStore
+
+    task = make_tasks(0, 1)[0]
+    t, _ = _play(task, EPISODES[1], 0)
+    t.pb.step_rewards[1] = 0.75
+    with tempfile.TemporaryDirectory() as d:
+        writer = ArchiveWriter(d, writer="store0")
+        TrajectoryStore._archive(SimpleNamespace(w=SimpleNamespace(archive=writer)), t, "trained", "")  # type: ignore[arg-type]
+        writer.append(trajectory_id="bare", outcome="filtered")
+        writer.close()
+        rows = final_outcomes(read_archive(d))
+    assert rows["e0"]["step_rewards"] == [0.0, 0.75, 0.0]
+    assert rows["bare"]["step_rewards"] is None

@@ -44,6 +44,7 @@ SCHEMA = pa.schema(
         ("behavior_versions", pa.list_(pa.int64())),
         ("behavior_logprobs", pa.list_(pa.float32())),
         ("sequence_starts", pa.list_(pa.int64())),
+        ("step_rewards", pa.list_(pa.float64())),
         ("payload_sha256", pa.string()),
     ]
 )
@@ -99,11 +100,12 @@ class ArchiveWriter:
 
 _LIST_COLUMNS: dict[str, Any] = {
     "token_ids": np.uint32, "loss_mask": np.uint8, "behavior_versions": np.int64, "behavior_logprobs": np.float32,
-    "sequence_starts": np.int64,
+    "sequence_starts": np.int64, "step_rewards": np.float64,
 }
 """``sequence_starts``: where each of a segmented trajectory's sequences starts in ``token_ids``
 (an agent's calls that do not extend one another, one training row each); empty for one sequence.
-Parts written before the column existed read it as null."""
+``step_rewards``: the environment's reward of each step, in turn order (empty: none stepped).
+Parts written before a column existed read it as null."""
 
 
 def _to_table(rows: list[dict[str, Any]]) -> pa.Table:

@@ -634,7 +634,7 @@ class TrajectoryStore(Service):
             learner_version=learner_version, num_tokens=len(pb.token_ids), num_action_tokens=int(mask_T.sum()),
             token_ids=traj.token_ids_T, loss_mask=np.minimum(mask_T, 255),
             behavior_versions=traj.behavior_versions_T, behavior_logprobs=traj.behavior_logprobs_T,
-            sequence_starts=list(pb.sequence_starts),
+            sequence_starts=list(pb.sequence_starts), step_rewards=list(pb.step_rewards),
         )
 
     def _quarantine_bytes(self, data: bytes, reason: str, detail: str) -> None:
