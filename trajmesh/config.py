@@ -562,6 +562,12 @@ class StoreConfig(_Strict):
     intake_ack_wait_s: float = Field(30.0, gt=0)
     """Seconds before an unacked graded trajectory is redelivered (the store heartbeats the ones it
     holds; a dead store's come back to its successor)."""
+    straggler_slack_s: float = Field(30.0, ge=0)
+    """Seconds, beyond the slowest redelivery (the longest ack wait on a trajectory's way), that the
+    learner is held for a due straggler (a group that after this step could only be trained stale):
+    time for the redelivered work to be done again — a restarted service's start, a queue ahead of
+    it on a busy machine. Past it the learner goes on and the straggler's members that come back
+    too stale are cut (`filtered:stale_on_arrival`)."""
 
 
 class DemoModelConfig(_Strict):
@@ -590,12 +596,6 @@ class ModelConfig(_Strict):
 
 class EvalConfig(_Strict):
     """Held-out evaluation protocol (recorded in the manifest) and the held-out early stop.
-    straggler_slack_s: float = Field(30.0, ge=0)
-    """Seconds, beyond the slowest redelivery (the longest ack wait on a trajectory's way), that the
-    learner is held for a due straggler (a group that after this step could only be trained stale):
-    time for the redelivered work to be done again — a restarted service's start, a queue ahead of
-    it on a busy machine. Past it the learner goes on and the straggler's members that come back
-    too stale are cut (`filtered:stale_on_arrival`)."""
 
     Every source is evaluated on its own `tasks.heldout_size` problems, through its environment and
     scored by its own grader, greedy and sampled (learner/evaluate.py, docs/WATCHING.md)."""
