@@ -9,6 +9,10 @@ peak is the largest layer, never the whole model::
 
     header (names, dtypes, shapes, offsets: known before any gather)
     for each module: gather its parameters ─▶ bytes ─▶ file + sha256 ─▶ release
+
+With a `trajmesh.weight_sync.DeltaWriter` (``weights.sync: delta``) the same bytes go to it instead:
+it writes only what changed since the last version it committed (and a full anchor now and then),
+plus a manifest of per-tensor checksums; the sha256 returned is still that of the full file.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch import nn
 
 from trajmesh.rollout.hf_model import dtype_kwarg
+from trajmesh.weight_sync import DeltaWriter
 
 __all__ = ["SAFETENSORS_NAME", "export_policy", "sha256_file"]
 
@@ -90,12 +95,15 @@ def _module_runs(entries: list[tuple[str, nn.Module, str, torch.Tensor]]) -> Ite
 
 
 def export_policy(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
-                  zero3: bool = False, write: bool = True) -> str | None:
+                  zero3: bool = False, write: bool = True, delta: DeltaWriter | None = None,
+                  version: int = 0) -> str | None:
     """Write ``model.safetensors`` + ``config.json`` (+ generation config) of the HF `model` into
     `out_dir`; returns the safetensors file's sha256 (None where ``write`` is False).
 
     ``dtype``: floating tensors are cast to it (the training dtype), others kept. Under ``zero3``
     every rank must call this (the per-module gathers are collective), with ``write`` on one rank.
+    ``delta``: the tensors go to it (as policy `version`) instead of a full file; the caller
+    commits it once `out_dir` is in place (``DeltaWriter.commit``).
     """
     entries = _entries(model)
     sha = hashlib.sha256()
@@ -103,25 +111,36 @@ def export_policy(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: t
     fh = None
     if write:
         out.mkdir(parents=True, exist_ok=True)
-        fh = open(out / SAFETENSORS_NAME, "wb")  # noqa: SIM115 - closed in finally
         header = _header(entries, dtype)
-        fh.write(header)
-        sha.update(header)
+        if delta is not None:
+            delta.begin(out, header, version)
+        else:
+            fh = open(out / SAFETENSORS_NAME, "wb")  # noqa: SIM115 - closed in finally
+            fh.write(header)
+            sha.update(header)
     try:
         for run in _module_runs(entries):
             with _gathered(run[0][1], zero3):
-                for _, module, attr, _ in run:
+                for name, module, attr, _ in run:
                     t = getattr(module, attr).detach()
                     t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-                    if fh is not None:
+                    if write:
                         data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-                        fh.write(data)
-                        sha.update(data)
+                        if delta is not None:
+                            delta.add(name, data, _DTYPES[t.dtype])
+                        elif fh is not None:
+                            fh.write(data)
+                            sha.update(data)
+    except BaseException:
+        if write and delta is not None:
+            delta.abort()
+        raise
     finally:
         if fh is not None:
             fh.close()
     if not write:
         return None
+    digest = delta.finish() if delta is not None else sha.hexdigest()
     hf_config: Any = model.config  # a PretrainedConfig (nn.Module's typing says Tensor | Module)
     config = copy.deepcopy(hf_config)
     if dtype is not None:  # the dtype the weights are stored in, as from_pretrained(dtype="auto") reads it
@@ -131,7 +150,7 @@ def export_policy(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: t
     if generation_config is not None:
         with contextlib.suppress(Exception):  # a model without generation defaults has nothing to save
             generation_config.save_pretrained(str(out))
-    return sha.hexdigest()
+    return digest
 
 
 def sha256_file(path: str | os.PathLike[str], block: int = 1 << 20) -> str:

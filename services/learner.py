@@ -72,6 +72,7 @@ from trajmesh.stopgates import (
     write_stop_reason,
 )
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+from trajmesh.weight_sync import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
 
 log = logging.getLogger("trajmesh.learner")
 
@@ -170,6 +171,8 @@ class LearnerService(Service):
         """The frozen reference policy (`learner.reference.enabled`; None: off)."""
         self.tracker = HeldoutTracker(self.cfg.eval.stop_regression_margin, self.cfg.eval.stop_confirmations)
         """Leader: the best held-out score and the regression count, from the EVAL records."""
+        self.delta = DeltaWriter(self.cfg.weights.anchor_every) if self.cfg.weights.sync == "delta" else None
+        """Leader, ``weights.sync: delta``: the last published version's bytes, the next delta's base."""
         self.regression: dict[str, Any] | None = None
         """Leader: the stop record of a confirmed held-out regression (None: none); the step loop
         stops on it."""
@@ -404,8 +407,12 @@ class LearnerService(Service):
         try:
             if not dirs:
                 raise FileNotFoundError(f"no weights dir of v{version}")
-            self.tracker.best["path"] = str(keep_best(self.run_dir, dirs[-1]))
-        except OSError as exc:  # pruned before its evaluation arrived
+            if is_delta_dir(dirs[-1]):  # weights.sync delta: the full checkpoint, rebuilt
+                reconstruct(dirs[-1], self.run_dir / "best")
+                self.tracker.best["path"] = str(self.run_dir / "best")
+            else:
+                self.tracker.best["path"] = str(keep_best(self.run_dir, dirs[-1]))
+        except (OSError, WeightSyncError) as exc:  # pruned before its evaluation arrived
             log.warning("best held-out version v%d not kept as %s/best: %s", version, self.run_dir, exc)
 
     async def _stop_on_regression(self) -> None:
@@ -653,22 +660,29 @@ class LearnerService(Service):
         tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         # Streamed in the training dtype, hashed while written, ZeRO-3 gathered module by module.
+        # weights.sync delta: only what changed since the last version (self.delta keeps its bytes).
         sha = export_policy(policy_of(self._engine().model), tmp, zero3=self.cfg.learner.engine.zero_stage == 3,
-                            dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32)
+                            dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
+                            delta=self.delta, version=version)
         assert sha is not None
-        (tmp / "model.safetensors.sha256").write_text(sha + "\n")
-        base = Path(self.cfg.model.path)  # type: ignore[arg-type]
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (base / name).exists():
-                shutil.copy(base / name, tmp / name)
-        os.replace(tmp, final)
-        # Rollout may still be loading recent versions: keep the newest few, and anything younger
-        # than a grace period (a late joiner may be loading the announced one on a busy machine).
-        keep = 2 * (self.cfg.effective_eta + 2)
-        now = time.time()
-        for old in sorted(root.glob("v*"))[:-keep]:
-            if now - old.stat().st_mtime > WEIGHTS_GRACE_S:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            (tmp / "model.safetensors.sha256").write_text(sha + "\n")
+            base = Path(self.cfg.model.path)  # type: ignore[arg-type]
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (base / name).exists():
+                    shutil.copy(base / name, tmp / name)
+            os.replace(tmp, final)
+        except BaseException:
+            if self.delta is not None:
+                self.delta.abort()  # not in place: the next version is an anchor
+            raise
+        if self.delta is not None:
+            self.delta.commit(final.name)
+        # Rollout may still be loading recent versions: keep the newest few with the anchor and
+        # deltas each is rebuilt from, and anything younger than a grace period (a late joiner may
+        # be loading the announced one on a busy machine).
+        for old in prunable(root, keep=2 * (self.cfg.effective_eta + 2), grace_s=WEIGHTS_GRACE_S):
+            shutil.rmtree(old, ignore_errors=True)
         return final
 
     async def _announce(self, version: int, path: str) -> None:

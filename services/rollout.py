@@ -2,7 +2,7 @@
 
 ::
 
-    WEIGHTS KV ──▶ weights_loop ── pause engine ── /update_weights_from_disk ── continue
+    WEIGHTS KV ──▶ weights_loop ── [delta: rebuild on local disk] ── pause engine ── /update_weights_from_disk ── continue
                                         │ in-flight requests return partial output (abort)
                                         ▼                       and are resubmitted after the load
     TASKS ──▶ task_loop ──▶ run_task (G samples) ──▶ run_episode ── env Reset/Step (gRPC, sticky)
@@ -25,8 +25,10 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ from trajmesh.rollout.generation import (
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 from trajmesh.service import Service, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+from trajmesh.weight_sync import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
 
 log = logging.getLogger("trajmesh.rollout")
 
@@ -118,6 +121,9 @@ class RolloutService(Service):
         self.agents: Any = None
         """Runs external agents through the agent endpoint (set by the hook that serves it; None: none)."""
         self.episode_runners: dict[str, str] = plugins.rollout_episodes()
+        local = self.cfg.weights.local_dir or Path(tempfile.gettempdir()) / "trajmesh-weights"
+        self.local_weights = LocalWeights(Path(local) / self.worker_id)
+        """``weights.sync: delta``: the checkpoints rebuilt on this process's disk (deleted at stop)."""
         """Environment key -> "module:function" that runs its episodes instead of the environment
         loop (`SourcePlugin.rollout_episodes`, over every registered source)."""
 
@@ -225,6 +231,7 @@ class RolloutService(Service):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.local_weights.local_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ weights
     async def weights_loop(self) -> None:
@@ -247,14 +254,23 @@ class RolloutService(Service):
         await supervise(watch(), load())
 
     async def _load_weights(self, ann: trajectory_pb2.WeightsAnnouncement) -> None:
-        """Pause (in-flight generations return partial output and wait on `pause.ready`), load,
-        continue; they resubmit prompt + partial output under the new version."""
+        """Rebuild a delta version on local disk (generation goes on meanwhile), then pause
+        (in-flight generations return partial output and wait on `pause.ready`), load, continue;
+        they resubmit prompt + partial output under the new version."""
         start = time.perf_counter()
+        try:
+            path = await self._checkpoint_dir(ann)
+        except WeightSyncError as exc:
+            # Its anchor path failed too (or ran past the deadline): the engine keeps its weights;
+            # the next version is tried from scratch (a new anchor heals a broken delta chain).
+            WEIGHT_UPDATE_FAILURES.inc()
+            log.error("could not rebuild weights v%d: %s; waiting for the next version", ann.version, exc)
+            return
         self.pause.pause()
         engine = self._live_engine()
         await engine.pause()
         try:
-            await engine.update_weights_from_disk(ann.path, int(ann.version))
+            await engine.update_weights_from_disk(path, int(ann.version))
         except EngineError as exc:
             # E.g. the learner pruned that version before we got to it: a newer announcement
             # follows; the per-token lag check bounds what the old weights sample meanwhile.
@@ -263,6 +279,7 @@ class RolloutService(Service):
             await engine.resume()
             self.pause.resume()
             return
+        self.local_weights.loaded(path)
         self.version = int(ann.version)
         async with self.version_changed:
             self.version_changed.notify_all()
@@ -272,6 +289,20 @@ class RolloutService(Service):
         WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - start)
         POLICY_VERSION.set(self.version)
         log.info("loaded weights v%d", self.version)
+
+    async def _checkpoint_dir(self, ann: trajectory_pb2.WeightsAnnouncement) -> str:
+        """The directory the engine loads for `ann`: the announced one, or, for a delta version
+        (``weights.sync: delta``), its checked rebuild on local disk (trajmesh/weight_sync.py).
+        Raises `WeightSyncTimeout`, naming what it waited for, after ``weights.sync_timeout_s``."""
+        if not is_delta_dir(ann.path):
+            return ann.path
+        timeout_s = self.cfg.weights.sync_timeout_s
+        work = asyncio.ensure_future(asyncio.to_thread(self.local_weights.prepare, ann.path, ann.sha256))
+        try:
+            return str(await asyncio.wait_for(asyncio.shield(work), timeout_s))
+        except asyncio.TimeoutError:
+            raise WeightSyncTimeout(f"weights v{ann.version} not rebuilt after {timeout_s:.0f}s: waiting on "
+                                    f"{self.local_weights.waiting_on()}") from None
 
     # ------------------------------------------------------------------ tasks
     async def task_loop(self) -> None:

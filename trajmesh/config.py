@@ -638,6 +638,27 @@ class EvalConfig(_Strict):
     they are free; in a pod of its own it changes nothing."""
 
 
+class WeightsConfig(_Strict):
+    """How the learner's weights reach the engines (trajmesh/weight_sync.py, docs/ARCHITECTURE.md "Weights")."""
+
+    sync: Literal["full", "delta"] = "full"
+    """full: every version is a full safetensors checkpoint on the shared volume, which each engine
+    loads as it is. delta: per version only the tensors whose bytes changed (XOR or sparse + zstd)
+    and a manifest of per-tensor sha256s, with a full anchor every `anchor_every` versions; each
+    rollout (and the evaluator) rebuilds the full checkpoint in `local_dir`, checks every checksum
+    and points its engine there."""
+    anchor_every: int = Field(10, ge=1)
+    """delta: a full checkpoint every this many versions (and the learner's first one after a
+    start); a pod that joins late or missed versions rebuilds from the newest anchor + its deltas."""
+    local_dir: str | None = None
+    """delta: where a rollout rebuilds checkpoints (one or two at a time); None: a directory per
+    process under the system temp dir. An engine in another container (SGLang, vLLM on a cluster)
+    must see this path (docs/KUBERNETES.md)."""
+    sync_timeout_s: float = Field(600.0, gt=0)
+    """delta: a rebuild still running after this many seconds fails that weight update (an error
+    naming the file it waits for); the engine keeps the weights it has."""
+
+
 class RunConfig(_Strict):
     run_dir: str = "runs/demo"
     """Where the manifest, metrics, archive, checkpoints and weights go."""
@@ -669,6 +690,8 @@ class RunConfig(_Strict):
     """The learner: optimizer, advantage, objective, stop gates."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation protocol, checkpoint choice and the held-out regression stop."""
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    """How published weights reach the engines: full checkpoints or deltas."""
 
     @model_validator(mode="before")
     @classmethod

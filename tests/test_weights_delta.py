@@ -1,0 +1,231 @@
+"""Delta weight sync (trajmesh/weight_sync.py): the learner writes only what changed plus anchors;
+a rollout rebuilds every version bitwise from its local copy or the anchor, checks every checksum,
+falls back to the anchor on a bad delta (counted), catches up late, and retention keeps what a pod
+needs. Real files, a real tiny model trained with real AdamW steps at an RL learning rate; the
+expected bytes are those of the full export (``weights.sync: full``)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from tiny_llama import tiny_llama
+
+from trajmesh.config import load_config
+from trajmesh.learner.weights import export_policy
+from trajmesh.services.rollout import RolloutService
+from trajmesh.v1 import trajectory_pb2
+from trajmesh.weight_sync import (
+    DELTA_NAME,
+    MANIFEST_NAME,
+    SAFETENSORS_NAME,
+    DeltaWriter,
+    LocalWeights,
+    WeightSyncError,
+    WeightSyncTimeout,
+    apply_delta,
+    encode_delta,
+    prunable,
+)
+
+FALLBACKS = "trajmesh_rollout_weight_anchor_fallback_updates_total"
+VERSIONS = 6
+ANCHOR_EVERY = 3  # anchors: v1, v4
+
+
+def _fallbacks() -> float:
+    return REGISTRY.get_sample_value(FALLBACKS) or 0.0
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _train_and_publish(root: Path, versions: int = VERSIONS, anchor_every: int = ANCHOR_EVERY) -> dict[int, Path]:
+    """Real AdamW steps (lr 1e-5) on a tiny Llama; after each, the full export (the expected bytes,
+    in root/full/v{n}) and the delta publish into root/weights as the learner does (temp dir,
+    rename, commit). Returns the published directory per version."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    writer = DeltaWriter(anchor_every)
+    dirs: dict[int, Path] = {}
+    (root / "weights").mkdir(parents=True)
+    for v in range(1, versions + 1):
+        ids = torch.randint(0, 30, (4, 12))
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        export_policy(model, root / "full" / f"v{v}", dtype=torch.bfloat16)
+        tmp = root / "weights" / f".v{v:06d}.tmp"
+        sha = export_policy(model, tmp, dtype=torch.bfloat16, delta=writer, version=v)
+        assert sha == _sha(root / "full" / f"v{v}" / SAFETENSORS_NAME)
+        final = root / "weights" / f"v{v:06d}-{v}"
+        os.replace(tmp, final)
+        writer.commit(final.name)
+        dirs[v] = final
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Path]]:
+    root = tmp_path_factory.mktemp("delta")
+    return root, _train_and_publish(root)
+
+
+def _copy(published: tuple[Path, dict[int, Path]], dest: Path) -> dict[int, Path]:
+    """A private copy of the published weights dir (a test may corrupt or prune it)."""
+    root, dirs = published
+    shutil.copytree(root / "weights", dest)
+    return {v: dest / d.name for v, d in dirs.items()}
+
+
+def test_encodings_round_trip_and_the_smaller_one_is_picked() -> None:
+    """20 of 2**20 elements changed: indices + values (~120 bytes) beat 2 MiB of XOR zeros through
+    zstd; every element changed: the XOR blob is smaller than 6 bytes an element."""
+    rng = np.random.default_rng(0)
+    old = rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint16)
+    few = old.copy()
+    few[rng.choice(old.size, 20, replace=False)] ^= 3
+    every = old ^ rng.integers(1, 8, old.size, dtype=np.uint16)
+    for new, want in ((few, "sparse_zstd"), (every, "xor_zstd")):
+        enc, blob = encode_delta(new.view(np.uint8), old.view(np.uint8), "BF16")
+        assert enc == want
+        assert np.array_equal(apply_delta(old.view(np.uint8), enc, blob, "BF16"), new.view(np.uint8))
+    assert len(encode_delta(few.view(np.uint8), old.view(np.uint8), "BF16")[1]) < 200
+
+
+def test_delta_sync_rebuilds_every_version_bitwise(published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    """A pod following every version rebuilds each from its previous local copy; the file is the
+    full export's, byte for byte, the delta versions hold no full file and their weight bytes are a
+    fraction of it, and the torch engine loads the rebuilt checkpoint with the learner's tensors."""
+    root, dirs = published
+    pod = LocalWeights(tmp_path / "local")
+    before = _fallbacks()
+    for v, d in dirs.items():
+        expected = root / "full" / f"v{v}" / SAFETENSORS_NAME
+        out = pod.prepare(d, sha256=_sha(expected))
+        assert (out / SAFETENSORS_NAME).read_bytes() == expected.read_bytes(), f"v{v}"
+        assert out.parent == tmp_path / "local" and (out / "config.json").is_file()
+        pod.loaded(out)
+        assert [p.name for p in (tmp_path / "local").iterdir()] == [d.name]  # older local copies deleted
+        anchor = v in (1, 4)
+        assert (d / SAFETENSORS_NAME).exists() == anchor
+        if not anchor:
+            assert (d / DELTA_NAME).stat().st_size < 0.5 * expected.stat().st_size
+    assert _fallbacks() == before
+    from safetensors.torch import load_file
+
+    from trajmesh.rollout.engine_server import stored_dtype
+    from trajmesh.rollout.hf_model import load_causal_lm
+
+    # The torch engine's load (load_served_model without the tokenizer this model has none of).
+    engine_model = load_causal_lm(str(out), dtype=stored_dtype(out), attn_implementation="eager")
+    want = load_file(str(root / "full" / f"v{VERSIONS}" / SAFETENSORS_NAME))
+    got = engine_model.state_dict()
+    assert all(torch.equal(got[k], t) for k, t in want.items())
+
+
+def test_a_corrupted_delta_falls_back_to_the_anchor_and_is_counted(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    root, _ = published
+    dirs = _copy(published, tmp_path / "weights")
+    pod = LocalWeights(tmp_path / "local")
+    pod.loaded(pod.prepare(dirs[3]))
+    # v4 is an anchor that also carries its delta against v3: the pod at v3 reads that delta.
+    blob = bytearray((dirs[4] / DELTA_NAME).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (dirs[4] / DELTA_NAME).write_bytes(bytes(blob))
+    before = _fallbacks()
+    out = pod.prepare(dirs[5])
+    assert _fallbacks() == before + 1
+    assert (out / SAFETENSORS_NAME).read_bytes() == (root / "full" / "v5" / SAFETENSORS_NAME).read_bytes()
+    pod.loaded(out)
+    # A delta missing where the pod's only path needs it: counted, then a loud error naming it.
+    (dirs[6] / DELTA_NAME).unlink()
+    with pytest.raises(WeightSyncError, match=DELTA_NAME):
+        pod.prepare(dirs[6])
+    assert _fallbacks() == before + 2
+    assert pod.current == (dirs[5].name, 5)  # the engine's copy stays the base
+
+
+def test_a_corrupted_local_copy_is_rebuilt_from_the_anchor(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    root, dirs = published
+    pod = LocalWeights(tmp_path / "local")
+    out = pod.prepare(dirs[1])
+    pod.loaded(out)
+    local = bytearray((out / SAFETENSORS_NAME).read_bytes())
+    local[-3] ^= 0x01  # one bit of the last tensor on the pod's disk
+    (out / SAFETENSORS_NAME).write_bytes(bytes(local))
+    before = _fallbacks()
+    rebuilt = pod.prepare(dirs[2])
+    assert _fallbacks() == before + 1
+    assert (rebuilt / SAFETENSORS_NAME).read_bytes() == (root / "full" / "v2" / SAFETENSORS_NAME).read_bytes()
+
+
+def test_a_late_joiner_and_a_pod_that_missed_versions_catch_up(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    root, dirs = published
+    expected = (root / "full" / f"v{VERSIONS}" / SAFETENSORS_NAME).read_bytes()
+    before = _fallbacks()
+    late = LocalWeights(tmp_path / "late")  # nothing local: the anchor v4 + deltas v5, v6
+    assert (late.prepare(dirs[VERSIONS]) / SAFETENSORS_NAME).read_bytes() == expected
+    behind = LocalWeights(tmp_path / "behind")  # at v1, missed v2..v5: deltas 2..6 (across the anchor)
+    behind.loaded(behind.prepare(dirs[1]))
+    assert (behind.prepare(dirs[VERSIONS]) / SAFETENSORS_NAME).read_bytes() == expected
+    assert _fallbacks() == before
+    with pytest.raises(WeightSyncError, match="sha256"):  # an announcement that disagrees with the files
+        late.prepare(dirs[VERSIONS], sha256="0" * 64)
+
+
+def test_retention_keeps_the_anchor_and_the_deltas_since(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    """Newest two kept (v5, v6): with them their anchor v4; v1..v3 go, and a late joiner still
+    rebuilds v6. Newest four (v3..v6): v3's way back to its anchor (v2, v1) stays too."""
+    root, _ = published
+    dirs = _copy(published, tmp_path / "weights")
+    gone = prunable(tmp_path / "weights", keep=2, grace_s=0)
+    assert sorted(gone) == [dirs[1], dirs[2], dirs[3]]
+    assert prunable(tmp_path / "weights", keep=4, grace_s=0) == []  # v3 needs v2 and its anchor v1
+    assert prunable(tmp_path / "weights", keep=2, grace_s=3600) == []  # all younger than the grace period
+    for d in gone:
+        shutil.rmtree(d)
+    late = LocalWeights(tmp_path / "late")
+    out = late.prepare(dirs[VERSIONS])
+    assert (out / SAFETENSORS_NAME).read_bytes() == (root / "full" / f"v{VERSIONS}" / SAFETENSORS_NAME).read_bytes()
+    full = tmp_path / "full-dirs"  # weights.sync full: no manifests, the newest `keep` stay
+    for v in range(1, 5):
+        (full / f"v{v:06d}-0").mkdir(parents=True)
+    assert [p.name for p in prunable(full, keep=2, grace_s=0)] == ["v000001-0", "v000002-0"]
+
+
+def test_a_rebuild_stuck_past_its_deadline_fails_naming_what_it_waits_for(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    """The rollout's rebuild (the evaluator's too) under weights.sync_timeout_s: a delta file that
+    never opens (a FIFO with no writer: a hung volume) fails the update with its path."""
+    dirs = _copy(published, tmp_path / "weights")
+    (dirs[5] / DELTA_NAME).unlink()
+    os.mkfifo(dirs[5] / DELTA_NAME)
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "weights.sync": "delta",
+                             "weights.local_dir": str(tmp_path / "local"), "weights.sync_timeout_s": 1.0})
+    svc = RolloutService(cfg, replica=0)
+    ann = trajectory_pb2.WeightsAnnouncement(version=5, path=str(dirs[5]))
+
+    async def load() -> None:
+        try:
+            with pytest.raises(WeightSyncTimeout, match=f"v5 not rebuilt.*{dirs[5] / DELTA_NAME}"):
+                await svc._checkpoint_dir(ann)
+        finally:  # a writer lets the stuck thread go (it then fails on the empty pipe)
+            os.close(os.open(dirs[5] / DELTA_NAME, os.O_WRONLY | os.O_NONBLOCK))
+
+    asyncio.run(load())
+    assert (dirs[5] / MANIFEST_NAME).is_file()

@@ -1,0 +1,515 @@
+"""Delta weight sync: per version only the tensors whose bytes changed, a full anchor now and then,
+and the rollout's reconstruction of the full checkpoint on its own disk (docs/ARCHITECTURE.md
+"Weights"). Torch-free: the learner hands raw tensor bytes in, the rollout reads files.
+
+On the shared volume, one directory per version (``weights/v{version:06d}-{ns}``, renamed into place
+whole by the learner), with ``weights.sync: delta``::
+
+    anchor   model.safetensors (full)  weights-manifest.json  [weights-delta.bin]  config.json …
+    delta                              weights-manifest.json   weights-delta.bin   config.json …
+
+The manifest names the version, its base (the previous version's directory), its anchor, the
+safetensors header, and per tensor the sha256 of its reconstructed bytes and, where the bytes
+changed since the base, where its encoding lies in ``weights-delta.bin``: XOR against the base +
+zstd, or sparse (changed element indices, gap-coded, + their XOR values) + zstd, whichever is
+smaller. An anchor carries the delta against its base too, so a pod one version behind never reads
+a full file. The directory's ``model.safetensors.sha256`` is the sha256 of the full file (the same
+bytes ``weights.sync: full`` writes), the announcement's checksum.
+
+On a rollout pod (`LocalWeights`)::
+
+    announced dir ─▶ chain of manifests back to the copy on local disk (incremental path)
+                  │  or back to the nearest anchor (anchor path: late joiner, missed versions)
+                  ▼
+    per tensor: base bytes ─▶ apply each delta ─▶ sha256 == manifest? ─▶ local model.safetensors
+                                                       │ no (or a file missing or unreadable)
+                                                       ▼
+                             incremental path failed: the anchor path, counted in
+                             trajmesh_rollout_weight_anchor_fallback_updates_total
+
+A directory without a manifest (the base model, ``weights.sync: full``) is loaded as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zstandard
+from prometheus_client import Counter
+
+__all__ = ["DELTA_NAME", "MANIFEST_NAME", "SAFETENSORS_NAME", "DeltaWriter", "LocalWeights", "WeightSyncError",
+           "WeightSyncTimeout", "is_delta_dir", "prunable", "reconstruct"]
+
+log = logging.getLogger("trajmesh.weight_sync")
+
+SAFETENSORS_NAME = "model.safetensors"
+MANIFEST_NAME = "weights-manifest.json"
+DELTA_NAME = "weights-delta.bin"
+FORMAT = "trajmesh-weights/1"
+WEIGHT_FILES = {SAFETENSORS_NAME, MANIFEST_NAME, DELTA_NAME}
+"""What a reconstruction writes itself; every other file of a version directory is copied."""
+
+ANCHOR_FALLBACKS = Counter(
+    "trajmesh_rollout_weight_anchor_fallback_updates_total",
+    "Weight updates whose incremental reconstruction failed (checksum, missing or unreadable delta) "
+    "and were rebuilt from the anchor")
+
+# Unsigned integer of each safetensors dtype's element size: XOR and sparse indices work per element.
+_ELEMENT = {"F64": np.uint64, "I64": np.uint64, "F32": np.uint32, "I32": np.uint32, "BF16": np.uint16,
+            "F16": np.uint16, "I16": np.uint16, "BOOL": np.uint8, "U8": np.uint8, "I8": np.uint8}
+_SPARSE_MAX_ELEMENTS = 1 << 32  # gap-coded indices are uint32
+_WINDOW = 8  # tensors decoded ahead of the writer
+
+
+class WeightSyncError(RuntimeError):
+    """A version could not be reconstructed: which file or tensor, and why."""
+
+
+class WeightSyncTimeout(WeightSyncError):
+    """A reconstruction ran past its deadline; the message names what it was waiting for."""
+
+
+# ---------------------------------------------------------------------------------- encoding
+def _elements(data: np.ndarray, dtype: str) -> np.ndarray:
+    et = _ELEMENT.get(dtype, np.uint8)
+    return data.view(et) if data.nbytes % np.dtype(et).itemsize == 0 else data
+
+
+def encode_delta(new: np.ndarray, old: np.ndarray, dtype: str, level: int = 1) -> tuple[str, bytes]:
+    """(encoding, blob) of `new` against `old` (uint8 arrays of one tensor's bytes): the smaller of
+    XOR + zstd and sparse (gap-coded uint32 indices of the changed elements + their XOR) + zstd.
+    The sparse one is only built when its raw size is below the XOR blob (else it cannot win)."""
+    x = np.bitwise_xor(_elements(new, dtype), _elements(old, dtype))
+    cctx = zstandard.ZstdCompressor(level=level)
+    xor_blob = cctx.compress(x.data)
+    changed = int(np.count_nonzero(x))
+    if x.size >= _SPARSE_MAX_ELEMENTS or changed * (4 + x.itemsize) >= len(xor_blob):
+        return "xor_zstd", xor_blob
+    idx = np.flatnonzero(x)
+    gaps = np.diff(idx, prepend=0).astype(np.uint32)
+    sparse_blob = struct.pack("<Q", idx.size) + cctx.compress(gaps.tobytes() + x[idx].tobytes())
+    return ("sparse_zstd", sparse_blob) if len(sparse_blob) < len(xor_blob) else ("xor_zstd", xor_blob)
+
+
+def apply_delta(base: np.ndarray, enc: str, blob: bytes | memoryview, dtype: str) -> np.ndarray:
+    """The bytes `encode_delta` encoded, from `base` (not modified) and the blob."""
+    out = _elements(base.copy(), dtype)
+    dctx = zstandard.ZstdDecompressor()
+    if enc == "xor_zstd":
+        x = np.frombuffer(dctx.decompress(blob, max_output_size=out.nbytes), dtype=out.dtype)
+        if x.size != out.size:
+            raise ValueError(f"xor delta holds {x.nbytes} bytes, the tensor {out.nbytes}")
+        np.bitwise_xor(out, x, out=out)
+    elif enc == "sparse_zstd":
+        (n,) = struct.unpack_from("<Q", blob)
+        raw = dctx.decompress(bytes(blob[8:]), max_output_size=n * (4 + out.itemsize))
+        if len(raw) != n * (4 + out.itemsize):
+            raise ValueError(f"sparse delta holds {len(raw)} bytes for {n} elements")
+        idx = np.cumsum(np.frombuffer(raw, np.uint32, count=n), dtype=np.int64)
+        if n and (idx[-1] >= out.size):
+            raise ValueError("sparse delta index past the tensor's end")
+        out[idx] ^= np.frombuffer(raw, out.dtype, offset=4 * n)
+    else:
+        raise ValueError(f"unknown delta encoding {enc!r}")
+    return out.view(np.uint8)
+
+
+def header_tensors(header: bytes) -> list[tuple[str, str, int, int]]:
+    """(name, dtype, start, end) per tensor of a safetensors header (8-byte length + JSON), offsets
+    into the data section, in file order."""
+    (n,) = struct.unpack_from("<Q", header)
+    meta = json.loads(header[8:8 + n])
+    out = [(k, v["dtype"], *v["data_offsets"]) for k, v in meta.items() if k != "__metadata__"]
+    return sorted(out, key=lambda t: t[2])
+
+
+# ---------------------------------------------------------------------------------- learner side
+class DeltaWriter:
+    """The learner's writer rank's delta publisher, kept across versions: holds the last committed
+    version's tensor bytes (one model's worth of host memory) as the base of the next delta.
+
+    Per version: ``begin`` (a fresh directory), ``add`` per tensor in file order, ``finish`` (the
+    manifest; returns the full file's sha256), then ``commit`` with the directory's final name once
+    it is in place. A version not committed (``abort``, or an error) leaves no base: the next is an
+    anchor. So is the first, and every ``anchor_every``-th after an anchor."""
+
+    def __init__(self, anchor_every: int, level: int = 1, threads: int = 4) -> None:
+        if anchor_every < 1:
+            raise ValueError("anchor_every must be >= 1")
+        self.anchor_every = anchor_every
+        self.level = level
+        self.threads = threads
+        """Tensors encoded at once (zstd and numpy release the GIL)."""
+        self._base: dict[str, np.ndarray] = {}
+        self._base_sha: dict[str, str] = {}
+        self._base_name: str | None = None
+        self._anchor_name: str | None = None
+        self._since_anchor = 0
+        self._open: dict[str, Any] | None = None
+        self.last_bytes_written = 0
+        """Bytes of weight files (full file, delta file) the last ``finish`` wrote."""
+
+    def begin(self, out_dir: str | os.PathLike[str], header: bytes, version: int) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        anchor = self._base_name is None or self._since_anchor + 1 >= self.anchor_every
+        full = open(out / SAFETENSORS_NAME, "wb") if anchor else None  # noqa: SIM115 - closed in finish/abort
+        if full is not None:
+            full.write(header)
+        delta = open(out / DELTA_NAME, "wb") if self._base_name is not None else None  # noqa: SIM115
+        file_sha = hashlib.sha256(header)
+        self._open = {"out": out, "header": header, "version": version, "anchor": anchor, "full": full,
+                      "delta": delta, "delta_len": 0, "sha": file_sha, "tensors": [], "next": {}, "next_sha": {},
+                      "pool": ThreadPoolExecutor(self.threads), "encoding": deque()}
+
+    def add(self, name: str, data: bytes, dtype: str) -> None:
+        st = self._open
+        assert st is not None, "add() before begin()"
+        new = np.frombuffer(data, dtype=np.uint8)
+        st["sha"].update(data)
+        if st["full"] is not None:
+            st["full"].write(data)
+        old = self._base.pop(name, None)  # popped: the base never holds more than one model
+        entry: dict[str, Any] = {"name": name}
+        st["tensors"].append(entry)
+        st["next"][name] = new
+        if old is not None and old.nbytes == new.nbytes and np.array_equal(old, new):
+            entry["sha256"] = st["next_sha"][name] = self._base_sha[name]
+            return
+        if st["delta"] is not None and (old is None or old.nbytes != new.nbytes):
+            raise WeightSyncError(f"tensor {name}: not in the base version, or resized")
+
+        def encode() -> tuple[str, str | None, bytes]:
+            sha = hashlib.sha256(new.data).hexdigest()
+            if old is None:
+                return sha, None, b""
+            enc, blob = encode_delta(new, old, dtype, self.level)
+            return sha, enc, blob
+
+        st["encoding"].append((entry, st["pool"].submit(encode)))
+        if len(st["encoding"]) >= _WINDOW:
+            self._write_encoded(st, 1)
+
+    def _write_encoded(self, st: dict[str, Any], n: int) -> None:
+        """The oldest `n` encodings under way into the delta file, in order."""
+        for _ in range(min(n, len(st["encoding"]))):
+            entry, future = st["encoding"].popleft()
+            sha, enc, blob = future.result()
+            entry["sha256"] = st["next_sha"][entry["name"]] = sha
+            if enc is not None:
+                entry["delta"] = {"enc": enc, "offset": st["delta_len"], "length": len(blob)}
+                st["delta"].write(blob)
+                st["delta_len"] += len(blob)
+
+    def finish(self) -> str:
+        """Writes the manifest and closes the files; the full file's sha256."""
+        try:
+            return self._finish()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _finish(self) -> str:
+        st = self._open
+        assert st is not None, "finish() before begin()"
+        self._write_encoded(st, len(st["encoding"]))
+        st["pool"].shutdown()
+        written = len(st["header"]) + sum(int(a.nbytes) for a in st["next"].values()) if st["anchor"] else 0
+        for key in ("full", "delta"):
+            if st[key] is not None:
+                st[key].close()
+        sha = str(st["sha"].hexdigest())
+        manifest = {"format": FORMAT, "version": st["version"], "anchor": st["anchor"],
+                    "base": self._base_name, "anchor_name": None if st["anchor"] else self._anchor_name,
+                    "file_sha256": sha, "header": base64.b64encode(st["header"]).decode(),
+                    "delta_bytes": st["delta_len"], "tensors": st["tensors"]}
+        (st["out"] / MANIFEST_NAME).write_text(json.dumps(manifest, separators=(",", ":")))
+        self.last_bytes_written = written + st["delta_len"]
+        return sha
+
+    def commit(self, name: str) -> None:
+        """The version finished is in place as directory `name`: it becomes the base."""
+        st = self._open
+        assert st is not None, "commit() before finish()"
+        self._base, self._base_sha, self._base_name = st["next"], st["next_sha"], name
+        if st["anchor"]:
+            self._anchor_name, self._since_anchor = name, 0
+        else:
+            self._since_anchor += 1
+        self._open = None
+
+    def abort(self) -> None:
+        """Drops the version under way; the base is gone (partly replaced): the next is an anchor."""
+        st, self._open = self._open, None
+        if st is not None:
+            st["pool"].shutdown(cancel_futures=True)
+            for key in ("full", "delta"):
+                if st[key] is not None:
+                    st[key].close()
+        self._base, self._base_sha, self._base_name, self._anchor_name = {}, {}, None, None
+
+
+# ---------------------------------------------------------------------------------- manifests
+@dataclass
+class _Version:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def anchor(self) -> bool:
+        return bool(self.manifest["anchor"])
+
+
+def is_delta_dir(path: str | os.PathLike[str]) -> bool:
+    """A version directory written by ``weights.sync: delta`` (it has a manifest)."""
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def _read(path: Path) -> _Version:
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+    except (OSError, ValueError) as exc:
+        raise WeightSyncError(f"manifest {path / MANIFEST_NAME}: {exc}") from exc
+    if manifest.get("format") != FORMAT:
+        raise WeightSyncError(f"manifest {path / MANIFEST_NAME}: format {manifest.get('format')!r}, not {FORMAT}")
+    return _Version(path, manifest)
+
+
+def _back_to(target: Path, stop: Callable[[_Version], bool], floor: int = -1) -> list[_Version]:
+    """Manifests from `target` back through its bases to the first one `stop` accepts, oldest
+    first; raises where the chain breaks (no base, a base missing) or goes below version `floor`."""
+    chain = [_read(target)]
+    while not stop(chain[-1]):
+        base = chain[-1].manifest["base"]
+        if base is None or chain[-1].manifest["version"] <= floor:
+            raise WeightSyncError(f"{chain[-1].path}: no base to reach it from")
+        chain.append(_read(target.parent / base))
+    return chain[::-1]
+
+
+def prunable(root: str | os.PathLike[str], keep: int, grace_s: float, now: float | None = None) -> list[Path]:
+    """Version directories under `root` that may be deleted: not among the newest `keep`, not on
+    the way from one of those back to its anchor (anchor + deltas since: what a pod reconstructing
+    them reads), and older than `grace_s`. Directories without a manifest are their own anchor."""
+    now = time.time() if now is None else now
+    dirs = sorted(p for p in Path(root).glob("v*") if p.is_dir())
+    needed = set(dirs[-keep:]) if keep > 0 else set()
+    for d in dirs[-keep:] if keep > 0 else []:
+        if not is_delta_dir(d):
+            continue
+        try:
+            needed.update(v.path for v in _back_to(d, lambda v: v.anchor))
+        except WeightSyncError as exc:  # a broken chain: keep everything that could still be part of it
+            log.warning("retention: %s", exc)
+            return []
+    return [d for d in dirs if d not in needed and now - d.stat().st_mtime > grace_s]
+
+
+# ---------------------------------------------------------------------------------- rollout side
+class _Files:
+    """Read-only maps of the files a reconstruction reads, named in errors; `waiting` says which
+    one is being read (what a reconstruction past its deadline waits for)."""
+
+    def __init__(self) -> None:
+        self.maps: dict[Path, mmap.mmap | bytes] = {}
+        self.waiting = "nothing yet"
+
+    def get(self, path: Path) -> mmap.mmap | bytes:
+        if path not in self.maps:
+            self.waiting = f"opening {path}"
+            try:
+                with open(path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    self.maps[path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            except OSError as exc:
+                raise WeightSyncError(f"{path}: {exc}") from exc
+        return self.maps[path]
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            if isinstance(m, mmap.mmap):
+                try:
+                    m.close()
+                except BufferError:  # a view still held (an error's traceback): closed when collected
+                    pass
+        self.maps.clear()
+
+
+def _ordered(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: list[Any]) -> Iterator[Any]:
+    """fn over items on the pool, results in order, at most _WINDOW in flight."""
+    pending: deque[Future[Any]] = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= _WINDOW:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _plan(target: Path, base: tuple[str, Path, int] | None) -> tuple[list[_Version], Path, str]:
+    """(deltas to apply oldest first, the full file they apply to, its version's name): from `base`
+    = (name, model.safetensors, version) of a verified copy, or from `target`'s nearest anchor."""
+    if base is not None:
+        name, file, version = base
+        return _back_to(target, lambda v: v.manifest["base"] == name, floor=version), file, name
+    chain = _back_to(target, lambda v: v.anchor)
+    return chain[1:], chain[0].path / SAFETENSORS_NAME, chain[0].name
+
+
+def reconstruct(target: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+                base: tuple[str, str | os.PathLike[str], int] | None = None, files: _Files | None = None,
+                threads: int = 4) -> str:
+    """The full checkpoint of version directory `target` as `out_dir` (written beside it, renamed
+    into place): from `base` = (name, model.safetensors, version) of the copy of a version it
+    holds, and the deltas since; without one from the nearest anchor. Every tensor's sha256 is
+    checked against the manifest, and the file's against ``file_sha256``; returns the file's."""
+    target, out = Path(target), Path(out_dir)
+    files = files or _Files()
+    chain, base_file, base_name = _plan(target, None if base is None else (base[0], Path(base[1]), base[2]))
+    tip = chain[-1] if chain else _read(target)
+    header = base64.b64decode(tip.manifest["header"])
+    base_map = files.get(base_file)
+    if bytes(base_map[:len(header)]) != header:
+        raise WeightSyncError(f"{base_file}: its header is not version {tip.manifest['version']}'s")
+    deltas = [memoryview(files.get(v.path / DELTA_NAME)) for v in chain]  # every one opened up front
+    per_version = [{t["name"]: t.get("delta") for t in v.manifest["tensors"]} for v in chain]
+    expected = {t["name"]: t["sha256"] for t in tip.manifest["tensors"]}
+
+    def build(tensor: tuple[str, str, int, int]) -> np.ndarray:
+        name, dtype, start, end = tensor
+        data = np.frombuffer(base_map, np.uint8, count=end - start, offset=len(header) + start)
+        for v, blobs, entries in zip(chain, deltas, per_version, strict=True):
+            d = entries.get(name)
+            if d is not None:
+                try:
+                    data = apply_delta(data, d["enc"], blobs[d["offset"]:d["offset"] + d["length"]], dtype)
+                except (ValueError, zstandard.ZstdError, struct.error) as exc:
+                    raise WeightSyncError(f"tensor {name}: delta in {v.path / DELTA_NAME}: {exc}") from exc
+        if hashlib.sha256(data.data).hexdigest() != expected.get(name):
+            raise WeightSyncError(f"tensor {name}: sha256 mismatch for version {tip.manifest['version']} "
+                                  f"({base_file} + the deltas of {[v.name for v in chain]})")
+        return data
+
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        sha = hashlib.sha256(header)
+        files.waiting = f"the tensors of {target} from {base_name} ({len(chain)} deltas)"
+        with open(tmp / SAFETENSORS_NAME, "wb") as fh, ThreadPoolExecutor(threads) as pool:
+            fh.write(header)
+            for data in _ordered(pool, build, header_tensors(header)):
+                sha.update(data.data)
+                fh.write(data.data)
+        if sha.hexdigest() != tip.manifest["file_sha256"]:
+            raise WeightSyncError(f"{target}: the reconstructed file's sha256 is not the manifest's")
+        for f in target.iterdir():
+            if f.is_file() and f.name not in WEIGHT_FILES:
+                shutil.copy(f, tmp / f.name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        for m in deltas:
+            m.release()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sha.hexdigest()
+
+
+class LocalWeights:
+    """The rollout's reconstructed checkpoint on its own disk (`local_dir`): the copy the engine
+    loads and the base of the next incremental reconstruction. ``prepare`` returns the directory to
+    point the engine at; ``loaded`` after the engine loaded it (older local copies are deleted)."""
+
+    def __init__(self, local_dir: str | os.PathLike[str], threads: int = 4) -> None:
+        self.local_dir = Path(local_dir)
+        self.threads = threads
+        self.current: tuple[str, int] | None = None
+        """(name, version) of the version directory whose verified copy is local_dir/<name>."""
+        self.prepared: dict[str, int] = {}
+        """Versions of the local copies `prepare` wrote, by name (until `loaded` prunes them)."""
+        self.files: _Files | None = None
+        """The reconstruction under way (what it reads), None between them."""
+
+    def waiting_on(self) -> str:
+        """What the reconstruction under way is reading (for a deadline's error)."""
+        return self.files.waiting if self.files is not None else "nothing"
+
+    def prepare(self, version_dir: str | os.PathLike[str], sha256: str = "") -> Path:
+        """The directory the engine should load for announced `version_dir`: it as it is when it
+        has no manifest, else its local reconstruction (incremental from the local copy where the
+        chain of bases reaches it, else from the anchor; a failed incremental one is rebuilt from
+        the anchor and counted). Raises `WeightSyncError` when that fails too, or when `sha256`
+        (the announcement's) is not the manifest's."""
+        target = Path(version_dir)
+        if not is_delta_dir(target):
+            return target
+        manifest = _read(target).manifest
+        if sha256 and manifest["file_sha256"] != sha256:
+            raise WeightSyncError(f"{target}: the manifest's sha256 is not the announcement's")
+        out = self.local_dir / target.name
+        self.files = files = _Files()
+        try:
+            base = self._base()
+            if base is not None and _reaches(target, base):
+                try:
+                    reconstruct(target, out, base=base, files=files, threads=self.threads)
+                    self.prepared[out.name] = int(manifest["version"])
+                    return out
+                except WeightSyncError as exc:
+                    ANCHOR_FALLBACKS.inc()
+                    log.warning("weights v%s from the local copy failed (%s); rebuilding from the anchor",
+                                manifest["version"], exc)
+                    files.close()
+                    self.files = files = _Files()
+            reconstruct(target, out, files=files, threads=self.threads)
+            self.prepared[out.name] = int(manifest["version"])
+            return out
+        finally:
+            files.close()
+            self.files = None
+
+    def _base(self) -> tuple[str, Path, int] | None:
+        if self.current is None:
+            return None
+        name, version = self.current
+        file = self.local_dir / name / SAFETENSORS_NAME
+        return (name, file, version) if file.is_file() else None
+
+    def loaded(self, path: str | os.PathLike[str]) -> None:
+        """The engine holds `path` now: its local copy becomes the base; the other copies go."""
+        p = Path(path)
+        if p.parent != self.local_dir or p.name not in self.prepared:
+            return  # a directory loaded as it is (no manifest): the local copy stays the base
+        self.current = (p.name, self.prepared[p.name])
+        self.prepared = {p.name: self.current[1]}
+        for other in self.local_dir.iterdir():
+            if other != p and other.is_dir():
+                shutil.rmtree(other, ignore_errors=True)
+
+
+def _reaches(target: Path, base: tuple[str, Path, int]) -> bool:
+    """Whether `target`'s chain of bases reaches the version `base` names (manifests readable)."""
+    try:
+        _plan(target, base)
+        return True
+    except WeightSyncError:
+        return False
