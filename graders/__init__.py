@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from trajmesh import plugins
-from trajmesh.graders.base import Grade, Grader, Sample
+from trajmesh.graders.base import PARSE_ERROR, Grade, Grader, Sample, UnparseableAnswer, grade_sample
 
 
 def grader_kind(task: dict[str, Any]) -> str:
@@ -22,4 +22,4 @@ def make_grader(kind: str) -> Grader:
     return plugins.grader_class(kind)()
 
 
-__all__ = ["Grade", "Grader", "Sample", "grader_kind", "make_grader"]
+__all__ = ["PARSE_ERROR", "Grade", "Grader", "Sample", "UnparseableAnswer", "grade_sample", "grader_kind", "make_grader"]

@@ -5,6 +5,9 @@
     TRAJ_RAW ──▶ grade_loop ── decode sampled tokens ── task record (Redis) ── grader ──▶ TRAJ_GRADED
                     │ undecodable bytes / unknown task: forwarded ungraded; the store quarantines them
 
+A scorer that raises on the model's answer scores it 0 with a ``parse_error`` component; one that
+raises on the task's gold answer too is broken: INFRA_FAILURE (graders/base.py `grade_sample`).
+
 Each message is published to TRAJ_GRADED (msg_id = trajectory id, so a redelivery is stored
 once) before it is acked on TRAJ_RAW: a crash between the two only causes a deduplicated resend.
 """
@@ -23,7 +26,7 @@ from redis.asyncio import Redis
 from trajmesh import bus as busmod
 from trajmesh import plugins, sandbox, security, tasks
 from trajmesh.contract import ContractError, Trajectory
-from trajmesh.graders import Grader, Sample, grader_kind, make_grader
+from trajmesh.graders import PARSE_ERROR, Grader, Sample, grade_sample, grader_kind, make_grader
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
 from trajmesh.tokenizer import load_tokenizer
@@ -48,7 +51,8 @@ def label_series() -> dict[str, list[tuple[str, ...]]]:
     verifier errors and its raw reward components (`components`)."""
     graders = plugins.graders()
     return {"verifier_errors": [(kind, "exception") for kind in graders],
-            "raw_component": [(kind, comp) for kind, cls in graders.items() for comp in getattr(cls, "components", ())]}
+            "raw_component": [(kind, comp) for kind, cls in graders.items()
+                              for comp in (*getattr(cls, "components", ()), PARSE_ERROR)]}
 
 
 def init_series() -> None:
@@ -147,8 +151,8 @@ class GraderService(Service):
         kind = grader_kind(task)
         try:
             grader = self.graders.get(kind) or self.graders.setdefault(kind, make_grader(kind))
-            grade = grader.grade(self._sample(traj), task)
-        except Exception as exc:  # a verifier crash is infrastructure, never policy reward
+            grade = grade_sample(grader, self._sample(traj), task)  # the scorer raising on the answer: parse_error
+        except Exception as exc:  # a verifier crash (it raises on the gold answer too) is infrastructure
             log.warning("verifier failed on %s: %s", traj.trajectory_id, exc)
             GRADED.labels(result="verifier_error").inc()
             VERIFIER_ERRORS.labels(kind, type(exc).__name__).inc()
@@ -168,7 +172,7 @@ class GraderService(Service):
             AUDITS.labels(name, "agree" if value >= 1.0 else "disagree").inc()
         if grade.audit:
             traj.pb.verifier_output += " audit=" + json.dumps(grade.audit, sort_keys=True)
-        GRADED.labels(result="graded").inc()
+        GRADED.labels(result=PARSE_ERROR if PARSE_ERROR in grade.components else "graded").inc()
         return traj.to_bytes(), f"graded-{traj.trajectory_id}"
 
     async def _task(self, task_id: str, cache_size: int = 4096) -> dict[str, Any] | None:

@@ -12,8 +12,9 @@ A source is **refused** when ``empty``, ``garbage`` or ``format_only`` scores ab
 (its reward can be had without an answer) or a task has no gold answer. ``prompt_echo`` scoring
 above 0 is reported, not refused: a prompt may hold its answer's material (chain_sum's "3+0=" earns
 the family's partial credit for the 3), yet it is a reward a policy can learn to take. A scorer that
-raises on model output is reported (``raises``): the grader service turns that into an
-infrastructure failure, so those samples never train. Gold answers that do not score 1 are
+raises on model output is reported (``raises``): the grader service scores such a sample 0 with a
+``parse_error`` component when the same scorer grades the gold answer (graders/base.py
+`grade_sample`), and records an infrastructure failure when it raises on the gold answer too. Gold answers that do not score 1 are
 reported too (``gold_rejected``).
 
 `trajmesh envs --audit [CONFIG]` prints the table (every built-in reasoning-gym family without a
