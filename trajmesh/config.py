@@ -86,6 +86,27 @@ class InfraConfig(_Strict):
     once per store restart)."""
 
 
+class CurriculumConfig(_Strict):
+    """Difficulty curriculum of one source, on the pass rates in `tasks.profile` (trajmesh/tasks.py;
+    `trajmesh profile` measures them under the starting policy; with `tasks.reprofile_every_versions`
+    the run's own outcomes replace them). Tasks without a profile entry are kept, weight 1."""
+
+    drop: list[Literal["all_pass", "all_fail"]] = Field(default_factory=list)
+    """Tasks removed before training: all_pass (every profiled sample passed), all_fail (none did);
+    a group of either has no reward variance, so it teaches nothing under GRPO."""
+    target_band: tuple[float, float] | None = None
+    """[lo, hi] pass rates to sample toward: a task inside it has weight 1, one outside
+    `outside_band_weight` (None: every kept task weight 1)."""
+    outside_band_weight: float = Field(0.1, ge=0.0, le=1.0)
+    """Sampling weight of a profiled task outside `target_band`, relative to one inside."""
+
+    @model_validator(mode="after")
+    def _band(self) -> CurriculumConfig:
+        if self.target_band is not None and not 0.0 <= self.target_band[0] <= self.target_band[1] <= 1.0:
+            raise ValueError(f"target_band {list(self.target_band)}: needs 0 <= lo <= hi <= 1")
+        return self
+
+
 class SourceConfig(_Strict):
     """What every task source's config has. A source type is a plug-in (`trajmesh.plugins`): its
     config class derives from this one, and `tasks.sources` entries are parsed by the class
@@ -99,6 +120,8 @@ class SourceConfig(_Strict):
     """Mixture weight of this source."""
     revision: str = "v1"
     """Task revision recorded on every trajectory."""
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    """Drop all-pass / all-fail tasks and sample toward a pass-rate band (off by default)."""
 
 
 class ToolSourceConfig(SourceConfig):
@@ -173,6 +196,17 @@ class TasksConfig(_Strict):
     gold answer, stops the run before it starts; warn: it is reported and trained on."""
     verifier_audit_tasks: int = Field(8, ge=1)
     """Held-out tasks per source the audit grades."""
+    profile: str = ""
+    """Task pass-rate profile (JSON) that each source's `curriculum` reads; `trajmesh profile` writes
+    it (default RUN_DIR/task_profile.json). "": none (the curriculum has nothing to act on)."""
+    profile_pass_reward: float = 1.0
+    """A sample passes when its reward is at least this (profiling and re-profiling)."""
+    reprofile_every_versions: int = Field(0, ge=0)
+    """Every N policy versions the store replaces a task's profiled pass rate with its outcomes in
+    this run since the last re-profile (graded samples it archived; no extra rollouts) and re-weights
+    the curriculum; RUN_DIR/task_profile.json is rewritten. 0: the profile stays as loaded."""
+    reprofile_min_samples: int = Field(4, ge=1)
+    """Outcomes a task needs since the last re-profile before they replace its pass rate."""
 
 
 class GateConfig(_Strict):
