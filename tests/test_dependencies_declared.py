@@ -18,8 +18,9 @@ SOURCES = ["trajmesh", "learner", "rollout", "envs", "graders", "services", "tes
 # Modules of this repository that are imported by their own name: the package, the bench scripts and
 # every helper module beside the tests (tests/*.py; pytest puts tests/ on sys.path).
 LOCAL = {"trajmesh", "bench"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
-# Installed only in the GPU image (extra [gpu]) and imported lazily there.
-OPTIONAL_RUNTIME = {"sglang"}
+# Installed only in the GPU image (extra [gpu]) and imported lazily there; verifiers and datasets
+# (extra [verifiers]) only in a venv without [dev] (verifiers 0.4 pins openai < 3).
+OPTIONAL_RUNTIME = {"sglang", "verifiers", "datasets"}
 
 
 def _norm(name: str) -> str:

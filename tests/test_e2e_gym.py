@@ -38,6 +38,18 @@ SOURCES: list[dict[str, Any]] = [
 ]
 STEPS = 3
 
+try:  # verifiers 0.4 pins openai < 3, which the dev extra's agent frameworks cannot share a venv with
+    import verifiers.v1  # noqa: F401
+
+    HAS_VERIFIERS = True
+except ImportError:
+    HAS_VERIFIERS = False
+TESTS = str(Path(__file__).resolve().parent)
+if HAS_VERIFIERS:  # tests/verifiers_tasksets.py: sums over a local datasets.Dataset, verifiers' own rubric
+    SOURCES.append({"type": "verifiers", "name": "sums", "taskset": "verifiers_tasksets", "python_path": [TESTS],
+                    "budget_s": 240})
+NAMES = [src["name"] for src in SOURCES]
+
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -45,7 +57,7 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     cfg = load_config(None, {"tasks.sources": SOURCES})
     texts = [t.prompt for src in cfg.tasks.sources for t in load_split(src, 10, 2)[0]]
-    texts += ["#### 4", "[4]", "[0]"] * 20
+    texts += ["#### 4", "[4]", "[0]", "12", "7"] * 20
     return str(build_chatml_model(tmp_path_factory.mktemp("gym-model") / "model", texts, max_positions=2048))
 
 
@@ -77,6 +89,7 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
         "tasks.sources": SOURCES, "tasks.group_size": 2, "tasks.train_size": 20, "tasks.heldout_size": 2,
         "tasks.sampling.max_new_tokens": 6, "tasks.sampling.max_turns": 3,
         "rollout.replicas": 1, "rollout.concurrent_tasks": 4, "grader.replicas": 1,
+        "rollout.agent_endpoint.max_tokens": 6,
         "store.drop_zero_variance_groups": False,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
         "learner.checkpoint_every": STEPS,
@@ -102,16 +115,18 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
     # `trajmesh train` writes to summary.json), on the final weights
     held = heldout_tasks(cfg)
     result = evaluate_dir(str(latest_weights_dir(Path(cfg.run_dir))), held, cfg, samples=1)
-    for name in ("skyrl", "tictactoe"):
+    for name in NAMES:
         assert result["heldout"][name]["n_tasks"] == 2 and result["heldout"][name]["terminal_reasons"], result
     assert evaluation_protocol(cfg, held)["sources"]["tictactoe"]["environments"] == {
         "textarena": f"textarena-adapter-v1+textarena-{importlib.metadata.version('textarena')}"}
 
     tok = load_tokenizer(chat_model_dir)
     accepted = [r for r in rows if r["outcome"] == "accepted"]
-    by_source = {name: [r for r in accepted if r["task_source"] == name] for name in ("skyrl", "tictactoe")}
+    by_source = {name: [r for r in accepted if r["task_source"] == name] for name in NAMES}
     assert all(by_source.values()), {k: len(v) for k, v in by_source.items()}
     tasks = {t.task_id: t for src in cfg.tasks.sources for t in load_split(src, 20, 2)[0]}
+    if HAS_VERIFIERS:  # a rubric exception is reward 0 with a reason, never an infrastructure failure
+        assert not [r for r in rows if r["task_source"] == "sums" and r["outcome"] == "failed_infra"]
     for r in accepted:
         ids, mask, versions, logps = (list(r["token_ids"]), list(r["loss_mask"]), list(r["behavior_versions"]),
                                       list(r["behavior_logprobs"]))
@@ -122,11 +137,22 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
         if r["terminal_reason"] == "MAX_TOKENS":  # the last turn was cut: the environment never saw it
             turns = turns[:-1]
         if r["task_source"] == "skyrl":  # the package's own rewards for the trajectory's turns
-            tid = r["task_id"] if r["task_id"] in tasks else r["task_id"].rsplit("-", 1)[0]  # <task id>-c<k>
-            row = tasks[tid].metadata["row"]
+            row = tasks[tid_of(r["task_id"], tasks)].metadata["row"]
             assert r["reward"] == pytest.approx(_env_return(row, turns)), (r["trajectory_id"], turns)
-        else:  # the game's outcome for the policy's seat
+        elif r["task_source"] == "tictactoe":  # the game's outcome for the policy's seat
             assert r["reward"] in (-1.0, 0.0, 1.0)
+        else:  # verifiers' rubric on the one reply: correct (weight 1) + mentions the answer (0.5); raised: 0
+            from verifiers_tasksets import ROWS
+
+            row = next(x for x in ROWS if x["question"] == tasks[tid_of(r["task_id"], tasks)].prompt)
+            reply = "".join(turns).strip()
+            expected = 0.0 if row["boom"] else float(reply == row["answer"]) + 0.5 * float(row["answer"] in reply)
+            assert r["reward"] == pytest.approx(expected), (reply, row, r["reward"])
+
+
+def tid_of(archived: str, tasks: dict[str, Any]) -> str:
+    """The task id of an archived row (``<task id>`` or ``<task id>-c<k>``)."""
+    return archived if archived in tasks else archived.rsplit("-", 1)[0]
 
 
 def _turns(ids: list[int], mask: list[int], tok: Any) -> list[str]:

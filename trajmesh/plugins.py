@@ -53,6 +53,7 @@ BUILTIN_SOURCES = (
     "trajmesh.envs.search",
     "trajmesh.envs.external_agent_source",
     "trajmesh.envs.gym_env",
+    "trajmesh.envs.verifiers_env",
 )
 """Modules whose ``PLUGIN`` is registered on first use of the registry (one line per source)."""
 
