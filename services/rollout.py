@@ -288,7 +288,7 @@ class RolloutService(Service):
         WEIGHT_UPDATES.inc()
         WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - start)
         POLICY_VERSION.set(self.version)
-        log.info("loaded weights v%d", self.version)
+        log.info("loaded weights v%d from %s", self.version, path)
 
     async def _checkpoint_dir(self, ann: trajectory_pb2.WeightsAnnouncement) -> str:
         """The directory the engine loads for `ann`: the announced one, or, for a delta version

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import stat
 import time
 import urllib.request
@@ -222,12 +223,18 @@ def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model
     """mode: sync forces η = 0: every trained token was sampled by the version it trains. The run
     also shapes rewards with `learner.truncation.policy: dapo_soft` (L_max 3, L_cache 2: a response
     of n ≥ 2 tokens loses (n − 1) / 2, one past 3 loses 1): each step's reward mean is the mean of
-    its trajectories' graded rewards from the archive, each with that penalty on its length."""
+    its trajectories' graded rewards from the archive, each with that penalty on its length.
+    Weights go as deltas (`weights.sync: delta`, an anchor every 2 versions): every rollout loads
+    each version from its own rebuild, and since every trained token was sampled by the version
+    it trains, the engine-consistency probe covers every version: the engines' log-probs equal the
+    learner's (weights bitwise equal; a wrong rebuild differs by far more)."""
     cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"mode": "sync", "learner.max_steps": 3,
                                                            "store.drop_zero_variance_groups": False,
                                                            "learner.truncation.policy": "dapo_soft",
                                                            "learner.truncation.max_length": 3,
-                                                           "learner.truncation.cache_length": 2})
+                                                           "learner.truncation.cache_length": 2,
+                                                           "weights.sync": "delta", "weights.anchor_every": 2,
+                                                           "weights.local_dir": str(tmp_path / "local")})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
@@ -242,6 +249,13 @@ def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model
     steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == [1, 2, 3]
     assert all(m["max_token_lag"] == 0 for m in steps)
+    assert all(m["trajmesh_learner_engine_consistency_tokens"] > 0 for m in steps)
+    assert all(m["trajmesh_learner_engine_consistency_max_abs_logprob_diff"] < 1e-5 for m in steps), steps
+    for log_path in (Path(cfg.run_dir) / "logs").glob("rollout-*.log"):
+        loads = re.findall(r"loaded weights v(\d+) from (\S+)", log_path.read_text())
+        assert {int(v) for v, _ in loads} >= {1, 2}, loads  # v3 may come after the run's end
+        assert all(Path(p).parent.parent == tmp_path / "local" for _, p in loads), loads
+    assert not (sorted((Path(cfg.run_dir) / "weights").glob("v000002-*"))[-1] / "model.safetensors").exists()
     assert all(m["trajectories_trained"] > 0 for m in steps)
     check_no_stale(acct, cfg.run_dir)
     rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
