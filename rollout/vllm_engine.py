@@ -150,8 +150,12 @@ def start_server(cfg: VLLMEngineConfig, model_path: str, port: int, log_path: Pa
                                 preexec_fn=die_with_parent(signal.SIGTERM))
 
 
-def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    """SIGTERM (vLLM shuts its engine core down), then SIGKILL after `timeout_s`."""
+def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 30.0, tree_grace_s: float = 5.0) -> None:
+    """SIGTERM (vLLM shuts its engine core down), then SIGKILL after `timeout_s`; then SIGKILL to
+    whatever of the server's process tree outlived it. A server stopped while it is still starting
+    (a start-up timeout) exits without stopping its engine core, whose worker then holds its memory
+    as an orphan for good."""
+    tree = _descendants(proc.pid) if proc.poll() is None else []
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -159,6 +163,55 @@ def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    deadline = time.monotonic() + tree_grace_s  # its engine core's own shutdown, when it got to start one
+    while (left := [p for p in tree if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _start_time(pid: int) -> str | None:
+    """`pid`'s start time (clock ticks since boot; /proc/PID/stat field 22), None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(proc: tuple[int, str | None]) -> bool:
+    """Whether the process (pid, start time) still runs: the same pid with the same start time (not
+    a later process given a reused pid), and not a zombie."""
+    pid, started = proc
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and _start_time(pid) == started
+
+
+def _descendants(pid: int) -> list[tuple[int, str | None]]:
+    """Every process below `pid` (Linux /proc; [] elsewhere), as (pid, start time)."""
+    out: list[tuple[int, str | None]] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                out.append((kid, _start_time(kid)))
+                todo.append(kid)
+    return out
+
 
 
 _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens",
