@@ -45,6 +45,7 @@ from trajmesh.rollout.engines import HttpEngineConfig
 from trajmesh.run.audit import audit_run
 from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
 from trajmesh.run.run_end import end_run
+from trajmesh.weight_sync import WeightSyncError, is_delta_dir, reconstruct
 
 log = logging.getLogger("trajmesh.run.train")
 console = Console()
@@ -204,8 +205,20 @@ class _Progress:
 
 
 def latest_weights_dir(run_dir: Path) -> Path | None:
+    """The newest published checkpoint as a directory an engine loads: a delta version
+    (``weights.sync: delta``) rebuilt in full as RUN_DIR/.eval-weights; None when there is none
+    (or its anchor chain was pruned meanwhile)."""
     dirs = sorted((run_dir / "weights").glob("v*"))
-    return dirs[-1] if dirs else None
+    if not dirs:
+        return None
+    if not is_delta_dir(dirs[-1]):
+        return dirs[-1]
+    try:
+        reconstruct(dirs[-1], run_dir / ".eval-weights")
+    except WeightSyncError as exc:
+        log.warning("latest weights %s not rebuilt: %s", dirs[-1].name, exc)
+        return None
+    return run_dir / ".eval-weights"
 
 
 def _record_eval(run_dir: Path, tracker: HeldoutTracker, record: dict[str, Any], weights: Path | None) -> bool:
