@@ -32,9 +32,15 @@ never trained).
 Stop strings go to the engine (``TurnSampler``); the token completing one is kept, as SGLang and
 vLLM keep it, and a turn is cut there so the recorded tokens are the ones behind the text the agent
 got. ``tool_choice: none`` and ``parallel_tool_calls: false`` are stop strings on the native
-tool-call tags; what needs constrained decoding (``tool_choice`` required / named, JSON formats)
-answers 400, as do a prompt past the context (``context_length_exceeded``) and a ``max_tokens``
-above what fits; a ``model`` other than the served one is 404 ``model_not_found``.
+tool-call tags. ``tool_choice`` required / a named tool (Anthropic: ``any`` / ``tool``) and JSON
+output formats (``response_format`` / ``text.format``: ``json_object``, ``json_schema``) are
+constrained decoding: the endpoint builds an EBNF grammar (rollout/grammar.py, xgrammar) — tool calls
+in the model's native Hermes format with each tool's JSON-schema arguments, or JSON of the schema —
+and sends it as SGLang's ``ebnf`` sampling param (vLLM: ``structured_outputs.grammar``; the torch
+engine masks with xgrammar). The engines mask the logits, so the recorded log-probs are of the masked
+distribution. A schema that does not convert answers 400, as do a prompt past the context
+(``context_length_exceeded``) and a ``max_tokens`` above what fits; a ``model`` other than the
+served one is 404 ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from trajmesh.rollout.agent_session import AgentSession, Call, PromptPlan
 from trajmesh.rollout.chat_format import ChatFormat
 from trajmesh.rollout.generation import EngineFailed, PauseClock, Turn, TurnSampler
+from trajmesh.rollout.grammar import json_ebnf, tool_calls_ebnf
 from trajmesh.tokenizer import TextTokenizer
 from trajmesh.tool_calls import ToolCall, parse_tool_calls, render_tool_calls
 
@@ -447,15 +454,11 @@ def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     return pos, stop
 
 
-def _unconstrained(what: str, param: str) -> ApiError:
-    return ApiError(400, f"{what} needs constrained decoding, which this endpoint does not offer: its engines "
-                    "generate freely (leave it unset, or use 'auto')", param=param)
-
-
 def tool_policy(params: SimpleNamespace, *, choice: str, one_call: bool) -> None:
     """Honours a tool choice through stop strings on the model's native tool-call tags: ``none``
     stops before a call begins (the text before it is the answer), ``one_call`` (no parallel tool
-    calls) stops after the first call closes. `choice` is auto | none (the rest answer 400 earlier)."""
+    calls) stops after the first call closes. `choice` is auto | none | required | function (the
+    last two are constrained too: `constrain`)."""
     if choice == "none":
         params.stop.append(TOOL_CALL_OPEN)
     if one_call:
@@ -463,22 +466,58 @@ def tool_policy(params: SimpleNamespace, *, choice: str, one_call: bool) -> None
         params.keep_stop.append(TOOL_CALL_CLOSE)
 
 
-def _openai_tool_choice(body: dict[str, Any], param: str = "tool_choice") -> str:
-    """auto | none for the OpenAI APIs' ``tool_choice``; ``required`` and a named function answer 400."""
+def _openai_tool_choice(body: dict[str, Any], api: str) -> tuple[str, str | None]:
+    """(auto | none | required | function, the named function) of the OpenAI APIs' ``tool_choice``
+    (chat: ``{"type": "function", "function": {"name"}}``; Responses: ``{"type": "function", "name"}``)."""
     choice = body.get("tool_choice")
-    if choice is None or choice in ("auto", "none"):
-        return choice or "auto"
-    if choice == "required" or isinstance(choice, dict):
-        raise _unconstrained(f"tool_choice {json.dumps(choice)}", param)
-    raise ApiError(400, f"tool_choice {choice!r} is not one of auto, none, required or a function", param=param)
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice or "auto", None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name") if api == "chat" else choice.get("name")
+        _require(isinstance(name, str) and bool(name), "tool_choice names no function", "tool_choice")
+        return "function", name
+    raise ApiError(400, f"tool_choice {choice!r} is not one of auto, none, required or a function",
+                   param="tool_choice")
 
 
-def _openai_output_format(fmt: Any, param: str) -> None:
-    """``response_format`` / ``text.format``: plain text only (a JSON schema answers 400)."""
+def _openai_output_format(fmt: Any, param: str, api: str) -> tuple[str, dict[str, Any] | None] | None:
+    """``response_format`` (chat: ``{"type": "json_schema", "json_schema": {"name", "schema"}}``) /
+    ``text.format`` (Responses: ``{"type": "json_schema", "name", "schema"}``): None for text, else
+    ("json", the schema; None for ``json_object``)."""
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-        return
-    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-    raise _unconstrained(f"{param} of type {kind!r}", param)
+        return None
+    _require(isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"),
+             f"{param}.type must be text, json_object or json_schema", param)
+    if fmt["type"] == "json_object":
+        return "json", None
+    schema = (fmt.get("json_schema") or {}).get("schema") if api == "chat" else fmt.get("schema")
+    _require(isinstance(schema, dict), f"{param} of type json_schema needs a schema object", param)
+    return "json", schema
+
+
+async def constrain(params: SimpleNamespace, tools: list[dict[str, Any]] | None, *, choice: str,
+                    name: str | None = None, one_call: bool = False,
+                    output: tuple[str, dict[str, Any] | None] | None = None) -> None:
+    """Sets ``params.constraint`` (SGLang's ``ebnf`` sampling param) when the request needs
+    constrained decoding: tool choice ``required`` (at least one call of the given tools; one when
+    `one_call`) or ``function`` (one call of `name`) in the model's native tool-call format, else
+    an output format's JSON (schema). A 400 when it cannot be honoured (no such tool, a schema
+    xgrammar does not convert)."""
+    try:
+        if choice in ("required", "function"):
+            _require(bool(tools), f"tool_choice {choice!r} needs tools", "tool_choice")
+            assert tools is not None
+            chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == name]
+            _require(bool(chosen), f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+            ebnf = await asyncio.to_thread(tool_calls_ebnf, chosen, one_call=one_call or choice == "function")
+        elif output is not None:
+            ebnf = await asyncio.to_thread(json_ebnf, output[1])
+        else:
+            return
+    except ValueError as exc:
+        raise ApiError(400, f"constrained decoding: {exc}",
+                       param="tool_choice" if choice in ("required", "function") else "response_format") from None
+    params.constraint = {"ebnf": ebnf}
 
 
 def _usage(call: Call, samples: list[Sample]) -> tuple[int, int]:
@@ -505,8 +544,11 @@ async def chat_completions(ep: AgentEndpoint, session: AgentSession, body: dict[
     n = body.get("n") or 1
     _require(isinstance(n, int) and 1 <= n <= 16, "n must be an integer in [1, 16]", "n")
     params = ep.sampling(body, max_key="max_tokens")
-    _openai_output_format(body.get("response_format"), "response_format")
-    tool_policy(params, choice=_openai_tool_choice(body), one_call=body.get("parallel_tool_calls") is False)
+    output = _openai_output_format(body.get("response_format"), "response_format", "chat")
+    choice, name = _openai_tool_choice(body, "chat")
+    one_call = body.get("parallel_tool_calls") is False
+    tool_policy(params, choice=choice, one_call=one_call)
+    await constrain(params, tools, choice=choice, name=name, one_call=one_call, output=output)
     plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
     call, samples = await ep.generate(session, "chat", plan, params, n, request)
     choices = []
@@ -555,9 +597,11 @@ async def responses(ep: AgentEndpoint, session: AgentSession, body: dict[str, An
              "conversation in input", "previous_response_id")
     messages, tools = responses_messages(body), _tool_schemas(body.get("tools"), "responses")
     params = ep.sampling(body, max_key="max_output_tokens")
-    _openai_output_format((body.get("text") or {}).get("format"), "text.format")
-    choice = _openai_tool_choice(body)
-    tool_policy(params, choice=choice, one_call=body.get("parallel_tool_calls") is False)
+    fmt = _openai_output_format((body.get("text") or {}).get("format"), "text.format", "responses")
+    choice, name = _openai_tool_choice(body, "responses")
+    one_call = body.get("parallel_tool_calls") is False
+    tool_policy(params, choice=choice, one_call=one_call)
+    await constrain(params, tools, choice=choice, name=name, one_call=one_call, output=fmt)
     plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
     call, (s,) = await ep.generate(session, "responses", plan, params, 1, request)
     session.remember_chat(call.completions[0], messages, tools, _returned(s))
@@ -574,7 +618,7 @@ async def responses(ep: AgentEndpoint, session: AgentSession, body: dict[str, An
             "status": "incomplete" if s.finish == "length" else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if s.finish == "length" else None,
             "output": output, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-            "tool_choice": choice, "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "usage": {"input_tokens": p, "output_tokens": n, "total_tokens": p + n,
                       "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
@@ -586,9 +630,12 @@ async def messages(ep: AgentEndpoint, session: AgentSession, body: dict[str, Any
     choice = body.get("tool_choice") or {"type": "auto"}
     _require(isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none"),
              "tool_choice.type must be auto, any, tool or none", "tool_choice")
-    if choice["type"] in ("any", "tool"):
-        raise _unconstrained(f"tool_choice {choice['type']!r}", "tool_choice")
-    tool_policy(params, choice=choice["type"], one_call=bool(choice.get("disable_parallel_tool_use")))
+    kind = {"any": "required", "tool": "function"}.get(choice["type"], choice["type"])
+    _require(kind != "function" or isinstance(choice.get("name"), str), "tool_choice.name: field required",
+             "tool_choice")
+    one_call = bool(choice.get("disable_parallel_tool_use"))
+    tool_policy(params, choice=kind, one_call=one_call)
+    await constrain(params, tools, choice=kind, name=choice.get("name"), one_call=one_call)
     plan = session.chat_prompt(msgs, tools, lambda m, gen: ep.render(m, tools, gen))
     call, (s,) = await ep.generate(session, "messages", plan, params, 1, request)
     session.remember_chat(call.completions[0], msgs, tools, _returned(s))

@@ -23,7 +23,9 @@ completion_tokens, cached_tokens, weight_version, output_token_logprobs: [[logpr
 (a list of those for a batch body). ``weight_version`` is a string, as in SGLang.
 
 Log-probs are those of the distribution actually sampled from: ``log_softmax(logits / T)`` before
-top-k/top-p truncation (greedy: T = 1); see ``trajmesh.learner.evaluate``. The demo samples at
+top-k/top-p truncation (greedy: T = 1); see ``trajmesh.learner.evaluate``. SGLang's structured
+outputs (``json_schema`` / ``regex`` / ``ebnf`` in ``sampling_params``) are honoured with xgrammar
+(rollout/grammar.py); a constrained token's log-prob is of the masked distribution, as SGLang's. The demo samples at
 T = 1, where they equal the learner's ``log π_θ``. All tokens of one request come from one weight
 version: weights are only swapped between rounds.
 
@@ -51,6 +53,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from trajmesh.rollout.grammar import Grammars, RowConstraint
 from trajmesh.rollout.hf_model import load_causal_lm
 from trajmesh.rollout.torch_sampler import RequestSampling, Sampled, decode_batch
 
@@ -114,6 +117,8 @@ class _Request:
     params: RequestSampling
     return_logprob: bool
     future: asyncio.Future = field(repr=False)
+    grammar: Any = None
+    """The compiled constraint (``params.constraint``), or None."""
 
 
 def _aborted() -> Sampled:
@@ -156,6 +161,8 @@ class TorchEngineServer:
         loop = asyncio.get_running_loop()
         self.model, self.tokenizer = await loop.run_in_executor(self._executor, load_served_model, self.model_path)
         self._generator = torch.Generator().manual_seed(self.seed)
+        self._grammars = Grammars(self.tokenizer, int(self.model.get_output_embeddings().weight.shape[0]),
+                                  model_eos_ids(self.model, self.tokenizer.eos_token_id))
         self._queue: asyncio.Queue[_Request] = asyncio.Queue(maxsize=QUEUE_LIMIT)
         self._not_paused = asyncio.Event()
         self._not_paused.set()
@@ -252,6 +259,7 @@ class TorchEngineServer:
             decode=self.tokenizer.decode,
             generator=self._generator,
             should_abort=self._abort_round.is_set,
+            constraints=[RowConstraint(r.grammar) if r.grammar is not None else None for r in batch],
         )
 
     @property
@@ -318,13 +326,18 @@ class TorchEngineServer:
         except (ValueError, TypeError) as exc:
             return _error(str(exc))
         loop = asyncio.get_running_loop()
+        try:  # structured outputs: compiled off the loop (xgrammar; the first one imports it)
+            grammars = [None if sp.constraint is None else
+                        await loop.run_in_executor(None, self._grammars.compile, sp.constraint) for sp in sps]
+        except ValueError as exc:
+            return _error(str(exc))
         reqs = []
         for i in range(n):
             rid = (
                 rids[i] if isinstance(rids, list) else rids if single and rids else None
             ) or uuid.uuid4().hex
             rl = bool(raw_lp[i] if isinstance(raw_lp, list) else raw_lp)
-            reqs.append(_Request(rid, prompts[i], sps[i], rl, loop.create_future()))
+            reqs.append(_Request(rid, prompts[i], sps[i], rl, loop.create_future(), grammars[i]))
         for r in reqs:
             await self._queue.put(r)
         outs = await asyncio.gather(*(r.future for r in reqs))

@@ -142,7 +142,10 @@ class TurnSampler:
     async def sample(self, context: list[int], params: Any, seed: int | None = None) -> Turn:
         """`params`: temperature, top_p, top_k, max_new_tokens (the task's SamplingParams); optional
         ``stop`` (strings) and ``stop_token_ids`` go to the engine too, which ends the turn on them
-        (the token that completes a stop string stays in the output, as SGLang and vLLM keep it)."""
+        (the token that completes a stop string stays in the output, as SGLang and vLLM keep it);
+        optional ``constraint``: SGLang's structured-output key and value (``{"ebnf": ...}``,
+        ``json_schema``, ``regex``), sent as is; a constrained turn an abort cut is generated again
+        from its start (the engine's grammar cannot resume mid-output)."""
         turn = Turn([], [], [], "length")
         budget, aborts = int(params.max_new_tokens), 0
         while True:
@@ -175,6 +178,10 @@ class TurnSampler:
                 turn.finish = "stop" if finish == "stop" else "length"
                 return turn
             INTERRUPTIONS.inc()
+            if getattr(params, "constraint", None):
+                # A grammar starts at its root on every request: a resubmitted prefix would be
+                # matched as a fresh start, so a constrained turn is generated again from scratch.
+                turn = Turn([], [], [], "length")
             if self.pause.epoch == epoch and self.pause.ready.is_set():
                 # Not our weight load: an abort of other origin, retried with a bound (an engine
                 # without abort retries in its config, e.g. synthetic, never aborts: it fails at once).
@@ -197,6 +204,7 @@ class TurnSampler:
         stop = list(getattr(params, "stop", None) or ())
         if stop:
             sampling["stop"] = stop
+        sampling.update(getattr(params, "constraint", None) or {})
         if seed is not None and caps.sampling_seed:
             sampling["sampling_seed"] = seed
         return sampling

@@ -14,6 +14,8 @@ exactly as the uninterrupted one would have. Rows without a seed share the engin
 
 Log-probs: ``log_softmax(logits / T)[token]`` over the full vocabulary (greedy: T = 1), the same
 convention as ``sample_batch`` below (held-out evaluation's sampler, ``ModelPolicy`` in rollout/episode.py) and the learner's ``token_logprobs`` at temperature T.
+A row under a grammar constraint (SGLang's ``json_schema`` / ``regex`` / ``ebnf``) has its
+disallowed tokens' logits set to -inf first, so its log-probs are of the masked distribution.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from trajmesh.rollout.grammar import constraint_of
 
 GREEDY_EPS = 1e-5
 
@@ -172,6 +176,8 @@ class RequestSampling:
     ignore_eos: bool = False
     sampling_seed: int | None = None
     """Per-request seed (SGLang ``sampling_seed``); None: the engine's shared generator."""
+    constraint: tuple[str, str] | None = None
+    """(kind, text) of SGLang's ``json_schema`` / ``regex`` / ``ebnf`` (rollout/grammar.py); None: free."""
 
     @staticmethod
     def parse(raw: dict[str, Any] | None) -> RequestSampling:
@@ -191,6 +197,7 @@ class RequestSampling:
             stop=(stop,) if isinstance(stop, str) else tuple(str(s) for s in stop),
             ignore_eos=bool(raw.get("ignore_eos", False)),
             sampling_seed=None if seed is None else int(seed),
+            constraint=constraint_of(raw),
         )
 
 
@@ -204,8 +211,10 @@ class _Rows:
     """Per-row decode state: outputs, stop sets and the finish checks in SGLang's order."""
 
     def __init__(self, prompts: list[list[int]], params: list[RequestSampling], eos_ids: set[int],
-                 decode: Callable[[list[int]], str]) -> None:
+                 decode: Callable[[list[int]], str], constraints: list[Any] | None = None) -> None:
         self.prompts, self.params, self.decode = prompts, params, decode
+        self.constraints = constraints or [None] * len(prompts)
+        """Per row a grammar state (``grammar.RowConstraint``: ``mask``, ``accept``) or None."""
         self.out = [Sampled() for _ in prompts]
         self.stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids) for p in params]
         self.live = [p.max_new_tokens > 0 for p in params]
@@ -215,6 +224,8 @@ class _Rows:
 
     def append(self, i: int, token: int, logp: float, aborted: bool) -> None:
         o, p = self.out[i], self.params[i]
+        if self.constraints[i] is not None:
+            self.constraints[i].accept(token)
         o.output_ids.append(token)
         o.logprobs.append(logp)
         if aborted:
@@ -238,6 +249,9 @@ class _Rows:
 def _sample_tokens(logits_BV: torch.Tensor, rows: _Rows, generator: torch.Generator | None
                    ) -> tuple[list[int], list[float]]:
     params = rows.params
+    if any(c is not None for c in rows.constraints):  # disallowed tokens -inf before everything else
+        logits_BV = torch.stack([c.mask(row) if c is not None and rows.live[i] else row
+                                 for i, (c, row) in enumerate(zip(rows.constraints, logits_BV, strict=True))])
     temp_B = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     greedy_B = temp_B <= GREEDY_EPS
     scale_B = torch.where(greedy_B, torch.ones_like(temp_B), temp_B)
@@ -260,9 +274,13 @@ def _sample_tokens(logits_BV: torch.Tensor, rows: _Rows, generator: torch.Genera
 @torch.no_grad()
 def decode_batch(model: Any, prompts: list[list[int]], params: list[RequestSampling], *, pad_id: int,
                  eos_ids: set[int], decode: Callable[[list[int]], str], generator: torch.Generator | None = None,
-                 should_abort: Callable[[], bool] | None = None) -> list[Sampled]:
+                 should_abort: Callable[[], bool] | None = None, constraints: list[Any] | None = None
+                 ) -> list[Sampled]:
     """Generate for every prompt; ``should_abort`` is polled after each decode step's tokens are
-    appended (rows still running then end with finish_reason abort, their tokens kept)."""
+    appended (rows still running then end with finish_reason abort, their tokens kept).
+    ``constraints``: per row a grammar state or None (structured outputs, rollout/grammar.py); a
+    constrained row's logits are masked before sampling and its log-probs are of the masked
+    distribution, as SGLang's and vLLM's."""
     B, width = len(prompts), max(len(p) for p in prompts)
     ids_BT = torch.full((B, width), pad_id, dtype=torch.long)
     mask_BT = torch.zeros((B, width), dtype=torch.long)
@@ -270,7 +288,7 @@ def decode_batch(model: Any, prompts: list[list[int]], params: list[RequestSampl
         ids_BT[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask_BT[i, width - len(p):] = 1
     pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
-    rows = _Rows(prompts, params, eos_ids, decode)
+    rows = _Rows(prompts, params, eos_ids, decode, constraints)
     if not any(rows.live):
         return rows.out
     result = model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=True)

