@@ -42,6 +42,18 @@ async def setup(rollout: AgentHost, sources: list[Any]) -> None:
     if rollout.agents is None:
         await serve_endpoint(rollout, sources)
     os.environ[API_KEY_VAR] = rollout.agents.api_key
+    served = rollout.agent_serve_task
+
+    async def serve_then_close() -> None:
+        """The endpoint's serving task, then the verifiers environments' serving resources (their
+        interception servers), closed when the rollout's stop ends the endpoint."""
+        try:
+            if served is not None:
+                await served
+        finally:
+            await _ENVS.stack.aclose()
+
+    rollout.agent_serve_task = asyncio.create_task(serve_then_close())
 
 
 class _Envs:
