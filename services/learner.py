@@ -110,8 +110,11 @@ def _gauge(name: str) -> Gauge:
 
 # Exported from the start (0 until the first step measures them): dashboards and stop gates read them,
 # and every action type has its entropy series even before a batch holds that type.
+RESPONSE_LENGTH_NAMES = tuple(f"trajmesh_learner_response_length_{q}_tokens"
+                              for q in ("mean", "p50", "p90", "max", "correct_mean", "incorrect_mean"))
+"""learner/step.py response_length_metrics (the overview's response-length panels)."""
 for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO,
-              *ENTROPY_BY_ACTION_TYPE_NAMES.values(), *REFERENCE_METRIC_NAMES):
+              *ENTROPY_BY_ACTION_TYPE_NAMES.values(), *REFERENCE_METRIC_NAMES, *RESPONSE_LENGTH_NAMES):
     _gauge(_name)
 
 

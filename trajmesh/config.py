@@ -198,7 +198,7 @@ class TasksConfig(_Strict):
     """Held-out tasks per source the audit grades."""
     profile: str = ""
     """Task pass-rate profile (JSON) that each source's `curriculum` reads; `trajmesh profile` writes
-    it (default RUN_DIR/task_profile.json). "": none (the curriculum has nothing to act on)."""
+    it. "": RUN_DIR.task_profile.json beside the run dir (`trajmesh.tasks.profile_path`), if present."""
     profile_pass_reward: float = 1.0
     """A sample passes when its reward is at least this (profiling and re-profiling)."""
     reprofile_every_versions: int = Field(0, ge=0)

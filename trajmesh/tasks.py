@@ -86,6 +86,15 @@ def profile_key(source: str, task_id: str) -> str:
     return f"{source}/{task_id}"
 
 
+def profile_path(tasks_cfg: TasksConfig, run_dir: str | Path) -> Path:
+    """The profile a run reads: `tasks.profile`, else RUN_DIR.task_profile.json beside the run dir
+    (outside it: `trajmesh train` starts only in an empty run dir)."""
+    if tasks_cfg.profile:
+        return Path(tasks_cfg.profile)
+    run = Path(run_dir)
+    return run.with_name(run.name + ".task_profile.json")
+
+
 def read_profile(path: str | Path) -> dict[str, tuple[int, int]]:
     """{source/task_id: (passes, samples)} from a profile file (`write_profile`); {} if absent."""
     p = Path(path)
@@ -124,7 +133,8 @@ class TaskSampler:
     """Weighted mixture over sources; each draw picks a source by weight, then a task: uniformly,
     or by its curriculum weight when the source has a curriculum and profiled tasks."""
 
-    def __init__(self, cfg: TasksConfig, seed: int, profile_out: str | Path | None = None) -> None:
+    def __init__(self, cfg: TasksConfig, seed: int, profile_out: str | Path | None = None,
+                 profile_in: str | Path | None = None) -> None:
         self.seed = seed
         self.sources = cfg.sources
         self.weights = [s.weight for s in cfg.sources]
@@ -134,7 +144,9 @@ class TaskSampler:
         self.profile_out = Path(profile_out) if profile_out is not None else None
         """Where `maybe_reprofile` writes the profile in effect (RUN_DIR/task_profile.json)."""
         self.profile: dict[str, tuple[int, int]] = {}
-        for path in (cfg.profile, self.profile_out):  # a restarted store's own re-profile wins
+        """source/task_id → (passes, samples): `profile_in` (default `tasks.profile`), then the
+        store's own re-profile at `profile_out` if one exists (a restarted store continues it)."""
+        for path in (profile_in if profile_in is not None else cfg.profile, self.profile_out):
             if path:
                 self.profile.update(read_profile(path))
         self.observed: dict[str, list[int]] = {}

@@ -50,7 +50,7 @@ from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
 from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
-from trajmesh.services.store.repo import Membership, StoreRepo, task_id_at
+from trajmesh.services.store.repo import Membership, StoreRepo, task_cursor, task_id_at
 from trajmesh.services.store.state import (
     ACCEPTED_BEFORE_CRASH,
     NOT_RETURNED,
@@ -59,7 +59,7 @@ from trajmesh.services.store.state import (
     StoreState,
     filter_reason,
 )
-from trajmesh.tasks import TaskSampler
+from trajmesh.tasks import MixtureTracker, TaskSampler, profile_path
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
@@ -67,6 +67,14 @@ log = logging.getLogger("trajmesh.store")
 
 TASKS_ADMITTED = Counter("trajmesh_store_tasks_admitted_total", "Tasks (prompt x G) admitted by the gate", ["source"])
 TRAJ_ADMITTED = Counter("trajmesh_store_trajectories_admitted_total", "Trajectories admitted (tasks x G)")
+SOURCE_WEIGHT_SHARE = Gauge("trajmesh_store_source_weight_share_ratio",
+                            "A source's mixture weight over the sum of weights (trajmesh/tasks.py)", ["source"])
+SOURCE_ADMITTED_SHARE = Gauge("trajmesh_store_source_admitted_share_ratio",
+                              "A source's share of the tasks this store admitted", ["source"])
+MIXTURE_DRIFT = Gauge("trajmesh_store_mixture_drift_ratio",
+                      "Largest |admitted share - weight share| over sources (TrajmeshMixtureDrift)")
+REPROFILES = Counter("trajmesh_store_task_reprofiles_total",
+                     "Curriculum re-profiles from the run's outcomes (tasks.reprofile_every_versions)")
 OUTCOMES = Counter(
     "trajmesh_store_trajectories_total", "Trajectory records by outcome and reason", ["outcome", "reason"]
 )
@@ -190,6 +198,8 @@ class TrajectoryStore(Service):
         """Every held trajectory's and group's state (pure)."""
         self.vocab_size = 0
         self.sampler: TaskSampler | None = None
+        self.mixture = MixtureTracker(self.cfg.tasks.sources)
+        """Tasks this store admitted per source against the mixture weights (exported as gauges)."""
         self.manifest_id = ""
         self.recovery_pending = False
         self.held_at = 0.0
@@ -218,7 +228,11 @@ class TrajectoryStore(Service):
             busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000,
             on_poison=self._on_poison)
         self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
-        self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed)
+        self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed, profile_in=profile_path(cfg.tasks, cfg.run_dir),
+                                   profile_out=Path(cfg.run_dir) / "task_profile.json")
+        for name, share in self.mixture.weight_share.items():
+            SOURCE_WEIGHT_SHARE.labels(source=name).set(share)
+            SOURCE_ADMITTED_SHARE.labels(source=name).set(0.0)
         archive = ArchiveWriter(Path(cfg.run_dir) / "archive", writer=f"store{self.replica}")
         self.manifest_id = await repo.manifest_id()
         GATE_ETA.set(cfg.effective_eta)
@@ -350,6 +364,8 @@ class TrajectoryStore(Service):
         no capacity left by then (another replica took it; that cursor position is skipped)."""
         assert self.sampler is not None
         cursor = await self.w.repo.next_cursor()
+        if self.sampler.maybe_reprofile(version):
+            REPROFILES.inc()
         task = self.sampler.task_at(cursor)
         pb = trajectory_pb2.Task(
             task_id=task_id_at(task.task_id, cursor),
@@ -383,6 +399,10 @@ class TrajectoryStore(Service):
         await self.w.repo.published(pb.task_id)
         TASKS_ADMITTED.labels(source=pb.source).inc()
         TRAJ_ADMITTED.inc(pb.group_size)
+        self.mixture.admit(pb.source)
+        for name, share in self.mixture.admitted_share().items():
+            SOURCE_ADMITTED_SHARE.labels(source=name).set(share)
+        MIXTURE_DRIFT.set(self.mixture.drift())
         return True
 
     async def _republish_unpublished(self) -> None:
@@ -503,6 +523,11 @@ class TrajectoryStore(Service):
         first_time = await self.w.repo.finish_group(group.group_id, accepted=kept, rejected=group.expected - kept)
         if first_time:  # a group rebuilt after a store restart was counted already
             self._note_group_health(group, rewards)
+            if self.sampler is not None:  # the curriculum's re-profile reads the run's own outcomes
+                for t in group.members:
+                    tid = t.pb.task_id
+                    self.sampler.observe(group.source, tid[:tid.rindex("-c")] if task_cursor(tid) is not None else tid,
+                                         t.reward)
             TASKS_DONE.labels(source=group.source, outcome="filtered" if reason else "accepted",
                               reason=reason or "none").inc()
         if reason:
