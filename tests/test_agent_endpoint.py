@@ -886,8 +886,9 @@ def test_served_model_name_is_configured_or_the_model_directorys() -> None:
 def test_tool_choice_and_parallel_tool_calls_are_honoured_or_refused(h: Harness) -> None:
     """``tool_choice: none`` stops the engine before a tool call begins and ``parallel_tool_calls:
     false`` after the first call closes (stop strings on the native tags, the tokens kept as
-    generated); what the engine cannot constrain (``required``, a named function, a JSON schema)
-    answers 400."""
+    generated); a constraint that cannot be honoured (``required`` without tools, a function that
+    is not among them, a format that is not JSON) answers 400 (the constrained ones:
+    tests/test_agent_constrained.py)."""
     session = h.ep.open_session("choice1")
     client = h.openai("choice1", max_retries=0)
     tools = [{"type": "function", "function": ADD_FN}]
@@ -910,12 +911,12 @@ def test_tool_choice_and_parallel_tool_calls_are_honoured_or_refused(h: Harness)
     assert (resp.tool_choice, resp.parallel_tool_calls) == ("none", False)
     assert [o.type for o in resp.output] == ["message"]
     refused = [
-        lambda: client.chat.completions.create(model="tiny", messages=msgs, tools=tools, tool_choice="required"),
+        lambda: client.chat.completions.create(model="tiny", messages=msgs, tool_choice="required"),
         lambda: client.chat.completions.create(model="tiny", messages=msgs, tools=tools,
-                                               tool_choice={"type": "function", "function": {"name": "add"}}),
-        lambda: client.chat.completions.create(model="tiny", messages=msgs, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-        lambda: client.responses.create(model="tiny", input=QUESTION, text={"format": {"type": "json_object"}}),
+                                               tool_choice={"type": "function", "function": {"name": "sub"}}),
+        lambda: client.chat.completions.create(model="tiny", messages=msgs, response_format={"type": "yaml"}),
+        lambda: client.responses.create(model="tiny", input=QUESTION, text={"format": {"type": "json_schema",
+                                                                                      "name": "x"}}),
     ]
     for ask in refused:
         with pytest.raises(openai.BadRequestError) as err:
@@ -923,7 +924,7 @@ def test_tool_choice_and_parallel_tool_calls_are_honoured_or_refused(h: Harness)
         assert err.value.param in ("tool_choice", "response_format", "text.format")
     aclient = anthropic.Anthropic(base_url=f"{h.url}/sessions/choice1", api_key="unused", max_retries=0)
     with pytest.raises(anthropic.BadRequestError):
-        aclient.messages.create(model="tiny", max_tokens=8, messages=msgs, tool_choice={"type": "any"},
+        aclient.messages.create(model="tiny", max_tokens=8, messages=msgs, tool_choice={"type": "tool", "name": "sub"},
                                 tools=[{"name": "add", "input_schema": ADD_FN["parameters"]}])
     assert len(session.calls) == 3
     h.ep.close_session("choice1")
