@@ -1,4 +1,4 @@
-"""Command line: `trajmesh train|sweep|serve|inspect|envs|doctor`. Thin: parse, load config, hand off."""
+"""Command line: `trajmesh train|sweep|serve|inspect|envs|profile|doctor`. Thin: parse, load config, hand off."""
 
 from __future__ import annotations
 
@@ -183,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
                              "answers) and print the table; without CONFIG every built-in reasoning-gym family")
     p_envs.add_argument("--audit-tasks", type=int, default=8, help="held-out tasks graded per source")
 
+    p_profile = sub.add_parser("profile", help="each training task's pass rate under the starting policy "
+                                                "(for a source's curriculum; trajmesh/run/profile.py)")
+    p_profile.add_argument("config")
+    p_profile.add_argument("--samples", type=int, default=8, help="samples per task (k)")
+    p_profile.add_argument("--tasks", type=int, default=256, help="training tasks profiled per source (its first N)")
+    p_profile.add_argument("--out", default=None,
+                           help="profile file (default: tasks.profile, else RUN_DIR.task_profile.json)")
+    p_profile.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+
     p_doctor = sub.add_parser("doctor", help="check a Kubernetes cluster for what the Helm chart needs")
     p_doctor.add_argument("-f", "--values", action="append", default=[], metavar="FILE",
                           help="chart values file, as helm -f (repeatable; over the chart's values.yaml)")
@@ -223,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "sweep":
             return _sweep(args)
+        if args.command == "profile":
+            from pathlib import Path
+
+            from trajmesh.run.profile import format_summary, profile_tasks
+
+            result = profile_tasks(load_config(args.config, _overrides(args.set)), samples=args.samples,
+                                   tasks_per_source=args.tasks, out=Path(args.out) if args.out else None)
+            print(format_summary(result))
+            return 0
         if args.command == "train":
             from trajmesh.run.audit import VerifierAuditRefused
             from trajmesh.run.train import RunDirExists, train
