@@ -37,6 +37,7 @@ from trajmesh.run.launcher import Proc, accounting, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.run.train import read_metrics
 from trajmesh.services.store.archive import read_archive
+from trajmesh.tasks import read_profile
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -138,7 +139,9 @@ def _check_no_secret_leaked(run_dir: Path, scraped: dict[str, str], cmdlines: di
 
 
 def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, tiny_model_dir: str) -> None:
-    cfg = _build_config(tmp_path / "run", tiny_model_dir)
+    # The curriculum's re-profile from the run's own outcomes runs too (no curriculum acts on it).
+    cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"tasks.reprofile_every_versions": 2,
+                                                            "tasks.reprofile_min_samples": 1})
     assert cfg.infra.security.nats_auth and cfg.infra.security.redis_auth  # the launcher's default
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
@@ -217,6 +220,25 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
     # Under the gate the learner's consume-time check stays quiet: nothing quarantined as stale.
     # (The lag bound above holds by construction; this is what the gate itself must achieve.)
     check_no_stale(acct, cfg.run_dir)
+
+    # Re-profiled from the archive's own graded groups: a task with one group there has its G
+    # samples and exactly the passes (reward >= 1) the archive shows; none has more than the archive.
+    profile = json.loads((run_dir / "task_profile.json").read_text())
+    assert profile["version"] >= 2 and profile["source"] == "run outcomes"
+    graded: dict[str, list[float]] = {}
+    groups: dict[str, set[str]] = {}
+    for r in rows:
+        if r["outcome"] == "accepted" or (r["outcome"] == "filtered" and r["reason"] in ("zero_variance",
+                                                                                          "group_too_small")):
+            key = f"{r['task_source']}/{r['task_id'].rsplit('-c', 1)[0]}"
+            graded.setdefault(key, []).append(r["reward"])
+            groups.setdefault(key, set()).add(r["group_id"])
+    counts = read_profile(run_dir / "task_profile.json")
+    assert counts and set(counts) <= set(graded)
+    for key, (n, m) in counts.items():
+        assert m <= len(graded[key]) and n <= sum(x >= 1.0 for x in graded[key]), (key, n, m)
+        if len(groups[key]) == 1:
+            assert (n, m) == (sum(x >= 1.0 for x in graded[key]), cfg.tasks.group_size), (key, graded[key])
 
 
 def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model_dir: str) -> None:

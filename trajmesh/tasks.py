@@ -204,7 +204,10 @@ class TaskSampler:
                 if b > a]
 
     def observe(self, source: str, task_id: str, reward: float) -> None:
-        """One graded outcome of a training task in this run (`task_id`: the sampler's id)."""
+        """One graded outcome of a training task in this run (`task_id`: the sampler's id); kept only
+        when the run re-profiles."""
+        if self.reprofile_every <= 0:
+            return
         seen = self.observed.setdefault(profile_key(source, task_id), [0, 0])
         seen[0] += int(reward >= self.pass_reward)
         seen[1] += 1
