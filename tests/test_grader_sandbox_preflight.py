@@ -33,8 +33,11 @@ def _code_graded_math(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _setup(overrides: dict[str, Any], nats: NatsServer, redis: RedisServer, model: str) -> GraderService:
-    service = GraderService(load_config(None, {"infra.nats_url": nats.url, "infra.redis_url": redis.url,
-                                               "model.path": model, **overrides}))
+    # A run directory of its own: the default (runs/demo) may hold a demo run's NATS credentials,
+    # and with them the grader waits for streams only an admin creates.
+    run_dir = nats.data_dir / "run"
+    service = GraderService(load_config(None, {"run_dir": str(run_dir), "infra.nats_url": nats.url,
+                                               "infra.redis_url": redis.url, "model.path": model, **overrides}))
     return setup_then_stop(service)
 
 
