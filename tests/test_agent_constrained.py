@@ -14,6 +14,7 @@ The vLLM counterpart runs in tests/test_engine_conformance.py (its module-scoped
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -138,9 +139,20 @@ class RecordingEngine(EngineClient):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.records: list[tuple[list[int], dict[str, Any], list[int], list[float]]] = []
+        self.cut_next: tuple[int, PauseClock] | None = None
+        """(n, the rollout's pause clock): the next answer stops after n tokens and comes back
+        aborted by a weight load (the clock paused and resumed meanwhile), as SGLang answers a
+        request that a pause aborted."""
 
     async def generate(self, input_ids: Any, sampling: Any, return_logprob: bool = True) -> Any:
-        res = await super().generate(input_ids, sampling, return_logprob)
+        cut, self.cut_next = self.cut_next, None
+        if cut is None:
+            res = await super().generate(input_ids, sampling, return_logprob)
+        else:
+            res = await super().generate(input_ids, {**sampling, "max_new_tokens": cut[0]}, return_logprob)
+            cut[1].pause()
+            cut[1].resume()
+            res = dataclasses.replace(res, finish_reason={"type": "abort", "message": "generation paused"})
         self.records.append((list(input_ids), dict(sampling), list(res.output_ids), list(res.logprobs)))
         return res
 
@@ -290,3 +302,16 @@ def test_response_format_json_schema_answers_json_of_the_schema(h: Harness) -> N
     jsonschema.validate(json.loads(r.output_text), ANSWER_SCHEMA)
     _trajectory_outputs(h, "resp")
     assert parse_tool_calls(r.output_text)[1] == []
+
+
+def test_a_constrained_turn_aborted_by_a_weight_load_is_generated_again_from_its_start(h: Harness) -> None:
+    """The engine's grammar starts at its root on every request, so the sampler does not resubmit
+    prompt + partial output (that would be matched as a fresh answer): it asks again from the prompt,
+    and only the second answer is recorded."""
+    before = len(h.engine.records)
+    h.engine.cut_next = (5, h.ep.pause)
+    resp = _chat(h, "cut", tools=TOOLS, tool_choice="required")
+    assert resp.choices[0].message.tool_calls
+    (p1, _, partial, _), (p2, _, out, _) = h.engine.records[before:]
+    assert len(partial) == 5 and p2 == p1
+    assert _trajectory_outputs(h, "cut") == [out]
