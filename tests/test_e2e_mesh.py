@@ -139,9 +139,11 @@ def _check_no_secret_leaked(run_dir: Path, scraped: dict[str, str], cmdlines: di
 
 
 def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, tiny_model_dir: str) -> None:
-    # The curriculum's re-profile from the run's own outcomes runs too (no curriculum acts on it).
+    # The curriculum's re-profile from the run's own outcomes runs too (no curriculum acts on it), and
+    # the learner zeroes the reward of truncated trajectories (learner.truncation.policy zero_reward).
     cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"tasks.reprofile_every_versions": 2,
-                                                            "tasks.reprofile_min_samples": 1})
+                                                            "tasks.reprofile_min_samples": 1,
+                                                            "learner.truncation.policy": "zero_reward"})
     assert cfg.infra.security.nats_auth and cfg.infra.security.redis_auth  # the launcher's default
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
@@ -220,6 +222,18 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
     # Under the gate the learner's consume-time check stays quiet: nothing quarantined as stale.
     # (The lag bound above holds by construction; this is what the gate itself must achieve.)
     check_no_stale(acct, cfg.run_dir)
+
+    # zero_reward: each step's reward mean is its trained trajectories' graded rewards from the
+    # archive, with 0 for each one that hit the token budget (MAX_TOKENS).
+    zeroed = 0
+    for m in steps:
+        batch = [intake[r["trajectory_id"]] for r in rows
+                 if r["outcome"] == "trained" and r["learner_version"] == m["version"] - 1]
+        assert len(batch) == m["trajectories_trained"]
+        want = [0.0 if a["terminal_reason"] == "MAX_TOKENS" else a["reward"] for a in batch]
+        assert m["reward_mean"] == pytest.approx(sum(want) / len(want), abs=1e-6), (m["version"], want)
+        zeroed += sum(a["terminal_reason"] == "MAX_TOKENS" and a["reward"] > 0 for a in batch)
+    assert zeroed, "no truncated trained response had a reward to zero: zero_reward never acted"
 
     # Re-profiled from the archive's own graded groups: a task with one group there has its G
     # samples and exactly the passes (reward >= 1) the archive shows; none has more than the archive.
