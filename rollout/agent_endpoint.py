@@ -497,7 +497,8 @@ def _openai_output_format(fmt: Any, param: str, api: str) -> tuple[str, dict[str
 
 async def constrain(params: SimpleNamespace, tools: list[dict[str, Any]] | None, *, choice: str,
                     name: str | None = None, one_call: bool = False,
-                    output: tuple[str, dict[str, Any] | None] | None = None) -> None:
+                    output: tuple[str, dict[str, Any] | None] | None = None,
+                    output_param: str = "response_format") -> None:
     """Sets ``params.constraint`` (SGLang's ``ebnf`` sampling param) when the request needs
     constrained decoding: tool choice ``required`` (at least one call of the given tools; one when
     `one_call`) or ``function`` (one call of `name`) in the model's native tool-call format, else
@@ -516,7 +517,7 @@ async def constrain(params: SimpleNamespace, tools: list[dict[str, Any]] | None,
             return
     except ValueError as exc:
         raise ApiError(400, f"constrained decoding: {exc}",
-                       param="tool_choice" if choice in ("required", "function") else "response_format") from None
+                       param="tool_choice" if choice in ("required", "function") else output_param) from None
     params.constraint = {"ebnf": ebnf}
 
 
@@ -601,7 +602,8 @@ async def responses(ep: AgentEndpoint, session: AgentSession, body: dict[str, An
     choice, name = _openai_tool_choice(body, "responses")
     one_call = body.get("parallel_tool_calls") is False
     tool_policy(params, choice=choice, one_call=one_call)
-    await constrain(params, tools, choice=choice, name=name, one_call=one_call, output=fmt)
+    await constrain(params, tools, choice=choice, name=name, one_call=one_call, output=fmt,
+                    output_param="text.format")
     plan = session.chat_prompt(messages, tools, lambda m, gen: ep.render(m, tools, gen))
     call, (s,) = await ep.generate(session, "responses", plan, params, 1, request)
     session.remember_chat(call.completions[0], messages, tools, _returned(s))

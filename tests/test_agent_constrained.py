@@ -119,15 +119,17 @@ def test_the_engine_request_carries_the_grammar_as_sglang_ebnf_and_vllm_structur
     assert not hasattr(free, "constraint") and "ebnf" not in sampler._sampling(free, 8, None, sampler.capabilities())
 
 
-@pytest.mark.parametrize("choice, name, tools, match", [
-    ("required", None, None, "needs tools"),
-    ("function", "get_news", TOOLS, "not among the tools"),
+@pytest.mark.parametrize("choice, name, tools, output, match", [
+    ("required", None, None, None, "needs tools"),
+    ("function", "get_news", TOOLS, None, "not among the tools"),
+    ("auto", None, None, ("json", {"type": "object", "properties": {"a": {"type": "nonsense"}}}), "nonsense"),
 ])
-def test_a_constraint_that_cannot_be_honoured_is_a_400(choice: str, name: str | None, tools: Any,
+def test_a_constraint_that_cannot_be_honoured_is_a_400(choice: str, name: str | None, tools: Any, output: Any,
                                                         match: str) -> None:
     with pytest.raises(ApiError, match=match) as err:
-        asyncio.run(constrain(_params(), tools, choice=choice, name=name))
+        asyncio.run(constrain(_params(), tools, choice=choice, name=name, output=output, output_param="text.format"))
     assert err.value.status == 400
+    assert err.value.param == ("text.format" if output else "tool_choice")
 
 
 # ----------------------------------------------------------------- the torch engine, for real
