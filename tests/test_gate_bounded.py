@@ -19,6 +19,7 @@ import pytest
 from store_checks import admit_and_take, graded, store_config, take
 
 from trajmesh import bus as busmod
+from trajmesh.contract import Trajectory
 from trajmesh.infra import NatsServer, RedisServer
 from trajmesh.services.store.archive import final_outcomes, read_archive
 from trajmesh.services.store.service import TrajectoryStore
@@ -79,6 +80,14 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
             await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, graded(first_kept, "g0-keep0", i, 0.5, 0, G),
                                       msg_id=f"late-{first_kept}-{i}")
         await take(store, G)
+        # A malformed trajectory claiming that trimmed task under an id not one of its samples
+        # (the mesh e2e's injected bad input, arriving after the task settled): quarantined for
+        # what is wrong with it, not taken for a duplicate of a sample it never was.
+        intruder = Trajectory.from_bytes(graded(first_kept, "intruder-group", 0, 0.5, 0, G))
+        intruder.pb.trajectory_id = "intruder"
+        intruder.pb.behavior_logprobs.append(-1.0)
+        await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, intruder.to_bytes())
+        await take(store, 1)
         await store._commit_final()
         # A learner replaying after its restart reports that group trained again: not recorded twice.
         await store.report(services_pb2.ReportRequest(learner_version=await store.w.gate.version(),
@@ -104,12 +113,15 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
     outcomes = {tid: row["outcome"] for tid, row in final_outcomes(read_archive(Path(cfg.run_dir) / "archive")).items()}
     expected = {f"keep{k}-c{2 * k}-{i}": "trained" for k in range(ROUNDS) for i in range(G)}
     expected.update({f"drop{k}-c{2 * k + 1}-{i}": "filtered" for k in range(ROUNDS) for i in range(G)})
+    assert outcomes.pop("intruder", None) == "quarantined"  # never admitted: not in the gate's count
     assert outcomes == expected
     assert sorted(trained) == sorted(t for t in expected if t.startswith("keep"))
     rows = read_archive(Path(cfg.run_dir) / "archive").to_pylist()
     assert sorted(r["trajectory_id"] for r in rows if r["outcome"] == "trained") == sorted(trained)
     assert sorted(r["trajectory_id"] for r in rows if r["outcome"] == "duplicate") == [
         f"keep0-c0-{i}" for i in range(G)]
+    assert [(r["outcome"], r["reason"]) for r in rows if r["trajectory_id"] == "intruder"] == [
+        ("quarantined", "length_mismatch")]
 
 
 class _Killed(BaseException):

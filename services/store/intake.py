@@ -48,10 +48,10 @@ def judge_parsed(traj: Trajectory | None, task: dict[str, Any] | None, *, vocab_
     """`judge` for a message already parsed with `parse` (the store parses once, to find the task)."""
     if traj is None:
         return Verdict(None, "quarantined", "not_a_trajectory", False)
-    if task is None:
-        return Verdict(traj, "quarantined", "unknown_task_id", False)
     violations = traj.validate(vocab_size=vocab_size, learner_version=learner_version)
     reason = ",".join(sorted({v.name for v in violations}))
+    if task is None:  # what is wrong with the trajectory itself first: it needs no task to tell
+        return Verdict(traj, "quarantined", reason or "unknown_task_id", False)
     member = traj.pb.group_id == task.get("group_id")
     if not member:
         return Verdict(traj, "quarantined", reason or "group_mismatch", False)

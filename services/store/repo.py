@@ -58,8 +58,9 @@ class Lookup:
     task: dict[str, Any] | None
     """Its task's record (None: unknown task id)."""
     already_final: bool
-    """Whether its id has a final outcome (a redelivery of it is a duplicate); also when its task's
-    group was settled and trimmed (task record gone, `settled_tasks` bit set)."""
+    """Whether its id has a final outcome (a redelivery of it is a duplicate); also when it is one of
+    its task's G sample ids and that task's group was settled and trimmed (task record gone,
+    `settled_tasks` bit set)."""
     group_pending: bool = True
     """Whether its group is still pending (never handed to the learner). False: a learner may
     have trained it already and not yet reported it (a store restarted in between)."""
@@ -148,9 +149,11 @@ class StoreRepo:
             pipe.getbit(self.keys.settled_tasks, task_cursor(task_id) or 0)
         version_raw, *found = await pipe.execute()
         out = []
-        for k, (task_id, _) in enumerate(items):
+        for k, (task_id, tid) in enumerate(items):
             raw, final, pending, bit = found[4 * k: 4 * k + 4]
-            out.append(Lookup(json.loads(raw) if raw is not None else None, _final(final, task_cursor(task_id), bit),
+            # A settled task makes its own G sample ids final; any other id claiming it never was.
+            cursor = task_cursor(task_id) if member_task_id(tid) == task_id else None
+            out.append(Lookup(json.loads(raw) if raw is not None else None, _final(final, cursor, bit),
                               group_pending=group_ids is None or pending is not None))
         return int(version_raw or 0), out
 
