@@ -29,22 +29,14 @@ import hashlib
 import json
 import random
 import sys
-from importlib import metadata as importlib_metadata
 from typing import Any, Literal
 
 from pydantic import Field
 
 from trajmesh.config import SourceConfig
 from trajmesh.envs.base import SingleAnswerEnv
+from trajmesh.envs.gym_env import package_version
 from trajmesh.plugins import SourcePlugin
-
-
-def package_version(name: str) -> str:
-    """The installed version of a distribution, or ``not-installed``."""
-    try:
-        return importlib_metadata.version(name)
-    except importlib_metadata.PackageNotFoundError:
-        return "not-installed"
 
 
 class VerifiersSource(SourceConfig):
