@@ -16,6 +16,14 @@ with the model the task names (``task["model"]``), gives it one tool, ``add``, a
 final answer as a string. ``task["stop"]`` (optional) is a list of stop strings passed the
 framework's own way.
 
+Each agent's first model call requires a tool call, the framework's own way (the Agents SDK's
+``ModelSettings(tool_choice="required")``, reset after the first call by the SDK; LangChain's
+``bind_tools(..., tool_choice="add")``; LangGraph through a model chosen per state; pydantic-ai
+through a capability's per-step ``tool_choice``); the calls after it choose freely
+(``tool_choice`` ``auto``), one tool call at most per answer (``parallel_tool_calls`` false). An endpoint that honours ``tool_choice`` (trajmesh's, by constrained
+decoding) therefore answers the first call with a tool call even from an untrained model, the tool
+runs, and its result goes back in a second call.
+
 Each also writes down what its framework *received* from the endpoint, read back from the
 framework's own result objects: when the environment variable ``TRAJMESH_AGENT_RECORD`` names a
 file, one JSON line per run is appended to it::
@@ -37,16 +45,23 @@ import argparse
 import asyncio
 import json
 import os
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 RECORD_ENV = "TRAJMESH_AGENT_RECORD"
 MAX_STEPS = 4
 """Model calls an agent makes at most (its tool loop's length)."""
-MAX_TOKENS = 64
+MAX_TOKENS = 96
+"""Enough for one whole ``add`` call in the native format, even written a character per token."""
 TEMPERATURE = 1.0
 
+Operand = Annotated[int, Field(ge=-999, le=999)]
+"""``add``'s arguments are bounded (``minimum`` / ``maximum`` in the tool's JSON schema), so a
+constrained call cannot spend the budget on digits."""
 
-def add(a: int, b: int) -> int:
+
+def add(a: Operand, b: Operand) -> int:
     """Add two integers."""
     return int(a) + int(b)
 
@@ -86,10 +101,13 @@ def _agents_sdk(task: dict[str, Any], base_url: str, api_key: str, responses: bo
     stop = _stop(task)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=300)
     model_cls = agents.OpenAIResponsesModel if responses else agents.OpenAIChatCompletionsModel
-    settings = agents.ModelSettings(temperature=TEMPERATURE, max_tokens=MAX_TOKENS,
+    settings = agents.ModelSettings(temperature=TEMPERATURE, max_tokens=MAX_TOKENS, tool_choice="required",
+                                    parallel_tool_calls=False,
                                     extra_body={"stop": stop} if stop else None)
+    # reset_tool_choice (the SDK's default): "required" on the first call only, "auto" after a tool ran
     agent = agents.Agent(name="adder", instructions=None, tools=[agents.function_tool(add)],
-                         model=model_cls(model=task["model"], openai_client=client), model_settings=settings)
+                         model=model_cls(model=task["model"], openai_client=client), model_settings=settings,
+                         reset_tool_choice=True)
 
     async def run() -> Any:
         async with client:  # closed in this event loop, not after it
@@ -142,12 +160,14 @@ def langchain_tools(task: dict[str, Any], base_url: str, api_key: str) -> str:
     from langchain_core.tools import tool
 
     add_tool = tool(add)
-    model = _chat_openai(task, base_url, api_key).bind_tools([add_tool])
+    chat = _chat_openai(task, base_url, api_key)
+    first = chat.bind_tools([add_tool], tool_choice="add", parallel_tool_calls=False)
+    model = chat.bind_tools([add_tool], parallel_tool_calls=False)
     messages: list[Any] = [HumanMessage(task["prompt"])]
     received = []
     answer = ""
-    for _ in range(MAX_STEPS):
-        reply = model.invoke(messages)
+    for step in range(MAX_STEPS):
+        reply = (model if step else first).invoke(messages)
         messages.append(reply)
         received.append(_received_langchain(reply))
         if not reply.tool_calls:
@@ -167,14 +187,23 @@ def langgraph_react(task: dict[str, Any], base_url: str, api_key: str) -> str:
     """LangGraph's prebuilt ReAct agent (``create_react_agent``)."""
     import warnings
 
-    from langchain_core.messages import AIMessage
+    from langchain_core.messages import AIMessage, ToolMessage
     from langchain_core.tools import tool
     from langgraph.prebuilt import create_react_agent
     from langgraph.warnings import LangGraphDeprecatedSinceV10
 
     # LangGraph 1.x points at langchain.agents.create_agent (the `langchain` package) instead
     warnings.filterwarnings("ignore", category=LangGraphDeprecatedSinceV10)
-    graph = create_react_agent(_chat_openai(task, base_url, api_key), [tool(add)])
+    tools = [tool(add)]
+    chat = _chat_openai(task, base_url, api_key)
+    first = chat.bind_tools(tools, tool_choice="required", parallel_tool_calls=False)
+    model = chat.bind_tools(tools, parallel_tool_calls=False)
+
+    def choose(state: dict[str, Any], runtime: Any) -> Any:
+        """The model for the next call: a tool call required until a tool has answered."""
+        return model if any(isinstance(m, ToolMessage) for m in state["messages"]) else first
+
+    graph = create_react_agent(choose, tools)
     out = graph.invoke({"messages": [("user", task["prompt"])]}, {"recursion_limit": 2 * MAX_STEPS})
     replies = [m for m in out["messages"] if isinstance(m, AIMessage)]
     received = [_received_langchain(m) for m in replies]
@@ -189,6 +218,7 @@ def pydantic_ai_agent(task: dict[str, Any], base_url: str, api_key: str) -> str:
     """pydantic-ai's ``Agent`` on ``OpenAIChatModel`` (its own client, so no shared connection pool)."""
     from openai import AsyncOpenAI
     from pydantic_ai import Agent, ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.settings import ModelSettings
@@ -196,10 +226,17 @@ def pydantic_ai_agent(task: dict[str, Any], base_url: str, api_key: str) -> str:
     stop = _stop(task)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=300, max_retries=2)
     model = OpenAIChatModel(task["model"], provider=OpenAIProvider(openai_client=client))
-    settings = ModelSettings(temperature=TEMPERATURE, max_tokens=MAX_TOKENS)
+    settings = ModelSettings(temperature=TEMPERATURE, max_tokens=MAX_TOKENS, parallel_tool_calls=False)
     if stop:
         settings["stop_sequences"] = stop
-    agent = Agent(model, model_settings=settings, tools=[add])
+
+    class ToolFirst(AbstractCapability[None]):
+        """``tool_choice: "required"`` on the run's first model call (pydantic-ai refuses it static)."""
+
+        def get_model_settings(self) -> Any:
+            return lambda ctx: ModelSettings(tool_choice="required") if ctx.run_step <= 1 else ModelSettings()
+
+    agent = Agent(model, model_settings=settings, tools=[add], capabilities=[ToolFirst()])
 
     async def run() -> Any:
         async with client:

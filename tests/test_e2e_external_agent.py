@@ -12,7 +12,10 @@ A second run trains the agents of examples/framework_agents.py (the OpenAI Agent
 Completions and Responses models, LangChain's bind_tools, LangGraph's create_react_agent,
 pydantic-ai) and an agent that rewrites its history, one per sample, served as the source's HTTP
 agent: exact accounting again, and every trained sampled span decodes to exactly what the
-framework received for that call (each agent writes down what it received).
+framework received for that call (each agent writes down what it received). Each framework's first
+call requires a tool call, which constrained decoding makes the untrained model write, so trained
+spans include tool calls in the template's native format, and the tool's result goes back in a
+second call.
 """
 
 from __future__ import annotations
@@ -228,7 +231,10 @@ def test_agent_frameworks_train_exactly_what_they_received(tmp_path: Path, chat_
     agent that rewrites its history. Exact accounting; every framework's runs are trained, and every
     trained sampled span decodes to exactly what that framework received for the call (stop strings
     included: nothing after one is trained); the history-rewriting agent's trajectories hold both
-    segments, the second opening with its own prompt, masked 0."""
+    segments, the second opening with its own prompt, masked 0. Each framework's first call requires
+    a tool call: every framework's first answer is one, some trained span is one (decoding to the
+    native format, equal to the name and arguments the framework parsed), and a trained trajectory's
+    next call has the tool's result in its prompt."""
     for module in ("agents", "langchain_openai", "langgraph", "pydantic_ai"):
         pytest.importorskip(module)
     monkeypatch.syspath_prepend(EXAMPLES)
@@ -248,8 +254,10 @@ def test_agent_frameworks_train_exactly_what_they_received(tmp_path: Path, chat_
     trained_ids = {r["trajectory_id"] for r in rows if r["outcome"] == "trained"}
     trained = [r for r in rows if r["outcome"] == "accepted" and r["trajectory_id"] in trained_ids]  # with tokens
     assert trained and len(trained) == len(trained_ids)
+    forced = [rec["received"][0] for recs in received.values() for rec in recs if rec["framework"] in FRAMEWORKS]
+    assert forced and all(got["tool_calls"] for got in forced), [got for got in forced if not got["tool_calls"]]
     by_framework: Counter[str] = Counter()
-    stopped = 0
+    stopped = tool_spans = tool_results = 0
     for row in trained:
         (rec,) = received[row["trajectory_id"]]
         by_framework[rec["framework"]] += 1
@@ -258,8 +266,17 @@ def test_agent_frameworks_train_exactly_what_they_received(tmp_path: Path, chat_
         assert all(v >= 0 for v, m in zip(versions, mask, strict=True) if m)
         spans = _sampled_spans(mask)
         assert len(spans) == len(rec["received"]), (rec["framework"], spans, rec["received"])
-        for (a, b), got in zip(spans, rec["received"], strict=True):
+        for k, ((a, b), got) in enumerate(zip(spans, rec["received"], strict=True)):
             stopped += _check_span(tok.decode, ids[a:b], got, rec["stop"])
+            if got["tool_calls"]:
+                tool_spans += 1
+            if k == 0 and rec["framework"] in FRAMEWORKS:  # required: the whole answer is tool calls
+                assert got["tool_calls"] and tok.decode(ids[a:b]).startswith("<tool_call>\n"), (ids[a:b], got)
+            if got["tool_calls"] and k + 1 < len(spans):  # the tool ran: its result is in the next prompt
+                between = tok.tokenizer.decode(ids[b:spans[k + 1][0]], skip_special_tokens=False)
+                sums = [int(c["arguments"]["a"]) + int(c["arguments"]["b"]) for c in got["tool_calls"]]
+                assert all(str(n) in between for n in sums), (between, got)
+                tool_results += 1
         if rec["framework"] == "edit_history":
             start = spans[0][1]  # the rewritten call's prompt, after the first call's answer
             assert list(row["sequence_starts"]) == [0, start], row["sequence_starts"]
@@ -268,3 +285,5 @@ def test_agent_frameworks_train_exactly_what_they_received(tmp_path: Path, chat_
             assert prompt.endswith("Why?<|im_end|>\n<|im_start|>assistant\n"), prompt
     assert set(by_framework) == set(TARGETS), (by_framework, server.errors)
     assert stopped, "no trained call ended at a stop string"
+    assert tool_spans and tool_results, ("no trained tool call, or none followed by its result", tool_spans,
+                                         tool_results)
