@@ -30,7 +30,7 @@ class _Env:
 
     async def Step(self, request: Any, timeout: float) -> Any:  # noqa: N802 - the gRPC stub's name
         self.steps += 1
-        return SimpleNamespace(info_json="{}", state_hash="h", done=False, observation="go on")
+        return SimpleNamespace(info_json="{}", state_hash="h", done=False, observation="go on", reward=0.0)
 
     async def Close(self, request: Any, timeout: float) -> Any:  # noqa: N802
         self.closed = True
