@@ -122,11 +122,11 @@ class RolloutService(Service):
         self.agents: Any = None
         """Runs external agents through the agent endpoint (set by the hook that serves it; None: none)."""
         self.episode_runners: dict[str, str] = plugins.rollout_episodes()
+        """Environment key -> "module:function" that runs its episodes instead of the environment
+        loop (`SourcePlugin.rollout_episodes`, over every registered source)."""
         local = self.cfg.weights.local_dir or Path(tempfile.gettempdir()) / "trajmesh-weights"
         self.local_weights = LocalWeights(Path(local) / self.worker_id)
         """``weights.sync: delta``: the checkpoints rebuilt on this process's disk (deleted at stop)."""
-        """Environment key -> "module:function" that runs its episodes instead of the environment
-        loop (`SourcePlugin.rollout_episodes`, over every registered source)."""
 
     def _live_bus(self) -> busmod.Bus:
         assert self.bus is not None, "used before setup()"

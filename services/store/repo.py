@@ -33,6 +33,12 @@ def task_id_at(base_task_id: str, cursor: int) -> str:
     return f"{base_task_id}-c{cursor}"
 
 
+def base_task_id(task_id: str) -> str:
+    """The sampler's own task id inside a store-made one (`task_id_at` inverted); any other id as is."""
+    head, sep, tail = task_id.rpartition("-c")
+    return head if sep and head and tail.isdigit() else task_id
+
+
 def task_cursor(task_id: str) -> int | None:
     """The sampler position in a store-made task id (`task_id_at`); None for any other id."""
     head, sep, tail = task_id.rpartition("-c")

@@ -50,7 +50,7 @@ from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
 from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
-from trajmesh.services.store.repo import Membership, StoreRepo, task_cursor, task_id_at
+from trajmesh.services.store.repo import Membership, StoreRepo, base_task_id, task_id_at
 from trajmesh.services.store.state import (
     ACCEPTED_BEFORE_CRASH,
     NOT_RETURNED,
@@ -202,9 +202,9 @@ class TrajectoryStore(Service):
         """Tasks this store admitted per source against the mixture weights (exported as gauges)."""
         self.manifest_id = ""
         self.recovery_pending = False
+        """Whether NextBatch waits for trajectories a previous store held."""
         self.held_at = 0.0
         """When the learner was last held for due stragglers (logging only)."""
-        """Whether NextBatch waits for trajectories a previous store held."""
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
         self.recent_zero_variance: deque[bool] = deque(maxlen=100)
@@ -525,9 +525,7 @@ class TrajectoryStore(Service):
             self._note_group_health(group, rewards)
             if self.sampler is not None:  # the curriculum's re-profile reads the run's own outcomes
                 for t in group.members:
-                    tid = t.pb.task_id
-                    self.sampler.observe(group.source, tid[:tid.rindex("-c")] if task_cursor(tid) is not None else tid,
-                                         t.reward)
+                    self.sampler.observe(group.source, base_task_id(t.pb.task_id), t.reward)
             TASKS_DONE.labels(source=group.source, outcome="filtered" if reason else "accepted",
                               reason=reason or "none").inc()
         if reason:
