@@ -32,7 +32,7 @@ file, one JSON line per run is appended to it::
      "received": [{"content": "...", "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]}, ...]}
 
 ``received`` holds one entry per model response, in the order the framework got them. The
-e2e test (``tests/test_e2e_agent_frameworks.py``) compares each with the trained tokens.
+e2e test (``tests/e2e/test_e2e_external_agent.py``) compares each with the trained tokens.
 
 Try one by hand against any OpenAI-compatible server::
 

@@ -20,7 +20,7 @@ read back with `ast.literal_eval`), so a result is plain data: an object whose `
 yes cannot come back. The verdict is the harness's own count: the program's exit code, stdout and
 files never enter it, so an early `os._exit`, a patched `sys.exit`, a forged pass line, reading
 the harness file or any process, monkey-patching its own interpreter, writing an expected-output
-file or killing the harness all score 0 (tests/test_code_grader_hacking.py). Limits: tests may
+file or killing the harness all score 0 (tests/unit/graders/test_code_grader_hacking.py). Limits: tests may
 pass and compare only literal data (numbers, strings, bytes, tuples, lists, dicts, sets, None);
 in-place mutation of an argument is not seen by the test; one process serves all tests of a call
 (module state carries over, as after one import); a task with no tests scores 0.

@@ -4,7 +4,7 @@ Pure CPU/GPU torch functions over small tensors. Shape suffixes: B sequences (tr
 T tokens, S agent steps. ``group_index_B`` holds any integer id per sequence; sequences with the
 same id are G samples of the same prompt (a GRPO group). Group ids need not be contiguous.
 
-Conventions, decided once and tested (tests/test_advantages.py):
+Conventions, decided once and tested (tests/unit/learner/test_advantages.py):
 
 * A group of one has no relative signal: every group-relative estimator returns advantage 0 for
   it (verl's loop GRPO returns the raw score there, its vectorised RLOO 0; we pick 0 everywhere).

@@ -1,5 +1,10 @@
 """Shared fixtures: real NATS (JetStream) and Redis servers on free ports, stopped by pid.
 
+The tests mirror the tree: ``tests/unit/<folder>/`` checks one folder of the code, ``tests/e2e/``
+runs whole meshes and ``tests/slow/`` holds the long studies; the folder sets the marker (``e2e``;
+``slow`` and ``e2e``), so a plain ``pytest`` (``addopts``) runs what ``make test`` runs. Support
+modules (``mesh_checks``, ``repo_paths``, the tiny models...) sit in ``tests/`` itself.
+
 Also the CI rules every test run follows:
 - under ``CI=true`` hypothesis is derandomized (profile ``ci``: the same examples every run, the
   failing example and its reproduction blob printed), elsewhere it explores (profile ``dev``);
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -28,6 +34,25 @@ CI_REQUIRED_BINARIES = {
     "prometheus": "sudo apt-get install prometheus (`make test` does it when run as root)",
     "promtool": "sudo apt-get install prometheus (`make test` does it when run as root)",
 }
+
+
+# Markers each top folder of tests/ gives its tests, and the folders a test file may sit in.
+FOLDER_MARKERS = {"unit": (), "e2e": ("e2e",), "slow": ("slow", "e2e")}
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
+    if file_path.name.startswith("test_") and file_path.suffix == ".py":
+        top = file_path.resolve().relative_to(TESTS).parts
+        if len(top) < 2 or top[0] not in FOLDER_MARKERS:
+            raise pytest.UsageError(f"{file_path}: a test file belongs under tests/unit/<folder>/, "
+                                    f"tests/e2e/ or tests/slow/ (tests/conftest.py)")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    top = item.path.resolve().relative_to(TESTS).parts[0]
+    for name in FOLDER_MARKERS.get(top, ()):
+        item.add_marker(name)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -1,4 +1,4 @@
-"""A service whose stop path never finishes, served as a real process (tests/test_service_stop.py).
+"""A service whose stop path never finishes, served as a real process (tests/unit/trajmesh/test_service_stop.py).
 
 Run like `trajmesh serve`: ``python stop_hang_service.py NAME --config PATH --replica N
 --metrics-port PORT --hang HOW [--crash-once FILE]``. ``--hang`` picks what never ends once the

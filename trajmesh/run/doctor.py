@@ -21,7 +21,7 @@ classes, CRDs and runtime classes, which are cluster-scoped):
   last restart's termination reason; the release's Pending claims.
 
 Exit code 1 when any finding blocks, else 0. No API server runs in the test suite: the tests serve
-hand-written API responses through the client's own deserialization (tests/test_doctor.py).
+hand-written API responses through the client's own deserialization (tests/unit/trajmesh/run/test_doctor.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,168 @@
+"""The environments people already have train through the real mesh (NATS, Redis, every service a
+process), all adapters as the sources of one run: a SkyRL-Gym environment
+(``gsm8k_multi_turn``, per-turn rewards, rows built here) and a TextArena game (TicTacToe against
+the fixed ``random`` opponent), with the tiny ChatML model of tests/chatml_model.py.
+
+Checked: exact accounting (every admitted trajectory ends as exactly one final outcome, lag within
+η, the gate's counters reconcile); every trajectory's tokens are the engine's (sampled tokens carry
+a version and a log-prob, the rest mask 0 and version -1); each SkyRL trajectory's reward is the
+environment's own return, recomputed here by stepping a fresh instance of the package's environment
+with the trajectory's turns (not through the adapter), each game's is its outcome (1, 0, -1);
+and the held-out evaluation of each source (what `trajmesh train` writes to summary.json) runs
+through its own environment, with the package's version in the recorded revision.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, write_manifest
+from repo_paths import TESTS as TESTS_DIR
+
+from trajmesh.config import load_config
+from trajmesh.tasks import load_split
+
+# slow: about 100 s on the 2 loaded cores of the dev machine (mesh start, 3 steps, held-out
+# evaluation), past the default suite's budget for one test.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
+pytest.importorskip("skyrl_gym")
+pytest.importorskip("textarena")
+
+ROWS = [{"prompt": [{"role": "user", "content": f"{i} + {i} = ? End with #### N."}],
+         "reward_spec": {"ground_truth": str(2 * i)}, "max_turns": 2} for i in range(30)]
+SOURCES: list[dict[str, Any]] = [
+    {"type": "gym", "name": "skyrl", "env": "gsm8k_multi_turn", "rows": ROWS},
+    {"type": "gym", "name": "tictactoe", "env": "textarena:TicTacToe-v0"},
+]
+STEPS = 3
+
+try:  # verifiers 0.4 pins openai < 3, which the dev extra's agent frameworks cannot share a venv with
+    import verifiers.v1  # noqa: F401
+
+    HAS_VERIFIERS = True
+except ImportError:
+    HAS_VERIFIERS = False
+TESTS = str(TESTS_DIR)
+if HAS_VERIFIERS:  # tests/verifiers_tasksets.py: sums over a local datasets.Dataset, verifiers' own rubric
+    SOURCES.append({"type": "verifiers", "name": "sums", "taskset": "verifiers_tasksets", "python_path": [TESTS],
+                    "budget_s": 240})
+NAMES = [src["name"] for src in SOURCES]
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from chatml_model import build_chatml_model
+
+    cfg = load_config(None, {"tasks.sources": SOURCES})
+    texts = [t.prompt for src in cfg.tasks.sources for t in load_split(src, 10, 2)[0]]
+    texts += ["#### 4", "[4]", "[0]", "12", "7"] * 20
+    return str(build_chatml_model(tmp_path_factory.mktemp("gym-model") / "model", texts, max_positions=2048))
+
+
+def _env_return(row: dict[str, Any], turns: list[str]) -> float:
+    """The episode's return straight from the package (no adapter): a fresh SkyRL environment
+    stepped with the turns."""
+    import skyrl_gym
+
+    env = skyrl_gym.make("gsm8k_multi_turn", env_config={}, extras=row)
+    env.init(row["prompt"])
+    rewards = []
+    for turn in turns:
+        out = env.step(turn)
+        rewards.append(float(out["reward"]))
+        if out["done"]:
+            break
+    return sum(rewards)
+
+
+def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str) -> None:
+    from trajmesh.learner.evaluate import heldout_tasks
+    from trajmesh.run.launcher import accounting, start_mesh
+    from trajmesh.run.run_end import end_run
+    from trajmesh.run.train import evaluate_dir, evaluation_protocol, latest_weights_dir, read_metrics
+    from trajmesh.tokenizer import load_tokenizer
+
+    cfg = load_config(None, {
+        "run_dir": str(tmp_path / "run"), "model.path": chat_model_dir, "gate.eta": 1,
+        "tasks.sources": SOURCES, "tasks.group_size": 2, "tasks.train_size": 20, "tasks.heldout_size": 2,
+        "tasks.sampling.max_new_tokens": 6, "tasks.sampling.max_turns": 3,
+        "rollout.replicas": 1, "rollout.concurrent_tasks": 4, "grader.replicas": 1,
+        "rollout.agent_endpoint.max_tokens": 6,
+        "store.drop_zero_variance_groups": False,
+        "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
+        "learner.checkpoint_every": STEPS,
+    })
+    Path(cfg.run_dir).mkdir(parents=True)
+    write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
+        assert end_run(mesh) == 0
+        acct = accounting(mesh.cfg)
+        rows = check_archive(mesh.cfg, acct, eta=1)
+        check_no_stale(acct)
+        check_gate_reconciles(mesh.cfg, rows)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
+
+    # the held-out evaluation of each source through its own environment and grader (what
+    # `trajmesh train` writes to summary.json), on the final weights
+    held = heldout_tasks(cfg)
+    result = evaluate_dir(str(latest_weights_dir(Path(cfg.run_dir))), held, cfg, samples=1)
+    for name in NAMES:
+        assert result["heldout"][name]["n_tasks"] == 2 and result["heldout"][name]["terminal_reasons"], result
+    assert evaluation_protocol(cfg, held)["sources"]["tictactoe"]["environments"] == {
+        "textarena": f"textarena-adapter-v1+textarena-{importlib.metadata.version('textarena')}"}
+
+    tok = load_tokenizer(chat_model_dir)
+    accepted = [r for r in rows if r["outcome"] == "accepted"]
+    by_source = {name: [r for r in accepted if r["task_source"] == name] for name in NAMES}
+    assert all(by_source.values()), {k: len(v) for k, v in by_source.items()}
+    tasks = {t.task_id: t for src in cfg.tasks.sources for t in load_split(src, 20, 2)[0]}
+    if HAS_VERIFIERS:  # a rubric exception is reward 0 with a reason, never an infrastructure failure
+        assert not [r for r in rows if r["task_source"] == "sums" and r["outcome"] == "failed_infra"]
+    for r in accepted:
+        ids, mask, versions, logps = (list(r["token_ids"]), list(r["loss_mask"]), list(r["behavior_versions"]),
+                                      list(r["behavior_logprobs"]))
+        assert mask[0] == 0 and 1 in mask
+        assert all(v >= 0 and lp <= 0.0 for v, lp, m in zip(versions, logps, mask, strict=True) if m)
+        assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
+        turns = _turns(ids, mask, tok)
+        if r["terminal_reason"] == "MAX_TOKENS":  # the last turn was cut: the environment never saw it
+            turns = turns[:-1]
+        if r["task_source"] == "skyrl":  # the package's own rewards for the trajectory's turns
+            row = tasks[tid_of(r["task_id"], tasks)].metadata["row"]
+            assert r["reward"] == pytest.approx(_env_return(row, turns)), (r["trajectory_id"], turns)
+        elif r["task_source"] == "tictactoe":  # the game's outcome for the policy's seat
+            assert r["reward"] in (-1.0, 0.0, 1.0)
+        else:  # verifiers' rubric on the one reply: correct (weight 1) + mentions the answer (0.5); raised: 0
+            from verifiers_tasksets import ROWS
+
+            row = next(x for x in ROWS if x["question"] == tasks[tid_of(r["task_id"], tasks)].prompt)
+            reply = "".join(turns).strip()
+            expected = 0.0 if row["boom"] else float(reply == row["answer"]) + 0.5 * float(row["answer"] in reply)
+            assert r["reward"] == pytest.approx(expected), (reply, row, r["reward"])
+
+
+def tid_of(archived: str, tasks: dict[str, Any]) -> str:
+    """The task id of an archived row (``<task id>`` or ``<task id>-c<k>``)."""
+    return archived if archived in tasks else archived.rsplit("-", 1)[0]
+
+
+def _turns(ids: list[int], mask: list[int], tok: Any) -> list[str]:
+    """Each sampled span decoded (one span per turn)."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(tok.tokenizer.decode(ids[start:i]))
+            start = None
+    return spans
