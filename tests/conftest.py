@@ -53,6 +53,11 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     top = item.path.resolve().relative_to(TESTS).parts[0]
     for name in FOLDER_MARKERS.get(top, ()):
         item.add_marker(name)
+    if top != "unit":
+        # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the meshes run one after another
+        # on one worker, as they do in a single process: each is sized for the cores it shares with
+        # the rest of the suite, not with another mesh.
+        item.add_marker(pytest.mark.xdist_group("mesh"))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
