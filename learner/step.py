@@ -487,7 +487,8 @@ def train_batch(engine: Any, batch: Batch, adv_BT: Tensor, cfg: ObjectiveConfig,
     it, so r = π_θ/π_prox moves away from 1 and the clip binds. With K·E = 1 and no dropout, π_prox
     is the training forward detached (r ≡ 1: the clip is inert). Returns the step metrics (over
     the tokens of each minibatch's first epoch), the optimizer stats of the last update, and
-    ``ppo_updates``: per update its loss, clip fractions, ratio spread and KL(π_prox ‖ π_θ).
+    ``ppo_updates``: per update its loss, clip fractions, ratio spread, KL(π_prox ‖ π_θ), grad norm
+    and the lr it stepped with.
 
     With several ranks in `group` every rank passes the same whole `batch` and `adv_BT`; each
     minibatch is split over the ranks balanced by tokens (so an update sees the same rows as with
@@ -637,6 +638,7 @@ def _update_record(sub: Batch | None, parts: list[tuple[list[int], _Part]], opt:
         record.update(trust_region_metrics(logp_BT, prox_BT, sub.mask_BT))
     record["loss"] = sum_over_ranks([record["loss"]], group)[0]
     record["grad_norm"] = float(opt.get("grad_norm", 0.0))
+    record["lr"] = float(opt.get("lr", 0.0))
     return record
 
 
@@ -659,6 +661,7 @@ def _update_record_over_ranks(batch: Batch, rows: list[int], minibatch_rows: lis
     record.update(trust_region_metrics(_take(logp_BT, minibatch_rows, width), _take(prox_BT, minibatch_rows, width),
                                        sub.mask_BT))
     record["grad_norm"] = float(opt.get("grad_norm", 0.0))
+    record["lr"] = float(opt.get("lr", 0.0))
     return record
 
 

@@ -8,7 +8,8 @@ Two implementations, picked by ``type`` through :data:`TRAIN_ENGINES`:
   On a CPU-only host it runs with ``DS_ACCELERATOR=cpu`` and the ``gloo`` backend; a single process
   gets a world of size 1 (see :func:`ensure_distributed`).
 
-Both engines share the learning-rate schedule (:func:`lr_at`: linear warmup, then constant), the
+Both engines share the learning-rate schedule (:func:`lr_at`: linear warmup, then constant or a
+linear / cosine decay to ``min_lr_ratio`` x lr at ``decay_steps``; counted in optimizer updates), the
 optimizer construction and the RNG handling, so with the same seed, model and data they produce the
 same trajectory up to float reduction order (ZeRO flattens parameters, which changes the order of the
 grad-norm sum).
@@ -82,6 +83,9 @@ class TrainSettings:
     weight_decay: float
     grad_clip: float  # <= 0 disables clipping (the norm is still reported)
     seed: int
+    schedule: str = "constant"  # after warmup: "constant", "linear" or "cosine" decay
+    decay_steps: int = 0  # the optimizer update at which a decay reaches min_lr_ratio x lr
+    min_lr_ratio: float = 0.0
     zero_stage: int = 0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -93,6 +97,13 @@ class TrainSettings:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule != "constant" and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"a {self.schedule} decay needs decay_steps > warmup_steps, got "
+                             f"{self.decay_steps} <= {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
         if self.precision not in ("fp32", "bf16"):
@@ -110,9 +121,25 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
-def lr_at(step: int, lr: float, warmup_steps: int) -> float:
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_factor(step: int, warmup_steps: int, schedule: str = "constant", decay_steps: int = 0,
+              min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the base lr for optimizer step ``step`` (0-based): the warmup, then constant or
+    decayed from 1 at ``warmup_steps`` to ``min_lr_ratio`` at ``decay_steps`` (linear or half a cosine)
+    and held there after."""
+    if schedule == "constant" or step < warmup_steps:
+        return warmup_factor(step, warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / (decay_steps - warmup_steps))
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def lr_at(step: int, lr: float, warmup_steps: int, schedule: str = "constant", decay_steps: int = 0,
+          min_lr_ratio: float = 0.0) -> float:
     """The learning rate used by optimizer step ``step`` (0-based)."""
-    return lr * warmup_factor(step, warmup_steps)
+    return lr * lr_factor(step, warmup_steps, schedule, decay_steps, min_lr_ratio)
 
 
 def wants_deterministic(setting: str, *, cuda: bool) -> bool:
@@ -177,8 +204,8 @@ def _make_optimizer(model: nn.Module, cfg: TrainSettings) -> torch.optim.AdamW:
 
 
 def _make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainSettings) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = cfg.warmup_steps
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, warmup))
+    args = (cfg.warmup_steps, cfg.schedule, cfg.decay_steps, cfg.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, *args))
 
 
 def _zero_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -258,7 +285,8 @@ class TrainEngine(abc.ABC):
     @property
     def lr(self) -> float:
         """The lr the next :meth:`step` will use."""
-        return lr_at(self.global_step, self.config.lr, self.config.warmup_steps)
+        c = self.config
+        return lr_at(self.global_step, c.lr, c.warmup_steps, c.schedule, c.decay_steps, c.min_lr_ratio)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies of all model parameters and buffers (gathered under ZeRO-3)."""
@@ -292,6 +320,9 @@ def build_train_engine(
     eps: float = 1e-8,
     deterministic: bool = True,
     precision: str = "fp32",
+    schedule: str = "constant",
+    decay_steps: int = 0,
+    min_lr_ratio: float = 0.0,
 ) -> TrainEngine:
     """Build the engine registered under ``type`` (``"torch"`` or ``"deepspeed"``).
 
@@ -313,6 +344,9 @@ def build_train_engine(
         eps=eps,
         deterministic=deterministic,
         precision=precision,
+        schedule=schedule,
+        decay_steps=decay_steps,
+        min_lr_ratio=min_lr_ratio,
     )
     return cls(model, cfg)  # type: ignore[call-arg]
 

@@ -552,7 +552,13 @@ class LearnerConfig(_Strict):
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate (AdamW)."""
     warmup_steps: int = Field(5, ge=0)
-    """Linear warm-up of the learning rate over this many learner steps."""
+    """Linear warm-up of the learning rate over this many optimizer updates (a learner step makes
+    ppo.minibatches x ppo.epochs of them)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warm-up: a constant lr, or one decayed (linearly, or along half a cosine) to
+    `min_lr_ratio` x lr at `max_steps`, so the last steps of a run move the policy least."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where a decaying `lr_schedule` ends, as a fraction of `lr`."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0)
@@ -586,6 +592,14 @@ class LearnerConfig(_Strict):
     """Learner seed: torch's RNG in the learner process (dropout, minibatch order) and DeepSpeed's."""
     simulated_step: SimulatedStepCost = Field(default_factory=lambda: SimulatedStepCost())
     """Benchmarks only: a modelled step duration in place of training (off by default)."""
+
+    @model_validator(mode="after")
+    def _decay_needs_steps_past_warmup(self) -> LearnerConfig:
+        updates = self.max_steps * self.ppo.minibatches * self.ppo.epochs
+        if self.lr_schedule != "constant" and updates <= self.warmup_steps:
+            raise ValueError(f"learner.lr_schedule {self.lr_schedule} decays over max_steps x PPO updates = "
+                             f"{updates} optimizer updates, which must exceed warmup_steps {self.warmup_steps}")
+        return self
 
 
 class StoreConfig(_Strict):

@@ -263,14 +263,18 @@ def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model
     Weights go as deltas (`weights.sync: delta`, an anchor every 2 versions): every rollout loads
     each version from its own rebuild, and since every trained token was sampled by the version
     it trains, the engine-consistency probe covers every version: the engines' log-probs equal the
-    learner's (weights bitwise equal; a wrong rebuild differs by far more)."""
+    learner's (weights bitwise equal; a wrong rebuild differs by far more). The lr decays linearly
+    (`learner.lr_schedule: linear`) and each update reports the lr it stepped with."""
     cfg = _build_config(tmp_path / "run", tiny_model_dir, **{"mode": "sync", "learner.max_steps": 3,
                                                            "store.drop_zero_variance_groups": False,
                                                            "learner.truncation.policy": "dapo_soft",
                                                            "learner.truncation.max_length": 3,
                                                            "learner.truncation.cache_length": 2,
                                                            "weights.sync": "delta", "weights.anchor_every": 2,
-                                                           "weights.local_dir": str(tmp_path / "local")})
+                                                           "weights.local_dir": str(tmp_path / "local"),
+                                                           "learner.lr": 1e-4, "learner.warmup_steps": 0,
+                                                           "learner.lr_schedule": "linear",
+                                                           "learner.min_lr_ratio": 0.25})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
@@ -285,6 +289,8 @@ def test_sync_mode_trains_on_the_current_version_only(tmp_path: Path, tiny_model
     steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == [1, 2, 3]
     assert all(m["max_token_lag"] == 0 for m in steps)
+    # lr decays linearly over max_steps x 1 update from 1e-4 to 0.25 x 1e-4: 1e-4, 0.75e-4, 0.5e-4
+    assert [u["lr"] for m in steps for u in m["ppo_updates"]] == pytest.approx([1e-4, 7.5e-5, 5e-5], abs=1e-12)
     assert all(m["trajmesh_learner_engine_consistency_tokens"] > 0 for m in steps)
     assert all(m["trajmesh_learner_engine_consistency_max_abs_logprob_diff"] < 1e-5 for m in steps), steps
     for log_path in (Path(cfg.run_dir) / "logs").glob("rollout-*.log"):

@@ -139,6 +139,30 @@ def test_warmup_lr_schedule(world, typ, stage):
     assert eng.global_step == 6
 
 
+def test_decay_lr_values():
+    # warmup 2 updates, then from 1 at update 2 to 0.1 at update 10, held after (values by hand)
+    linear = [lr_at(s, 1.0, 2, "linear", 10, 0.1) for s in (0, 1, 2, 4, 6, 9, 10, 20)]
+    assert linear == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.55, 0.2125, 0.1, 0.1], abs=1e-12)
+    cosine = [lr_at(s, 1.0, 2, "cosine", 10, 0.1) for s in (2, 4, 6, 8, 10)]
+    assert cosine == pytest.approx([1.0, 0.868198, 0.55, 0.231802, 0.1], abs=1e-6)
+    assert lr_at(5, 2.0, 0, "linear", 10, 0.0) == pytest.approx(1.0, abs=1e-12)
+    with pytest.raises(ValueError, match="decay_steps"):
+        build(make_mlp(), "torch", 0, warmup_steps=4, schedule="linear", decay_steps=4)
+    with pytest.raises(ValueError, match="schedule"):
+        build(make_mlp(), "torch", 0, schedule="step")
+
+
+@pytest.mark.parametrize("typ,stage", ENGINES)
+def test_linear_decay_lr_schedule(world, typ, stage):
+    eng = build(make_mlp(), typ, stage, lr=0.1, warmup_steps=2, schedule="linear", decay_steps=6,
+                min_lr_ratio=0.2)
+    x, y = fixed_batch()
+    lrs = [mse_step(eng, x, y)[1]["lr"] for _ in range(8)]
+    # 0.05, 0.1 (warmup), then 0.1 -> 0.02 over updates 2..6, held at 0.02
+    assert lrs == pytest.approx([0.05, 0.1, 0.1, 0.08, 0.06, 0.04, 0.02, 0.02], abs=1e-12)
+    assert eng.lr == pytest.approx(0.02, abs=1e-12)
+
+
 @pytest.mark.parametrize("typ,stage", ENGINES)
 def test_loss_decreases_mlp(world, typ, stage):
     eng = build(make_mlp(), typ, stage, lr=1e-2, warmup_steps=2)
