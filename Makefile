@@ -41,11 +41,11 @@ prometheus:
 	    prometheus >/dev/null || echo "apt-get install prometheus failed: the Prometheus test will be skipped"; \
 	else echo "prometheus not installed: the Prometheus test will be skipped (install it: $(PROM_HINT))"; fi
 
-# Two workers (pytest-xdist): the e2e meshes run one after another on one of them (group "mesh",
-# tests/conftest.py), the rest of the suite on both. TEST_WORKERS=0 runs it in this one process.
+# Two workers (pytest-xdist): the meshes (tests/e2e/, tests/slow/) run one after another on one of
+# them, the rest of the suite on both (the scopes: tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup setup-vllm prometheus
-	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope
 
 test-all: setup setup-vllm prometheus
 	$(PY) -m pytest -m "" -q

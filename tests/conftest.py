@@ -53,11 +53,27 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     top = item.path.resolve().relative_to(TESTS).parts[0]
     for name in FOLDER_MARKERS.get(top, ()):
         item.add_marker(name)
-    if top != "unit":
-        # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) the meshes run one after another
-        # on one worker, as they do in a single process: each is sized for the cores it shares with
-        # the rest of the suite, not with another mesh.
-        item.add_marker(pytest.mark.xdist_group("mesh"))
+
+
+MESH_FOLDERS = ("tests/e2e/", "tests/slow/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs on two pytest-xdist workers with ``--dist loadscope``, scoped here: every
+    test under tests/e2e/ and tests/slow/ is one scope, so the meshes run one after another on one
+    worker, as in a single process (each is sized for the cores it shares with the rest of the
+    suite, not with another mesh); every other test is a scope of its own, handed to whichever
+    worker is free. (xdist's own ``loadgroup`` renames node ids, which pytest 9.2 ignores.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MeshesInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "mesh" if nodeid.startswith(MESH_FOLDERS) else nodeid
+
+    return MeshesInOneWorker(config, log)  # type: ignore[arg-type]
 
 
 def pytest_report_header(config: pytest.Config) -> str:
