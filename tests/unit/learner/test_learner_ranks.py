@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from repo_paths import TESTS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 
@@ -181,7 +182,9 @@ def _run(world: int, out: Path, mode: str) -> list[dict]:
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu",
+               # the rank imports the support modules of tests/ (tiny_llama), not beside this file
+               "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
         procs.append((subprocess.Popen([sys.executable, __file__, str(out), mode], env=env, stdout=log,
                                        stderr=log), log))
