@@ -19,7 +19,7 @@ from trajmesh.run.train import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-STEPS = 24
+STEPS = 10
 """The run's budget. The learner is held (SIGSTOP) from its third step until the launcher's SIGTERM
 is pending for it, so the interrupt always lands mid-run however loaded the machine is."""
 

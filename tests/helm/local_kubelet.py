@@ -1,6 +1,6 @@
 """Runs a rendered chart's workloads as local processes, the way a kubelet would run its pods.
 
-Not a test module: ``tests/e2e/test_helm_chart.py`` loads it. From the rendered objects it takes every
+Not a test module: ``tests/e2e/test_helm_local.py`` loads it. From the rendered objects it takes every
 workload's containers (command, args, env — literal, from Secrets, ConfigMaps and the pod name —,
 volume mounts, declared ports, readiness probes) and
 

@@ -1,6 +1,6 @@
 """The torch engine loads weights in the dtype they were written (as SGLang's ``--dtype auto`` reads
 a checkpoint): the learner publishes in its training dtype (learner/weights.export_policy), bf16 on
-GPU, fp32 on CPU. The chart's SGLang ``--dtype`` follows learner.precision (tests/e2e/test_helm_chart.py)."""
+GPU, fp32 on CPU. The chart's SGLang ``--dtype`` follows learner.precision (tests/unit/deploy/test_helm_chart.py)."""
 
 from __future__ import annotations
 

@@ -428,7 +428,7 @@ as trajmesh.security names it: TRAJMESH_NATS_PASSWORD_<ROLE>. */}}
 
 {{/*
 NATS allow lists of every role for trajmesh.namespace: a template copy of
-trajmesh.security.nats_permissions (docs/SECURITY.md). tests/e2e/test_helm_chart.py compares the
+trajmesh.security.nats_permissions (docs/SECURITY.md). tests/unit/deploy/test_helm_chart.py compares the
 rendered nats.conf with the Python function for every role, so the two cannot drift apart.
 Returns JSON {role: {"publish": [...], "subscribe": [...]}}.
 */}}

@@ -1,0 +1,280 @@
+"""The Helm chart run here: the CPU chart's workloads as local processes (tests/helm/local_kubelet.py)
+training with exact accounting, and the vLLM pod's wiring under vLLM's own parser. The offline
+checks of the chart are tests/unit/deploy/test_helm_chart.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helm_chart import (
+    HELM_TESTS,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    _component,
+    _container,
+    _merged,
+    _objects_of,
+    _pod_spec,
+    _rollout_pod,
+    _values,
+)
+
+
+# ---------------------------------------------------------------- the chart, run as local processes
+def _load_kubelet() -> Any:
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("local_kubelet", HELM_TESTS / "local_kubelet.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+
+CHART_RUN_MAX_STEPS = 200
+"""The chart run's step budget: the injected regression stops its learner long before."""
+CHART_HELDOUT = 16
+
+_VLLM_POD_CHECK = """
+import json, sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.import_utils import resolve_obj_by_qualname
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+validate_parsed_serve_args(args)
+engine = AsyncEngineArgs.from_cli_args(args)
+ext = resolve_obj_by_qualname(engine.worker_extension_cls)
+print(json.dumps({"scale_out": args.enable_scale_out, "chunked": engine.enable_chunked_prefill,
+                  "batched": engine.max_num_batched_tokens, "max_model_len": engine.max_model_len,
+                  "logprobs_mode": str(engine.logprobs_mode), "ext_file": sys.modules[ext.__module__].__file__,
+                  "retie": callable(getattr(ext, "retie_lm_head", None))}))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_vllm_pod_wiring_runs(tmp_path: Path) -> None:
+    """The vLLM pod's wiring, run here (no GPU, no cluster): the init container's script copies the
+    worker extension out of the installed trajmesh package into the shared directory; with the
+    container's PYTHONPATH pointing there, vLLM's own `vllm serve` parser and validation accept the
+    container's args, and the --worker-extension-cls resolves to that copy."""
+    from vllm_server import require_vllm
+
+    python = require_vllm()
+    pod = _rollout_pod(_values("vllm"))
+    init, vllm = _container(pod, "vllm-extension"), _container(pod, "vllm")
+    target = tmp_path / "vllm-extension"
+    target.mkdir()
+    init_env = {**os.environ, **{e["name"]: e["value"] for e in init["env"]}, "TARGET": str(target)}
+    assert init["command"][0] == "python"  # the trajmesh image's interpreter; here this test's
+    subprocess.run([sys.executable, *init["command"][1:], *init["args"]], env=init_env, check=True, timeout=60)
+    copied = target / "vllm_worker.py"
+    assert copied.read_bytes() == (ROOT / "rollout" / "vllm_worker.py").read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(target), "VLLM_SERVER_DEV_MODE": "1"}
+    done = subprocess.run([str(python), "-c", _VLLM_POD_CHECK, json.dumps(vllm["args"])], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["scale_out"] is True and seen["chunked"] is False and seen["retie"] is True, seen
+    assert (seen["batched"], seen["max_model_len"]) == (8192, 4096), seen
+    assert seen["logprobs_mode"].endswith("processed_logprobs"), seen
+    assert Path(seen["ext_file"]).resolve() == copied.resolve(), seen
+
+
+
+
+
+def _code_call(env_pod: Any, code: str = "print(6*7)") -> tuple[str, dict[str, Any]]:
+    """A math-tool session on the environment pod's gRPC port: one sandboxed code call."""
+    import grpc
+
+    from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+
+    port = next(env_pod.ports[int(p["containerPort"])] for p in env_pod.container_ports() if p.get("name") == "grpc")
+
+    async def go() -> tuple[str, dict[str, Any]]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = services_pb2_grpc.EnvironmentStub(channel)
+            task = trajectory_pb2.Task(environment="math_tool", prompt="What is 6*7?", answer="42")
+            await stub.Reset(services_pb2.ResetRequest(session_id="chart-code-call", task=task, seed=0), timeout=60)
+            step = await stub.Step(services_pb2.StepRequest(session_id="chart-code-call",
+                                                            action=f"<code>{code}</code>"), timeout=60)
+            return step.observation, json.loads(step.info_json or "{}")
+
+    return asyncio.run(go())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU chart's own workloads (commands, env, Secrets, ConfigMaps, volumes, ports) run as local
+    processes (tests/helm/local_kubelet.py) and train with exact accounting; a sandboxed code call
+    goes through the environment pod. A workload missing a mount, a variable or a port fails here
+    (the store without the model volume did). The evaluator pod publishes held-out records per
+    source; once it has two versions, the test announces a worse policy's weights (as
+    tests/e2e/test_evaluator_mesh.py does) and the learner pod stops on the regression the evaluator
+    measures, with stop_reason.json on the shared claim. Run as root, every trajmesh pod's processes
+    run as the pod's securityContext says (uid 10001, fsGroup volumes, no capabilities,
+    no_new_privs), so the code call runs the rootless sandbox as a pod would, in a cgroup the
+    kubelet delegated to the pod (one cgroup per call in this host's mode); not root, that part is
+    skipped."""
+    import shutil
+    import time
+
+    from mesh_checks import check_archive, check_gate_reconciles
+    from test_evaluator_mesh import INJECTED_VERSION, _announce, _demo_model, _worse_policy
+
+    from trajmesh import cgroups
+    from trajmesh.config import RunConfig
+    from trajmesh.infra import nats_server_binary, redis_server_binary
+    from trajmesh.run.launcher import accounting
+    from trajmesh.run.run_end import drain
+    from trajmesh.run.train import read_metrics
+
+    # The shipped demo policy (it solves some chain_sum problems, so a worse one scores measurably
+    # lower); greedy on CHART_HELDOUT problems, a drop of more than 0.3 confirmed once stops the run.
+    values = _merged(_values("cpu-only"), {
+        "model": {"source": "pvc://trajmesh-models/demo"},
+        "rollout": {"replicaCount": 1, "concurrentTasks": 2}, "environment": {"replicaCount": 1},
+        "grader": {"replicaCount": 1}, "evaluator": {"enabled": True},
+        "trajmesh": {"config": {
+            "gate": {"eta": 1},
+            "eval": {"every_versions": 1, "samples": 2, "samples_during": 1, "noise_seeds": 0,
+                     "selection_metric": "greedy", "stop_regression_margin": 0.3, "stop_confirmations": 1,
+                     "evaluator_nice": 0},  # a pod has CPUs of its own; here every pod shares this machine's
+            "tasks": {"group_size": 2, "train_size": 300, "heldout_size": CHART_HELDOUT,
+                      "sampling": {"max_new_tokens": 6}},
+            "learner": {"batch_groups": 2, "max_steps": CHART_RUN_MAX_STEPS, "checkpoint_every": 50}}},
+    })
+    kubelet = _load_kubelet().LocalKubelet(_objects_of(values), tmp_path, NAMESPACE,
+                                           {"nats": nats_server_binary(), "redis-server": redis_server_binary()})
+    kubelet.setup()
+    shutil.copytree(_demo_model(), tmp_path / "pvc" / "trajmesh-models" / "demo")
+    shared = tmp_path / "pvc" / "trajmesh-shared"
+    learner_run = shared / "run"  # the learner mounts the shared claim at /shared
+    # Where the evaluator pod (uid 10001 as root) can read the worse policy: the shared claim.
+    worse = _worse_policy(_demo_model(), shared / "worse")
+    try:
+        for component in ("nats", "redis"):
+            kubelet.start(kubelet.pod(component))
+        provision = kubelet.pod("provision")
+        assert kubelet.run_to_completion(provision) == 0, kubelet.tail(provision)
+        for component in ("environment", "store", "grader", "rollout", "evaluator", "learner"):
+            kubelet.start(kubelet.pod(component), wait_ready_s=300, may_finish=component == "learner")
+        env_pod = kubelet.pod("environment")
+        seen_calls: set[str] = set()
+        if kubelet.users_emulated and cgroups.detect().kind != "none":
+            assert env_pod.cgroup is not None, "the kubelet delegated no cgroup to the environment pod"
+            # The environment pod (uid 10001, in the cgroup the kubelet delegated to it) runs the
+            # sandbox in this host's mode: the call's own cgroup appears under the pod's while the
+            # call runs (the 1.5 s sleep is the call's length, not a synchronization).
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                call = pool.submit(_code_call, env_pod, "import time; time.sleep(1.5); print(6*7)")
+                while not call.done():  # polls the call's state on the host
+                    seen_calls.update(os.path.basename(p) for p in cgroups.leftovers(env_pod.cgroup))
+                    time.sleep(0.01)
+                observation, info = call.result()
+            assert any(n.startswith(cgroups.CALL_PREFIX) for n in seen_calls), (env_pod.cgroup, seen_calls)
+            assert not cgroups.leftovers(env_pod.cgroup), "the call's cgroup outlived the call"
+        else:
+            observation, info = _code_call(env_pod)
+        assert "42" in observation and info["tool_call"]["status"] == "ok", (observation, info)
+        assert not info["tool_call"].get("sandbox_error"), info  # not SANDBOX_ERROR
+        users = {c: [kubelet.process_status(p) for p in kubelet.pod(c).procs]
+                 for c in ("environment", "grader", "store", "rollout", "learner") if kubelet.pod(c).procs
+                 and all(p.poll() is None for p in kubelet.pod(c).procs)}
+        learner = kubelet.pod("learner")
+        evaluator = kubelet.pod("evaluator")
+        store = kubelet.pod("store")
+        cfg = RunConfig.model_validate(yaml.safe_load(
+            (tmp_path / "pods" / store.name / "volumes" / "runtime" / "config.yaml").read_text()))
+        deadline = time.monotonic() + 300  # the evaluator's records of two versions
+        while len({r["version"] for r in read_metrics(learner_run) if r.get("kind") == "eval"}) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in evaluator.procs), \
+                kubelet.tail(evaluator)
+            assert learner.procs[0].poll() is None, kubelet.tail(learner)
+            time.sleep(0.5)
+        # The regression: a worse policy's weights announced as a new version, as the chart's
+        # admin user (the provisioning Job's credentials).
+        monkeypatch.setenv("TRAJMESH_NATS_USER", "admin")
+        monkeypatch.setenv("TRAJMESH_NATS_PASSWORD", kubelet.secrets[f"{RELEASE}-nats-auth"]["admin"])
+        asyncio.run(_announce(cfg, worse, INJECTED_VERSION))
+        assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
+        deadline = time.monotonic() + 300  # its record of the last version (it sees run_finished)
+        while not [r for r in read_metrics(learner_run) if r.get("phase") == "after"]:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in evaluator.procs), \
+                kubelet.tail(evaluator)
+            time.sleep(0.5)
+        drain(cfg)
+        for component in ("rollout", "evaluator", "grader", "environment"):
+            kubelet.stop(kubelet.pod(component))
+        assert kubelet.stop(store, grace_s=120) == [0], kubelet.tail(store)
+        acct = accounting(cfg)
+        rows = check_archive(cfg, acct, eta=1)
+        check_gate_reconciles(cfg, rows)
+    finally:
+        kubelet.stop_all()
+    steps = [m for m in read_metrics(learner_run) if m.get("kind") == "learner_step"]
+    assert steps and [m["version"] for m in steps] == list(range(1, len(steps) + 1))
+    assert len(steps) < CHART_RUN_MAX_STEPS  # stopped by the regression, not by its budget
+    # The evaluator pod's records (on the shared claim beside the learner's): per source, >= 2 versions.
+    evals = [m for m in read_metrics(learner_run) if m.get("kind") == "eval"]
+    assert len({m["version"] for m in evals if m["version"] != INJECTED_VERSION}) >= 2, evals
+    assert evals[0]["phase"] == "before" and evals[0]["version"] == 0, evals
+    assert all(sorted(m["heldout"]) == ["chain_sum"] and m["heldout"]["chain_sum"]["n_tasks"] == CHART_HELDOUT
+               for m in evals)
+    # The worse policy was evaluated, and the learner pod stopped on that record.
+    injected = next(m for m in evals if m["version"] == INJECTED_VERSION)
+    assert injected["phase"] == "during" and injected["score"] < evals[0]["score"] - 0.3, (evals[0], injected)
+    stop = json.loads((learner_run / "stop_reason.json").read_text())
+    assert stop["reason"] == "heldout_regression" and stop["evaluated_version"] == INJECTED_VERSION, stop
+    assert evals[-1]["phase"] == "after" and evals[-1]["version"] in (steps[-1]["version"], INJECTED_VERSION)
+    if not kubelet.users_emulated:
+        pytest.skip(f"the mesh trained as this test's user; the pods' uid part needs root: {kubelet.why_not_users}")
+    # The pods ran as the chart's podSecurityContext says: the code call above ran as uid 10001 with
+    # no capability and no_new_privs (allowPrivilegeEscalation: false), the sandbox in its rootless mode.
+    sc = next(p for o in _objects_of(values) if _component(o) == "environment" and (p := _pod_spec(o)))["securityContext"]
+    assert sc["runAsUser"] == 10001 and sc["fsGroup"] == 10001, sc
+    assert "environment" in users and "grader" in users, sorted(users)
+    for component, statuses in users.items():
+        for st in statuses:
+            assert st["Uid"].split() == ["10001"] * 4 and st["Gid"].split() == ["10001"] * 4, (component, st)
+            assert st["CapEff"] == st["CapPrm"] == st["CapBnd"] == "0000000000000000", (component, st)
+            assert st["NoNewPrivs"] == "1", (component, st)
+    written = [p for p in learner_run.rglob("*") if p.is_file()]  # the learner wrote the shared claim as 10001
+    assert written and {p.stat().st_uid for p in written} == {10001}
+
+
+@pytest.mark.parametrize("component,service", [("store", "trajmesh.services.store.service:TrajectoryStore"),
+                                               ("learner", "trajmesh.services.learner:LearnerService")])
+def test_pods_outwait_their_services_bounded_stop(component: str, service: str) -> None:
+    """The kubelet SIGKILLs a pod after terminationGracePeriodSeconds; a service's own stop may take
+    service.stop_timeout_s + its stop_work_s + the watchdog's grace before it exits by itself, so a
+    grace period below that would kill a store mid-finalization or a learner mid-checkpoint."""
+    import importlib
+
+    from trajmesh.config import ServiceConfig
+    from trajmesh.service import EXIT_GRACE_S
+
+    if component == "learner":
+        pytest.importorskip("torch")
+    module, _, cls = service.partition(":")
+    bound = ServiceConfig().stop_timeout_s + getattr(importlib.import_module(module), cls).stop_work_s + EXIT_GRACE_S
+    dep = next(o for o in _objects_of(_values("default"))
+               if o["kind"] in {"Deployment", "StatefulSet"} and _component(o) == component)
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > bound
