@@ -287,7 +287,7 @@ class LearnerService(Service):
             warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay, grad_clip=lc.grad_clip,
             zero_stage=lc.engine.zero_stage, seed=lc.seed, precision=precision,
             deterministic=wants_deterministic(lc.deterministic, cuda=cuda),
-            schedule=lc.lr_schedule, decay_steps=lc.max_steps * lc.ppo.minibatches * lc.ppo.epochs,
+            schedule=lc.lr_schedule, decay_steps=lc.optimizer_updates,
             min_lr_ratio=lc.min_lr_ratio,
         )
         self.precision = precision

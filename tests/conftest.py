@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from repo_paths import TESTS
 
 from trajmesh.infra import NatsServer, RedisServer
 
@@ -38,7 +39,6 @@ CI_REQUIRED_BINARIES = {
 
 # Markers each top folder of tests/ gives its tests, and the folders a test file may sit in.
 FOLDER_MARKERS = {"unit": (), "e2e": ("e2e",), "slow": ("slow", "e2e")}
-TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
@@ -55,7 +55,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(name)
 
 
-MESH_FOLDERS = ("tests/e2e/", "tests/slow/")
+# Node ids of the tests that run a mesh (every folder but unit/), for the scheduler below.
+MESH_FOLDERS = tuple(f"tests/{top}/" for top in FOLDER_MARKERS if top != "unit")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -11,9 +11,8 @@ from typing import Any
 import yaml
 from repo_paths import REPO
 
-ROOT = REPO
-DASHBOARDS = sorted((ROOT / "deploy" / "helm" / "trajmesh" / "dashboards").glob("*.json"))
-RULES = ROOT / "deploy" / "helm" / "trajmesh" / "files" / "prometheus-rules.yaml"
+DASHBOARDS = sorted((REPO / "deploy" / "helm" / "trajmesh" / "dashboards").glob("*.json"))
+RULES = REPO / "deploy" / "helm" / "trajmesh" / "files" / "prometheus-rules.yaml"
 
 # PromQL words that may precede "(" or stand alone and are not metric names.
 _PROMQL_WORDS = {

@@ -15,8 +15,7 @@ helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
-ROOT = REPO
-CHART = ROOT / "deploy" / "helm" / "trajmesh"
+CHART = REPO / "deploy" / "helm" / "trajmesh"
 HELM_TESTS = TESTS / "helm"
 GOLDEN = HELM_TESTS / "golden"
 CRDS = HELM_TESTS / "crds"

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
 from trajmesh.infra import free_port
 from trajmesh.rollout.vllm_engine import SETUP_HINT, VLLMEngine, VLLMEngineConfig, start_server, stop_server
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CI = os.environ.get("CI", "").lower() == "true"
 
 

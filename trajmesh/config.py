@@ -593,12 +593,18 @@ class LearnerConfig(_Strict):
     simulated_step: SimulatedStepCost = Field(default_factory=lambda: SimulatedStepCost())
     """Benchmarks only: a modelled step duration in place of training (off by default)."""
 
+    @property
+    def optimizer_updates(self) -> int:
+        """Optimizer updates in the step budget: max_steps x ppo.minibatches x ppo.epochs (what
+        `warmup_steps` counts in, and where a decaying `lr_schedule` ends)."""
+        return self.max_steps * self.ppo.minibatches * self.ppo.epochs
+
     @model_validator(mode="after")
     def _decay_needs_steps_past_warmup(self) -> LearnerConfig:
-        updates = self.max_steps * self.ppo.minibatches * self.ppo.epochs
-        if self.lr_schedule != "constant" and updates <= self.warmup_steps:
+        if self.lr_schedule != "constant" and self.optimizer_updates <= self.warmup_steps:
             raise ValueError(f"learner.lr_schedule {self.lr_schedule} decays over max_steps x PPO updates = "
-                             f"{updates} optimizer updates, which must exceed warmup_steps {self.warmup_steps}")
+                             f"{self.optimizer_updates} optimizer updates, which must exceed warmup_steps "
+                             f"{self.warmup_steps}")
         return self
 
 

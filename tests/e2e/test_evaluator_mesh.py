@@ -36,13 +36,12 @@ from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
-ROOT = REPO
 INJECTED_VERSION = 10_000
 SOURCES = ("chain_sum", "chain_sum_b")
 
 
 def _demo_model() -> str:
-    found = sorted(ROOT.glob("examples/demo-start/*/sft/config.json"))
+    found = sorted(REPO.glob("examples/demo-start/*/sft/config.json"))
     assert found, "no shipped demo start under examples/demo-start"
     return str(found[0].parent)
 

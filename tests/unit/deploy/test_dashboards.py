@@ -14,7 +14,6 @@ import pytest
 import yaml
 from dashboard_queries import (
     DASHBOARDS,
-    ROOT,
     RULES,
     dashboard_exprs,
     dashboard_panels,
@@ -199,7 +198,7 @@ def test_alert_rules_have_for_severity_and_summary() -> None:
 def test_overview_shows_heldout_accuracy_per_source_and_the_regression() -> None:
     """The evaluator's figures on the overview: accuracy by source (and mode), and the score's
     distance below its best, which TrajmeshHeldoutRegression alerts on."""
-    dash = load_dashboard(ROOT / "deploy" / "helm" / "trajmesh" / "dashboards" / "trajmesh-overview.json")
+    dash = load_dashboard(REPO / "deploy" / "helm" / "trajmesh" / "dashboards" / "trajmesh-overview.json")
     exprs = dashboard_exprs(dash)
     per_source = [e for _, e in exprs if "trajmesh_evaluator_heldout_accuracy_ratio" in metric_names(e)]
     assert per_source and all(re.search(r"by \(source", e) for e in per_source), per_source

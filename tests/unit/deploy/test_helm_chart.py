@@ -40,7 +40,6 @@ from helm_chart import (
     KUBE_VERSION,
     NAMESPACE,
     RELEASE,
-    ROOT,
     _chart,
     _clean,
     _component,
@@ -57,6 +56,7 @@ from helm_chart import (
     jsonschema,
     kubernetes_validate,
 )
+from repo_paths import REPO
 
 
 # ---------------------------------------------------------------- lint, render, schemas
@@ -502,9 +502,9 @@ def test_doctor_counts_the_gpus_the_render_asks_for(case: str) -> None:
 def _model_readers() -> set[str]:
     """Services whose code reads model.path (tokenizer or weights), found in their source."""
     found = set()
-    for p in (ROOT / "services").rglob("*.py"):  # services/NAME.py, or a package services/NAME/
+    for p in (REPO / "services").rglob("*.py"):  # services/NAME.py, or a package services/NAME/
         if re.search(r"cfg\.model\.path", p.read_text()):
-            rel = p.relative_to(ROOT / "services")
+            rel = p.relative_to(REPO / "services")
             found.add(rel.parts[0] if len(rel.parts) > 1 else p.stem)
     return found
 
@@ -660,10 +660,10 @@ def test_satisfies_helper() -> None:
 def test_gpu_image_pins_fall_inside_pyproject_ranges() -> None:
     import tomllib
 
-    docker = (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    docker = (REPO / "docker" / "Dockerfile.gpu").read_text()
     pins = dict(re.findall(r"^ARG (\w+)_VERSION=(\S+)$", docker, flags=re.M))
     assert {"SGLANG", "TORCH", "TRANSFORMERS"} <= pins.keys(), pins
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     ranges = {}
     for req in extras["learner"] + extras["gpu"]:
         name, spec = re.match(r"([A-Za-z0-9_-]+)(?:\[[^\]]*\])?\s*(.*)", req).groups()  # type: ignore[union-attr]

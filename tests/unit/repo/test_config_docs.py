@@ -16,8 +16,6 @@ from repo_paths import REPO
 from trajmesh import config as config_module
 from trajmesh.config import load_config
 
-ROOT = REPO
-
 
 def _undocumented_fields(source: str) -> list[str]:
     missing = []
@@ -81,14 +79,14 @@ def test_config_classes_are_all_seen_by_the_check():
     assert models <= declared
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_config_loads(path: Path):
     cfg = load_config(path)
     assert cfg.run_dir
 
 
 def test_examples_folder_has_configs():
-    assert sorted((ROOT / "examples").glob("*.yaml")), "no example config found"
+    assert sorted((REPO / "examples").glob("*.yaml")), "no example config found"
 
 
 def test_every_registered_source_config_field_has_a_docstring():

@@ -13,11 +13,10 @@ import sys
 import tomllib
 from repo_paths import REPO
 
-ROOT = REPO
 SOURCES = ["trajmesh", "learner", "rollout", "envs", "graders", "services", "tests", "bench"]
 # Modules of this repository that are imported by their own name: the package, the bench scripts and
 # every module under tests/ (pytest puts tests/ and each test file's folder on sys.path).
-LOCAL = {"trajmesh", "bench"} | {p.stem for p in (ROOT / "tests").rglob("*.py")}
+LOCAL = {"trajmesh", "bench"} | {p.stem for p in (REPO / "tests").rglob("*.py")}
 # Installed only in the GPU image (extra [gpu]) and imported lazily there; verifiers and datasets
 # (extra [verifiers]) only in a venv without [dev] (verifiers 0.4 pins openai < 3).
 OPTIONAL_RUNTIME = {"sglang", "verifiers", "datasets"}
@@ -30,7 +29,7 @@ def _norm(name: str) -> str:
 def _top_level_imports() -> dict[str, str]:
     found: dict[str, str] = {}
     for folder in SOURCES:
-        for path in sorted((ROOT / folder).rglob("*.py")):
+        for path in sorted((REPO / folder).rglob("*.py")):
             if "_pb2" in path.name:
                 continue
             tree = ast.parse(path.read_text(), filename=str(path))
@@ -42,12 +41,12 @@ def _top_level_imports() -> dict[str, str]:
                 else:
                     continue
                 for name in names:
-                    found.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+                    found.setdefault(name.split(".")[0], str(path.relative_to(REPO)))
     return found
 
 
 def _declared() -> set[str]:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     reqs = list(project["dependencies"])
     for extra in project["optional-dependencies"].values():
         reqs += extra

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from repo_paths import REPO
 
-ROOT = REPO
-DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([REPO / "README.md", REPO / "CONTRIBUTING.md", *(REPO / "docs").glob("*.md")])
 TOP = ("trajmesh", "services", "rollout", "learner", "envs", "graders", "tests", "deploy", "docs", "bench",
        "examples", "docker", "proto", ".ci")
 """Top-level folders of the repository: a backticked token starting with one names a file or folder."""
@@ -35,16 +34,16 @@ def _named_paths(text: str) -> set[str]:
 
 
 def test_the_docs_name_paths() -> None:
-    assert (ROOT / "docs" / "ARCHITECTURE.md").is_file() and (ROOT / "CONTRIBUTING.md").is_file()
+    assert (REPO / "docs" / "ARCHITECTURE.md").is_file() and (REPO / "CONTRIBUTING.md").is_file()
     named = {p for doc in DOCS for p in _named_paths(doc.read_text())}
     assert len(named) > 50, sorted(named)  # the extraction works: these docs name many files
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_path_a_doc_names_exists(doc: Path) -> None:
     missing = []
     for name in sorted(_named_paths(doc.read_text())):
-        candidates = [ROOT / name, doc.parent / name]
+        candidates = [REPO / name, doc.parent / name]
         if not any(c.exists() for c in candidates):
             missing.append(name)
-    assert missing == [], f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+    assert missing == [], f"{doc.relative_to(REPO)} names paths that do not exist: {missing}"

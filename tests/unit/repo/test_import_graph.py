@@ -12,7 +12,6 @@ from pathlib import Path
 
 from repo_paths import REPO
 
-ROOT = REPO
 FOLDERS = {"trajmesh": "trajmesh", "envs": "trajmesh.envs", "graders": "trajmesh.graders",
            "rollout": "trajmesh.rollout", "learner": "trajmesh.learner", "services": "trajmesh.services"}
 LAYERS = ["core", "envs", "graders", "rollout", "learner", "services", "run"]
@@ -22,8 +21,8 @@ LAYERS = ["core", "envs", "graders", "rollout", "learner", "services", "run"]
 def _modules() -> dict[str, Path]:
     mods = {}
     for folder, package in FOLDERS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
+        for path in (REPO / folder).rglob("*.py"):
+            rel = path.relative_to(REPO / folder).with_suffix("")
             if folder == "trajmesh" and rel.parts[0] == "v1":
                 continue  # generated protobuf code
             parts = [p for p in rel.parts if p != "__init__"]

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 from repo_paths import REPO
 
-ROOT = REPO
 FORBIDDEN_MODULES = ["torch"]
 SERVICES = ["trajmesh.services.store.service", "trajmesh.services.grader", "trajmesh.services.environment"]
 # Packages whose every module must import without torch: (import name, source folder).
-TORCH_FREE_PACKAGES = [("trajmesh", ROOT / "trajmesh"), ("trajmesh.envs", ROOT / "envs"),
-                       ("trajmesh.graders", ROOT / "graders")]
+TORCH_FREE_PACKAGES = [("trajmesh", REPO / "trajmesh"), ("trajmesh.envs", REPO / "envs"),
+                       ("trajmesh.graders", REPO / "graders")]
 
 
 def _modules(package: str, folder: Path) -> list[str]:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from repo_paths import REPO
 
-REPO_ROOT = REPO
-GENERATED_DIR = REPO_ROOT / "trajmesh" / "v1"
+GENERATED_DIR = REPO / "trajmesh" / "v1"
 # Files protoc writes; anything else in trajmesh/v1 (e.g. __init__.py) is hand-written.
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
@@ -19,7 +18,7 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 def _generate(out_dir: Path) -> dict[str, bytes]:
     """Run the `make proto` command into out_dir; {file name: bytes} of what it wrote."""
     protos = sorted(
-        str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "proto" / "trajmesh" / "v1").glob("*.proto")
+        str(p.relative_to(REPO)) for p in (REPO / "proto" / "trajmesh" / "v1").glob("*.proto")
     )
     subprocess.run(
         [
@@ -32,7 +31,7 @@ def _generate(out_dir: Path) -> dict[str, bytes]:
             f"--grpc_python_out={out_dir}",
             *protos,
         ],
-        cwd=REPO_ROOT,
+        cwd=REPO,
         check=True,
         capture_output=True,
     )

@@ -14,9 +14,8 @@ from typing import Any
 import yaml
 from repo_paths import REPO
 
-ROOT = REPO
-WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
-CHART = ROOT / "deploy" / "helm" / "trajmesh"
+WORKFLOW = REPO / ".github" / "workflows" / "release.yml"
+CHART = REPO / "deploy" / "helm" / "trajmesh"
 COMPONENTS = {"gpu": {"rollout", "rollout.sglang", "learner"}, "cpu": {"environment", "grader", "store", "tests"}}
 
 
@@ -44,9 +43,9 @@ def test_builds_both_dockerfiles_from_the_root_and_pushes_trajmesh_images() -> N
     matrix = _job()["strategy"]["matrix"]["include"]
     flavors = {m["flavor"]: m["dockerfile"] for m in matrix}
     assert flavors == {"gpu": "docker/Dockerfile.gpu", "cpu": "docker/Dockerfile.cpu"}
-    assert {p.relative_to(ROOT).as_posix() for p in (ROOT / "docker").glob("Dockerfile.*")} == set(flavors.values())
+    assert {p.relative_to(REPO).as_posix() for p in (REPO / "docker").glob("Dockerfile.*")} == set(flavors.values())
     for dockerfile in flavors.values():  # context . : the Dockerfiles copy from the repository root
-        assert "COPY pyproject.toml" in (ROOT / dockerfile).read_text()
+        assert "COPY pyproject.toml" in (REPO / dockerfile).read_text()
     build = _step("docker/build-push-action")["with"]
     assert build["context"] == "." and build["file"] == "${{ matrix.dockerfile }}" and build["push"] is True
     assert build["tags"] == ("ghcr.io/${{ steps.meta.outputs.owner }}/trajmesh-${{ matrix.flavor }}:"
@@ -59,7 +58,7 @@ def test_documented_image_names_match_the_workflow() -> None:
     workflow's ghcr.io/OWNER/trajmesh-<flavor>, each from its Dockerfile, for the right components."""
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
     values = (CHART / "values.yaml").read_text()
-    docs = (ROOT / "docs" / "KUBERNETES.md").read_text()
+    docs = (REPO / "docs" / "KUBERNETES.md").read_text()
     for flavor, components in COMPONENTS.items():
         image, dockerfile = f"ghcr.io/OWNER/trajmesh-{flavor}", f"docker/Dockerfile.{flavor}"
         assert f"{image} from {dockerfile} (set {', '.join(f'{c}.image' for c in _ordered(components, helpers))})" \
@@ -67,7 +66,7 @@ def test_documented_image_names_match_the_workflow() -> None:
         assert f"{image}:VERSION ({dockerfile}: " in values, flavor
         assert f"{image}:VERSION" in docs and dockerfile in docs, flavor
         # the images the chart tests render with, and every Dockerfile's own build line, use the same names
-        assert f"-t trajmesh-{flavor}:" in (ROOT / dockerfile).read_text(), flavor
+        assert f"-t trajmesh-{flavor}:" in (REPO / dockerfile).read_text(), flavor
     assert ".github/workflows/release.yml" in docs
 
 
@@ -81,7 +80,7 @@ def _meta(tag: str, out: Path) -> subprocess.CompletedProcess[str]:
     step = next(s for s in _job()["steps"] if s.get("id") == "meta")
     env = dict(os.environ, GITHUB_REF_NAME=tag, GITHUB_REPOSITORY_OWNER="Some-Org", GITHUB_OUTPUT=str(out))
     try:
-        proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=REPO, env=env, capture_output=True, text=True)
         proc.stdout = out.read_text() if out.exists() else ""
         return proc
     finally:

@@ -17,7 +17,6 @@ from repo_paths import REPO
 from trajmesh.infra import free_port
 from trajmesh.rollout import sglang_check
 
-ROOT = REPO
 PROBE_TEST = '''
 import json, os, urllib.request
 import pytest
@@ -50,7 +49,7 @@ def _installed_layout(tmp: Path) -> tuple[Path, Path]:
 def test_gpu_check_runs_the_installed_tests_against_the_server(tmp_path: Path):
     share, fake = _installed_layout(tmp_path)
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(ROOT / "tests")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(REPO / "tests")]),
                PROBE_RAN=str(tmp_path / "ran"))
     rc = subprocess.call([sys.executable, "-m", "trajmesh.rollout.sglang_check", "--model", "/models/m",
                           "--port", str(port), "--startup-s", "60", "--log", str(tmp_path / "sglang.log"),
@@ -76,12 +75,12 @@ def test_gpu_check_refuses_a_python_without_sglang_or_tests(tmp_path: Path):
 def test_image_installs_the_check_and_make_uses_its_python():
     """The GPU image puts tests/ and pyproject.toml where the check looks (its venv's
     share/trajmesh) with pytest; `make gpu-check` does not build the project venv over SGLang."""
-    docker = (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    docker = (REPO / "docker" / "Dockerfile.gpu").read_text()
     venv = re.search(r"python3\.\d+ -m venv (\S+)", docker).group(1)  # type: ignore[union-attr]
     assert re.search(rf"^COPY tests/ {venv}/share/trajmesh/tests/$", docker, flags=re.M)
     assert re.search(rf"^COPY pyproject.toml {venv}/share/trajmesh/$", docker, flags=re.M)
     assert re.search(r"^\s+\"pytest>=", docker, flags=re.M)  # installed with the learner extras
-    make = (ROOT / "Makefile").read_text()
+    make = (REPO / "Makefile").read_text()
     target = re.search(r"^gpu-check:(.*)\n((?:\t.*\n)+)", make, flags=re.M)
     assert target is not None
     prerequisites, recipe = target.groups()

@@ -21,8 +21,7 @@ from trajmesh import plugins  # noqa: E402
 from trajmesh.config import ToolSourceConfig, load_config  # noqa: E402
 from trajmesh.tasks import load_split  # noqa: E402
 
-ROOT = REPO
-DEMO = next((ROOT / "examples" / "demo-start").glob("demo-model-*/sft"))
+DEMO = next((REPO / "examples" / "demo-start").glob("demo-model-*/sft"))
 SOURCES = [{"type": "math_tool"}, {"type": "search", "corpus_size": 20}, {"type": "workplace", "pool_size": 5}]
 
 

@@ -19,13 +19,11 @@ from trajmesh.config import ConfigError, load_config
 from trajmesh.infra import NATS_SERVER_ENV, REDIS_SERVER_ENV, free_port
 from trajmesh.run.launcher import preflight
 
-ROOT = REPO
-
 
 def _train(tmp_path: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
     sets = [x for kv in (f"run_dir={tmp_path / 'run'}", *overrides) for x in ("--set", kv)]
     return subprocess.run(
-        [sys.executable, "-m", "trajmesh.run.cli", "train", str(ROOT / "examples" / "demo.yaml"), "--fresh", *sets],
+        [sys.executable, "-m", "trajmesh.run.cli", "train", str(REPO / "examples" / "demo.yaml"), "--fresh", *sets],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, **env},
     )
 

@@ -18,7 +18,6 @@ from trajmesh.config import load_config
 from trajmesh.run.cli import main
 from trajmesh.tasks import TaskSampler, load_split, profile_key, read_profile
 
-ROOT = REPO
 N_TASKS, K = 6, 4
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_profile_counts_match_the_evaluator_and_feed_the_curriculum(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    config = str(ROOT / "examples" / "demo.yaml")
+    config = str(REPO / "examples" / "demo.yaml")
     run_dir = tmp_path / "run"
     over = ["--set", f"run_dir={run_dir}", "--set", "tasks.train_size=50", "--set", "tasks.heldout_size=10"]
     assert main(["profile", config, "--samples", str(K), "--tasks", str(N_TASKS), *over]) == 0
