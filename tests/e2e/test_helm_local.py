@@ -43,8 +43,6 @@ def _load_kubelet() -> Any:
 
 
 
-CHART_RUN_MAX_STEPS = 200
-"""The chart run's step budget: the injected regression stops its learner long before."""
 CHART_HELDOUT = 16
 
 _VLLM_POD_CHECK = """
@@ -135,7 +133,7 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
     import time
 
     from mesh_checks import check_archive, check_gate_reconciles
-    from test_evaluator_mesh import INJECTED_VERSION, _announce, _demo_model, _worse_policy
+    from test_evaluator_mesh import INJECTED_VERSION, UNREACHABLE_STEPS, _announce, _demo_model, _worse_policy
 
     from trajmesh import cgroups
     from trajmesh.config import RunConfig
@@ -157,7 +155,7 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
                      "evaluator_nice": 0},  # a pod has CPUs of its own; here every pod shares this machine's
             "tasks": {"group_size": 2, "train_size": 300, "heldout_size": CHART_HELDOUT,
                       "sampling": {"max_new_tokens": 6}},
-            "learner": {"batch_groups": 2, "max_steps": CHART_RUN_MAX_STEPS, "checkpoint_every": 50}}},
+            "learner": {"batch_groups": 2, "max_steps": UNREACHABLE_STEPS, "checkpoint_every": 50}}},
     })
     kubelet = _load_kubelet().LocalKubelet(_objects_of(values), tmp_path, NAMESPACE,
                                            {"nats": nats_server_binary(), "redis-server": redis_server_binary()})
@@ -231,7 +229,6 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
         kubelet.stop_all()
     steps = [m for m in read_metrics(learner_run) if m.get("kind") == "learner_step"]
     assert steps and [m["version"] for m in steps] == list(range(1, len(steps) + 1))
-    assert len(steps) < CHART_RUN_MAX_STEPS  # stopped by the regression, not by its budget
     # The evaluator pod's records (on the shared claim beside the learner's): per source, >= 2 versions.
     evals = [m for m in read_metrics(learner_run) if m.get("kind") == "eval"]
     assert len({m["version"] for m in evals if m["version"] != INJECTED_VERSION}) >= 2, evals
