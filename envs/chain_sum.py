@@ -13,8 +13,6 @@ import functools
 import hashlib
 from typing import Any
 
-import reasoning_gym
-
 SOURCE = "reasoning_gym/chain_sum"
 
 # Vetted demo difficulty (see learner/models.py::prepare_demo_model for the measurements).
@@ -45,7 +43,7 @@ def make_tasks(seed: int, n: int, *, exclude_prompts: set[str] | None = None, **
     exclude = exclude_prompts or set()
     size = max(8, n)
     while True:
-        dataset = reasoning_gym.create_dataset("chain_sum", seed=seed, size=size, **knobs)
+        dataset = _create("chain_sum", seed=seed, size=size, **knobs)
         tasks = []
         for index in range(size):
             entry = dataset[index]
@@ -100,10 +98,19 @@ def make_split(
     return train, heldout
 
 
+def _create(family: str, **kwargs: Any) -> Any:
+    """reasoning-gym's dataset, imported on first use: every service loads the task-source
+    plug-ins with its config, and reasoning-gym imports sympy and matplotlib (≈ 1.5 s of CPU) that
+    only the processes drawing or scoring tasks need."""
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(family, **kwargs)
+
+
 @functools.cache
 def _scorer() -> Any:
     """A chain_sum dataset object, used only for its ``score_answer``."""
-    return reasoning_gym.create_dataset("chain_sum", seed=0, size=1)
+    return _create("chain_sum", seed=0, size=1)
 
 
 def extract_answer(response_text: str) -> str:

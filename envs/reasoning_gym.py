@@ -15,7 +15,6 @@ import hashlib
 import json
 from typing import Any, Literal
 
-import reasoning_gym
 from pydantic import Field
 
 from trajmesh.config import SourceConfig
@@ -42,6 +41,11 @@ ANSWER_SUFFIX = "\nAnswer only."
 
 @functools.cache
 def _dataset(family: str, seed: int, size: int, knobs_json: str) -> Any:
+    """The family's dataset. reasoning-gym is imported here, on first use: every service loads this
+    plug-in with its config, and reasoning-gym imports sympy and matplotlib (≈ 1.5 s of CPU) that only
+    the processes drawing or scoring tasks need."""
+    import reasoning_gym
+
     return reasoning_gym.create_dataset(family, seed=seed, size=size, **json.loads(knobs_json))
 
 

@@ -60,3 +60,23 @@ def test_service_imports_without_torch(service: str) -> None:
 
 def test_every_core_env_and_grader_module_imports_without_torch() -> None:
     _check_in_fresh_interpreter(CORE_MODULES)
+
+
+def test_a_config_and_the_services_that_draw_no_tasks_load_no_task_generator() -> None:
+    """reasoning-gym (with sympy and matplotlib, ≈ 1.5 s of CPU a process) is imported by the
+    processes that draw or score tasks, on first use, not by every process that loads a config: the
+    default config names a reasoning_gym source, whose plug-in is loaded to validate it."""
+    check = (
+        "import sys\n"
+        "from trajmesh.config import load_config\n"
+        "cfg = load_config(None, {})\n"
+        "assert cfg.tasks.sources[0].type == 'reasoning_gym'\n"
+        "import trajmesh.services.environment, trajmesh.services.rollout\n"
+        "loaded = [m for m in ('reasoning_gym', 'sympy', 'matplotlib') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "from trajmesh.envs import chain_sum\n"
+        "task = chain_sum.make_tasks(3, 1)[0]\n"
+        "assert chain_sum.score(task['answer'], task) == 1.0 and 'reasoning_gym' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
