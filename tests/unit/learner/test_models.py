@@ -64,7 +64,7 @@ def test_sft_masks_prompt_and_lowers_loss(tmp_path):
         assert labels[n_prompt : n_prompt + len(answer)] == answer
         assert all(x == -100 for x in labels[n_prompt + len(answer) :])
     stats = sft(
-        model_dir, tasks, steps=200, batch_size=8, lr=3e-3, out_dir=tmp_path / "sft", seed=0, warmup_steps=10
+        model_dir, tasks, steps=60, batch_size=8, lr=3e-3, out_dir=tmp_path / "sft", seed=0, warmup_steps=10
     )
     assert stats["loss_last"] < 0.6 * stats["loss_first"]
     assert (tmp_path / "sft" / "model.safetensors").exists()
