@@ -72,15 +72,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`make test` runs on two pytest-xdist workers with ``--dist loadscope``, scoped here: every
     test under tests/e2e/ and tests/slow/ is one scope, so the meshes run one after another on one
     worker, as in a single process (each is sized for the cores it shares with the rest of the
-    suite, not with another mesh); every other test is a scope of its own, handed to whichever
-    worker is free. (xdist's own ``loadgroup`` renames node ids, which pytest 9.2 ignores.)"""
+    suite, not with another mesh); every other module is a scope of its own, handed whole to
+    whichever worker is free, so a module-scoped fixture (a vLLM server, an engine) starts once: a
+    scope per test interleaved modules on a worker, and pytest tears a module's fixtures down
+    whenever the next test is another module's (the conformance suite's vLLM server started twice,
+    235 s and 120 s beside the CI burners). The scopes keep collection order (no reordering by
+    size), so the mesh scope (tests/e2e/ sorts first) starts at once, beside the unit modules.
+    (xdist's own ``loadgroup`` renames node ids, which pytest 9.2 ignores.)"""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False
+
     class MeshesInOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "mesh" if nodeid.startswith(MESH_FOLDERS) else nodeid
+            return "mesh" if nodeid.startswith(MESH_FOLDERS) else nodeid.split("::", 1)[0]
 
     return MeshesInOneWorker(config, log)  # type: ignore[arg-type]
 
