@@ -72,10 +72,18 @@ STOP_S = 1.5 * max(TASK_ACK_WAIT_S, REQUEST_TIMEOUT_S, JETSTREAM_API_TIMEOUT_S)
 """How long the rollout stays stopped: past every timeout on its path (the fault's duration)."""
 
 
+BURST = ETA + 1
+"""The most learner steps the run can take without a new admission: the gate keeps admitted,
+untrained work within (η + 1) batches (trajmesh/gate.py), so this bounds both the steps taken
+while a fault is applied and how far a wait for a step count overshoots it (a backlog trained at
+once), whatever the machine's speed."""
+
+
 def _budget(faults: int) -> int:
-    """The run's learner steps: the first fault lands after step `RATE_TO`, `K` steps must follow
-    each fault, and two spare steps cover a step taken while a fault is applied."""
-    return RATE_TO + faults * (K + 1) + 2
+    """The run's learner steps: enough that after each fault `K` more remain. The wait for
+    `RATE_TO` may overshoot by BURST, each fault may see BURST steps while applied, and each wait
+    for its K steps may overshoot by BURST again."""
+    return RATE_TO + faults * (K + 2 * BURST)
 
 
 def _build_config(run_dir: Path, model_dir: str, steps: int) -> RunConfig:
