@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import signal
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from mesh_checks import FINAL_OUTCOMES, write_manifest
+from mesh_checks import FINAL_OUTCOMES, wait_stopped, write_manifest
 from repo_paths import REPO
 
 from trajmesh import bus as busmod
@@ -37,7 +40,8 @@ from trajmesh.v1 import trajectory_pb2
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 INJECTED_VERSION = 10_000
-UNREACHABLE_STEPS = 100_000  # a learner budget no test run reaches: only the regression stops it
+UNREACHABLE_STEPS = 100_000
+"""A learner budget no test run reaches: only the regression on the injected version stops it."""
 SOURCES = ("chain_sum", "chain_sum_b")
 
 
@@ -88,6 +92,27 @@ async def _announce(cfg: RunConfig, path: Path, version: int) -> None:
         await bus.close()
 
 
+def inject_while_held(learner_pid: int, announce: Callable[[], None], evaluated: Callable[[], bool],
+                      alive: Callable[[], bool], timeout_s: float = 180.0) -> None:
+    """Announces the worse policy (`announce`) with the learner's process group held (SIGSTOP)
+    until the evaluator has recorded its evaluation (`evaluated`). Held, the learner announces
+    nothing (the evaluator keeps only the newest announcement while it evaluates: a learner version
+    announced meanwhile replaced the injected one, which was then never loaded) and cannot finish
+    its run (the injected version is evaluated "during" the run, never as its "after"). `alive`:
+    the evaluator still runs."""
+    os.killpg(learner_pid, signal.SIGSTOP)
+    try:
+        wait_stopped(learner_pid)
+        announce()
+        deadline = time.monotonic() + timeout_s
+        while not evaluated():
+            assert alive(), "the evaluator died before it evaluated the injected version"
+            assert time.monotonic() < deadline, f"the injected version was not evaluated in {timeout_s:.0f} s"
+            time.sleep(0.5)
+    finally:
+        os.killpg(learner_pid, signal.SIGCONT)
+
+
 async def _eval_stream_messages(cfg: RunConfig) -> int:
     bus = await security.connect_bus(cfg, "admin", name="test-reader")
     try:
@@ -126,7 +151,9 @@ def test_evaluator_records_per_source_and_a_regression_stops_the_learner(tmp_pat
             time.sleep(0.5)
         with urllib.request.urlopen(f"http://127.0.0.1:{evaluator.metrics_port}/metrics", timeout=5) as resp:
             exported = resp.read().decode()
-        asyncio.run(_announce(cfg, bad, INJECTED_VERSION))
+        inject_while_held(learner.popen.pid, lambda: asyncio.run(_announce(cfg, bad, INJECTED_VERSION)),
+                          lambda: any(r["version"] == INJECTED_VERSION for r in _evals(run_dir)),
+                          lambda: evaluator.popen.poll() is None)
         assert learner.popen.wait(timeout=180) == 0, learner.log_path.read_text()[-3000:]
         assert wait_final_eval(mesh, timeout_s=120) is not None, evaluator.log_path.read_text()[-3000:]
         assert end_run(mesh) == 0

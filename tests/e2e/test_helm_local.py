@@ -133,7 +133,14 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
     import time
 
     from mesh_checks import check_archive, check_gate_reconciles
-    from test_evaluator_mesh import INJECTED_VERSION, UNREACHABLE_STEPS, _announce, _demo_model, _worse_policy
+    from test_evaluator_mesh import (
+        INJECTED_VERSION,
+        UNREACHABLE_STEPS,
+        _announce,
+        _demo_model,
+        _worse_policy,
+        inject_while_held,
+    )
 
     from trajmesh import cgroups
     from trajmesh.config import RunConfig
@@ -211,7 +218,10 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
         # admin user (the provisioning Job's credentials).
         monkeypatch.setenv("TRAJMESH_NATS_USER", "admin")
         monkeypatch.setenv("TRAJMESH_NATS_PASSWORD", kubelet.secrets[f"{RELEASE}-nats-auth"]["admin"])
-        asyncio.run(_announce(cfg, worse, INJECTED_VERSION))
+        inject_while_held(learner.procs[0].pid, lambda: asyncio.run(_announce(cfg, worse, INJECTED_VERSION)),
+                          lambda: any(r.get("kind") == "eval" and r["version"] == INJECTED_VERSION
+                                      for r in read_metrics(learner_run)),
+                          lambda: all(p.poll() is None for p in evaluator.procs), timeout_s=300)
         assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
         deadline = time.monotonic() + 300  # its record of the last version (it sees run_finished)
         while not [r for r in read_metrics(learner_run) if r.get("phase") == "after"]:
