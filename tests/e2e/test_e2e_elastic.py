@@ -10,6 +10,12 @@
 
 The test sets `rollout.task_ack_wait_s` short, so the dead rollout's tasks come back quickly (live
 rollouts keep theirs with in-progress heartbeats).
+
+The runs train with `learner.truncation.policy: mask`: each step trains exactly the loss tokens of
+its trajectories that ended before the token budget, by the archive, and none of those that hit it
+(MAX_TOKENS). And they sample toward a pass-rate band: a profile the test writes puts every other
+training task in the band [0.25, 0.75] (pass rate 1/2) and the rest below it (0/2), weighted
+OUTSIDE_WEIGHT; the tasks the store admitted are in the band far more often than the pool's half.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from trajmesh import security
 from trajmesh.config import RunConfig, load_config
 from trajmesh.run.launcher import accounting, start_mesh
 from trajmesh.run.run_end import drain
+from trajmesh.run.train import read_metrics
+from trajmesh.tasks import load_split, profile_key, write_profile
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -37,6 +45,11 @@ ETA = 2
 STEPS = 12
 JOIN_STEPS = 24
 SHORT_ACK_WAIT_S = 3.0
+BAND, OUTSIDE_WEIGHT = (0.25, 0.75), 0.05
+"""The curriculum: in-band share of draws 1 / (1 + OUTSIDE_WEIGHT) = 0.952 against the pool's 0.5."""
+MIN_IN_BAND_SHARE = 0.8
+"""What the admitted tasks' in-band share must reach. The sampler's sequence is seeded, so only the
+number of draws varies between runs; every prefix of it from 20 draws on is above this."""
 
 
 def _build_config(run_dir: Path, model_dir: str, steps: int = STEPS) -> RunConfig:
@@ -47,7 +60,46 @@ def _build_config(run_dir: Path, model_dir: str, steps: int = STEPS) -> RunConfi
         "rollout.replicas": 2, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
         "learner.engine.type": "torch", "learner.batch_groups": 4, "learner.max_steps": steps,
         "learner.checkpoint_every": 4, "rollout.task_ack_wait_s": SHORT_ACK_WAIT_S,
+        "learner.truncation.policy": "mask", "tasks.profile": str(run_dir.with_name("profile.json")),
+        "tasks.sources": [{"type": "reasoning_gym", "curriculum": {"target_band": list(BAND),
+                                                                  "outside_band_weight": OUTSIDE_WEIGHT}}],
     })
+
+
+def _write_profile(cfg: RunConfig) -> set[str]:
+    """The profile the run samples on: every other training task in the band; returns their ids."""
+    (src,) = cfg.tasks.sources
+    train, _ = load_split(src, cfg.tasks.train_size, cfg.tasks.heldout_size)
+    in_band = {t.task_id for t in train[::2]}
+    write_profile(cfg.tasks.profile, {profile_key(t.source, t.task_id): (1 if t.task_id in in_band else 0, 2)
+                                      for t in train}, source="test_e2e_elastic")
+    return in_band
+
+
+def _check_admitted_toward_the_band(rows: list[dict], in_band: set[str]) -> None:  # type: ignore[type-arg]
+    """Each task the store admitted (its id is the sampler's plus ``-c<cursor>``, one per draw) is
+    in the band at least MIN_IN_BAND_SHARE of the time; half the pool is."""
+    drawn = {r["task_id"] for r in rows if r["task_id"]}
+    assert len(drawn) >= 20, len(drawn)
+    share = sum(t.rpartition("-c")[0] in in_band for t in drawn) / len(drawn)
+    assert share >= MIN_IN_BAND_SHARE, (share, len(drawn))
+
+
+def _check_truncated_responses_masked(cfg: RunConfig, rows: list[dict]) -> None:  # type: ignore[type-arg]
+    """`mask`: each step's trained tokens are the loss tokens of its trained trajectories from the
+    archive, less every token of those that ended at the token budget; at least one was masked."""
+    intake = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
+    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    assert steps
+    masked = 0
+    for m in steps:
+        batch = [intake[r["trajectory_id"]] for r in rows
+                 if r["outcome"] == "trained" and r["learner_version"] == m["version"] - 1]
+        assert len(batch) == m["trajectories_trained"], m["version"]
+        want = sum(sum(a["loss_mask"]) for a in batch if a["terminal_reason"] != "MAX_TOKENS")
+        assert m["tokens_trained"] == want, (m["version"], m["tokens_trained"], want)
+        masked += sum(a["terminal_reason"] == "MAX_TOKENS" for a in batch)
+    assert masked, "no trained trajectory hit the token budget: the mask never acted"
 
 
 async def _latest_version(cfg: RunConfig) -> int:
@@ -90,6 +142,7 @@ def test_rollout_joins_mid_run_from_latest_weights(tmp_path: Path, tiny_model_di
 def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
     # After the joiner started (the learner held meanwhile) it needs a few steps to take part.
     cfg = _build_config(tmp_path / "run", tiny_model_dir, steps=JOIN_STEPS if join else STEPS)
+    in_band = _write_profile(cfg)
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
@@ -108,7 +161,9 @@ def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
             assert not [p.label for p in mesh.dead() if p not in (learner, victim)]
             assert drain(cfg) == 0
             mesh.stop_services()
-            check_archive(cfg, accounting(cfg), ETA)
+            rows = check_archive(cfg, accounting(cfg), ETA)
+            _check_truncated_responses_masked(cfg, rows)
+            _check_admitted_toward_the_band(rows, in_band)
             return
         # A new rollout process joins and starts from the latest announced weights. The learner is
         # held (SIGSTOP) while the joiner starts (longer than a short run would last on a loaded
@@ -143,4 +198,6 @@ def _run(tmp_path: Path, tiny_model_dir: str, *, join: bool) -> None:
     assert loaded and loaded[0] >= announced and loaded == sorted(loaded), (announced, loaded)
     assert joiner_trajectories > 0, "the late joiner produced no trajectories"
 
-    check_archive(cfg, acct, ETA)
+    rows = check_archive(cfg, acct, ETA)
+    _check_truncated_responses_masked(cfg, rows)
+    _check_admitted_toward_the_band(rows, in_band)
