@@ -1,13 +1,12 @@
 """The Helm chart run here: the CPU chart's workloads as local processes (tests/helm/local_kubelet.py)
-training with exact accounting, and the vLLM pod's wiring under vLLM's own parser. The offline
-checks of the chart are tests/unit/deploy/test_helm_chart.py."""
+training with exact accounting. The offline checks of the chart are tests/unit/deploy/test_helm_chart.py,
+its pods' wiring run outside a mesh (vLLM's own parser, the grace periods) tests/unit/deploy/test_helm_pods.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,20 +18,16 @@ from helm_chart import (
     NAMESPACE,
     RELEASE,
     _component,
-    _container,
     _merged,
     _objects_of,
     _pod_spec,
-    _rollout_pod,
     _values,
 )
-from repo_paths import REPO
 
 
 # ---------------------------------------------------------------- the chart, run as local processes
 def _load_kubelet() -> Any:
     import importlib.util
-    import sys
 
     spec = importlib.util.spec_from_file_location("local_kubelet", HELM_TESTS / "local_kubelet.py")
     assert spec and spec.loader
@@ -44,56 +39,6 @@ def _load_kubelet() -> Any:
 
 
 CHART_HELDOUT = 16
-
-_VLLM_POD_CHECK = """
-import json, sys
-from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.utils.import_utils import resolve_obj_by_qualname
-args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
-validate_parsed_serve_args(args)
-engine = AsyncEngineArgs.from_cli_args(args)
-ext = resolve_obj_by_qualname(engine.worker_extension_cls)
-print(json.dumps({"scale_out": args.enable_scale_out, "chunked": engine.enable_chunked_prefill,
-                  "batched": engine.max_num_batched_tokens, "max_model_len": engine.max_model_len,
-                  "logprobs_mode": str(engine.logprobs_mode), "ext_file": sys.modules[ext.__module__].__file__,
-                  "retie": callable(getattr(ext, "retie_lm_head", None))}))
-"""
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(600)
-def test_vllm_pod_wiring_runs(tmp_path: Path) -> None:
-    """The vLLM pod's wiring, run here (no GPU, no cluster): the init container's script copies the
-    worker extension out of the installed trajmesh package into the shared directory; with the
-    container's PYTHONPATH pointing there, vLLM's own `vllm serve` parser and validation accept the
-    container's args, and the --worker-extension-cls resolves to that copy."""
-    from vllm_server import require_vllm
-
-    python = require_vllm()
-    pod = _rollout_pod(_values("vllm"))
-    init, vllm = _container(pod, "vllm-extension"), _container(pod, "vllm")
-    target = tmp_path / "vllm-extension"
-    target.mkdir()
-    init_env = {**os.environ, **{e["name"]: e["value"] for e in init["env"]}, "TARGET": str(target)}
-    assert init["command"][0] == "python"  # the trajmesh image's interpreter; here this test's
-    subprocess.run([sys.executable, *init["command"][1:], *init["args"]], env=init_env, check=True, timeout=60)
-    copied = target / "vllm_worker.py"
-    assert copied.read_bytes() == (REPO / "rollout" / "vllm_worker.py").read_bytes()
-    env = {**os.environ, "PYTHONPATH": str(target), "VLLM_SERVER_DEV_MODE": "1"}
-    done = subprocess.run([str(python), "-c", _VLLM_POD_CHECK, json.dumps(vllm["args"])], env=env,
-                          capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["scale_out"] is True and seen["chunked"] is False and seen["retie"] is True, seen
-    assert (seen["batched"], seen["max_model_len"]) == (8192, 4096), seen
-    assert seen["logprobs_mode"].endswith("processed_logprobs"), seen
-    assert Path(seen["ext_file"]).resolve() == copied.resolve(), seen
-
-
-
-
 
 def _code_call(env_pod: Any, code: str = "print(6*7)") -> tuple[str, dict[str, Any]]:
     """A math-tool session on the environment pod's gRPC port: one sandboxed code call."""
@@ -265,23 +210,3 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
             assert st["NoNewPrivs"] == "1", (component, st)
     written = [p for p in learner_run.rglob("*") if p.is_file()]  # the learner wrote the shared claim as 10001
     assert written and {p.stat().st_uid for p in written} == {10001}
-
-
-@pytest.mark.parametrize("component,service", [("store", "trajmesh.services.store.service:TrajectoryStore"),
-                                               ("learner", "trajmesh.services.learner:LearnerService")])
-def test_pods_outwait_their_services_bounded_stop(component: str, service: str) -> None:
-    """The kubelet SIGKILLs a pod after terminationGracePeriodSeconds; a service's own stop may take
-    service.stop_timeout_s + its stop_work_s + the watchdog's grace before it exits by itself, so a
-    grace period below that would kill a store mid-finalization or a learner mid-checkpoint."""
-    import importlib
-
-    from trajmesh.config import ServiceConfig
-    from trajmesh.service import EXIT_GRACE_S
-
-    if component == "learner":
-        pytest.importorskip("torch")
-    module, _, cls = service.partition(":")
-    bound = ServiceConfig().stop_timeout_s + getattr(importlib.import_module(module), cls).stop_work_s + EXIT_GRACE_S
-    dep = next(o for o in _objects_of(_values("default"))
-               if o["kind"] in {"Deployment", "StatefulSet"} and _component(o) == component)
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > bound
