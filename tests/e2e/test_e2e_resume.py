@@ -1,10 +1,16 @@
 """Ctrl-C stops a `trajmesh train` run cleanly (no process left) and `--resume` continues it:
-the version keeps counting from the checkpoint, and the run reaches its step budget."""
+the version keeps counting from the checkpoint, and the run reaches its step budget.
+
+Both runs have stdout a pipe, as in CI, `make demo > log` or a pod: what a person watching the log
+sees is checked on them too: plain progress lines as the run goes (not a table at the end), and no
+library progress bar in the services' logs (transformers' "Loading weights" at each weight load of
+the torch engine)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,11 +21,13 @@ import pytest
 import yaml
 from mesh_checks import pids_of, signal_pending, wait_stopped
 
-from trajmesh.run.train import read_metrics
+from trajmesh.run.train import progress_line, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STEPS = 10
+PROGRESS = re.compile(r"^progress step=(\S+) version=(\S+) reward=(\S+) heldout=(\S+) lag=(\S+) ess=(\S+) "
+                      r"traj/s=(\S+) elapsed=(\d+)s$")
 """The run's budget. The learner is held (SIGSTOP) from its third step until the launcher's SIGTERM
 is pending for it, so the interrupt always lands mid-run however loaded the machine is."""
 
@@ -60,10 +68,39 @@ def _write_config(tmp_path: Path, model_dir: str) -> Path:
     return path
 
 
-def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
+def test_progress_line_names_every_figure() -> None:
+    steps = [{"step": 4, "version": 4, "reward_mean": 0.25, "max_token_lag": 1, "trajectories_trained": 8,
+              "trajmesh_learner_effective_sample_size_ratio": 0.9}]
+    evals = [{"heldout": {"chain_sum": {"greedy_accuracy": 0.5, "sampled_accuracy": 0.375},
+                          "search": {"greedy_accuracy": 0.0, "sampled_accuracy": 0.125}}}]
+    m = PROGRESS.match(progress_line(steps, evals, started=0.0))
+    assert m, progress_line(steps, evals, started=0.0)
+    assert m.groups()[:6] == ("4", "4", "0.250", "chain_sum:0.50/0.38,search:0.00/0.12", "1", "0.900")
+    empty = PROGRESS.match(progress_line([], [], started=0.0))
+    assert empty and empty.groups()[:6] == ("-",) * 6  # nothing known yet
+
+
+def _check_the_log_a_person_sees(stdout: str, run_dir: Path) -> None:
+    """Progress lines during the run (more than one: not only at its end), the last at the budget
+    with the held-out figure per source; the services' logs have no progress bar."""
+    progress = [m for line in stdout.splitlines() if (m := PROGRESS.match(line))]
+    assert len(progress) >= 2, stdout[-3000:]
+    assert progress[-1].group(1) == str(STEPS) and progress[-1].group(2) == str(STEPS), progress[-1].group(0)
+    assert progress[-1].group(4).startswith("chain_sum:")  # the held-out figure before RL, per source
+    logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
+    assert "loaded weights v" in logs["rollout-0.log"]  # the engine loaded new weights during the run
+    assert "engine-0.log" in logs
+    barred = [name for name, text in logs.items() if "Loading weights" in text or "it/s]" in text]
+    assert barred == [], {name: logs[name][-2000:] for name in barred}
+
+
+def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg_path = _write_config(tmp_path, tiny_model_dir)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "trajmesh.run.cli", "train", str(cfg_path), "--eval-every", "0"]
+    monkeypatch.setenv("TRAJMESH_PROGRESS_EVERY_S", "1")
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
+        monkeypatch.delenv(name, raising=False)  # whatever the caller's shell says, the services turn the bars off
     # SIGINT at its default in the run: a test process started in the background of a
     # non-interactive shell (`cmd &`, as CI harnesses do) inherits SIGINT ignored, and so would
     # `trajmesh train`, which then trained its whole budget through the interrupt.
@@ -110,4 +147,5 @@ def test_ctrl_c_then_resume(tmp_path: Path, tiny_model_dir: str) -> None:
     assert versions[-1] == STEPS
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rl_steps"] == STEPS and summary["final_version"] == STEPS
+    _check_the_log_a_person_sees(done.stdout, run_dir)
     assert _leftover(str(run_dir)) == []
