@@ -45,6 +45,8 @@ SCHEMA = pa.schema(
         ("behavior_logprobs", pa.list_(pa.float32())),
         ("sequence_starts", pa.list_(pa.int64())),
         ("step_rewards", pa.list_(pa.float64())),
+        ("reward_components", pa.map_(pa.string(), pa.float64())),
+        ("grader_revision", pa.string()),
         ("payload_sha256", pa.string()),
     ]
 )
@@ -105,6 +107,8 @@ _LIST_COLUMNS: dict[str, Any] = {
 """``sequence_starts``: where each of a segmented trajectory's sequences starts in ``token_ids``
 (an agent's calls that do not extend one another, one training row each); empty for one sequence.
 ``step_rewards``: the environment's reward of each step, in turn order (empty: none stepped).
+``reward_components`` (a map column beside these): the grader's raw reward components, by name (a
+rubric's functions, ``correct`` / ``format_eos``, a game's ``step_<k>``), with ``grader_revision``.
 Parts written before a column existed read it as null."""
 
 

@@ -658,6 +658,7 @@ class TrajectoryStore(Service):
             token_ids=traj.token_ids_T, loss_mask=np.minimum(mask_T, 255),
             behavior_versions=traj.behavior_versions_T, behavior_logprobs=traj.behavior_logprobs_T,
             sequence_starts=list(pb.sequence_starts), step_rewards=list(pb.step_rewards),
+            reward_components=dict(pb.raw_reward_components), grader_revision=pb.grader_revision,
         )
 
     def _quarantine_bytes(self, data: bytes, reason: str, detail: str) -> None:

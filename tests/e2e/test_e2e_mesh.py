@@ -32,6 +32,7 @@ from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
+from trajmesh.graders.reasoning_gym import ReasoningGymGrader
 from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Proc, accounting, start_mesh
 from trajmesh.run.run_end import end_run
@@ -210,6 +211,13 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
                 max_lag = max(max_lag, r["learner_version"] - v)
     assert max_lag <= ETA
     assert max(versions_seen) >= 2, "rollout never sampled with reloaded weights"
+
+    # Each graded trajectory is archived with its grader's raw components and revision: reasoning-gym's
+    # correctness (the reward) and whether the response ended with EOS.
+    for a in intake.values():
+        assert dict(a["reward_components"]) == {"correct": a["reward"],
+                                                "format_eos": float(a["terminal_reason"] == "EOS")}, a
+        assert a["grader_revision"] == ReasoningGymGrader.revision, a["grader_revision"]
 
     # Accounting: admitted = trained + filtered + quarantined + failed_infra (injected ones aside).
     outcomes = acct["outcomes"]

@@ -8,7 +8,8 @@ Checked: exact accounting (every admitted trajectory ends as exactly one final o
 a version and a log-prob, the rest mask 0 and version -1); each SkyRL trajectory's reward is the
 environment's own return, recomputed here by stepping a fresh instance of the package's environment
 with the trajectory's turns (not through the adapter), each game's is its outcome (1, 0, -1);
-and the held-out evaluation of each source (what `trajmesh train` writes to summary.json) runs
+each trajectory's raw reward components are in the archive (a game's and SkyRL's each step's reward
+and their return, a rubric's one per reward function); and the held-out evaluation of each source (what `trajmesh train` writes to summary.json) runs
 through its own environment, with the package's version in the recorded revision.
 """
 
@@ -137,6 +138,11 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
         turns = _turns(ids, mask, tok)
         if r["terminal_reason"] == "MAX_TOKENS":  # the last turn was cut: the environment never saw it
             turns = turns[:-1]
+        components = dict(r["reward_components"])  # archived with the trajectory, as graded
+        if r["task_source"] in ("skyrl", "tictactoe"):  # the adapter's: each step's reward, their sum
+            steps = int(components["steps"])
+            assert set(components) == {"return", "steps", *(f"step_{k}" for k in range(1, steps + 1))}, components
+            assert components["return"] == pytest.approx(sum(components[f"step_{k}"] for k in range(1, steps + 1)))
         if r["task_source"] == "skyrl":  # the package's own rewards for the trajectory's turns
             row = tasks[tid_of(r["task_id"], tasks)].metadata["row"]
             assert r["reward"] == pytest.approx(_env_return(row, turns)), (r["trajectory_id"], turns)
@@ -149,6 +155,7 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
             reply = "".join(turns).strip()
             expected = 0.0 if row["boom"] else float(reply == row["answer"]) + 0.5 * float(row["answer"] in reply)
             assert r["reward"] == pytest.approx(expected), (reply, row, r["reward"])
+            assert "rubric_error" in components and len(components) > 1, components  # one per reward function
 
 
 def tid_of(archived: str, tasks: dict[str, Any]) -> str:
