@@ -9,7 +9,8 @@ gauges per source; a
 worse policy's weights published mid-run (re-initialized, announced as a new version) are
 evaluated and the learner stops on the confirmed regression with stop_reason.json; eval traffic
 never enters the store's accounting (every admitted trajectory has exactly one final outcome, and
-nothing else has one); the evaluator loads only the versions it evaluates.
+nothing else has one); the evaluator loads only the versions it evaluates; the store's draws
+follow the two sources' mixture weights (1:1) within a stated bound.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from trajmesh.config import RunConfig, load_config
 from trajmesh.run.launcher import SERVICE_ORDER, accounting, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.run.train import read_metrics, wait_final_eval
+from trajmesh.services.store.archive import read_archive
 from trajmesh.v1 import trajectory_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -43,6 +45,10 @@ INJECTED_VERSION = 10_000
 UNREACHABLE_STEPS = 100_000
 """A learner budget no test run reaches: only the regression on the injected version stops it."""
 SOURCES = ("chain_sum", "chain_sum_b")
+MIXTURE_BOUND, MIN_DRAWS = 0.1, 40
+"""The two sources have weight 1 each: the store's draws split 1:1 within MIXTURE_BOUND once it has
+drawn MIN_DRAWS tasks. (The seeded draw sequence of this config is off 1:1 by at most 0.084 over
+its first N draws for any N >= 40, 0.042 for N >= 200; 20,000 draws: tests/unit/trajmesh/test_curriculum.py.)"""
 
 
 def _demo_model() -> str:
@@ -195,6 +201,14 @@ def test_evaluator_records_per_source_and_a_regression_stops_the_learner(tmp_pat
     # The last record is the newest announced version's: the learner's last one, or the injected one
     # when the learner stopped before it announced another.
     assert evals[-1]["phase"] == "after" and evals[-1]["version"] in (steps[-1]["version"], INJECTED_VERSION)
+
+    # The mixture: each task the store drew (its id is the sampler's plus -c<cursor>) is in the
+    # archive with its source; the sources' shares are their weights' within the bound.
+    drawn = {r["task_id"]: r["task_source"] for r in read_archive(run_dir / "archive").to_pylist() if r["task_id"]}
+    assert len(drawn) >= MIN_DRAWS, len(drawn)
+    for name in SOURCES:
+        share = sum(source == name for source in drawn.values()) / len(drawn)
+        assert abs(share - 1 / len(SOURCES)) <= MIXTURE_BOUND, (name, share, len(drawn))
 
     # Eval traffic is not in the accounting: admitted = the final outcomes, exactly.
     outcomes = acct["outcomes"]
