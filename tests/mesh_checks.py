@@ -85,6 +85,12 @@ def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[s
     return rows
 
 
+def store_draws(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The tasks the store drew, from archive rows: store-made task id (the sampler's id plus
+    ``-c<cursor>``, one per draw; `trajmesh.services.store.repo.task_id_at`) -> its source."""
+    return {r["task_id"]: r["task_source"] for r in rows if r["task_id"]}
+
+
 def check_no_stale(acct: dict[str, Any], run_dir: str | Path | None = None) -> None:
     """The gate kept the learner's consume-time check quiet: nothing quarantined as stale, and
     nothing cut by the store for arriving too stale to train (`filtered:stale_on_arrival`). With

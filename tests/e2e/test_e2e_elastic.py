@@ -29,13 +29,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from mesh_checks import check_archive, write_manifest
+from mesh_checks import check_archive, learner_steps, store_draws, write_manifest
 
 from trajmesh import security
 from trajmesh.config import RunConfig, load_config
 from trajmesh.run.launcher import accounting, start_mesh
 from trajmesh.run.run_end import drain
-from trajmesh.run.train import read_metrics
+from trajmesh.services.store.repo import base_task_id
 from trajmesh.tasks import load_split, profile_key, write_profile
 from trajmesh.v1 import trajectory_pb2
 
@@ -77,11 +77,11 @@ def _write_profile(cfg: RunConfig) -> set[str]:
 
 
 def _check_admitted_toward_the_band(rows: list[dict], in_band: set[str]) -> None:  # type: ignore[type-arg]
-    """Each task the store admitted (its id is the sampler's plus ``-c<cursor>``, one per draw) is
-    in the band at least MIN_IN_BAND_SHARE of the time; half the pool is."""
-    drawn = {r["task_id"] for r in rows if r["task_id"]}
+    """Each task the store drew is in the band at least MIN_IN_BAND_SHARE of the time; half the
+    pool is."""
+    drawn = store_draws(rows)
     assert len(drawn) >= 20, len(drawn)
-    share = sum(t.rpartition("-c")[0] in in_band for t in drawn) / len(drawn)
+    share = sum(base_task_id(t) in in_band for t in drawn) / len(drawn)
     assert share >= MIN_IN_BAND_SHARE, (share, len(drawn))
 
 
@@ -89,7 +89,7 @@ def _check_truncated_responses_masked(cfg: RunConfig, rows: list[dict]) -> None:
     """`mask`: each step's trained tokens are the loss tokens of its trained trajectories from the
     archive, less every token of those that ended at the token budget; at least one was masked."""
     intake = {r["trajectory_id"]: r for r in rows if r["outcome"] == "accepted"}
-    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    steps = learner_steps(cfg)
     assert steps
     masked = 0
     for m in steps:

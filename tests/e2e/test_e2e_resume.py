@@ -26,10 +26,11 @@ from trajmesh.run.train import progress_line, read_metrics
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STEPS = 10
-PROGRESS = re.compile(r"^progress step=(\S+) version=(\S+) reward=(\S+) heldout=(\S+) lag=(\S+) ess=(\S+) "
-                      r"traj/s=(\S+) elapsed=(\d+)s$")
 """The run's budget. The learner is held (SIGSTOP) from its third step until the launcher's SIGTERM
 is pending for it, so the interrupt always lands mid-run however loaded the machine is."""
+PROGRESS = re.compile(r"^progress step=(\S+) version=(\S+) reward=(\S+) heldout=(\S+) lag=(\S+) ess=(\S+) "
+                      r"traj/s=(\S+) elapsed=(\d+)s$")
+"""A progress line of `trajmesh train` (trajmesh/run/train.py `progress_line`)."""
 
 
 def _learner_steps(run_dir: Path) -> list[dict]:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from mesh_checks import FINAL_OUTCOMES, wait_stopped, write_manifest
+from mesh_checks import FINAL_OUTCOMES, store_draws, wait_stopped, write_manifest
 from repo_paths import REPO
 
 from trajmesh import bus as busmod
@@ -202,9 +202,8 @@ def test_evaluator_records_per_source_and_a_regression_stops_the_learner(tmp_pat
     # when the learner stopped before it announced another.
     assert evals[-1]["phase"] == "after" and evals[-1]["version"] in (steps[-1]["version"], INJECTED_VERSION)
 
-    # The mixture: each task the store drew (its id is the sampler's plus -c<cursor>) is in the
-    # archive with its source; the sources' shares are their weights' within the bound.
-    drawn = {r["task_id"]: r["task_source"] for r in read_archive(run_dir / "archive").to_pylist() if r["task_id"]}
+    # The mixture: the sources' shares of the store's draws (from the archive) are their weights'.
+    drawn = store_draws(read_archive(run_dir / "archive").to_pylist())
     assert len(drawn) >= MIN_DRAWS, len(drawn)
     for name in SOURCES:
         share = sum(source == name for source in drawn.values()) / len(drawn)
