@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,7 @@ from pydantic import (
     Field,
     SerializeAsAny,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -608,7 +610,36 @@ class LearnerConfig(_Strict):
         return self
 
 
+class ResampleOnCorrectConfig(_Strict):
+    """GRPO-RoC (rStar2-Agent, survey §5.2; services/store/roc.py): the store admits
+    ``oversample × tasks.group_size`` samples per task and keeps ``tasks.group_size`` of each
+    complete group: incorrect ones drawn uniformly (up to half), correct ones drawn favouring few
+    tool errors and a clean answer format. Every drop is archived with its reason."""
+
+    enabled: bool = False
+    """Select each group by RoC (off: every valid member is kept)."""
+    oversample: int = Field(2, ge=2)
+    """Samples admitted per task, as a multiple of tasks.group_size (rStar2: 2, 32 for 16)."""
+    correct_above: float = 0.5
+    """A sample is correct (a positive) when its reward is above this."""
+    answer_pattern: str = r"<answer>"
+    """Regular expression of one answer tag in the sampled text (the format score counts them)."""
+    penalty_floor: float = Field(0.1, gt=0)
+    """A correct sample is drawn with weight 1 / (penalty + this): the weight of a clean one."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"answer_pattern {v!r} is not a regular expression: {e}") from None
+        return v
+
+
 class StoreConfig(_Strict):
+    resample_on_correct: ResampleOnCorrectConfig = Field(default_factory=ResampleOnCorrectConfig)
+    """GRPO-RoC group selection (off by default)."""
     drop_zero_variance_groups: bool = True
     """Dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal)."""
     max_buffered_groups: int = Field(256, ge=1)
@@ -773,6 +804,15 @@ class RunConfig(_Strict):
         if ws > self.batch_trajectories:
             raise ValueError(f"learner.world_size {ws} is larger than a batch ({self.batch_trajectories} "
                              "trajectories = learner.batch_groups x tasks.group_size): every rank needs rows")
+        roc = self.store.resample_on_correct
+        if roc.enabled and self.effective_eta * self.learner.batch_groups < roc.oversample - 1:
+            # The gate counts a kept group's G as accepted and frees its other (k-1)·G: with fewer than
+            # a full batch buffered its capacity is at least η·B + G, which must hold one admission of k·G.
+            raise ValueError(
+                f"store.resample_on_correct: oversample {roc.oversample} admits {self.admitted_group_size} samples "
+                f"per task, more than the gate can always hold (it needs eta x learner.batch_groups >= "
+                f"oversample - 1; eta {self.effective_eta}{' (sync mode)' if self.mode == 'sync' else ''}, "
+                f"batch_groups {self.learner.batch_groups})")
         return self
 
     @property
@@ -782,6 +822,12 @@ class RunConfig(_Strict):
     @property
     def batch_trajectories(self) -> int:
         return self.learner.batch_groups * self.tasks.group_size
+
+    @property
+    def admitted_group_size(self) -> int:
+        """Samples the store admits per task: tasks.group_size, times RoC's oversampling when on."""
+        roc = self.store.resample_on_correct
+        return self.tasks.group_size * (roc.oversample if roc.enabled else 1)
 
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

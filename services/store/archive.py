@@ -47,6 +47,8 @@ SCHEMA = pa.schema(
         ("step_rewards", pa.list_(pa.float64())),
         ("reward_components", pa.map_(pa.string(), pa.float64())),
         ("grader_revision", pa.string()),
+        ("roc_tool_error_score", pa.float64()),
+        ("roc_format_score", pa.float64()),
         ("payload_sha256", pa.string()),
     ]
 )
@@ -109,7 +111,9 @@ _LIST_COLUMNS: dict[str, Any] = {
 ``step_rewards``: the environment's reward of each step, in turn order (empty: none stepped).
 ``reward_components`` (a map column beside these): the grader's raw reward components, by name (a
 rubric's functions, ``correct`` / ``format_eos``, a game's ``step_<k>``), with ``grader_revision``.
-Parts written before a column existed read it as null."""
+``roc_tool_error_score`` / ``roc_format_score``: the two scores GRPO-RoC selected a member of its
+group by (services/store/roc.py; null where RoC did not decide), on its ``accepted`` or
+``filtered`` row, whose reason says the decision. Parts written before a column existed read it as null."""
 
 
 def _to_table(rows: list[dict[str, Any]]) -> pa.Table:

@@ -187,6 +187,12 @@ class StoreRepo:
             k += 2
         return out
 
+    async def leave_group(self, group_id: str, trajectory_ids: list[str]) -> None:
+        """Members a selection dropped (GRPO-RoC) count valid no more: a group rebuilt after a
+        store restart completes without them (their outcomes are final, they never come back)."""
+        if trajectory_ids:
+            await self.r.srem(self.keys.group_valid(group_id), *trajectory_ids)
+
     async def finish_group(self, group_id: str, *, accepted: int, rejected: int) -> bool:
         """The gate's accounting for a complete (or abandoned) group, once per group id; True the
         first time (a group rebuilt after a store restart was counted already)."""

@@ -28,8 +28,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
+from trajmesh.services.store import roc as roc_mod
 from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
 from trajmesh.services.store.repo import Membership, StoreRepo, base_task_id, task_id_at
@@ -197,6 +200,8 @@ class TrajectoryStore(Service):
         self.state = StoreState(straggler_wait_s(self.cfg))
         """Every held trajectory's and group's state (pure)."""
         self.vocab_size = 0
+        self.roc_scores: Callable[[Trajectory], roc_mod.Scores] | None = None
+        """GRPO-RoC's scorer of a member (None: RoC is off)."""
         self.sampler: TaskSampler | None = None
         self.mixture = MixtureTracker(self.cfg.tasks.sources)
         """Tasks this store admitted per source against the mixture weights (exported as gauges)."""
@@ -227,7 +232,12 @@ class TrajectoryStore(Service):
         intake = await bus.pull_subscribe(
             busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000,
             on_poison=self._on_poison)
-        self.vocab_size = load_tokenizer(cfg.model.path).vocab_size
+        tokenizer = load_tokenizer(cfg.model.path)
+        self.vocab_size = tokenizer.vocab_size
+        roc = cfg.store.resample_on_correct
+        if roc.enabled:
+            tag = re.compile(roc.answer_pattern)
+            self.roc_scores = lambda t: roc_mod.scores(t, tokenizer.decode(t.token_ids_T[t.loss_mask_T == 1].tolist()), tag)
         self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed, profile_in=profile_path(cfg.tasks, cfg.run_dir),
                                    profile_out=Path(cfg.run_dir) / "task_profile.json")
         for name, share in self.mixture.weight_share.items():
@@ -258,7 +268,7 @@ class TrajectoryStore(Service):
         """A previous store's held trajectories (valid members of open groups, not final) come back
         by redelivery within about one ack wait of its death; until they are all here the learner
         gets nothing, so it cannot advance past them (they would be trained stale)."""
-        settled = await self.w.repo.settled_open_groups(self.cfg.tasks.group_size)
+        settled = await self.w.repo.settled_open_groups(self.cfg.admitted_group_size)
         await self.w.repo.cleanup(settled, settled)  # left by a store killed between mark and cleanup
         owed = await self.w.repo.owed_ids()
         if owed:
@@ -313,7 +323,7 @@ class TrajectoryStore(Service):
             OUTCOMES.labels(outcome=NOT_RETURNED[0], reason=NOT_RETURNED[1]).inc()
         self.w.archive.flush()
         await self.w.repo.mark_final([m.trajectory_id for m in open_members])
-        await self.w.repo.abandon_groups([m.group_id for m in open_members], self.cfg.tasks.group_size)
+        await self.w.repo.abandon_groups([m.group_id for m in open_members], self.cfg.admitted_group_size)
         await self.w.repo.not_pending(list(dict.fromkeys(m.group_id for m in open_members)))
         if open_members:
             log.warning("run finished: %d admitted trajectories recorded as in flight at stop (%d new rows)",
@@ -343,7 +353,7 @@ class TrajectoryStore(Service):
         reports a new version (B more slots). A short timeout re-reads the gate, because another
         store replica or a learner recovery may change the counters behind our back.
         """
-        g = self.cfg.tasks.group_size
+        g = self.cfg.admitted_group_size
         while True:
             if await self.w.repo.run_finished():  # the learner is done: admit nothing more, let it drain
                 await asyncio.sleep(1.0)
@@ -373,7 +383,7 @@ class TrajectoryStore(Service):
             source=task.source,
             revision=task.revision,
             seed=self.cfg.seed * 1_000_003 + cursor,
-            group_size=self.cfg.tasks.group_size,
+            group_size=self.cfg.admitted_group_size,
             environment=task.environment,
             prompt=task.prompt,
             answer=task.answer,
@@ -519,7 +529,16 @@ class TrajectoryStore(Service):
     async def _complete(self, group: Group) -> None:
         rewards = [t.reward for t in group.members]
         reason = filter_reason(rewards, drop_zero_variance=self.cfg.store.drop_zero_variance_groups)
-        kept = 0 if reason else len(group.members)
+        roc = self.cfg.store.resample_on_correct
+        decisions: list[roc_mod.Decision] = []
+        if not reason and self.roc_scores is not None:
+            decisions = roc_mod.select(group.group_id, group.members, self.cfg.tasks.group_size,
+                                       correct_above=roc.correct_above, penalty_floor=roc.penalty_floor,
+                                       scored=self.roc_scores)
+            # Out of the group in Redis before their outcomes commit: a group rebuilt after a store
+            # restart completes with the kept members alone (the dropped ones are final by then).
+            await self.w.repo.leave_group(group.group_id, [d.trajectory_id for d in decisions if not d.kept])
+        kept = 0 if reason else sum(d.kept for d in decisions) if decisions else len(group.members)
         first_time = await self.w.repo.finish_group(group.group_id, accepted=kept, rejected=group.expected - kept)
         if first_time:  # a group rebuilt after a store restart was counted already
             self._note_group_health(group, rewards)
@@ -535,9 +554,15 @@ class TrajectoryStore(Service):
                 self._archive_row(f)
             await self.w.repo.not_pending([group.group_id])
         else:
+            by_id = {d.trajectory_id: d for d in decisions}
+            dropped = {d.trajectory_id: d.reason for d in decisions if not d.kept}
             for t in group.members:
-                self._archive(t, "accepted", "")
-            self.state.make_ready(group, time.time())
+                d = by_id.get(t.trajectory_id)
+                self._archive(t, "filtered" if t.trajectory_id in dropped else "accepted", d.reason if d else "",
+                              roc_scores=d.scores if d else None)
+            if dropped:
+                log.info("group %s: RoC kept %d of %d", group.group_id, kept, len(group.members))
+            self.state.make_ready(group, time.time(), dropped=dropped)
             GROUPS_READY.set(self.state.ready_count)
             self.ready_changed.set()
         self.capacity_changed.set()
@@ -645,7 +670,8 @@ class TrajectoryStore(Service):
             await self._commit_final()
 
     # ------------------------------------------------------------------ archive helpers
-    def _archive(self, traj: Trajectory, outcome: str, reason: str, learner_version: int = -1) -> None:
+    def _archive(self, traj: Trajectory, outcome: str, reason: str, learner_version: int = -1,
+                 roc_scores: roc_mod.Scores | None = None) -> None:
         OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
         pb = traj.pb
         mask_T = traj.loss_mask_T
@@ -659,6 +685,8 @@ class TrajectoryStore(Service):
             behavior_versions=traj.behavior_versions_T, behavior_logprobs=traj.behavior_logprobs_T,
             sequence_starts=list(pb.sequence_starts), step_rewards=list(pb.step_rewards),
             reward_components=dict(pb.raw_reward_components), grader_revision=pb.grader_revision,
+            roc_tool_error_score=roc_scores.tool_error if roc_scores else None,
+            roc_format_score=roc_scores.format if roc_scores else None,
         )
 
     def _quarantine_bytes(self, data: bytes, reason: str, detail: str) -> None:

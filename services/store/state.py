@@ -430,8 +430,14 @@ class StoreState:
         self.pending_settled.append(group.group_id)
         return out
 
-    def make_ready(self, group: Group, now: float) -> None:
-        """A complete group kept: its members become READY."""
+    def make_ready(self, group: Group, now: float, dropped: dict[str, str] | None = None) -> None:
+        """A complete group kept: its members become READY, but those a selection dropped (id →
+        reason, GRPO-RoC: `services/store/roc.py`), which become FINAL (filtered; the caller
+        archives them). At least one member is kept."""
+        drop = [r for r in self._members(group) if r.trajectory_id in (dropped or {})]
+        if len(drop) >= len(group.members):
+            raise InvalidTransition(f"{group.group_id}: a kept group must keep a member")
+        self._apply(Event.FILTER, drop)
         group.ready_at = now
         self._apply(Event.KEEP, self._members(group))
 

@@ -41,7 +41,8 @@ def test_reward_components_and_grader_revision_round_trip(tmp_path: Path) -> Non
 
 
 NEWER_COLUMNS = {"sequence_starts": ([0], [0]), "reward_components": ({"correct": 1.0}, [("correct", 1.0)]),
-                 "grader_revision": ("g-v2", "g-v2")}
+                 "grader_revision": ("g-v2", "g-v2"), "roc_tool_error_score": (0.25, 0.25),
+                 "roc_format_score": (1.0, 1.0)}
 """Columns added after the first archives: what a new row writes, and what it reads back as."""
 
 

@@ -330,3 +330,27 @@ def test_a_redelivery_before_the_commit_is_acked_not_taken_again() -> None:
     ids, msgs, _, _ = s.take_commit()
     assert sorted(ids) == ["a-0", "a-1"] and sorted(msgs) == ["msg-a-0", "msg-a-0-again", "msg-a-1"]
     assert not s.awaiting_commit("a-0")
+
+
+def test_a_selection_drops_members_final_and_keeps_the_rest_ready() -> None:
+    """GRPO-RoC's partial keep: the dropped member is final and acked at the next commit, the kept
+    one READY and the only one handed out; the group is not settled (its kept member is held)."""
+    s = StoreState()
+    _take(s, "a-0", "a", 1, 1)
+    group = _take(s, "a-1", "a", 2, 2)
+    assert group is not None
+    s.make_ready(group, now=1.0, dropped={"a-1": "roc_correct_not_drawn"})
+    assert s.state("a-1") is None and s.state("a-0") is TrajectoryState.READY
+    assert [t.trajectory_id for t in group.members] == ["a-0"]
+    assert s.take_commit() == (["a-1"], ["msg-a-1"], [], [])
+    assert [t.trajectory_id for t in s.hand_out(1, 10, now=1.0)] == ["a-0"]
+
+
+def test_a_selection_must_keep_a_member() -> None:
+    s = StoreState()
+    _take(s, "a-0", "a", 1, 1)
+    group = _take(s, "a-1", "a", 2, 2)
+    assert group is not None
+    with pytest.raises(InvalidTransition):
+        s.make_ready(group, now=1.0, dropped={"a-0": "x", "a-1": "x"})
+    assert s.state("a-0") is TrajectoryState.RECEIVED  # nothing moved

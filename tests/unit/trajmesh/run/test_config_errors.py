@@ -30,6 +30,10 @@ CASES = [
     ({"learner.engine.zero_stage": 4}, ["learner.engine.zero_stage"]),
     ({"learner.engine.type": "torch", "learner.engine.zero_stage": 2}, ["zero_stage 2", "type: deepspeed"]),
     ({"tasks.sources": [{"type": "nope"}]}, ["tasks.sources"]),
+    # GRPO-RoC admits 2 x G a task: with eta 0 a kept group's G can leave less capacity than that
+    ({"store.resample_on_correct.enabled": True, "mode": "sync"},
+     ["store.resample_on_correct", "eta x learner.batch_groups >= oversample - 1", "sync mode"]),
+    ({"store.resample_on_correct.answer_pattern": "(<answer>"}, ["answer_pattern", "not a regular expression"]),
 ]
 
 
