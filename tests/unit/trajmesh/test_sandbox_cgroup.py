@@ -49,9 +49,13 @@ MEMORY = dict(wall_s=20.0, cpu_s=5, memory_bytes=96 * MiB, max_processes=16, tmp
 
 # Each prints "held N" (MiB held at once) once all of it is held, then exits 0.
 ATTACKS = {
-    "processes": ("import os, time\nr, w = os.pipe()\nfor _ in range(6):\n    if os.fork() == 0:\n"
-                  "        x = b'x' * (32 << 20)\n        os.write(w, b'.')\n        time.sleep(60)\n"
-                  "n = 0\nwhile n < 6:\n    n += len(os.read(r, 6))\nprint('held', 6 * 32)"),
+    # A child that wrote its dot may be OOM-killed after (cgroup v1 kills one process): "held" only
+    # when all six are alive together once every dot is in, each still holding its 32 MiB.
+    "processes": ("import os, time\nr, w = os.pipe()\npids = []\nfor _ in range(6):\n    pid = os.fork()\n"
+                  "    if pid == 0:\n        x = b'x' * (32 << 20)\n        os.write(w, b'.')\n        time.sleep(60)\n"
+                  "        os._exit(0)\n    pids.append(pid)\n"
+                  "n = 0\nwhile n < 6:\n    n += len(os.read(r, 6))\n"
+                  "if all(os.waitpid(p, os.WNOHANG) == (0, 0) for p in pids):\n    print('held', 6 * 32)"),
     "memfd": ("import os\nfds = []\nfor i in range(28):\n    fd = os.memfd_create('m%d' % i)\n"
               "    for _ in range(7):\n        os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\n"
               "print('held', 28 * 7)"),
