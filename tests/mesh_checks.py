@@ -85,6 +85,32 @@ def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[s
     return rows
 
 
+def train_to_end(cfg: RunConfig, timeout_s: float = 300.0) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]]]:
+    """A whole short run: the manifest, the mesh, the learner to its budget (exit 0), the end of the
+    run; then the checks every healthy run passes (`check_archive` with the run's η,
+    `check_gate_reconciles`, `check_no_stale`). Stops every process. Returns the mesh's config,
+    the accounting and the archive rows."""
+    from trajmesh.run.launcher import accounting, start_mesh
+    from trajmesh.run.run_end import end_run
+
+    Path(cfg.run_dir).mkdir(parents=True)
+    write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        cfg = mesh.cfg
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=timeout_s) == 0, learner.log_path.read_text()[-3000:]
+        assert end_run(mesh) == 0
+        acct = accounting(cfg)
+        rows = check_archive(cfg, acct, cfg.effective_eta)
+        check_gate_reconciles(cfg, rows)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    check_no_stale(acct, cfg.run_dir)
+    return cfg, acct, rows
+
+
 def store_draws(rows: list[dict[str, Any]]) -> dict[str, str]:
     """The tasks the store drew, from archive rows: store-made task id (the sampler's id plus
     ``-c<cursor>``, one per draw; `trajmesh.services.store.repo.task_id_at`) -> its source."""

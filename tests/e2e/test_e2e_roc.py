@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, write_manifest
+from mesh_checks import train_to_end
 
 from trajmesh.config import load_config
-from trajmesh.run.launcher import accounting, start_mesh
-from trajmesh.run.run_end import end_run
 from trajmesh.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -54,21 +52,7 @@ def test_roc_keeps_g_of_each_oversampled_group_by_its_rule(tmp_path: Path, tiny_
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
         "learner.checkpoint_every": STEPS,
     })
-    Path(cfg.run_dir).mkdir(parents=True)
-    write_manifest(cfg)
-    mesh = start_mesh(cfg)
-    try:
-        cfg = mesh.cfg
-        learner = next(p for p in mesh.procs if p.name == "learner")
-        assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
-        assert end_run(mesh) == 0
-        acct = accounting(cfg)
-        rows = check_archive(cfg, acct, eta=1)
-        check_gate_reconciles(cfg, rows)
-    finally:
-        mesh.stop_services()
-        mesh.stop_infra()
-    check_no_stale(acct, cfg.run_dir)
+    cfg, _, rows = train_to_end(cfg)
 
     final: dict[str, dict[str, Any]] = {}
     for r in rows:  # sorted by seq: the last non-accepted row is the final one

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, write_manifest
+from mesh_checks import train_to_end
 from repo_paths import TESTS as TESTS_DIR
 
 from trajmesh.config import load_config
@@ -81,8 +81,6 @@ def _env_return(row: dict[str, Any], turns: list[str]) -> float:
 
 def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str) -> None:
     from trajmesh.learner.evaluate import heldout_tasks
-    from trajmesh.run.launcher import accounting, start_mesh
-    from trajmesh.run.run_end import end_run
     from trajmesh.run.train import evaluate_dir, evaluation_protocol, latest_weights_dir, read_metrics
     from trajmesh.tokenizer import load_tokenizer
 
@@ -96,20 +94,7 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
         "learner.checkpoint_every": STEPS,
     })
-    Path(cfg.run_dir).mkdir(parents=True)
-    write_manifest(cfg)
-    mesh = start_mesh(cfg)
-    try:
-        learner = next(p for p in mesh.procs if p.name == "learner")
-        assert learner.popen.wait(timeout=240) == 0, learner.log_path.read_text()[-3000:]
-        assert end_run(mesh) == 0
-        acct = accounting(mesh.cfg)
-        rows = check_archive(mesh.cfg, acct, eta=1)
-        check_no_stale(acct)
-        check_gate_reconciles(mesh.cfg, rows)
-    finally:
-        mesh.stop_services()
-        mesh.stop_infra()
+    _, _, rows = train_to_end(cfg, timeout_s=240)
     steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
 
