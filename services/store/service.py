@@ -530,15 +530,16 @@ class TrajectoryStore(Service):
         rewards = [t.reward for t in group.members]
         reason = filter_reason(rewards, drop_zero_variance=self.cfg.store.drop_zero_variance_groups)
         roc = self.cfg.store.resample_on_correct
-        decisions: list[roc_mod.Decision] = []
+        decisions: dict[str, roc_mod.Decision] = {}
         if not reason and self.roc_scores is not None:
-            decisions = roc_mod.select(group.group_id, group.members, self.cfg.tasks.group_size,
-                                       correct_above=roc.correct_above, penalty_floor=roc.penalty_floor,
-                                       scored=self.roc_scores)
-            # Out of the group in Redis before their outcomes commit: a group rebuilt after a store
-            # restart completes with the kept members alone (the dropped ones are final by then).
-            await self.w.repo.leave_group(group.group_id, [d.trajectory_id for d in decisions if not d.kept])
-        kept = 0 if reason else sum(d.kept for d in decisions) if decisions else len(group.members)
+            decisions = {d.trajectory_id: d for d in roc_mod.select(
+                group.group_id, group.members, self.cfg.tasks.group_size, correct_above=roc.correct_above,
+                penalty_floor=roc.penalty_floor, scored=self.roc_scores)}
+        dropped = {tid: d.reason for tid, d in decisions.items() if not d.kept}
+        # Out of the group in Redis before their outcomes commit: a group rebuilt after a store
+        # restart completes with the kept members alone (the dropped ones are final by then).
+        await self.w.repo.leave_group(group.group_id, list(dropped))
+        kept = 0 if reason else len(group.members) - len(dropped)
         first_time = await self.w.repo.finish_group(group.group_id, accepted=kept, rejected=group.expected - kept)
         if first_time:  # a group rebuilt after a store restart was counted already
             self._note_group_health(group, rewards)
@@ -554,10 +555,8 @@ class TrajectoryStore(Service):
                 self._archive_row(f)
             await self.w.repo.not_pending([group.group_id])
         else:
-            by_id = {d.trajectory_id: d for d in decisions}
-            dropped = {d.trajectory_id: d.reason for d in decisions if not d.kept}
             for t in group.members:
-                d = by_id.get(t.trajectory_id)
+                d = decisions.get(t.trajectory_id)
                 self._archive(t, "filtered" if t.trajectory_id in dropped else "accepted", d.reason if d else "",
                               roc_scores=d.scores if d else None)
             if dropped:
