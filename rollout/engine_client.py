@@ -275,6 +275,30 @@ class EngineClient(HttpSession):
             return [_parse_result(d, return_logprob) for d in data]
         return _parse_result(data, return_logprob)
 
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The server's log-prob of each token of each sequence given the tokens before it (a
+        teacher scoring a student's sample: on-policy distillation, rollout/teacher.py), at
+        temperature 1: one list of ``len(seq) - 1`` floats a sequence, for tokens 1..n-1. One batch
+        request: SGLang's ``return_logprob`` with ``logprob_start_len`` 0 answers
+        ``meta_info.input_token_logprobs``, ``[logprob, token_id, text]`` from the first input token
+        on, the first ``None`` (nothing precedes it); 0.4.10.post2 and 0.5.x alike. One new token is
+        asked (``max_new_tokens`` 1: 0.5.x would serve 0 prefill-only, 0.4.10 samples one anyway)."""
+        if not sequences or any(len(s) < 2 for s in sequences):
+            raise ValueError("each sequence to score needs at least two tokens")
+        body: dict[str, Any] = {"input_ids": [list(map(int, s)) for s in sequences],
+                                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                                "return_logprob": True, "logprob_start_len": 0}
+        data = await self._post("/generate", body, control=False)
+        if not isinstance(data, list) or len(data) != len(sequences):
+            raise EngineError(f"/generate answered {type(data).__name__} for a batch of {len(sequences)}")
+        out: list[list[float]] = []
+        for seq, item in zip(sequences, data, strict=True):
+            triples = (item.get("meta_info") or {}).get("input_token_logprobs") or []
+            if len(triples) != len(seq) or any(t[0] is None for t in triples[1:]):
+                raise EngineError(f"input_token_logprobs has {len(triples)} entries for {len(seq)} tokens")
+            out.append([float(t[0]) for t in triples[1:]])
+        return out
+
     async def abort(self, rid: str) -> bool:
         """POST /abort_request for one request id (SGLang 0.4.10 and 0.5.x); False when the server
         has no such endpoint or refuses (the torch engine: its requests end with their HTTP call)."""

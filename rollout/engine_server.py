@@ -20,7 +20,11 @@ Endpoints and shapes follow SGLang (``python/sglang/srt/entrypoints/http_server.
 ``POST /generate`` {input_ids | text, sampling_params, return_logprob} →
 {text, output_ids, meta_info: {id, finish_reason: {type: stop|length|abort, ...}, prompt_tokens,
 completion_tokens, cached_tokens, weight_version, output_token_logprobs: [[logprob, token_id, null]]}}
-(a list of those for a batch body). ``weight_version`` is a string, as in SGLang.
+(a list of those for a batch body). ``weight_version`` is a string, as in SGLang. With
+``logprob_start_len`` ≥ 0 (and ``return_logprob``), ``meta_info.input_token_logprobs`` holds
+``[logprob, token_id, null]`` for each prompt token from that position on, the first token's
+logprob ``null``, at the request's temperature, as SGLang returns them (a teacher scoring a
+student's sequence reads them: rollout/teacher.py).
 
 Log-probs are those of the distribution actually sampled from: ``log_softmax(logits / T)`` before
 top-k/top-p truncation (greedy: T = 1); see ``trajmesh.learner.evaluate``. SGLang's structured
@@ -119,6 +123,11 @@ class _Request:
     future: asyncio.Future = field(repr=False)
     grammar: Any = None
     """The compiled constraint (``params.constraint``), or None."""
+    logprob_start_len: int = -1
+    """SGLang's ``logprob_start_len``: the first prompt position whose log-prob is returned in
+    ``input_token_logprobs`` (-1: none, only the output's)."""
+    input_logprobs: list[float | None] | None = None
+    """Log-probs of prompt tokens from ``logprob_start_len`` on (filled by the round)."""
 
 
 def _aborted() -> Sampled:
@@ -139,6 +148,19 @@ def _fit_context(prompt: list[int], sp: RequestSampling, context_len: int) -> Re
         raise ValueError(f"The input ({n} tokens) plus the requested output (at least 1 token) is longer "
                          f"than the model's context length ({context_len} tokens).")
     return replace(sp, max_new_tokens=min(sp.max_new_tokens, context_len - n))
+
+
+def _input_logprobs(model: Any, ids: list[int], start: int, temperature: float) -> list[float | None]:
+    """SGLang's ``input_token_logprobs`` values: log π(ids[k] | ids[:k]) for k from `start` on, at
+    the request's temperature (SGLang scales input log-probs by it; 0, greedy, reads as 1), the
+    first token's ``None`` when `start` is 0 (nothing precedes it)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    target = torch.tensor(ids[1:])
+    per_token = logp[:-1].gather(-1, target[:, None])[:, 0].tolist()  # per_token[k-1]: token k
+    values: list[float | None] = [None, *per_token]
+    return values[start:]
 
 
 class TorchEngineServer:
@@ -250,6 +272,9 @@ class TorchEngineServer:
                     r.future.set_result(self._response(r, o, version))
 
     def _run_round(self, model: Any, batch: list[_Request]) -> list[Sampled]:
+        for r in batch:
+            if r.return_logprob and r.logprob_start_len >= 0:
+                r.input_logprobs = _input_logprobs(model, r.input_ids, r.logprob_start_len, r.params.temperature)
         return decode_batch(
             model,
             [r.input_ids for r in batch],
@@ -280,6 +305,9 @@ class TorchEngineServer:
             meta["output_token_logprobs"] = [
                 [lp, tid, None] for lp, tid in zip(o.logprobs, o.output_ids, strict=True)
             ]
+            if r.input_logprobs is not None:
+                starts = r.input_ids[r.logprob_start_len:]
+                meta["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(r.input_logprobs, starts, strict=True)]
         text = self.tokenizer.decode(o.output_ids, skip_special_tokens=True)
         return {"text": text, "output_ids": list(o.output_ids), "meta_info": meta}
 
@@ -319,6 +347,12 @@ class TorchEngineServer:
             return _error("token id outside the vocabulary")
         raw_sp = body.get("sampling_params")
         raw_lp = body.get("return_logprob", False)
+        raw_start = body.get("logprob_start_len", -1)
+        starts = [int(raw_start[i] if isinstance(raw_start, list) else raw_start) for i in range(n)]
+        for p, start in zip(prompts, starts, strict=True):
+            if start >= len(p):  # SGLang's scheduler aborts such a request with this message
+                return _error(f"logprob_start_len={start} is higher than the number of input tokens "
+                              f"len(origin_input_ids)={len(p)}. Please use a smaller logprob_start_len.")
         rids = body.get("rid")
         try:
             sps = [_fit_context(p, RequestSampling.parse(raw_sp[i] if isinstance(raw_sp, list) else raw_sp),
@@ -337,7 +371,7 @@ class TorchEngineServer:
                 rids[i] if isinstance(rids, list) else rids if single and rids else None
             ) or uuid.uuid4().hex
             rl = bool(raw_lp[i] if isinstance(raw_lp, list) else raw_lp)
-            reqs.append(_Request(rid, prompts[i], sps[i], rl, loop.create_future(), grammars[i]))
+            reqs.append(_Request(rid, prompts[i], sps[i], rl, loop.create_future(), grammars[i], starts[i]))
         for r in reqs:
             await self._queue.put(r)
         outs = await asyncio.gather(*(r.future for r in reqs))

@@ -339,6 +339,32 @@ class VLLMEngine(HttpSession):
             raise EngineError(f"vLLM answered without choices: {str(data)[:200]}")
         return parse_choice(choices[0])
 
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log π(seq[k] | seq[:k]) for k = 1..n-1 of each sequence (a teacher scoring a student's
+        sample, rollout/teacher.py), as ``EngineClient.score``: one /inference/v1/generate request a
+        sequence, concurrently, with ``prompt_logprobs`` 0 and one new token. vLLM answers
+        ``prompt_logprobs``: ``None`` for the first token, then ``{token_id: {logprob, rank,
+        decoded_token}}`` holding the prompt token itself; computed from the raw logits
+        (``log_softmax``, temperature 1) whatever ``--logprobs-mode`` says of sampled ones."""
+        if not sequences or any(len(seq) < 2 for seq in sequences):
+            raise ValueError("each sequence to score needs at least two tokens")
+        return list(await asyncio.gather(*(self._score_one(list(map(int, seq))) for seq in sequences)))
+
+    async def _score_one(self, seq: list[int]) -> list[float]:
+        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        data = await self._call("POST", "/inference/v1/generate", {"token_ids": seq, "sampling_params": params},
+                                timeout=self._timeout)
+        rows = data.get("prompt_logprobs") if isinstance(data, dict) else None
+        if not isinstance(rows, list) or len(rows) != len(seq) or rows[0] is not None:
+            raise EngineError(f"vLLM prompt_logprobs has {len(rows or [])} rows for {len(seq)} tokens")
+        out: list[float] = []
+        for tid, row in zip(seq[1:], rows[1:], strict=True):
+            entry = (row or {}).get(str(tid))
+            if entry is None:
+                raise EngineError(f"vLLM prompt_logprobs row lacks the prompt token {tid}")
+            out.append(float(entry["logprob"]))
+        return out
+
     async def pause(self) -> None:
         """POST /pause (mode abort): in-flight requests return their partial tokens, finish abort;
         requests sent while paused wait for /resume."""

@@ -439,6 +439,25 @@ def test_sampled_logprobs_equal_the_learners_at_temperature(engine, model_and_to
     assert max(abs(a - b) for a, b in zip(res.logprobs, learner, strict=True)) < tol
 
 
+def test_scored_sequences_equal_the_learners_logprobs(engine, model_and_tokenizer):
+    """A teacher's scoring call (on-policy distillation, rollout/teacher.py): each token's log-prob
+    given the tokens before it, at temperature 1, per sequence of a batch in order, from the first
+    token on; the learner's own forward is the reference."""
+    model, tok = model_and_tokenizer
+    short, long = _prompt(tok, "2+2="), _prompt(tok, "34-5+6=") + _prompt(tok, "7+8-9=")[1:]
+
+    async def go():
+        async with _client(engine) as client:
+            return await client.score([long, short])
+
+    got = _run(go())
+    want = [_learner_logprobs(model, seq[:1], seq[1:], 1.0) for seq in (long, short)]
+    tol = 1e-4 if engine["kind"] != "sglang" else 2e-2  # bf16 kernels on GPU
+    assert [len(g) for g in got] == [len(long) - 1, len(short) - 1]
+    for g, w in zip(got, want, strict=True):
+        assert max(abs(a - b) for a, b in zip(g, w, strict=True)) < tol
+
+
 def test_sampling_seed_reproduces_tokens(engine, model_and_tokenizer):
     _, tok = model_and_tokenizer
     prompt, other = _prompt(tok, "7+8-9="), _prompt(tok, "1=")
