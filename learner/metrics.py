@@ -19,6 +19,7 @@ from trajmesh.learner.objective import ObjectiveConfig
 __all__ = [
     "ENTROPY_ACTION_TYPES",
     "ENTROPY_BY_ACTION_TYPE_NAMES",
+    "DISTILL_METRIC_NAMES",
     "REFERENCE_METRIC_NAMES",
     "STEP_METRIC_NAMES",
     "effective_sample_size",
@@ -163,6 +164,11 @@ REFERENCE_METRIC_NAMES: tuple[str, ...] = tuple(
                            "reference_version"))
 """With `learner.reference.enabled`: KL(π_θ ‖ π_ref) by k1/k2/k3 at the step's first-epoch forwards,
 the KL term's value (coefficient included), and the policy version the reference holds."""
+
+DISTILL_METRIC_NAMES: tuple[str, ...] = (_P + "distill_reverse_kl_nats", _P + "distill_tokens")
+"""With `distill.teachers`: the student's reverse KL to its teachers, KL(π_behavior ‖ π_T), as the
+mean of log π_behavior − log π_T over the step's teacher-scored action tokens, and their count
+(learner/step.py distill_advantages_BT)."""
 
 STEP_METRIC_NAMES: tuple[str, ...] = tuple(
     _P + name

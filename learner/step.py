@@ -283,6 +283,41 @@ def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float,
     return adv.expand_to_tokens(advantages_B(batch, kind, scale_by_std=scale_by_std, eps=eps), batch.mask_BT)
 
 
+def teacher_logprobs_BT(batch: Batch, trajs: list[Trajectory]) -> tuple[Tensor, Tensor]:
+    """(teacher_BT, taught_B) for a batch built from `trajs` by :func:`build_batch`: each row's
+    teacher log-probs (``Trajectory.teacher_logprobs``, 0 on padding) and whether its trajectory
+    was scored by a teacher at all."""
+    teacher_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float32)
+    rows = [(i, a, e) for i, t in enumerate(trajs) for a, e in (t.segment_bounds() or [(0, len(t))])]
+    taught_B = torch.zeros(len(rows), dtype=torch.bool)
+    for r, (i, a, e) in enumerate(rows):
+        lp_T = trajs[i].teacher_logprobs_T
+        if lp_T is not None:
+            teacher_BT[r, :e - a] = torch.from_numpy(lp_T[a:e])
+            taught_B[r] = True
+    return teacher_BT, taught_B
+
+
+def distill_advantages_BT(adv_BT: Tensor, batch: Batch, trajs: list[Trajectory], *, coef: float,
+                          reward_weight: float) -> tuple[Tensor, dict[str, float]]:
+    """On-policy distillation (rollout/teacher.py): on the action tokens of a trajectory a teacher
+    scored, ``reward_weight · A_t + coef · (log π_T(y_t) − log π_behavior(y_t))``: the second part
+    is the negated per-token reverse KL's single-sample estimate (k1), a reward per token that the
+    decoupled objective then corrects for staleness like any advantage. Other rows keep `adv_BT`.
+    Metrics (scored action tokens only): the reverse KL KL(π_behavior ‖ π_T) estimated as the mean
+    of ``log π_behavior − log π_T`` (nats) and the tokens it is over."""
+    teacher_BT, taught_B = teacher_logprobs_BT(batch, trajs)
+    if not bool(taught_B.any()):
+        return adv_BT, {}
+    taught_BT = (batch.mask_BT > 0) & taught_B[:, None]
+    gap_BT = (teacher_BT - batch.behavior_logp_BT) * taught_BT
+    out_BT = torch.where(taught_BT, reward_weight * adv_BT + coef * gap_BT, adv_BT)
+    n = int(taught_BT.sum())
+    metrics = {"trajmesh_learner_distill_reverse_kl_nats": float(-gap_BT.sum() / max(n, 1)),
+               "trajmesh_learner_distill_tokens": float(n)}
+    return out_BT, metrics
+
+
 def is_deterministic(model: Any) -> bool:
     """Whether a training-mode forward equals an eval-mode one: no dropout anywhere (modules with
     p > 0 or a config `*dropout*` / `*pdrop*` value > 0, as HF attention reads its rate from config)."""

@@ -43,7 +43,11 @@ from trajmesh.learner import consistency
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.evaluate import HeldoutTracker, keep_best
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
-from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES, REFERENCE_METRIC_NAMES
+from trajmesh.learner.metrics import (
+    DISTILL_METRIC_NAMES,
+    ENTROPY_BY_ACTION_TYPE_NAMES,
+    REFERENCE_METRIC_NAMES,
+)
 from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.reference import ReferencePolicy
@@ -54,6 +58,7 @@ from trajmesh.learner.step import (
     advantages_BT,
     apply_truncation,
     build_batch,
+    distill_advantages_BT,
     response_length_metrics,
     split_stale,
     train_batch,
@@ -114,7 +119,8 @@ RESPONSE_LENGTH_NAMES = tuple(f"trajmesh_learner_response_length_{q}_tokens"
                               for q in ("mean", "p50", "p90", "max", "correct_mean", "incorrect_mean"))
 """learner/step.py response_length_metrics (the overview's response-length panels)."""
 for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO,
-              *ENTROPY_BY_ACTION_TYPE_NAMES.values(), *REFERENCE_METRIC_NAMES, *RESPONSE_LENGTH_NAMES):
+              *ENTROPY_BY_ACTION_TYPE_NAMES.values(), *REFERENCE_METRIC_NAMES, *DISTILL_METRIC_NAMES,
+              *RESPONSE_LENGTH_NAMES):
     _gauge(_name)
 
 
@@ -568,6 +574,10 @@ class LearnerService(Service):
             adv_BT = advantages_BT(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
                                    eps=lc.advantage.eps, trajs=keep, omega=lc.advantage.gigpo_omega,
                                    gamma=lc.advantage.gigpo_gamma)
+            if self.cfg.distill.teachers:
+                adv_BT, distill_metrics = distill_advantages_BT(adv_BT, batch, keep, coef=self.cfg.distill.coef,
+                                                                reward_weight=self.cfg.distill.reward_weight)
+                metrics.update(distill_metrics)
             engine = self._engine()
             model = engine.module
             model.train()

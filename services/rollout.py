@@ -52,6 +52,7 @@ from trajmesh.rollout.generation import (
     sampling_seed,
 )
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
+from trajmesh.rollout.teacher import Teacher, scorable
 from trajmesh.service import Service, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 from trajmesh.weight_sync import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
@@ -81,6 +82,8 @@ PUBLISH_RETRY_S = 60.0
 """How long a task's trajectory publish is retried (NATS restarting, or this process paused past
 the JetStream API timeout with the PubAck unread) before the task is given up unacked: JetStream
 then redelivers it after task_ack_wait_s and the store deduplicates what was published."""
+TEACHER_STARTUP_S = 600.0
+"""How long rollout waits for a teacher engine's /health at start (a large teacher loads for minutes)."""
 ENV_STEP_TIMEOUT_S = 120.0
 """gRPC deadline of one Reset/Step (a sandboxed tool call is bounded well below it)."""
 _ACTION_TYPES = {"TEXT": trajectory_pb2.TEXT, "CODE": trajectory_pb2.CODE, "TOOL_CALL": trajectory_pb2.TOOL_CALL}
@@ -115,6 +118,10 @@ class RolloutService(Service):
         self.engine: CoalescingEngine | SyntheticEngine | None = None
         self.engine_proc: subprocess.Popen[bytes] | None = None
         """The built-in torch engine this process started (None: an external or synthetic engine)."""
+        self.teachers: dict[str, Teacher] = {}
+        """Task source -> its distillation teacher (`distill.teachers`; empty: none)."""
+        self.teacher_procs: list[subprocess.Popen[bytes]] = []
+        """Torch engine children serving teachers."""
         self.channels: list[grpc.aio.Channel] = []
         self.agent_server: Any = None
         """The agent endpoint's uvicorn server, started by a source's ``rollout_setup`` hook (None: none)."""
@@ -163,6 +170,7 @@ class RolloutService(Service):
         self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
         self.consumer = await bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
         POLICY_VERSION.set(self.version)
+        await self._start_teachers()
         await self._source_setups()
 
     async def _source_setups(self) -> None:
@@ -177,8 +185,13 @@ class RolloutService(Service):
                 await plugins.load(hook)(self, srcs)
 
     def _start_torch_engine(self, model_path: str, version: int) -> str:
+        url, self.engine_proc = self._spawn_torch_engine(model_path, version, self.engine_log_prefix)
+        return url
+
+    def _spawn_torch_engine(self, model_path: str, version: int, log_prefix: str) -> tuple[str, subprocess.Popen[bytes]]:
+        """A torch engine server child serving `model_path` (logs: RUN_DIR/logs/<prefix>-<replica>.log)."""
         port = free_port()
-        log_path = Path(self.cfg.run_dir) / "logs" / f"{self.engine_log_prefix}-{self.replica}.log"
+        log_path = Path(self.cfg.run_dir) / "logs" / f"{log_prefix}-{self.replica}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", model_path,
                "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
@@ -190,9 +203,38 @@ class RolloutService(Service):
         with open(log_path, "ab") as fh:
             # No orphan engine: it stays in this service's process group (the launcher kills the
             # group) and gets SIGKILL when this process dies, even by SIGKILL (PR_SET_PDEATHSIG).
-            self.engine_proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy(),
-                                                preexec_fn=die_with_parent(signal.SIGKILL))
-        return f"http://127.0.0.1:{port}"
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                    preexec_fn=die_with_parent(signal.SIGKILL))
+        return f"http://127.0.0.1:{port}", proc
+
+    async def _start_teachers(self) -> None:
+        """One `Teacher` per `distill.teachers` entry (rollout/teacher.py): a torch engine child
+        from its model_path, or the SGLang / vLLM server at its url; waits until each is healthy."""
+        from trajmesh.rollout.engine_client import EngineClient
+        from trajmesh.rollout.vllm_engine import VLLMEngine
+
+        for t in self.cfg.distill.teachers:
+            url = t.url
+            if url is None:
+                assert t.model_path is not None
+                url, proc = self._spawn_torch_engine(t.model_path, 0, f"teacher-{t.source}")
+                self.teacher_procs.append(proc)
+            engine = VLLMEngine(url) if t.type == "vllm" else EngineClient(url)
+            deadline = time.monotonic() + TEACHER_STARTUP_S
+            while not await engine.health():
+                if t.url is None and self.teacher_procs[-1].poll() is not None:
+                    raise RuntimeError(f"teacher engine for {t.source} exited; see logs/teacher-{t.source}-*.log")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"teacher engine for {t.source} at {url} not healthy")
+                await asyncio.sleep(0.2)
+            teacher = Teacher(t, engine, self.cfg.distill)
+            await teacher.start()
+            self.teachers[t.source] = teacher
+
+    async def _score_with_teachers(self, trajs: list[Trajectory]) -> None:
+        """Each trajectory of a source with a teacher gets its teacher's scores (or ends INFRA_FAILURE)."""
+        await asyncio.gather(*(self.teachers[t.pb.task_source].score_trajectory(t) for t in trajs
+                               if t.pb.task_source in self.teachers and scorable(t)))
 
     async def _wait_engine(self) -> None:
         from trajmesh.rollout.engines import HttpEngineConfig
@@ -220,12 +262,13 @@ class RolloutService(Service):
             await self.agent_serve_task
         if self.engine is not None:
             await self.engine.close()
+        for teacher in self.teachers.values():
+            await teacher.close()
         for c in self.channels:
             await c.close()
         if self.bus is not None:
             await self.bus.close()
-        if self.engine_proc is not None:
-            proc = self.engine_proc
+        for proc in [p for p in (self.engine_proc, *self.teacher_procs) if p is not None]:
             proc.terminate()
             try:
                 proc.wait(timeout=10)
@@ -337,6 +380,8 @@ class RolloutService(Service):
             try:
                 await self._wait_for_version(int(task.admitted_at_version))
                 trajs = await asyncio.gather(*(self.run_episode(task, i) for i in range(task.group_size)))
+                if self.teachers:
+                    await self._score_with_teachers(trajs)
                 published = await self._publish_all(task, trajs)
             finally:
                 heartbeat.cancel()

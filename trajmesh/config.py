@@ -641,7 +641,8 @@ class StoreConfig(_Strict):
     resample_on_correct: ResampleOnCorrectConfig = Field(default_factory=ResampleOnCorrectConfig)
     """GRPO-RoC group selection (off by default)."""
     drop_zero_variance_groups: bool = True
-    """Dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal)."""
+    """Dynamic sampling: drop groups whose rewards are all equal (they carry no GRPO signal). A
+    group a distillation teacher scored is kept: its tokens carry the teacher's signal."""
     max_buffered_groups: int = Field(256, ge=1)
     """Bound on assembled groups waiting for the learner."""
     intake_ack_wait_s: float = Field(30.0, gt=0)
@@ -653,6 +654,61 @@ class StoreConfig(_Strict):
     time for the redelivered work to be done again — a restarted service's start, a queue ahead of
     it on a busy machine. Past it the learner goes on and the straggler's members that come back
     too stale are cut (`filtered:stale_on_arrival`)."""
+
+
+class TeacherConfig(_Strict):
+    """One teacher of on-policy distillation: an engine that scores the student's own samples of
+    one task source (rollout/teacher.py). It must share the student's tokenizer."""
+
+    source: str = Field(min_length=1)
+    """The task source (a `tasks.sources` name) whose trajectories this teacher scores."""
+    type: Literal["torch", "sglang", "vllm"] = "torch"
+    """The teacher's engine: the built-in torch engine (a child of each rollout process when `url`
+    is unset) or a running SGLang or vLLM server at `url` (their native APIs)."""
+    url: str | None = None
+    """Base URL of a running teacher engine (None: torch only, started from `model_path`)."""
+    model_path: str | None = None
+    """The teacher's HF model directory: served by the torch engine when `url` is unset; its
+    model.safetensors hash is the default `revision`."""
+    name: str = ""
+    """The teacher's name in the manifest and on every trajectory it scores ("": the last part of
+    `model_path`, else the source's name)."""
+    revision: str = ""
+    """The teacher's revision ("": the first 16 hex digits of model.safetensors' sha256 in
+    `model_path`). Give one (an HF commit) for a teacher the rollout cannot read."""
+
+    @model_validator(mode="after")
+    def _served(self) -> TeacherConfig:
+        if self.url is None and (self.type != "torch" or not self.model_path):
+            raise ValueError(f"distill.teachers[{self.source}]: give url (a running {self.type} server)"
+                             + (" or model_path (the torch engine serves it)" if self.type == "torch" else ""))
+        if not self.revision and not self.model_path:
+            raise ValueError(f"distill.teachers[{self.source}]: give revision or model_path (its hash is the revision)")
+        return self
+
+
+class DistillConfig(_Strict):
+    """On-policy distillation (multi-teacher MOPD; survey §4.7/§4.9): a teacher scores each token
+    the student sampled, and the learner adds ``coef · (log π_teacher − log π_behavior)`` — the
+    per-token reverse KL's negation — to the token's advantage (learner/step.py)."""
+
+    teachers: list[TeacherConfig] = Field(default_factory=list)
+    """One teacher per task source (empty: no distillation). Sources without one train on their reward."""
+    coef: float = Field(1.0, ge=0)
+    """Weight of the per-token reverse-KL advantage."""
+    reward_weight: float = Field(1.0, ge=0)
+    """Weight of the task reward's advantage on a scored trajectory (0: distillation alone)."""
+    max_batch: int = Field(16, ge=1)
+    """Sequences a rollout process sends a teacher in one scoring request at most."""
+    batch_window_ms: float = Field(5.0, ge=0, le=1000)
+    """How long a rollout process collects sequences before sending them to a teacher as one batch."""
+    retry_s: float = Field(60.0, gt=0)
+    """How long a failed scoring request is retried (with backoff) before its trajectories end as
+    INFRA_FAILURE (reason teacher_unavailable in the rollout's metrics)."""
+
+    def teacher_for(self, source: str) -> TeacherConfig | None:
+        """The teacher of a task source, or None."""
+        return next((t for t in self.teachers if t.source == source), None)
 
 
 class DemoModelConfig(_Strict):
@@ -777,6 +833,8 @@ class RunConfig(_Strict):
     """Held-out evaluation protocol, checkpoint choice and the held-out regression stop."""
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     """How published weights reach the engines: full checkpoints or deltas."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """On-policy distillation: teachers scoring the student's samples (off: no teachers)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -804,6 +862,12 @@ class RunConfig(_Strict):
         if ws > self.batch_trajectories:
             raise ValueError(f"learner.world_size {ws} is larger than a batch ({self.batch_trajectories} "
                              "trajectories = learner.batch_groups x tasks.group_size): every rank needs rows")
+        names = [src.name for src in self.tasks.sources]
+        taught = [t.source for t in self.distill.teachers]
+        if unknown := sorted(set(taught) - set(names)):
+            raise ValueError(f"distill.teachers: no task source named {unknown} (sources: {names})")
+        if len(taught) != len(set(taught)):
+            raise ValueError(f"distill.teachers: one teacher per task source, got {taught}")
         roc = self.store.resample_on_correct
         if roc.enabled and self.effective_eta * self.learner.batch_groups < roc.oversample - 1:
             # The gate counts a kept group's G as accepted and frees its other (k-1)·G: with fewer than

@@ -60,6 +60,7 @@ VIOLATION_NAMES: tuple[str, ...] = (
     "logprob_positive",
     "action_version_negative",
     "masked_version_not_minus_one",
+    "teacher_logprob_invalid",
     "version_from_future",
     "terminal_reason_unspecified",
     "span_out_of_range",
@@ -241,6 +242,19 @@ class Trajectory:
     @property
     def behavior_versions_T(self) -> npt.NDArray[np.int64]:
         return np.array(self.pb.behavior_versions, dtype=np.int64)
+
+    @property
+    def teacher_logprobs_T(self) -> npt.NDArray[np.float32] | None:
+        """The teacher's float32 log-prob of each token (on-policy distillation); None when no
+        teacher scored this trajectory."""
+        return np.array(self.pb.teacher_logprobs, dtype=np.float32) if len(self.pb.teacher_logprobs) else None
+
+    def set_teacher_logprobs(self, logprobs_T: npt.ArrayLike, teacher: str) -> None:
+        """Records a teacher's log-probs of every token (0 is stored where loss_mask is 0) and its name."""
+        lp_T = np.where(self.loss_mask_T == 1, np.asarray(logprobs_T, dtype=np.float32), np.float32(0.0))
+        del self.pb.teacher_logprobs[:]
+        self.pb.teacher_logprobs.extend(lp_T.tolist())
+        self.pb.teacher = teacher
 
     # ---------------------------------------------------------------- construction helpers
 
@@ -442,8 +456,14 @@ class Trajectory:
             "behavior_logprobs": logprobs_T.size,
             "behavior_versions": versions_T.size,
         }
+        if len(self.pb.teacher_logprobs):
+            lengths["teacher_logprobs"] = len(self.pb.teacher_logprobs)
         if len(set(lengths.values())) > 1:
             yield Violation("length_mismatch", ", ".join(f"{k}={v}" for k, v in lengths.items()))
+        if (teacher_T := self.teacher_logprobs_T) is not None and teacher_T.size == mask_T.size:
+            act_T = mask_T == 1
+            if (bad_T := act_T & ~(np.isfinite(teacher_T) & (teacher_T <= 0))).any():
+                yield Violation("teacher_logprob_invalid", _where(bad_T, "with a teacher log-prob not finite and <= 0"))
         infra = self.pb.terminal_reason == trajectory_pb2.INFRA_FAILURE
         if ids_T.size == 0 and not infra:  # an episode whose environment never answered has none
             yield Violation("empty_tokens", "token_ids is empty")
@@ -467,7 +487,8 @@ class Trajectory:
             yield Violation("action_version_negative", _where(bad_T, "sampled with a behavior version < 0"))
         if (bad_T := (mask_T[:n] == 0) & (ver_T != UNSAMPLED_VERSION)).any():
             yield Violation(
-                "masked_version_not_minus_one", _where(bad_T, "masked out with a behavior version != -1")
+                "masked_version_not_minus_one",
+                _where(bad_T, "masked out with a behavior version != -1")
             )
         if learner_version is not None and (bad_T := versions_T > learner_version).any():
             yield Violation(

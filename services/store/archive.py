@@ -45,6 +45,8 @@ SCHEMA = pa.schema(
         ("behavior_logprobs", pa.list_(pa.float32())),
         ("sequence_starts", pa.list_(pa.int64())),
         ("step_rewards", pa.list_(pa.float64())),
+        ("teacher_logprobs", pa.list_(pa.float32())),
+        ("teacher", pa.string()),
         ("reward_components", pa.map_(pa.string(), pa.float64())),
         ("grader_revision", pa.string()),
         ("roc_tool_error_score", pa.float64()),
@@ -104,11 +106,13 @@ class ArchiveWriter:
 
 _LIST_COLUMNS: dict[str, Any] = {
     "token_ids": np.uint32, "loss_mask": np.uint8, "behavior_versions": np.int64, "behavior_logprobs": np.float32,
-    "sequence_starts": np.int64, "step_rewards": np.float64,
+    "sequence_starts": np.int64, "step_rewards": np.float64, "teacher_logprobs": np.float32,
 }
 """``sequence_starts``: where each of a segmented trajectory's sequences starts in ``token_ids``
 (an agent's calls that do not extend one another, one training row each); empty for one sequence.
 ``step_rewards``: the environment's reward of each step, in turn order (empty: none stepped).
+``teacher_logprobs`` / ``teacher``: on-policy distillation's teacher log-prob of each token and the
+teacher's ``name@revision`` (empty / empty string: no teacher scored it).
 ``reward_components`` (a map column beside these): the grader's raw reward components, by name (a
 rubric's functions, ``correct`` / ``format_eos``, a game's ``step_<k>``), with ``grader_revision``.
 ``roc_tool_error_score`` / ``roc_format_score``: the two scores GRPO-RoC selected a member of its

@@ -528,7 +528,9 @@ class TrajectoryStore(Service):
 
     async def _complete(self, group: Group) -> None:
         rewards = [t.reward for t in group.members]
-        reason = filter_reason(rewards, drop_zero_variance=self.cfg.store.drop_zero_variance_groups)
+        # A group a teacher scored carries a per-token signal whatever its rewards (distillation).
+        taught = any(len(t.pb.teacher_logprobs) for t in group.members)
+        reason = filter_reason(rewards, drop_zero_variance=self.cfg.store.drop_zero_variance_groups and not taught)
         roc = self.cfg.store.resample_on_correct
         decisions: dict[str, roc_mod.Decision] = {}
         if not reason and self.roc_scores is not None:
@@ -683,6 +685,7 @@ class TrajectoryStore(Service):
             token_ids=traj.token_ids_T, loss_mask=np.minimum(mask_T, 255),
             behavior_versions=traj.behavior_versions_T, behavior_logprobs=traj.behavior_logprobs_T,
             sequence_starts=list(pb.sequence_starts), step_rewards=list(pb.step_rewards),
+            teacher_logprobs=list(pb.teacher_logprobs), teacher=pb.teacher,
             reward_components=dict(pb.raw_reward_components), grader_revision=pb.grader_revision,
             roc_tool_error_score=roc_scores.tool_error if roc_scores else None,
             roc_format_score=roc_scores.format if roc_scores else None,

@@ -418,7 +418,8 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
         grader_revisions={g: r for s in protocol["sources"].values() for g, r in s["graders"].items()},
         algorithm={"eta": cfg.effective_eta, "mode": cfg.mode, "learner": cfg.learner.model_dump(mode="json"),
                    "group_size": cfg.tasks.group_size, "sampling": cfg.tasks.sampling.model_dump(mode="json"),
-                   "resample_on_correct": cfg.store.resample_on_correct.model_dump(mode="json")},
+                   "resample_on_correct": cfg.store.resample_on_correct.model_dump(mode="json"),
+                   "distill": _distill_record(cfg)},
         framework_versions=_framework_versions(cfg),
         dirty_tree=tree_is_dirty(),
         truncation_policy=truncation_policy(cfg),
@@ -427,6 +428,17 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
     (Path(cfg.run_dir) / "manifest.json").write_text(
         json.dumps(MessageToDict(manifest, preserving_proto_field_name=True,
                                  always_print_fields_with_no_presence=True), indent=1))  # dirty_tree: false shown
+
+
+def _distill_record(cfg: RunConfig) -> dict[str, Any]:
+    """The manifest's distillation entry: its config, each teacher with its ``name@revision``
+    identity (the one every trajectory it scores carries)."""
+    from trajmesh.rollout.teacher import teacher_identity
+
+    record = cfg.distill.model_dump(mode="json")
+    for entry, t in zip(record["teachers"], cfg.distill.teachers, strict=True):
+        entry["identity"] = teacher_identity(t)
+    return record
 
 
 def _framework_versions(cfg: RunConfig) -> dict[str, str]:

@@ -269,6 +269,7 @@ VIOLATION_CASES: dict[str, tuple[Callable[[Trajectory], None], dict[str, int]]] 
     "logprob_positive": (_set("behavior_logprobs", 8, 0.5), {}),
     "action_version_negative": (_set("behavior_versions", 7, -3), {}),
     "masked_version_not_minus_one": (_set("behavior_versions", 0, 0), {}),
+    "teacher_logprob_invalid": (lambda t: t.set_teacher_logprobs([0.0] * 8 + [0.25], "t@1"), {}),  # 8 is sampled
     "version_from_future": (lambda t: None, {"learner_version": 4}),
     "terminal_reason_unspecified": (lambda t: t.pb.ClearField("terminal_reason"), {}),
     "span_out_of_range": (lambda t: setattr(t.pb.spans[3], "token_end", 10), {}),
