@@ -110,18 +110,17 @@ class Teacher:
         """Sets ``teacher_logprobs`` (each segment scored on its own: sequence_starts) and
         ``teacher``; ends the trajectory INFRA_FAILURE when the teacher cannot score it."""
         ids_T = traj.token_ids_T
-        starts = [*map(int, traj.pb.sequence_starts)] or [0]
-        bounds = list(zip(starts, [*starts[1:], ids_T.size], strict=True))
+        bounds = [(a, e) for a, e in traj.segment_bounds() if e - a >= 2]  # one token: nothing to score
         if not all(self.fits(end - start) for start, end in bounds):
             self._fail(traj, "too_long")
             return
         try:
-            scored = await asyncio.gather(*(self._score(ids_T[s:e].tolist()) for s, e in bounds if e - s >= 2))
+            scored = await asyncio.gather(*(self._score(ids_T[s:e].tolist()) for s, e in bounds))
         except TeacherUnavailable:
             self._fail(traj, "unavailable")
             return
         lp_T = np.zeros(ids_T.size, dtype=np.float32)
-        for (start, end), lps in zip([b for b in bounds if b[1] - b[0] >= 2], scored, strict=True):
+        for (start, end), lps in zip(bounds, scored, strict=True):
             lp_T[start + 1:end] = lps  # a segment's first token is a prompt token: nothing scores it
         traj.set_teacher_logprobs(lp_T, self.identity)
         TEACHER_TOKENS.labels(self.identity).inc(int((traj.loss_mask_T == 1).sum()))

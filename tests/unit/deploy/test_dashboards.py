@@ -105,7 +105,7 @@ def test_every_metric_a_dashboard_or_rule_names_is_exported() -> None:
 METRIC_UNIT_WORDS = {
     "second", "byte", "token", "ratio", "nat", "version", "trajectory", "task", "group", "message",
     "call", "request", "error", "failure", "step", "update", "audit", "breach", "violation", "timeout",
-    "reason", "action", "session", "component",
+    "reason", "action", "session", "component", "sequence",
 }
 METRIC_SUBSYSTEMS = {"store", "rollout", "learner", "environment", "grader", "bus", "evaluator"}
 # Suffixes Prometheus reserves for the series of histograms, summaries and counters.
