@@ -15,6 +15,12 @@ prompt with the chat template and appends each observation as a tool message thr
 results inside ``<tool_response>``). Each tool environment must show, in the archive, at least one
 sampled turn holding a native tool call that parses (`parse_tool_calls`) and that the environment
 executed (the next observation is its plain answer, not an error).
+
+The same model trains the workplace source alone with GiGPO (`learner.advantage.type: gigpo`, the
+survey's step-level credit): the archive carries each trajectory's per-step environment rewards
+(`step_rewards`, one per environment step, from `StepResponse.reward`), some trained trajectories
+have several turns, and the manifest records the estimator (its arithmetic on the workplace
+environment's real state hashes: tests/unit/learner/test_learner_gigpo.py).
 """
 
 from __future__ import annotations
@@ -152,3 +158,49 @@ def _check_turns(kind: str, rows: list[dict[str, Any]], text_model_dir: str) -> 
     if kind in TOOL_NAMES:
         assert observed > 0, f"{kind}: no trajectory received an observation"
         assert native > 0, f"{kind}: no parsed native tool call was executed"
+
+
+GIGPO_STEPS = 4
+"""Learner steps of the GiGPO run: 2 workplace groups of 4 a step."""
+
+
+def test_gigpo_trains_the_workplace_source_through_the_mesh(tmp_path: Path, text_model_dir: str) -> None:
+    cfg = load_config(None, {
+        "run_dir": str(tmp_path / "run"), "model.path": text_model_dir, "gate.eta": 1,
+        "tasks.sources": [SOURCES["workplace"]], "tasks.group_size": 4, "tasks.train_size": 40, "tasks.heldout_size": 5,
+        "tasks.sampling.max_new_tokens": 56, "tasks.sampling.max_turns": 3, "tasks.sampling.temperature": 0.25,
+        "rollout.replicas": 1, "rollout.concurrent_tasks": 4, "grader.replicas": 1,
+        "store.drop_zero_variance_groups": False,
+        "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": GIGPO_STEPS,
+        "learner.checkpoint_every": GIGPO_STEPS, "learner.advantage.type": "gigpo",
+    })
+    Path(cfg.run_dir).mkdir(parents=True)
+    write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=400) == 0, learner.log_path.read_text()[-3000:]
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    run_dir = Path(cfg.run_dir)
+    steps = [m for m in read_metrics(run_dir) if m.get("kind") == "learner_step"]
+    assert [m["version"] for m in steps] == list(range(1, GIGPO_STEPS + 1))
+    assert sum(m.get("trajectories_trained", 0) for m in steps) > 0
+    algorithm = json.loads(json.loads((run_dir / "manifest.json").read_text())["algorithm_json"])
+    assert algorithm["learner"]["advantage"]["type"] == "gigpo"
+    archive = read_archive(run_dir / "archive").to_pylist()
+    trained = {r["trajectory_id"] for r in archive if r["outcome"] == "trained"}
+    accepted = [r for r in archive if r["outcome"] == "accepted" and r["trajectory_id"] in trained]
+    assert accepted
+    # One environment reward per step the environment took: a sampled run (turn) each, but the
+    # last turn of a trajectory cut by the token budget, which no environment saw.
+    multi = 0
+    for r in accepted:
+        mask = list(r["loss_mask"])
+        turns = sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))
+        rewards = r["step_rewards"]
+        assert rewards is not None and turns - 1 <= len(rewards) <= turns, (turns, rewards)
+        assert all(x == 0.0 for x in rewards)  # the workplace environment's steps earn 0 (its grader scores)
+        multi += turns > 1
+    assert multi > 0, "no trained trajectory had more than one turn"
