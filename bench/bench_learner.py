@@ -10,6 +10,12 @@
 * ``ranks_2_over_1_tokens_per_s_ratio`` — learner tokens/s (DeepSpeed ZeRO-3, gloo, one thread per
   rank) of 2 ranks over 1 on the same batches at the demo's shapes, both worlds run back to back in
   one run (report, no goal). On a machine with fewer than 2 free cores the ranks share cores.
+* ``reference_zero3_over_zero0_added_peak_ratio`` — what the frozen reference model
+  (``learner.reference``, learner/reference.py) adds to a rank's peak memory under ZeRO-3 over what
+  it adds under ZeRO-0, 2 ranks (DeepSpeed, gloo), one step with the KL term on: each rank's peak
+  RSS rise over building the engine (and reference) and stepping, reference on minus off, at a
+  107 MB fp32 model (Llama, 32k vocabulary, d = 512, 4 layers). ZeRO-3 partitions the reference
+  like the policy, so it should add about half of what a full copy adds (report, no goal).
 
 Memory is measured in fresh subprocesses (one per figure) as the rise of the process's peak RSS
 (``ru_maxrss``) over its RSS just before the measured call: torch's CPU allocations are invisible to
@@ -177,6 +183,92 @@ def _rank_child(steps: int) -> None:
         print(json.dumps({"tokens": tokens, "seconds": seconds, "world": dist.get_world_size()}))
 
 
+REF_MODEL = {"vocab": VOCAB, "hidden": 512, "layers": 4}
+"""The reference figure's model: 26.7M parameters, 107 MB in fp32."""
+
+
+def _ref_child(zero_stage: int, reference_on: bool) -> None:
+    """One rank of a 2-rank DeepSpeed world: peak RSS rise over building the engine (and, when
+    `reference_on`, the reference first, as the learner service does) and one step with the KL term."""
+    from trajmesh.config import ReferenceConfig
+    from trajmesh.learner import step
+    from trajmesh.learner.logprobs import PolicyLogprobs
+    from trajmesh.learner.objective import ObjectiveConfig
+    from trajmesh.learner.reference import ReferencePolicy
+    from trajmesh.learner.train_engine import build_train_engine, ensure_distributed
+
+    torch.set_num_threads(1)
+    ensure_distributed("gloo")
+    import deepspeed  # noqa: F401 - imported before the baseline, as the learner has it by then
+
+    batch = _batch(16, [60, 64], VOCAB)
+    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    kl = ReferenceConfig(enabled=True, kl_coef=0.1)
+
+    held: list[object] = []
+
+    def build_and_step() -> None:
+        policy = PolicyLogprobs(_llama(REF_MODEL["vocab"], REF_MODEL["hidden"], REF_MODEL["layers"]))
+        reference = ReferencePolicy(policy, "deepspeed", zero_stage=zero_stage) if reference_on else None
+        engine = build_train_engine(policy, type="deepspeed", lr=1e-4, warmup_steps=0, weight_decay=0.0,
+                                    grad_clip=1.0, zero_stage=zero_stage, seed=0)
+        step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), step.StepPlan(micro_batch_tokens=1024),
+                         temperature=1.0, version=0, max_lag=3, reference=reference, kl=kl if reference_on else None)
+        held.extend([engine, reference])  # alive after the step, as in the learner
+
+    gc.collect()
+    before = _rss_bytes()
+    rise = _peak_rise(build_and_step)
+    gc.collect()
+    torch.distributed.barrier()
+    print(json.dumps({"peak_rise_bytes": rise, "held_bytes": _rss_bytes() - before,
+                      "rank": torch.distributed.get_rank()}))
+
+
+def _world(world: int, *child_args: str) -> list[dict[str, float]]:
+    """Runs `world` ranks of this file with `child_args`; each rank's last JSON line, by rank."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"}
+        procs.append(subprocess.Popen([sys.executable, __file__, *child_args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+    try:
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"a rank failed: exit codes {[p.returncode for p in procs]}")
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+def _reference_memory() -> None:
+    mib = 1 / 2**20
+    rise: dict[tuple[int, bool], float] = {}
+    held: dict[tuple[int, bool], float] = {}
+    for zero in (0, 3):
+        for on in (False, True):
+            ranks = _world(2, "--ref-child", "--zero", str(zero), *(["--reference"] if on else []))
+            rise[zero, on] = max(r["peak_rise_bytes"] for r in ranks)
+            held[zero, on] = max(r["held_bytes"] for r in ranks)
+    added = {zero: rise[zero, True] - rise[zero, False] for zero in (0, 3)}
+    added_held = {zero: held[zero, True] - held[zero, False] for zero in (0, 3)}
+    params = sum(p.numel() for p in _llama(REF_MODEL["vocab"], REF_MODEL["hidden"], REF_MODEL["layers"]).parameters())
+    print(f"learner peak RSS rise per rank (max of 2), DeepSpeed gloo, {params / 1e6:.1f}M params "
+          f"({params * 4 * mib:.0f} MiB fp32), one step with the KL term: "
+          + ", ".join(f"ZeRO-{z} reference {'on' if on else 'off'} {rise[z, on] * mib:.0f} MiB"
+                      for z in (0, 3) for on in (False, True)))
+    print(f"reference adds per rank at the peak: ZeRO-0 {added[0] * mib:.0f} MiB, ZeRO-3 {added[3] * mib:.0f} MiB; "
+          f"resident after the step: ZeRO-0 {added_held[0] * mib:.0f} MiB, ZeRO-3 {added_held[3] * mib:.0f} MiB "
+          "(the reference is copied whole on each rank before DeepSpeed partitions it)")
+    print(f"reference_zero3_over_zero0_added_peak_ratio={added[3] / added[0]:.2f} (report; a half-copy is 0.5)")
+    print(f"reference_zero3_over_zero0_added_resident_ratio={added_held[3] / added_held[0]:.2f} (report)")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -211,6 +303,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--rank-child", action="store_true")
     p.add_argument("--steps", type=int, default=RANK_STEPS)
     p.add_argument("--only-ranks", action="store_true", help="only the 2-ranks-over-1 figure")
+    p.add_argument("--only-reference", action="store_true", help="only the reference-memory figure")
+    p.add_argument("--ref-child", action="store_true")
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--reference", action="store_true")
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=8192)
@@ -222,8 +318,15 @@ def main(argv: list[str]) -> None:
     if args.rank_child:
         _rank_child(args.steps)
         return
+    if args.ref_child:
+        _ref_child(args.zero, args.reference)
+        return
+    if args.only_reference:
+        _reference_memory()
+        return
     if not args.only_ranks:
         _memory_and_k()
+        _reference_memory()
     one, two = _ranks_tokens_per_s(1), _ranks_tokens_per_s(2)
     print(f"learner tokens/s, DeepSpeed ZeRO-3 gloo, demo shapes, 1 thread per rank, {RANK_STEPS} steps, "
           f"{os.cpu_count()} CPU cores: 1 rank {one:.0f}, 2 ranks {two:.0f}")
