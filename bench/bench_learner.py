@@ -10,12 +10,14 @@
 * ``ranks_2_over_1_tokens_per_s_ratio`` — learner tokens/s (DeepSpeed ZeRO-3, gloo, one thread per
   rank) of 2 ranks over 1 on the same batches at the demo's shapes, both worlds run back to back in
   one run (report, no goal). On a machine with fewer than 2 free cores the ranks share cores.
-* ``reference_zero3_over_zero0_added_peak_ratio`` — what the frozen reference model
-  (``learner.reference``, learner/reference.py) adds to a rank's peak memory under ZeRO-3 over what
-  it adds under ZeRO-0, 2 ranks (DeepSpeed, gloo), one step with the KL term on: each rank's peak
-  RSS rise over building the engine (and reference) and stepping, reference on minus off, at a
-  107 MB fp32 model (Llama, 32k vocabulary, d = 512, 4 layers). ZeRO-3 partitions the reference
-  like the policy, so it should add about half of what a full copy adds (report, no goal).
+* ``reference_zero3_{copied,partitioned}_over_zero0_added_peak_ratio`` — what the frozen reference
+  model (``learner.reference``, learner/reference.py) adds to a rank's peak memory under ZeRO-3 over
+  what it adds under ZeRO-0, 2 ranks (DeepSpeed, gloo), one step with the KL term on: each rank's
+  peak RSS rise over building the engine (and reference) and stepping, reference on minus off, at a
+  128 MiB fp32 model (Llama, 4k vocabulary, d = 512, 12 layers). ``copied``: the reference
+  deep-copied from the policy before the engine; ``partitioned``: built after it under
+  ``deepspeed.zero.Init`` (what the learner does under ZeRO-3). A partitioned copy is half of a
+  whole one on 2 ranks (report, no goal).
 
 Memory is measured in fresh subprocesses (one per figure) as the rise of the process's peak RSS
 (``ru_maxrss``) over its RSS just before the measured call: torch's CPU allocations are invisible to
@@ -183,13 +185,16 @@ def _rank_child(steps: int) -> None:
         print(json.dumps({"tokens": tokens, "seconds": seconds, "world": dist.get_world_size()}))
 
 
-REF_MODEL = {"vocab": VOCAB, "hidden": 512, "layers": 4}
-"""The reference figure's model: 26.7M parameters, 107 MB in fp32."""
+REF_MODEL = {"vocab": 4096, "hidden": 512, "layers": 12}
+"""The reference figure's model: 33.6M parameters, 128 MiB in fp32, its largest tensor (the tied
+embedding) 6 % of it, as in a 7B model (Qwen2.5-7B: 545M of 7.6B); a model whose embedding dominates
+would measure the one tensor ``zero.Init`` must still allocate whole before partitioning it."""
 
 
-def _ref_child(zero_stage: int, reference_on: bool) -> None:
-    """One rank of a 2-rank DeepSpeed world: peak RSS rise over building the engine (and, when
-    `reference_on`, the reference first, as the learner service does) and one step with the KL term."""
+def _ref_child(zero_stage: int, reference: str) -> None:
+    """One rank of a 2-rank DeepSpeed world: peak RSS rise over building the engine (with
+    `reference` ``copied``: the reference copied from the policy first; ``partitioned``: built after
+    the engine under ``zero.Init``, ZeRO-3 only; ``off``) and one step with the KL term."""
     from trajmesh.config import ReferenceConfig
     from trajmesh.learner import step
     from trajmesh.learner.logprobs import PolicyLogprobs
@@ -201,20 +206,24 @@ def _ref_child(zero_stage: int, reference_on: bool) -> None:
     ensure_distributed("gloo")
     import deepspeed  # noqa: F401 - imported before the baseline, as the learner has it by then
 
-    batch = _batch(16, [60, 64], VOCAB)
+    batch = _batch(16, [60, 64], REF_MODEL["vocab"])
     adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     kl = ReferenceConfig(enabled=True, kl_coef=0.1)
 
     held: list[object] = []
+    kl_first: list[float] = []
 
     def build_and_step() -> None:
         policy = PolicyLogprobs(_llama(REF_MODEL["vocab"], REF_MODEL["hidden"], REF_MODEL["layers"]))
-        reference = ReferencePolicy(policy, "deepspeed", zero_stage=zero_stage) if reference_on else None
+        ref = ReferencePolicy(policy, "deepspeed", zero_stage=zero_stage) if reference == "copied" else None
         engine = build_train_engine(policy, type="deepspeed", lr=1e-4, warmup_steps=0, weight_decay=0.0,
                                     grad_clip=1.0, zero_stage=zero_stage, seed=0)
-        step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), step.StepPlan(micro_batch_tokens=1024),
-                         temperature=1.0, version=0, max_lag=3, reference=reference, kl=kl if reference_on else None)
-        held.extend([engine, reference])  # alive after the step, as in the learner
+        if reference == "partitioned":
+            ref = ReferencePolicy.after_zero3_engine(engine)
+        m = step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), step.StepPlan(micro_batch_tokens=1024),
+                             temperature=1.0, version=0, max_lag=3, reference=ref, kl=kl if ref else None)
+        kl_first.append(float(m.get("trajmesh_learner_reference_kl_k3", 0.0)))
+        held.extend([engine, ref])  # alive after the step, as in the learner
 
     gc.collect()
     before = _rss_bytes()
@@ -222,7 +231,7 @@ def _ref_child(zero_stage: int, reference_on: bool) -> None:
     gc.collect()
     torch.distributed.barrier()
     print(json.dumps({"peak_rise_bytes": rise, "held_bytes": _rss_bytes() - before,
-                      "rank": torch.distributed.get_rank()}))
+                      "rank": torch.distributed.get_rank(), "reference_kl_k3_first_step": kl_first[0]}))
 
 
 def _world(world: int, *child_args: str) -> list[dict[str, float]]:
@@ -248,25 +257,27 @@ def _world(world: int, *child_args: str) -> list[dict[str, float]]:
 
 def _reference_memory() -> None:
     mib = 1 / 2**20
-    rise: dict[tuple[int, bool], float] = {}
-    held: dict[tuple[int, bool], float] = {}
-    for zero in (0, 3):
-        for on in (False, True):
-            ranks = _world(2, "--ref-child", "--zero", str(zero), *(["--reference"] if on else []))
-            rise[zero, on] = max(r["peak_rise_bytes"] for r in ranks)
-            held[zero, on] = max(r["held_bytes"] for r in ranks)
-    added = {zero: rise[zero, True] - rise[zero, False] for zero in (0, 3)}
-    added_held = {zero: held[zero, True] - held[zero, False] for zero in (0, 3)}
+    cells = [(0, "off"), (0, "copied"), (3, "off"), (3, "copied"), (3, "partitioned")]
+    rise: dict[tuple[int, str], float] = {}
+    held: dict[tuple[int, str], float] = {}
+    for zero, ref in cells:
+        ranks = _world(2, "--ref-child", "--zero", str(zero), "--reference", ref)
+        rise[zero, ref] = max(r["peak_rise_bytes"] for r in ranks)
+        held[zero, ref] = max(r["held_bytes"] for r in ranks)
+        if ref != "off" and any(r["reference_kl_k3_first_step"] != 0.0 for r in ranks):
+            raise RuntimeError(f"ZeRO-{zero} {ref}: the first step's KL to the reference is not 0: {ranks}")
     params = sum(p.numel() for p in _llama(REF_MODEL["vocab"], REF_MODEL["hidden"], REF_MODEL["layers"]).parameters())
     print(f"learner peak RSS rise per rank (max of 2), DeepSpeed gloo, {params / 1e6:.1f}M params "
-          f"({params * 4 * mib:.0f} MiB fp32), one step with the KL term: "
-          + ", ".join(f"ZeRO-{z} reference {'on' if on else 'off'} {rise[z, on] * mib:.0f} MiB"
-                      for z in (0, 3) for on in (False, True)))
-    print(f"reference adds per rank at the peak: ZeRO-0 {added[0] * mib:.0f} MiB, ZeRO-3 {added[3] * mib:.0f} MiB; "
-          f"resident after the step: ZeRO-0 {added_held[0] * mib:.0f} MiB, ZeRO-3 {added_held[3] * mib:.0f} MiB "
-          "(the reference is copied whole on each rank before DeepSpeed partitions it)")
-    print(f"reference_zero3_over_zero0_added_peak_ratio={added[3] / added[0]:.2f} (report; a half-copy is 0.5)")
-    print(f"reference_zero3_over_zero0_added_resident_ratio={added_held[3] / added_held[0]:.2f} (report)")
+          f"({params * 4 * mib:.0f} MiB fp32), one step with the KL term (its first-step KL 0 on every rank): "
+          + ", ".join(f"ZeRO-{z} reference {ref} {rise[z, ref] * mib:.0f} MiB" for z, ref in cells))
+    added = {(z, ref): rise[z, ref] - rise[z, "off"] for z, ref in cells if ref != "off"}
+    added_held = {(z, ref): held[z, ref] - held[z, "off"] for z, ref in cells if ref != "off"}
+    print("reference adds per rank, at the peak / resident after the step: "
+          + ", ".join(f"ZeRO-{z} {ref} {added[z, ref] * mib:.0f} / {added_held[z, ref] * mib:.0f} MiB"
+                      for z, ref in added))
+    for ref in ("copied", "partitioned"):
+        print(f"reference_zero3_{ref}_over_zero0_added_peak_ratio={added[3, ref] / added[0, 'copied']:.2f} "
+              "(report; a half-copy is 0.5)")
 
 
 def _free_port() -> int:
@@ -306,7 +317,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--only-reference", action="store_true", help="only the reference-memory figure")
     p.add_argument("--ref-child", action="store_true")
     p.add_argument("--zero", type=int, default=0)
-    p.add_argument("--reference", action="store_true")
+    p.add_argument("--reference", choices=["off", "copied", "partitioned"], default="off")
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=8192)

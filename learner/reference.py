@@ -56,10 +56,11 @@ class ReferencePolicy:
     """A frozen copy of the policy module, placed and sharded like the policy (see the module doc)."""
 
     def __init__(self, policy_module: nn.Module, engine_type: str, *, zero_stage: int = 0,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", built: nn.Module | None = None) -> None:
         """`policy_module`: the module the train engine is about to be built around (copied here,
-        so build this first: DeepSpeed partitions the policy's parameters in place)."""
-        module = copy.deepcopy(policy_module)
+        so build this first: DeepSpeed partitions the policy's parameters in place). `built`: a
+        module to use instead of the copy (:meth:`after_zero3_engine`)."""
+        module = built if built is not None else copy.deepcopy(policy_module)
         for p in module.parameters():
             p.requires_grad_(False)
         module.eval()
@@ -88,6 +89,29 @@ class ReferencePolicy:
         else:
             self._inner = module
             self._module = _Autocast(module) if precision == "bf16" else module
+
+    @classmethod
+    def after_zero3_engine(cls, engine: DeepSpeedTrainEngine, *, precision: str = "fp32") -> ReferencePolicy:
+        """ZeRO-3 without a whole copy on any rank: the reference is built after the policy's engine,
+        its parameters partitioned as they are created (``deepspeed.zero.Init``), then filled from
+        the policy's partitions by :meth:`reset_from` (version 0, no communication). Each rank then
+        holds 1/world of the reference at every moment, where a copy taken before the engine holds
+        all of it until DeepSpeed partitions it (bench/bench_learner.py measures both)."""
+        import deepspeed
+
+        from trajmesh.learner.logprobs import PolicyLogprobs
+
+        policy = engine.model
+        hf = policy.policy
+        world = torch.distributed.get_world_size()
+        config = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+                  "zero_optimization": _zero_config(3, policy), "bf16": {"enabled": precision == "bf16"}}
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            skeleton = type(hf)._from_config(hf.config, dtype=hf.dtype)  # random init, partitioned as built
+        ref = cls(policy, "deepspeed", zero_stage=3, precision=precision,
+                  built=PolicyLogprobs(skeleton, policy.chunk_tokens))
+        ref.reset_from(engine, 0)
+        return ref
 
     @classmethod
     def for_engine(cls, policy_module: nn.Module, engine_type: str, *, zero_stage: int,

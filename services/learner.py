@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import nats.errors
+import nats.js.errors
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -63,7 +65,12 @@ from trajmesh.learner.step import (
     split_stale,
     train_batch,
 )
-from trajmesh.learner.train_engine import TrainEngine, build_train_engine, wants_deterministic
+from trajmesh.learner.train_engine import (
+    DeepSpeedTrainEngine,
+    TrainEngine,
+    build_train_engine,
+    wants_deterministic,
+)
 from trajmesh.learner.weights import export_policy, sha256_file
 from trajmesh.rollout.hf_model import load_causal_lm
 from trajmesh.service import Service
@@ -91,6 +98,8 @@ LAG = Histogram("trajmesh_learner_policy_lag_versions", "Per-token policy lag v 
 STEP_SECONDS = Histogram("trajmesh_learner_step_seconds", "Compute time of one learner step")
 WAIT_SECONDS = Counter("trajmesh_learner_idle_seconds_total", "Seconds waiting for a batch")
 BUSY_SECONDS = Counter("trajmesh_learner_busy_seconds_total", "Seconds computing steps")
+ANCHOR_REQUESTS = Counter("trajmesh_learner_weight_anchor_requests_total",
+                          "Rollout requests for a full anchor honoured (weights.sync delta: the next version is one)")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_learner_weight_publish_seconds", "Save + announce time")
 REFERENCE_RESETS = Counter("trajmesh_learner_reference_reset_steps_total",
                            "Learner steps that reset the reference (and the optimizer): learner.reference.reset_every")
@@ -105,6 +114,22 @@ for _g in GATES:
 QUARANTINED.labels(reason="stale")  # exported at 0: the stale-rate panel and alert read it
 STEP_GAUGES: dict[str, Gauge] = {}
 WEIGHTS_GRACE_S = 120.0
+
+
+async def honour_anchor_request(bus: Any, delta: DeltaWriter, seen: int) -> int:
+    """A rollout asked for a full anchor since revision `seen` (`Bus.request_anchor`): the next
+    version `delta` writes is one. Returns the revision now seen. A NATS error leaves it for the
+    next version (the request stays in the KV)."""
+    try:
+        revision = await bus.anchor_request_revision()
+    except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+        log.warning("could not read anchor requests (%r); checked again at the next version", exc)
+        return seen
+    if revision > seen:
+        delta.anchor_next()
+        ANCHOR_REQUESTS.inc()
+        log.info("a rollout asked for a full anchor (request %d): the next version is one", revision)
+    return max(revision, seen)
 
 
 def _gauge(name: str) -> Gauge:
@@ -182,6 +207,9 @@ class LearnerService(Service):
         """Leader: the best held-out score and the regression count, from the EVAL records."""
         self.delta = DeltaWriter(self.cfg.weights.anchor_every) if self.cfg.weights.sync == "delta" else None
         """Leader, ``weights.sync: delta``: the last published version's bytes, the next delta's base."""
+        self.anchor_request_seen = 0
+        """Leader: the KV revision of the last anchor request honoured (a restarted learner's first
+        version is an anchor anyway: its delta writer has no base)."""
         self.regression: dict[str, Any] | None = None
         """Leader: the stop record of a confirmed held-out regression (None: none); the step loop
         stops on it."""
@@ -285,9 +313,11 @@ class LearnerService(Service):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
         policy = PolicyLogprobs(model, lc.logprob_chunk_tokens)
-        # The reference first: a copy of the initial policy, before DeepSpeed partitions the policy.
+        # The reference: a copy of the initial policy taken before DeepSpeed partitions the policy;
+        # under ZeRO-3, built after the engine from its partitions instead (never whole on a rank).
+        zero3 = lc.engine.type == "deepspeed" and lc.engine.zero_stage == 3
         self.reference = (ReferencePolicy(policy, lc.engine.type, zero_stage=lc.engine.zero_stage,
-                                          precision=precision) if lc.reference.enabled else None)
+                                          precision=precision) if lc.reference.enabled and not zero3 else None)
         self.engine = build_train_engine(
             policy, type=lc.engine.type, lr=lc.lr,
             warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay, grad_clip=lc.grad_clip,
@@ -296,6 +326,9 @@ class LearnerService(Service):
             schedule=lc.lr_schedule, decay_steps=lc.optimizer_updates,
             min_lr_ratio=lc.min_lr_ratio,
         )
+        if lc.reference.enabled and zero3:
+            assert isinstance(self.engine, DeepSpeedTrainEngine)
+            self.reference = ReferencePolicy.after_zero3_engine(self.engine, precision=precision)
         self.precision = precision
         self.plan = StepPlan(micro_batch_tokens=lc.micro_batch_tokens, minibatches=lc.ppo.minibatches,
                              epochs=lc.ppo.epochs)
@@ -649,6 +682,8 @@ class LearnerService(Service):
 
     # ------------------------------------------------------------------ weights and checkpoints
     async def _publish_weights(self) -> None:
+        if self.delta is not None:
+            self.anchor_request_seen = await honour_anchor_request(self.bus, self.delta, self.anchor_request_seen)
         path = await asyncio.to_thread(self._save_weights, self.version)
         # The gate first: the store judges a trajectory's behaviour versions against the gate's
         # version, so no rollout may sample with a version the gate has not reached. A learner

@@ -62,6 +62,8 @@ log = logging.getLogger("trajmesh.rollout")
 TRAJECTORIES = Counter("trajmesh_rollout_trajectories_total", "Trajectories published", ["terminal_reason"])
 WEIGHT_UPDATES = Counter("trajmesh_rollout_weight_updates_total", "Weight versions loaded")
 WEIGHT_UPDATE_FAILURES = Counter("trajmesh_rollout_weight_update_failures_total", "Weight versions that failed to load")
+ANCHOR_REQUESTS_SENT = Counter("trajmesh_rollout_weight_anchor_requests_total",
+                               "Full anchors asked of the learner after a version could not be rebuilt")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_rollout_weight_sync_seconds",
                                 "Rebuild (weights.sync delta) + pause + load + continue time")
 POLICY_VERSION = Gauge("trajmesh_rollout_policy_version", "Weights version loaded in the engine")
@@ -308,7 +310,12 @@ class RolloutService(Service):
             # Its anchor path failed too (or ran past the deadline): the engine keeps its weights;
             # the next version is tried from scratch (a new anchor heals a broken delta chain).
             WEIGHT_UPDATE_FAILURES.inc()
-            log.error("could not rebuild weights v%d: %s; waiting for the next version", ann.version, exc)
+            log.error("could not rebuild weights v%d: %s; asking for a full anchor", ann.version, exc)
+            try:  # the learner's next version is then a full file, not a delta on the broken chain
+                await self._live_bus().request_anchor(self.worker_id, int(ann.version))
+                ANCHOR_REQUESTS_SENT.inc()
+            except (nats.errors.Error, asyncio.TimeoutError) as req_exc:
+                log.warning("anchor request failed (%r); the next periodic anchor heals it", req_exc)
             return
         self.pause.pause()
         engine = self._live_engine()

@@ -32,6 +32,7 @@ unprefixed constants below; the :class:`Bus` applies the namespace.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import ssl
@@ -53,6 +54,7 @@ from prometheus_client import Counter
 __all__ = [
     "BLOB_HEADER",
     "KV_WEIGHTS",
+    "KV_ANCHOR_REQUEST_KEY",
     "KV_WEIGHTS_KEY",
     "OBJ_BLOBS",
     "STREAM_EVAL",
@@ -93,6 +95,9 @@ EVAL_HISTORY = 100_000
 # Weight announcements for late joiners: KV bucket and its single key.
 KV_WEIGHTS = "trajmesh_weights"
 KV_WEIGHTS_KEY = "latest"
+KV_ANCHOR_REQUEST_KEY = "anchor_request"
+"""A rollout that could rebuild no version from the current anchor (``weights.sync: delta``) asks
+for a full anchor here; each request is a new revision of the key (`Bus.request_anchor`)."""
 # Object store for payloads above the server's max_payload.
 OBJ_BLOBS = "trajmesh_blobs"
 
@@ -613,6 +618,23 @@ class Bus:
                 _log.warning("announcing weights v%d failed (%s); retrying in %.1f s", version, err, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def request_anchor(self, worker: str, version: int) -> int:
+        """Asks the learner to make its next version a full anchor (``weights.sync: delta``): a
+        rollout whose rebuild of `version` failed from its anchor too. Returns the request's KV
+        revision; the learner honours each revision once (`anchor_request_revision`)."""
+        kv = await self._ensure_kv()
+        body = json.dumps({"worker": worker, "version": int(version), "unix_seconds": time.time()})
+        return int(await kv.put(KV_ANCHOR_REQUEST_KEY, body.encode()))
+
+    async def anchor_request_revision(self) -> int:
+        """The KV revision of the latest anchor request (0: none was made)."""
+        kv = await self._ensure_kv()
+        try:
+            entry = await kv.get(KV_ANCHOR_REQUEST_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return 0
+        return int(entry.revision or 0)
 
     async def latest_weights(self) -> bytes | None:
         """The latest announcement from the KV bucket, None if no version was published yet."""

@@ -147,7 +147,8 @@ class DeltaWriter:
     Per version: ``begin`` (a fresh directory), ``add`` per tensor in file order, ``finish`` (the
     manifest; returns the full file's sha256), then ``commit`` with the directory's final name once
     it is in place. A version not committed (``abort``, or an error) leaves no base: the next is an
-    anchor. So is the first, and every ``anchor_every``-th after an anchor."""
+    anchor. So is the first, every ``anchor_every``-th after an anchor, and the one after
+    ``anchor_next``."""
 
     def __init__(self, anchor_every: int, level: int = 1, threads: int = 4) -> None:
         if anchor_every < 1:
@@ -161,6 +162,7 @@ class DeltaWriter:
         self._base_name: str | None = None
         self._anchor_name: str | None = None
         self._since_anchor = 0
+        self._anchor_next = False
         self._open: dict[str, Any] | None = None
         self.last_bytes_written = 0
         """Bytes of weight files (full file, delta file) the last ``finish`` wrote."""
@@ -168,7 +170,7 @@ class DeltaWriter:
     def begin(self, out_dir: str | os.PathLike[str], header: bytes, version: int) -> None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        anchor = self._base_name is None or self._since_anchor + 1 >= self.anchor_every
+        anchor = self._base_name is None or self._since_anchor + 1 >= self.anchor_every or self._anchor_next
         full = open(out / SAFETENSORS_NAME, "wb") if anchor else None  # noqa: SIM115 - closed in finish/abort
         if full is not None:
             full.write(header)
@@ -249,10 +251,16 @@ class DeltaWriter:
         assert st is not None, "commit() before finish()"
         self._base, self._base_sha, self._base_name = st["next"], st["next_sha"], name
         if st["anchor"]:
-            self._anchor_name, self._since_anchor = name, 0
+            self._anchor_name, self._since_anchor, self._anchor_next = name, 0, False
         else:
             self._since_anchor += 1
         self._open = None
+
+    def anchor_next(self) -> None:
+        """The next version written is a full anchor (on demand: a rollout could rebuild no version
+        from the current anchor, `bus.Bus.request_anchor`); the count to the next periodic one
+        restarts from it."""
+        self._anchor_next = True
 
     def abort(self) -> None:
         """Drops the version under way; the base is gone (partly replaced): the next is an anchor."""

@@ -180,7 +180,8 @@ def test_the_term_keeps_kl_to_the_reference_under_a_bound_the_run_without_it_exc
 # ------------------------------------------------------------------ ZeRO-3: sharded like the policy
 
 @pytest.mark.slow  # ~30 s on a loaded 2-core machine (DeepSpeed's start, two ZeRO-3 engines)
-def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_from_its_shards() -> None:
+@pytest.mark.parametrize("built", ["copied_before", "partitioned_after"])
+def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_from_its_shards(built: str) -> None:
     pytest.importorskip("deepspeed")
     from tiny_llama import tiny_llama
 
@@ -193,9 +194,12 @@ def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_fro
     created = ensure_distributed("gloo")
     try:
         policy = PolicyLogprobs(tiny_llama())
-        ref = ReferencePolicy(policy, "deepspeed", zero_stage=3, precision="fp32")
+        if built == "copied_before":  # a whole copy, then partitioned by its own deepspeed.initialize
+            ref = ReferencePolicy(policy, "deepspeed", zero_stage=3, precision="fp32")
         engine = build_train_engine(policy, type="deepspeed", zero_stage=3, lr=3e-2, warmup_steps=0,
                                     weight_decay=0.0, grad_clip=1.0, seed=0)
+        if built == "partitioned_after":  # never whole: zero.Init, then the policy's own partitions
+            ref = ReferencePolicy.after_zero3_engine(engine)
         pairs = ref._pairs(engine)
         assert pairs and all(hasattr(r, "ds_id") and r.ds_tensor.numel() == p.ds_tensor.numel()
                              for r, p in pairs)
@@ -215,3 +219,24 @@ def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_fro
     finally:
         if created:
             shutdown_distributed()
+
+
+@pytest.mark.slow  # ~20 s (DeepSpeed's start, two ZeRO-3 engines)
+def test_the_learner_service_builds_its_zero3_reference_from_the_engines_partitions(tmp_path: Path) -> None:
+    """Under ZeRO-3 the learner service builds the reference after its engine
+    (`ReferencePolicy.after_zero3_engine`): the first step's KL is exactly 0 (the reference holds
+    the initial weights, copied from the policy's partitions) and a trained step's is not."""
+    pytest.importorskip("deepspeed")
+    from trajmesh.learner.train_engine import shutdown_distributed
+
+    svc = _service(tmp_path, _model_dir(tmp_path), "run", **{"learner.engine.type": "deepspeed",
+                                                             "learner.engine.zero_stage": 3,
+                                                             "learner.reference.kl_coef": 0.1})
+    try:
+        assert svc.reference is not None and svc.reference.zero3
+        assert all(hasattr(p, "ds_id") for p in svc.reference.module.module.parameters())
+        metrics = _steps(svc, 0, 2)
+        assert metrics[0]["trajmesh_learner_reference_kl_k3"] == 0.0
+        assert metrics[1]["trajmesh_learner_reference_kl_k3"] > 0.0
+    finally:
+        shutdown_distributed()

@@ -265,3 +265,69 @@ def test_zero3_delta_export_gathers_each_module_and_rebuilds_the_full_export(tmp
             shutdown_distributed()
     manifest = json.loads((tmp_path / "v000002-0" / MANIFEST_NAME).read_text())
     assert [t["name"] for t in manifest["tensors"] if "delta" in t] == ["model.norm.weight"]
+
+
+def _write(model: torch.nn.Module, writer: DeltaWriter, root: Path, v: int) -> Path:
+    """One published version, as the learner writes it (temp dir, rename, commit)."""
+    tmp = root / f".v{v:06d}.tmp"
+    export_policy(model, tmp, dtype=torch.bfloat16, delta=writer, version=v)
+    final = root / f"v{v:06d}-{v}"
+    os.replace(tmp, final)
+    writer.commit(final.name)
+    return final
+
+
+def test_a_rollout_that_cannot_rebuild_asks_for_an_anchor_and_the_next_version_is_one(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path, nats_server) -> None:
+    """The anchor v4 unreadable: a pod with nothing local cannot rebuild v5 (anchor + delta) by
+    any path. The rollout's weight load asks for a full anchor over NATS (KV); the learner's next
+    version is then an anchor (far from its anchor_every) and the one after a delta again, and a
+    fresh pod rebuilds the anchor with nothing local."""
+    from trajmesh import bus as busmod
+    from trajmesh.services import learner as learner_mod
+
+    dirs = _copy(published, tmp_path / "weights")
+    blob = bytearray((dirs[4] / SAFETENSORS_NAME).read_bytes())
+    blob[-5] ^= 0xFF  # one byte of the anchor's full file
+    (dirs[4] / SAFETENSORS_NAME).write_bytes(bytes(blob))
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "weights.sync": "delta",
+                             "weights.local_dir": str(tmp_path / "local")})
+    svc = RolloutService(cfg, replica=0)
+    svc.version = 0  # the base model, as setup() leaves it
+    sent = REGISTRY.get_sample_value("trajmesh_rollout_weight_anchor_requests_total") or 0.0
+    honoured = REGISTRY.get_sample_value("trajmesh_learner_weight_anchor_requests_total") or 0.0
+    torch.manual_seed(1)
+    model = tiny_llama()
+    writer = DeltaWriter(100)  # a periodic anchor only every 100 versions
+    out = tmp_path / "learner-weights"
+    out.mkdir()
+
+    async def go() -> list[bool]:
+        svc.bus = await busmod.connect(nats_server.url, name="rollout")
+        learner_bus = await busmod.connect(nats_server.url, name="learner")
+        anchors = []
+        try:
+            assert await learner_bus.anchor_request_revision() == 0
+            seen = await learner_mod.honour_anchor_request(learner_bus, writer, 0)
+            assert seen == 0
+            first = _write(model, writer, out, 1)  # the first version: an anchor (no base)
+            await svc._load_weights(trajectory_pb2.WeightsAnnouncement(version=5, path=str(dirs[5])))
+            assert svc.version == 0  # nothing loaded: the engine keeps its weights
+            for v in (2, 3):
+                seen = await learner_mod.honour_anchor_request(learner_bus, writer, seen)
+                with torch.no_grad():
+                    next(model.parameters()).add_(1e-3)
+                anchors.append(json.loads((_write(model, writer, out, v) / MANIFEST_NAME).read_text())["anchor"])
+            assert json.loads((first / MANIFEST_NAME).read_text())["anchor"]
+        finally:
+            await svc.bus.close()
+            await learner_bus.close()
+        return anchors
+
+    assert asyncio.run(go()) == [True, False]  # v2 on demand, v3 a delta on it
+    assert REGISTRY.get_sample_value("trajmesh_rollout_weight_anchor_requests_total") == sent + 1
+    assert REGISTRY.get_sample_value("trajmesh_learner_weight_anchor_requests_total") == honoured + 1
+    fresh = LocalWeights(tmp_path / "fresh")
+    v2 = next(out.glob("v000002-*"))
+    assert (fresh.prepare(v2) / SAFETENSORS_NAME).is_file()
+    assert (v2 / SAFETENSORS_NAME).is_file()  # a full file in the on-demand anchor
