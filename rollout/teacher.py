@@ -53,6 +53,11 @@ TEACHER_FAILURES = Counter("trajmesh_rollout_teacher_failures_total",
                            ["teacher", "reason"])
 
 
+FAILURE_REASONS = ("too_long", "unavailable")
+"""Why a teacher could not score a trajectory: a sequence past its context, or requests failing
+for longer than ``distill.retry_s``."""
+
+
 def teacher_identity(t: TeacherConfig) -> str:
     """``name@revision``: the name (default: the model directory's last part, else the source) and
     the revision (default: the first 16 hex digits of model.safetensors' sha256, as the manifest's
@@ -90,6 +95,9 @@ class Teacher:
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._loop_task: asyncio.Task[None] | None = None
         self._sends: set[asyncio.Task[None]] = set()
+        for reason in FAILURE_REASONS:  # exported at 0, so rates exist before the first failure
+            TEACHER_FAILURES.labels(self.identity, reason)
+        TEACHER_TOKENS.labels(self.identity)
 
     async def start(self) -> None:
         """Reads the teacher's context length and starts the batching loop."""

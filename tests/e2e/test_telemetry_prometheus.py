@@ -69,6 +69,9 @@ def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
         "learner.checkpoint_every": 1000,
         # The evaluator too (its gauges feed the overview's held-out panels and an alert).
         "eval.in_mesh": True, "eval.samples": 1, "eval.noise_seeds": 0, "eval.every_versions": 2,
+        # A distillation teacher (the model itself; coef 0: the scores leave training as it was)
+        # feeds the rollout dashboard's teacher panels.
+        "distill": {"teachers": [{"source": "chain_sum", "model_path": model_dir}], "coef": 0.0},
     })
 
 

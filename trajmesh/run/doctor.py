@@ -131,6 +131,10 @@ def gpu_requests(values: dict[str, Any]) -> dict[str, tuple[int, int]]:
     le = values.get("learner", {})
     if le.get("enabled", True) and int(le.get("gpus", 0)) > 0:
         out["learner"] = (int(le["gpus"]), int(le.get("replicaCount", 1)))
+    defaults = values.get("teacherDefaults", {})
+    for t in values.get("teachers") or []:  # distillation teachers: an SGLang server each
+        merged = {**defaults, **t}
+        out[f"teacher-{t['name']}"] = (int(merged.get("gpus", 1)), int(merged.get("replicaCount", 1)))
     return out
 
 

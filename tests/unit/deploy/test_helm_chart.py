@@ -236,7 +236,8 @@ def test_gpu_only_where_expected(case: str) -> None:
         comp = _component(obj)
         gpu_containers = [c["name"] for c in pod["containers"]
                           if "nvidia.com/gpu" in json.dumps(c.get("resources", {}))]
-        gpu_wanted = comp in GPU_COMPONENTS and not (
+        teachers = {f"teacher-{t['name']}": t for t in vals.get("teachers", [])}  # an SGLang server each
+        gpu_wanted = comp in teachers or comp in GPU_COMPONENTS and not (
             (comp == "rollout" and vals.get("rollout", {}).get("engine") == "torch")
             or (comp == "learner" and vals.get("learner", {}).get("gpus") == 0))
         if not gpu_wanted:
@@ -250,7 +251,7 @@ def test_gpu_only_where_expected(case: str) -> None:
                 assert int(res["requests"]["nvidia.com/gpu"]) == int(res["limits"]["nvidia.com/gpu"]) >= 1
         shm = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
         assert shm and shm[0]["emptyDir"]["sizeLimit"], (case, comp)
-        assert ("runtimeClassName" in pod) == bool(vals.get(comp, {}).get("runtimeClassName"))
+        assert ("runtimeClassName" in pod) == bool({**vals.get(comp, {}), **teachers.get(comp, {})}.get("runtimeClassName"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -258,8 +259,8 @@ def test_probes_on_named_metrics_port(case: str) -> None:
     for obj in _objects(case):
         pod = _pod_spec(obj)
         comp = _component(obj)
-        if pod is None or comp in {"nats", "redis", "test", "provision"}:
-            continue
+        if pod is None or comp in {"nats", "redis", "test", "provision"} or comp.startswith("teacher-"):
+            continue  # a teacher pod is SGLang alone (test_distillation_teachers_are_sglang_services)
         mesh = next(c for c in pod["containers"] if c["name"] == comp)
         assert any(p["name"] == "metrics" for p in mesh["ports"])
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -293,8 +294,8 @@ def test_sglang_probes_never_generate_and_the_agent_waits_as_long(case: str) -> 
     wait equals SGLang's startup allowance, and the agent's own startup probe covers it."""
     for obj in _objects(case):
         pod = _pod_spec(obj)
-        if pod is None or "sglang" not in [c["name"] for c in pod["containers"]]:
-            continue
+        if pod is None or "sglang" not in [c["name"] for c in pod["containers"]] or _component(obj).startswith("teacher-"):
+            continue  # a teacher never pauses for weight loads (test_distillation_teachers_are_sglang_services)
         sglang = next(c for c in pod["containers"] if c["name"] == "sglang")
         agent = next(c for c in pod["containers"] if c["name"] == "rollout")
         for probe in ("readinessProbe", "livenessProbe"):
@@ -306,6 +307,39 @@ def test_sglang_probes_never_generate_and_the_agent_waits_as_long(case: str) -> 
         wait_s = _run_config(case)["rollout"]["engine"]["startup_timeout_s"]
         assert wait_s == _allowance_s(sglang["startupProbe"]) >= 600
         assert _allowance_s(agent["startupProbe"]) >= wait_s
+
+
+def test_distillation_teachers_are_sglang_services() -> None:
+    """Each teachers[] entry (ci/gpu-cluster-values.yaml has one) renders an SGLang Deployment on
+    GPUs of its own, fetching its own model, and a Service; the run config's distill.teachers names
+    that Service's URL, the source, the name and the revision, and loads as a RunConfig."""
+    from trajmesh.config import RunConfig
+
+    (t,) = _values("gpu-cluster")["teachers"]
+    objs = _objects("gpu-cluster")
+    comp = f"teacher-{t['name']}"
+    dep = next(o for o in objs if o["kind"] == "Deployment" and _component(o) == comp)
+    svc = next(o for o in objs if o["kind"] == "Service" and _component(o) == comp)
+    pod = dep["spec"]["template"]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert pod["metadata"]["labels"]["trajmesh.io/mesh"] == "true"  # the mesh NetworkPolicy lets rollouts in
+    (sglang,) = pod["spec"]["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in sglang["args"] if "=" in a)
+    target = "/models/hf/" + t["model"]["source"].removeprefix("hf://")
+    assert args["model-path"] == target and args["tp-size"] == str(t["tensorParallelSize"])
+    assert int(sglang["resources"]["limits"]["nvidia.com/gpu"]) == t["gpus"]
+    (fetch,) = pod["spec"]["initContainers"]
+    env = {e["name"]: e.get("value") for e in fetch["env"]}
+    assert (env["REPO_ID"], env["REVISION"], env["TARGET"]) == (t["model"]["source"].removeprefix("hf://"),
+                                                                t["model"]["revision"], target)
+    assert sglang["readinessProbe"]["httpGet"]["path"] == "/model_info"
+    port = svc["spec"]["ports"][0]["port"]
+    cfg = RunConfig.model_validate(_run_config("gpu-cluster"))
+    (taught,) = cfg.distill.teachers
+    assert taught.url == f"http://{svc['metadata']['name']}.{NAMESPACE}.svc:{port}"
+    assert (taught.type, taught.source, taught.name, taught.revision) == ("sglang", t["source"], t["name"],
+                                                                          t["model"]["revision"])
+    assert not RunConfig.model_validate(_run_config("default")).distill.teachers
 
 
 def _sglang_dtypes(objects: list[dict[str, Any]]) -> list[str]:
