@@ -14,7 +14,8 @@
   model (``learner.reference``, learner/reference.py) adds to a rank's peak memory under ZeRO-3 over
   what it adds under ZeRO-0, 2 ranks (DeepSpeed, gloo), one step with the KL term on: each rank's
   peak RSS rise over building the engine (and reference) and stepping, reference on minus off, at a
-  128 MiB fp32 model (Llama, 4k vocabulary, d = 512, 12 layers). ``copied``: the reference
+  513 MiB fp32 model (Llama, 8k vocabulary, d = 1024, 12 layers); and the reference's parameter
+  bytes each rank holds (exact: its tensors, ZeRO-3 partitions). ``copied``: the reference
   deep-copied from the policy before the engine; ``partitioned``: built after it under
   ``deepspeed.zero.Init`` (what the learner does under ZeRO-3). A partitioned copy is half of a
   whole one on 2 ranks (report, no goal).
@@ -185,10 +186,10 @@ def _rank_child(steps: int) -> None:
         print(json.dumps({"tokens": tokens, "seconds": seconds, "world": dist.get_world_size()}))
 
 
-REF_MODEL = {"vocab": 4096, "hidden": 512, "layers": 12}
-"""The reference figure's model: 33.6M parameters, 128 MiB in fp32, its largest tensor (the tied
-embedding) 6 % of it, as in a 7B model (Qwen2.5-7B: 545M of 7.6B); a model whose embedding dominates
-would measure the one tensor ``zero.Init`` must still allocate whole before partitioning it."""
+REF_MODEL = {"vocab": 8192, "hidden": 1024, "layers": 12}
+"""The reference figure's model: 134M parameters, 513 MiB in fp32 (large enough that the reference
+stands out of DeepSpeed's RSS noise, about ±100 MiB at 128 MiB), its largest tensor (the tied
+embedding) 6 % of it, as in a 7B model (Qwen2.5-7B: 545M of 7.6B)."""
 
 
 def _ref_child(zero_stage: int, reference: str) -> None:
@@ -212,6 +213,7 @@ def _ref_child(zero_stage: int, reference: str) -> None:
 
     held: list[object] = []
     kl_first: list[float] = []
+    ref_bytes: list[int] = []
 
     def build_and_step() -> None:
         policy = PolicyLogprobs(_llama(REF_MODEL["vocab"], REF_MODEL["hidden"], REF_MODEL["layers"]))
@@ -223,6 +225,7 @@ def _ref_child(zero_stage: int, reference: str) -> None:
         m = step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), step.StepPlan(micro_batch_tokens=1024),
                              temperature=1.0, version=0, max_lag=3, reference=ref, kl=kl if ref else None)
         kl_first.append(float(m.get("trajmesh_learner_reference_kl_k3", 0.0)))
+        ref_bytes.append(0 if ref is None else sum(int(t.numel()) * t.element_size() for t in ref._tensors().values()))
         held.extend([engine, ref])  # alive after the step, as in the learner
 
     gc.collect()
@@ -231,7 +234,8 @@ def _ref_child(zero_stage: int, reference: str) -> None:
     gc.collect()
     torch.distributed.barrier()
     print(json.dumps({"peak_rise_bytes": rise, "held_bytes": _rss_bytes() - before,
-                      "rank": torch.distributed.get_rank(), "reference_kl_k3_first_step": kl_first[0]}))
+                      "rank": torch.distributed.get_rank(), "reference_kl_k3_first_step": kl_first[0],
+                      "reference_parameter_bytes": ref_bytes[0]}))
 
 
 def _world(world: int, *child_args: str) -> list[dict[str, float]]:
@@ -260,10 +264,12 @@ def _reference_memory() -> None:
     cells = [(0, "off"), (0, "copied"), (3, "off"), (3, "copied"), (3, "partitioned")]
     rise: dict[tuple[int, str], float] = {}
     held: dict[tuple[int, str], float] = {}
+    held_params: dict[tuple[int, str], float] = {}
     for zero, ref in cells:
         ranks = _world(2, "--ref-child", "--zero", str(zero), "--reference", ref)
         rise[zero, ref] = max(r["peak_rise_bytes"] for r in ranks)
         held[zero, ref] = max(r["held_bytes"] for r in ranks)
+        held_params[zero, ref] = max(r["reference_parameter_bytes"] for r in ranks)
         if ref != "off" and any(r["reference_kl_k3_first_step"] != 0.0 for r in ranks):
             raise RuntimeError(f"ZeRO-{zero} {ref}: the first step's KL to the reference is not 0: {ranks}")
     params = sum(p.numel() for p in _llama(REF_MODEL["vocab"], REF_MODEL["hidden"], REF_MODEL["layers"]).parameters())
@@ -272,6 +278,8 @@ def _reference_memory() -> None:
           + ", ".join(f"ZeRO-{z} reference {ref} {rise[z, ref] * mib:.0f} MiB" for z, ref in cells))
     added = {(z, ref): rise[z, ref] - rise[z, "off"] for z, ref in cells if ref != "off"}
     added_held = {(z, ref): held[z, ref] - held[z, "off"] for z, ref in cells if ref != "off"}
+    print("reference parameters held per rank (exact): "
+          + ", ".join(f"ZeRO-{z} {ref} {held_params[z, ref] * mib:.0f} MiB" for z, ref in cells if ref != "off"))
     print("reference adds per rank, at the peak / resident after the step: "
           + ", ".join(f"ZeRO-{z} {ref} {added[z, ref] * mib:.0f} / {added_held[z, ref] * mib:.0f} MiB"
                       for z, ref in added))

@@ -6,7 +6,10 @@ taken before the train engine wraps the policy, placed like the policy:
 * torch engine: the module itself (under bf16 autocast when the engine trains in bf16), no grad;
 * DeepSpeed engine: a second ``deepspeed.initialize`` without an optimizer, with the policy's ZeRO
   stage and bf16 setting, so under ZeRO-3 its parameters are partitioned over the ranks exactly as
-  the policy's are (each rank holds the same slice of each parameter of both).
+  the policy's are (each rank holds the same slice of each parameter of both). Under ZeRO-3 the
+  learner service builds it after the policy's engine instead
+  (:meth:`ReferencePolicy.after_zero3_engine`): a skeleton created under ``deepspeed.zero.Init``,
+  filled from the policy's partitions, so no rank copies the whole module.
 
 Its log-probs come from :func:`trajmesh.learner.step.proximal_logprobs` (no grad, eval mode,
 micro-batched, collective-balanced over ranks). :meth:`reset_from` copies the policy's current
@@ -94,9 +97,10 @@ class ReferencePolicy:
     def after_zero3_engine(cls, engine: DeepSpeedTrainEngine, *, precision: str = "fp32") -> ReferencePolicy:
         """ZeRO-3 without a whole copy on any rank: the reference is built after the policy's engine,
         its parameters partitioned as they are created (``deepspeed.zero.Init``), then filled from
-        the policy's partitions by :meth:`reset_from` (version 0, no communication). Each rank then
-        holds 1/world of the reference at every moment, where a copy taken before the engine holds
-        all of it until DeepSpeed partitions it (bench/bench_learner.py measures both)."""
+        the policy's partitions by :meth:`reset_from` (version 0, no communication). A rank then
+        holds its partitions and, while the skeleton is built, one whole parameter at a time, where
+        a copy taken before the engine is the whole module on every rank until DeepSpeed partitions
+        it (bench/bench_learner.py builds both; on CPU its peak RSS is too noisy to tell them apart)."""
         import deepspeed
 
         from trajmesh.learner.logprobs import PolicyLogprobs
