@@ -239,7 +239,8 @@ def _ref_child(zero_stage: int, reference: str) -> None:
 
 
 def _world(world: int, *child_args: str) -> list[dict[str, float]]:
-    """Runs `world` ranks of this file with `child_args`; each rank's last JSON line, by rank."""
+    """Runs `world` ranks of this file with `child_args`; each rank's last JSON line ({} for a rank
+    that prints none), by rank."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
@@ -256,7 +257,7 @@ def _world(world: int, *child_args: str) -> list[dict[str, float]]:
                 p.wait()
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError(f"a rank failed: exit codes {[p.returncode for p in procs]}")
-    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    return [json.loads(lines[-1]) if (lines := out.strip().splitlines()) else {} for out in outs]
 
 
 def _reference_memory() -> None:
@@ -296,23 +297,7 @@ def _free_port() -> int:
 
 def _ranks_tokens_per_s(world: int, steps: int = RANK_STEPS) -> float:
     """Tokens/s of a `world`-rank learner (processes of this file, torch.distributed environment)."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-child", "--steps", str(steps)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-    try:
-        outs = [p.communicate(timeout=1800)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"a rank failed: exit codes {[p.returncode for p in procs]}")
-    result = json.loads(outs[0].strip().splitlines()[-1])
+    result = _world(world, "--rank-child", "--steps", str(steps))[0]
     return float(result["tokens"]) / float(result["seconds"])
 
 
