@@ -458,6 +458,45 @@ def test_scored_sequences_equal_the_learners_logprobs(engine, model_and_tokenize
         assert max(abs(a - b) for a, b in zip(g, w, strict=True)) < tol
 
 
+def test_a_teacher_on_the_engine_scores_a_sampled_trajectory(engine, model_and_tokenizer):
+    """The rollout's `Teacher` (rollout/teacher.py) on this engine, as `distill.teachers` runs it with
+    `type: torch|sglang|vllm`: a trajectory the engine itself sampled (prompt, then 12 tokens at
+    T = 1) gets the engine's log-prob of every sampled token, equal to the learner's forward; the
+    prompt's tokens get 0."""
+    from trajmesh.config import DistillConfig, TeacherConfig
+    from trajmesh.contract import Trajectory
+    from trajmesh.rollout.teacher import Teacher
+
+    model, tok = model_and_tokenizer
+    prompt = _prompt(tok, "34-5+6=")
+    kind = {"torch": "torch", "vllm": "vllm", "sglang": "sglang"}[engine["kind"]]
+    cfg = TeacherConfig(source="s", type=kind, url=engine["url"], revision="conformance")
+
+    async def go():
+        teacher = Teacher(cfg, _client(engine), DistillConfig(teachers=[cfg]))
+        await teacher.start()
+        try:
+            out = await teacher.engine.generate(prompt, {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True})
+            traj = Trajectory.new(trajectory_id="t")
+            traj.pb.task_id = "task"
+            traj.append_prompt(prompt)
+            traj.append_sampled(out.output_ids, out.logprobs, 0)
+            traj.finish(trajectory_pb2.MAX_TOKENS)
+            await teacher.score_trajectory(traj)
+            return traj
+        finally:
+            await teacher.close()
+
+    traj = _run(go())
+    sampled = list(traj.pb.token_ids)[len(prompt):]
+    want = _learner_logprobs(model, prompt, sampled, 1.0)
+    got = list(traj.pb.teacher_logprobs)
+    tol = 1e-4 if engine["kind"] != "sglang" else 2e-2
+    assert traj.pb.teacher == "s@conformance" and len(got) == len(prompt) + len(sampled) == len(prompt) + 12
+    assert got[:len(prompt)] == [0.0] * len(prompt)
+    assert max(abs(a - b) for a, b in zip(got[len(prompt):], want, strict=True)) < tol
+
+
 def test_sampling_seed_reproduces_tokens(engine, model_and_tokenizer):
     _, tok = model_and_tokenizer
     prompt, other = _prompt(tok, "7+8-9="), _prompt(tok, "1=")
