@@ -68,6 +68,8 @@ def _config(run_dir: Path) -> RunConfig:
         # regression on it is what stops the run (the test's timeouts bound it).
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": UNREACHABLE_STEPS,
         "learner.max_seconds": 86_400, "learner.checkpoint_every": 50,
+        # lr 1e-6: the trained policy barely moves, so only the injected worse one falls by the margin
+        "learner.lr": 1e-6,
         "eval.in_mesh": True, "eval.every_versions": 2, "eval.samples": 2, "eval.samples_during": 1,
         "eval.noise_seeds": 0, "eval.selection_metric": "greedy",
         "eval.stop_regression_margin": 0.3, "eval.stop_confirmations": 1,
