@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import nats.errors
 import pytest
@@ -24,6 +25,24 @@ def _retries() -> float:
     return busmod.PUBLISH_RETRIES.labels(subject=busmod.SUBJECT_TRAJ_GRADED)._value.get()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP the server and return once every one of its threads is stopped: a signal is only
+    pending until each thread next enters the kernel, and a thread still running could take and
+    ack the publish that should have met a stalled server."""
+    os.kill(pid, signal.SIGSTOP)
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that exited
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.001)
+
+
 def test_a_publish_timed_out_by_a_stall_is_retried_and_stored_once(nats_server: NatsServer) -> None:
     pid = nats_server.pid
     assert pid is not None
@@ -32,7 +51,7 @@ def test_a_publish_timed_out_by_a_stall_is_retried_and_stored_once(nats_server: 
         grader = await busmod.connect(nats_server.url, name="grader")
         await grader.ensure_streams()
         # Without retry_s the stall fails the publish: what the grader did before.
-        os.kill(pid, signal.SIGSTOP)
+        _stop(pid)
         try:
             with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
                 await grader.publish(busmod.SUBJECT_TRAJ_GRADED, b"first", msg_id="graded-t0")
