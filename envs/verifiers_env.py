@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import sys
 from typing import Any, Literal
@@ -56,7 +57,8 @@ class VerifiersSource(SourceConfig):
     """The verifiers harness that plays each task (``null``: the plain chat loop; ``bash`` and the
     others give the model tools), run in verifiers' local subprocess runtime."""
     python_path: list[str] = Field(default_factory=list)
-    """Folders prepended to ``sys.path`` before the taskset is imported (where its module lives)."""
+    """Folders prepended to ``sys.path`` before the taskset is imported (where its module lives), and
+    to the ``PYTHONPATH`` of the tool servers verifiers starts for its tasks."""
     budget_s: float = Field(300.0, gt=0)
     """Wall-clock budget of one episode (harness run and rubric); past it the sample ends as
     WALL_TIMEOUT, its calls so far kept, never rewarded."""
@@ -70,6 +72,12 @@ def env_config(taskset: str, taskset_args: dict[str, Any], harness: str, python_
     for folder in reversed(python_path):
         if folder not in sys.path:
             sys.path.insert(0, folder)
+    # verifiers starts a task's tool servers as `python -m <their module>` children of this process
+    # (its subprocess runtime): they import the taskset's module from the same folders
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    missing = [folder for folder in python_path if folder not in paths]
+    if missing:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*missing, *paths]).strip(os.pathsep)
     return vf.SingleAgentEnvConfig.model_validate({
         "taskset": {**taskset_args, "id": taskset},
         "agent": {"harness": {"id": harness}, "runtime": {"type": "subprocess"}}})

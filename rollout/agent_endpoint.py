@@ -234,6 +234,43 @@ def anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def template_renders_tools(chat: ChatFormat) -> bool:
+    """Whether the chat template writes a ``tools`` list into the prompt itself."""
+    probe = [{"type": "function", "function": {"name": "\x00probe\x00", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "x"}]
+    return "\x00probe\x00" in chat.template.render(messages=msgs, tools=probe, add_generation_prompt=True,
+                                                   **chat.special)
+
+
+def render_messages(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool,
+                    *, renders_tools: bool | None = None) -> str:
+    """The chat template's text for canonical messages, as the endpoint prompts the model. Tool calls
+    are written in the model's native format inside the assistant content; a template that does not
+    render tools (`template_renders_tools`, or `renders_tools` when the caller knows) gets them in a
+    Hermes-style system block."""
+    if renders_tools is None:
+        renders_tools = template_renders_tools(chat)
+    msgs = [_native(m) for m in messages]
+    if tools and not renders_tools:
+        block = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        note = ("# Tools\n\nYou may call functions. Signatures:\n<tools>\n" + block + "\n</tools>\n"
+                'Call one as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>')
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
+        else:
+            msgs.insert(0, {"role": "system", "content": note})
+    kwargs = {"tools": tools} if renders_tools else {"tools": None}
+    return str(chat.template.render(messages=msgs, add_generation_prompt=gen, **kwargs, **chat.special))
+
+
+def _native(m: dict[str, Any]) -> dict[str, Any]:
+    if not m.get("tool_calls"):
+        return {"role": m["role"], "content": m["content"]}
+    calls = [ToolCall(f"call_{i}", c["name"], c["arguments"]) for i, c in enumerate(m["tool_calls"])]
+    sep = "\n" if m["content"] else ""
+    return {"role": m["role"], "content": m["content"] + sep + render_tool_calls(calls)}
+
+
 class AgentEndpoint:
     """Sessions, prompt building and generation behind the HTTP routes (``create_app``)."""
 
@@ -256,7 +293,7 @@ class AgentEndpoint:
         """Completions dropped because the agent never received them."""
         self.retryable_answers = 0
         """Calls refused with a retryable 503 / 529 while weights loaded."""
-        self._renders_tools = self._template_renders_tools()
+        self._renders_tools = chat is not None and template_renders_tools(chat)
 
     # ----------------------------------------------------------------- sessions
 
@@ -282,40 +319,11 @@ class AgentEndpoint:
 
     # ----------------------------------------------------------------- rendering
 
-    def _template_renders_tools(self) -> bool:
-        if self.chat is None:
-            return False
-        probe = [{"type": "function", "function": {"name": "\x00probe\x00", "parameters": {}}}]
-        msgs = [{"role": "user", "content": "x"}]
-        return "\x00probe\x00" in self.chat.template.render(messages=msgs, tools=probe, add_generation_prompt=True,
-                                                            **self.chat.special)
-
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool) -> str:
-        """The chat template's text for canonical messages. Tool calls are written in the model's
-        native format inside the assistant content; a template that does not render tools gets
-        them in a Hermes-style system block."""
+        """The chat template's text for canonical messages (`render_messages`)."""
         if self.chat is None:
             raise ApiError(400, "the model has no chat template: use /v1/completions")
-        msgs = [self._native(m) for m in messages]
-        if tools and not self._renders_tools:
-            block = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-            note = ("# Tools\n\nYou may call functions. Signatures:\n<tools>\n" + block + "\n</tools>\n"
-                    'Call one as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>')
-            if msgs and msgs[0]["role"] == "system":
-                msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
-            else:
-                msgs.insert(0, {"role": "system", "content": note})
-        kwargs = {"tools": tools} if self._renders_tools else {"tools": None}
-        return str(self.chat.template.render(messages=msgs, add_generation_prompt=gen, **kwargs,
-                                             **self.chat.special))
-
-    @staticmethod
-    def _native(m: dict[str, Any]) -> dict[str, Any]:
-        if not m.get("tool_calls"):
-            return {"role": m["role"], "content": m["content"]}
-        calls = [ToolCall(f"call_{i}", c["name"], c["arguments"]) for i, c in enumerate(m["tool_calls"])]
-        sep = "\n" if m["content"] else ""
-        return {"role": m["role"], "content": m["content"] + sep + render_tool_calls(calls)}
+        return render_messages(self.chat, messages, tools, gen, renders_tools=self._renders_tools)
 
     # ----------------------------------------------------------------- generation
 

@@ -117,6 +117,23 @@ def store_draws(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {r["task_id"]: r["task_source"] for r in rows if r["task_id"]}
 
 
+def tid_of(archived: str, tasks: dict[str, Any]) -> str:
+    """The task id of an archived row (``<task id>`` or ``<task id>-c<k>``)."""
+    return archived if archived in tasks else archived.rsplit("-", 1)[0]
+
+
+def sampled_turns(ids: list[int], mask: list[int], tok: Any) -> list[str]:
+    """Each sampled span of an archived row decoded (one span per turn)."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(tok.tokenizer.decode(ids[start:i]))
+            start = None
+    return spans
+
+
 def check_no_stale(acct: dict[str, Any], run_dir: str | Path | None = None) -> None:
     """The gate kept the learner's consume-time check quiet: nothing quarantined as stale, and
     nothing cut by the store for arriving too stale to train (`filtered:stale_on_arrival`). With
