@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 VENV_OK := .venv/.installed
 
-.PHONY: setup setup-vllm test test-all lint proto bench demo clean prometheus
+.PHONY: setup setup-vllm setup-verifiers test test-all lint proto bench demo clean prometheus
 
 $(VENV_OK): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -30,6 +30,21 @@ $(VLLM_OK):
 
 setup-vllm: $(VLLM_OK)
 
+# verifiers in its own venv (verifiers 0.4 pins openai < 3; the dev extra's agent frameworks need
+# openai >= 3): the core, the `verifiers` extra and pytest, no torch. `make test` runs the verifiers
+# source's tests in it (docs/ENVIRONMENTS.md, "A verifiers taskset").
+VERIFIERS_PY := .venv-verifiers/bin/python
+VERIFIERS_OK := .venv-verifiers/.installed
+$(VERIFIERS_OK): pyproject.toml
+	test -x $(VERIFIERS_PY) || python3 -m venv .venv-verifiers
+	$(VERIFIERS_PY) -m pip install -q --upgrade pip
+	$(VERIFIERS_PY) -m pip install -q -e '.[verifiers]' 'pytest>=8,<10' 'pytest-timeout>=2.2,<3' \
+	  'pytest-xdist>=3.6,<4' 'hypothesis>=6.100,<7'
+	$(VERIFIERS_PY) -m pip check
+	touch $(VERIFIERS_OK)
+
+setup-verifiers: $(VERIFIERS_OK)
+
 # The Prometheus test needs Debian's `prometheus` (with promtool). As root with apt-get it is installed
 # here; otherwise that one test is skipped with the command to run (under CI=true it fails instead).
 PROM_HINT := sudo apt-get install prometheus
@@ -44,8 +59,9 @@ prometheus:
 # Two workers (pytest-xdist): the meshes (tests/e2e/, tests/slow/) run one after another on one of
 # them, the rest of the suite on both (the scopes: tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: setup setup-vllm prometheus
+test: setup setup-vllm setup-verifiers prometheus
 	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope
+	$(VERIFIERS_PY) -m pytest -m "not slow and not gpu" -q tests/unit/envs/test_env_verifiers.py
 
 test-all: setup setup-vllm prometheus
 	$(PY) -m pytest -m "" -q
