@@ -202,6 +202,41 @@ def test_builders_reject_bad_input(call: Callable[[Trajectory], Any]) -> None:
         call(Trajectory.new(_build_task()))
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    st.lists(st.tuples(st.integers(0, 2**32 - 1), _any_float32, st.integers(-(2**63), 2**63 - 1)), min_size=1,
+             max_size=40),
+    st.sampled_from(["list", "numpy", "one_version"]),
+)
+def test_builders_write_what_per_element_extend_writes(
+    prompt: list[int], sampled: list[tuple[int, float, int]], form: str
+) -> None:
+    """The builders append wire bytes (trajmesh/contract.py `_extend_per_token`): the message is the
+    one `extend` builds, for every uint32 id, float32 log-prob and int64 version, lists or arrays."""
+    ids, logprobs, versions = (list(x) for x in zip(*sampled, strict=True))
+    one = versions[0] if form == "one_version" else None
+    expected = pb.Trajectory(trajectory_id="t")
+    expected.spans.add(span_id="t/0", action_type=pb.PROMPT, token_end=len(prompt))
+    expected.spans.add(span_id="t/1", action_type=pb.TEXT, token_start=len(prompt), token_end=len(prompt) + len(ids),
+                       parent_span_id="t/0")
+    expected.token_ids.extend(prompt + ids)
+    expected.loss_mask.extend([0] * len(prompt) + [1] * len(ids))
+    expected.behavior_logprobs.extend([0.0] * len(prompt) + np.asarray(logprobs, dtype=np.float32).tolist())
+    expected.behavior_versions.extend([-1] * len(prompt) + ([one] * len(ids) if one is not None else versions))
+    expected.prompt_length = len(prompt)
+    traj = Trajectory.new(trajectory_id="t")
+    if form == "numpy":
+        traj.append_prompt(np.array(prompt, dtype=np.int64))
+        traj.append_sampled(np.array(ids, dtype=np.uint32), np.array(logprobs, dtype=np.float32),
+                            np.array(versions, dtype=np.int64))
+    else:
+        traj.append_prompt(prompt)
+        traj.append_sampled(ids, logprobs, one if one is not None else versions)
+    expected.timing.created_unix_seconds = 0.0
+    assert traj.to_bytes() == expected.SerializeToString(deterministic=True)
+
+
 # ---------------------------------------------------------------- wire format
 
 
