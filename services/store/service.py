@@ -248,7 +248,7 @@ class TrajectoryStore(Service):
         GATE_ETA.set(cfg.effective_eta)
         self._export_zero_series()
         server = grpc.aio.server()
-        services_pb2_grpc.add_TrajectoryStoreServicer_to_server(_StoreServicer(self), server)
+        add_store_servicer(_StoreServicer(self), server)
         port = cfg.infra.store_address.rsplit(":", 1)[1]
         security.add_grpc_port(server, f"0.0.0.0:{port}", cfg.infra.security.grpc_tls)
         self.io = _Wiring(r, repo, gate, bus, intake, archive, server)
@@ -806,14 +806,60 @@ class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
     def __init__(self, store: TrajectoryStore) -> None:
         self.store = store
 
-    async def NextBatch(self, request: Any, context: Any) -> services_pb2.NextBatchResponse:  # noqa: N802
+    async def NextBatch(self, request: Any, context: Any) -> bytes:  # noqa: N802
+        """A `NextBatchResponse`, encoded (`batch_response_bytes`; `add_store_servicer` sends it as is)."""
         if request.learner_restarted:
             await self.store.recycle_handed_out(request.learner_version)
         trajs = await self.store.next_batch(
             request.learner_version, request.max_trajectories or 1 << 30, request.timeout_seconds or 5.0
         )
-        return services_pb2.NextBatchResponse(trajectories=[t.pb for t in trajs])
+        return batch_response_bytes(trajs)
 
     async def Report(self, request: Any, context: Any) -> services_pb2.ReportResponse:  # noqa: N802
         await self.store.report(request)
         return services_pb2.ReportResponse()
+
+
+_BATCH_FIELD_KEY = bytes([services_pb2.NextBatchResponse.DESCRIPTOR.fields_by_name["trajectories"].number << 3 | 2])
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def batch_response_bytes(trajs: list[Trajectory]) -> bytes:
+    """The wire bytes of ``NextBatchResponse(trajectories=[t.pb for t in trajs])``, each trajectory
+    serialized once into the repeated field. Building the response message copies every trajectory
+    (~0.25 ms per 4k tokens, the copy then serialized again by gRPC); a batch of 32 took ~13 ms of
+    the store's event loop, this ~1 ms. The learner parses the same bytes (`NextBatchResponse`)."""
+    parts: list[bytes] = []
+    for t in trajs:
+        data = t.pb.SerializeToString()
+        parts += (_BATCH_FIELD_KEY, _varint(len(data)), data)
+    return b"".join(parts)
+
+
+def _serialize_response(response: Any) -> bytes:
+    """gRPC's serializer of the store's replies: bytes already encoded (`batch_response_bytes`) as they are."""
+    return response if isinstance(response, bytes) else bytes(response.SerializeToString())
+
+
+def add_store_servicer(servicer: _StoreServicer, server: Any) -> None:
+    """`services_pb2_grpc.add_TrajectoryStoreServicer_to_server`, with replies serialized by
+    `_serialize_response` (NextBatch answers with encoded bytes). Same service, methods and wire."""
+    handlers = {
+        "NextBatch": grpc.unary_unary_rpc_method_handler(
+            servicer.NextBatch, request_deserializer=services_pb2.NextBatchRequest.FromString,
+            response_serializer=_serialize_response),
+        "Report": grpc.unary_unary_rpc_method_handler(
+            servicer.Report, request_deserializer=services_pb2.ReportRequest.FromString,
+            response_serializer=_serialize_response),
+    }
+    name = services_pb2.DESCRIPTOR.services_by_name["TrajectoryStore"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
