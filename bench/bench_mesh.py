@@ -10,13 +10,17 @@
     service with 16 groups of 4 in flight beat two of each (more processes only compete for CPU).
 
 Prints `mesh_vs_raw_jetstream_ratio` (goal ≥ 0.5). Both sides run on the same NATS server build,
-on this machine, in the same run.
+on this machine, in the same run. It also prints each mesh process's CPU time per trajectory over
+the measured window (Linux /proc: user + system): where the per-trajectory cost is, and whether a
+change cut it. A busy machine disturbs it less than the rates, but it too grows under contention
+(cache, context switches), so compare runs made side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -78,18 +82,46 @@ def _model_dir(root: Path) -> str:
     return str(root)
 
 
-async def play_learner(cfg, seconds: float, warmup: float) -> float:  # type: ignore[no-untyped-def]
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), None where unreadable."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def _mesh_pids(mesh: Mesh) -> dict[str, int | None]:
+    pids: dict[str, int | None] = {p.label: p.popen.pid for p in mesh.procs}
+    pids["nats-server"] = mesh.nats.pid if mesh.nats is not None else None
+    pids["redis"] = mesh.redis.pid if mesh.redis is not None else None
+    pids["bench learner"] = os.getpid()
+    return pids
+
+
+def _cpu_snapshot(pids: dict[str, int | None]) -> dict[str, float | None]:
+    return {name: _cpu_seconds(pid) for name, pid in pids.items()}
+
+
+async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-untyped-def]
+                       pids: dict[str, int | None] | None = None) -> tuple[float, dict[str, float]]:
+    """Trajectories per second reaching the learner over `seconds` after `warmup`, and the CPU
+    milliseconds per trajectory of each process in `pids` over the same window."""
     r = security.redis_client(cfg)
     gate = AsyncStalenessGate.from_config(r, cfg)
     bus = await security.connect_bus(cfg, "learner", name="bench-learner")
     channel = grpc.aio.insecure_channel(cfg.infra.store_address)
     store = services_pb2_grpc.TrajectoryStoreStub(channel)
     version, counted, t0 = 0, 0, None
+    cpu0: dict[str, float | None] = {}
     start = time.perf_counter()
     while True:
         now = time.perf_counter()
         if t0 is None and now - start > warmup:
             t0, counted = now, 0
+            cpu0 = _cpu_snapshot(pids or {})
         if t0 is not None and now - t0 > seconds:
             break
         resp = await store.NextBatch(services_pb2.NextBatchRequest(
@@ -103,10 +135,13 @@ async def play_learner(cfg, seconds: float, warmup: float) -> float:  # type: ig
         await bus.publish_weights(version, ann.SerializeToString())
         await gate.set_version(version)
     elapsed = time.perf_counter() - (t0 or start)
+    cpu1 = _cpu_snapshot(pids or {})
+    cpu_ms = {name: 1e3 * (after - before) / max(counted, 1) for name, after in cpu1.items()
+              if after is not None and (before := cpu0.get(name)) is not None}
     await bus.close()
     await channel.close()
     await r.aclose()
-    return counted / elapsed
+    return counted / elapsed, cpu_ms
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -136,7 +171,7 @@ def main(argv: list[str] | None = None) -> float:
         (Path(cfg.run_dir) / "manifest.json").write_text('{"manifest_id": "bench"}')
         mesh: Mesh = start_mesh(cfg, services=("environment", "store", "grader", "rollout"))
         try:
-            mesh_rate = asyncio.run(play_learner(mesh.cfg, args.seconds, args.warmup))
+            mesh_rate, cpu_ms = asyncio.run(play_learner(mesh.cfg, args.seconds, args.warmup, _mesh_pids(mesh)))
         finally:
             mesh.stop_services()
             mesh.stop_infra()
@@ -145,6 +180,9 @@ def main(argv: list[str] | None = None) -> float:
     print(f"mesh rollout→grader→store→learner batch: {mesh_rate:.1f} trajectories/s "
           f"({args.rollouts} rollout, {args.graders} grader processes, {args.concurrent_tasks} groups of 4 in "
           f"flight per rollout, {args.batch_groups} groups per batch)")
+    mesh_ms = sum(v for k, v in cpu_ms.items() if k != "bench learner")
+    print("CPU ms per trajectory (user + system): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_ms.items())
+          + f"; mesh total (without the bench learner) {mesh_ms:.2f}")
     ratio = mesh_rate / raw
     print(f"mesh_vs_raw_jetstream_ratio={ratio:.3f} (goal >= 0.5)")
     return ratio
