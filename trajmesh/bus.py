@@ -660,13 +660,14 @@ class Bus:
         ephemeral and in memory, and nats-py re-creates it only after two missed idle heartbeats
         (≥ 10 s), retrying each 10 s while JetStream recovers; a rollout meanwhile kept sampling
         with old weights while the learner moved on, and its tasks, admitted at the newer
-        version, were trained stale (issue 16). So once caught up the current value is also read
-        every ``poll_s`` seconds (failures while NATS is down are ignored) and yielded when its
-        revision is newer than the last one yielded.
+        version, were trained stale (issue 16). So the current value is also read every ``poll_s``
+        seconds from the start (failures while NATS is down are ignored) and yielded when its
+        revision is newer than the last one yielded (before the existing value was delivered, only
+        with ``include_current``).
         """
         kv = await self._ensure_kv()
-        # (revision, value) in arrival order; None: the watch delivered the existing value.
-        found: asyncio.Queue[tuple[int, bytes] | None | BaseException] = asyncio.Queue()
+        # (revision, value, from the poll) in arrival order; None: the watch delivered the existing value.
+        found: asyncio.Queue[tuple[int, bytes, bool] | None | BaseException] = asyncio.Queue()
         watcher = await kv.watch(KV_WEIGHTS_KEY)
 
         async def watch() -> None:
@@ -677,7 +678,7 @@ class Bus:
                         continue
                     if entry.operation in ("DEL", "PURGE") or entry.value is None:
                         continue
-                    await found.put((int(entry.revision or 0), bytes(entry.value)))
+                    await found.put((int(entry.revision or 0), bytes(entry.value), False))
             except Exception as exc:  # noqa: BLE001 - raised to the generator's consumer
                 await found.put(exc)
 
@@ -689,9 +690,12 @@ class Bus:
                 except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
                     continue  # NATS down or the key deleted: a later poll (or the watch) sees it
                 if entry.value is not None:
-                    await found.put((int(entry.revision or 0), bytes(entry.value)))
+                    await found.put((int(entry.revision or 0), bytes(entry.value), True))
 
-        tasks = [asyncio.ensure_future(watch())]
+        # The poll runs from the start, not only once the watch has delivered the existing value: a
+        # rollout once never got that marker nor any update from its watch (no error either) and
+        # sampled with its first weights for minutes while the learner published v1, v2, ...
+        tasks = [asyncio.ensure_future(watch()), asyncio.ensure_future(poll())]
         last, seen_current = 0, False
         try:
             while True:
@@ -701,11 +705,12 @@ class Bus:
                 if item is None:
                     if not seen_current:
                         seen_current = True
-                        tasks.append(asyncio.ensure_future(poll()))
                         if caught_up is not None:
                             caught_up.set()
                     continue
-                revision, value = item
+                revision, value, polled = item
+                if polled and not seen_current and not include_current:
+                    continue  # maybe the existing value, maybe newer: the watch orders those
                 if revision <= last:
                     continue  # already yielded (the watch and the poll both saw it), or older
                 last = revision

@@ -233,6 +233,42 @@ def test_weights_kv_serves_late_joiners_and_watchers(nats_server: NatsServer) ->
     _run(body())
 
 
+def test_weights_watch_that_never_delivers_is_covered_by_the_poll(nats_server: NatsServer) -> None:
+    """A rollout's KV watch once delivered neither the existing-value marker nor any update, with no
+    error, and it sampled with its first weights for minutes. The poll runs from the start, so
+    announcements still arrive, only through it (the watch here is one that never yields)."""
+
+    class SilentWatcher:
+        def __aiter__(self) -> SilentWatcher:
+            return self
+
+        async def __anext__(self) -> Any:
+            await asyncio.Event().wait()  # never
+
+        async def stop(self) -> None:
+            return None
+
+    async def body() -> None:
+        learner = await _build_bus(nats_server.url, name="learner")
+        rollout = await _build_bus(nats_server.url, name="rollout-silent")
+        kv = await rollout._ensure_kv()
+
+        async def silent_watch(key: str) -> SilentWatcher:
+            return SilentWatcher()
+
+        kv.watch = silent_watch  # type: ignore[method-assign]
+        watch = rollout.watch_weights(poll_s=0.05)
+        await learner.publish_weights(1, b"announce-v1")
+        assert await anext(watch) == b"announce-v1"
+        await learner.publish_weights(2, b"announce-v2")
+        assert await anext(watch) == b"announce-v2"
+        await watch.aclose()
+        await learner.close()
+        await rollout.close()
+
+    _run(body())
+
+
 def test_large_payload_travels_through_object_store(tmp_path: Path) -> None:
     max_payload = 64 * 1024
     big = os.urandom(5 * max_payload + 123)
