@@ -64,8 +64,26 @@ def grade_episode(ep: Episode, fmt: EpisodeFormat, graders: dict[str, Any]) -> A
     grader = graders.get(kind) or graders.setdefault(kind, make_grader(kind))
     tok = fmt.tokenizer
     sample = Sample(tok.decode(flat), [tok.decode(ids) for ids in turns],
-                    bool(flat) and flat[-1] == tok.eos_token_id, list(ep.state_hashes), ep.terminal_reason)
+                    bool(flat) and flat[-1] == tok.eos_token_id, list(ep.state_hashes), ep.terminal_reason,
+                    ep.final_answer)
     return grader.grade(sample, ep.task)
+
+
+def play_heldout(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any]], params: Any, *, max_turns: int,
+                 samples: int, seed: int) -> list[Episode]:
+    """The episodes of `tasks`: each source's own player for the environments that have one
+    (`trajmesh.plugins.heldout_episodes`), `play_episodes` for the rest."""
+    from trajmesh.plugins import heldout_episodes, load
+
+    players = heldout_episodes()
+    env_of = [str(t.get("environment") or "single_answer") for t in tasks]
+    episodes = play_episodes(policy, fmt, [t for t, e in zip(tasks, env_of, strict=True) if e not in players], params,
+                             max_turns=max_turns, samples=samples, seed=seed)
+    for key, path in players.items():
+        own = [t for t, e in zip(tasks, env_of, strict=True) if e == key]
+        if own:
+            episodes += load(path)(policy, fmt, own, params, samples=samples, seed=seed)
+    return episodes
 
 
 def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any]], *, temperature: float,
@@ -82,7 +100,7 @@ def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any
     if temperature <= GREEDY_EPS:
         samples = 1
     params = fmt.sampling(temperature, top_p, max_new_tokens)
-    episodes = play_episodes(policy, fmt, tasks, params, max_turns=max_turns, samples=samples, seed=seed)
+    episodes = play_heldout(policy, fmt, tasks, params, max_turns=max_turns, samples=samples, seed=seed)
     graders: dict[str, Any] = {}
     correct: dict[str, int] = {t["task_id"]: 0 for t in tasks}
     total, tokens = 0.0, 0

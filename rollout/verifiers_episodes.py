@@ -92,7 +92,24 @@ def outcome_json(trace: Any) -> str:
                     for k, r in trace.rewards.items()},
         "metrics": {k: v for k, v in trace.metrics.items() if v is not None},
         "errors": [f"{e.type}: {e.message}"[:500] for e in trace.errors],
-        "reply": (trace.root_reply or "")[:500]}, sort_keys=True)
+        "reply": trace.last_reply[:500]}, sort_keys=True)
+
+
+async def _play(env: Any, vtask: Any, ctx: Any, budget_s: float) -> tuple[int, str]:
+    """One verifiers episode of `vtask` with the model at `ctx`: its terminal reason (EOS, or
+    WALL_TIMEOUT past `budget_s`) and what the rubric recorded (`outcome_json`, the harness's and
+    the episode's errors added; "" past the budget)."""
+    try:
+        episode = await asyncio.wait_for(env.run_episode(vtask, ctx), timeout=budget_s)
+    except TimeoutError:
+        return trajectory_pb2.WALL_TIMEOUT, ""
+    errors = [f"{e.type}: {e.message}"[:500] for e in episode.errors]
+    traces = list(episode.traces)
+    if not traces:
+        return trajectory_pb2.EOS, json.dumps({"rewards": {}, "metrics": {}, "errors": errors or ["no trace"],
+                                               "reply": ""})
+    out = json.loads(outcome_json(traces[0]))
+    return trajectory_pb2.EOS, json.dumps({**out, "errors": out["errors"] + errors}, sort_keys=True)
 
 
 async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int) -> Trajectory:
@@ -112,18 +129,8 @@ async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int)
     ctx = vf.ModelContext(model=endpoint.model_name, client=vf.EvalClientConfig(
         base_url=f"{agents.endpoint_url}/sessions/{sid}/v1", api_key_var=API_KEY_VAR))
     start = time.monotonic()
-    reason, answer = trajectory_pb2.EOS, ""
     try:
-        episode = await asyncio.wait_for(env.run_episode(vtask, ctx), timeout=float(meta.get("budget_s", 300.0)))
-        traces = list(episode.traces)
-        errors = [f"{e.type}: {e.message}"[:500] for e in episode.errors]
-        if traces:
-            out = json.loads(outcome_json(traces[0]))
-            answer = json.dumps({**out, "errors": out["errors"] + errors}, sort_keys=True)
-        else:
-            answer = json.dumps({"rewards": {}, "metrics": {}, "errors": errors or ["no trace"], "reply": ""})
-    except TimeoutError:
-        reason = trajectory_pb2.WALL_TIMEOUT
+        reason, answer = await _play(env, vtask, ctx, float(meta.get("budget_s", 300.0)))
     finally:
         endpoint.close_session(sid)
     traj = session.trajectory(task, trajectory_id=tid, rollout_worker=rollout.worker_id)
@@ -139,3 +146,105 @@ async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int)
         traj.pb.final_answer = answer
     traj.pb.timing.rollout_seconds = time.monotonic() - start
     return traj
+
+
+# ----------------------------------------------------------------- held-out evaluation
+
+EVAL_API_KEY_VAR = "TRAJMESH_VERIFIERS_EVAL_API_KEY"
+"""The environment variable verifiers' client reads the held-out endpoint's API key from (its own:
+a rollout process's endpoint keeps `API_KEY_VAR`)."""
+
+
+class PolicySampler:
+    """The agent endpoint's sampler (`TurnSampler`'s surface) over a held-out evaluation's `Policy`
+    (rollout/episode.py): each call is sampled at the evaluation's temperature and top-p, whatever
+    the harness asks (a greedy pass stays greedy), within the smaller of the two token budgets, one
+    generate at a time (a policy's generator is not shared between threads). Versions are 0: the
+    episodes are scored, never trained."""
+
+    def __init__(self, policy: Any, params: Any) -> None:
+        self.policy, self.params = policy, params
+        self.lock = asyncio.Lock()
+
+    def capabilities(self) -> Any:
+        from trajmesh.rollout.engine_client import EngineCapabilities
+
+        return EngineCapabilities.assumed(None)
+
+    async def sample(self, context: list[int], params: Any, seed: int | None = None) -> Any:
+        from dataclasses import replace
+
+        from trajmesh.rollout.generation import Turn
+
+        stop = set(self.params.stop_token_ids) | set(getattr(params, "stop_token_ids", None) or ())
+        turn_params = replace(self.params, max_new_tokens=min(int(params.max_new_tokens), self.params.max_new_tokens),
+                              stop_token_ids=tuple(sorted(stop)))
+        async with self.lock:
+            (out,) = await asyncio.to_thread(self.policy.generate, [list(context)], turn_params)
+        finish = "stop" if (out.finish_reason or {}).get("type") == "stop" else "length"
+        return Turn(list(out.output_ids), list(out.logprobs), [0] * len(out.output_ids), finish)
+
+
+def play_heldout(policy: Any, fmt: Any, tasks: list[dict[str, Any]], params: Any, *, samples: int, seed: int,
+                 concurrency: int = 4) -> list[Any]:
+    """``heldout_episodes["verifiers"]`` (learner/evaluate.py): each held-out task played `samples`
+    times as the rollout plays it, by the taskset's harness and tools, through an agent endpoint
+    served here for the evaluation's policy (`PolicySampler`); the rubric's outcome is the episode's
+    ``final_answer``. Runs its own event loop on a thread of its own (the caller may be inside one);
+    the verifiers environments and the endpoint live for this call only. `seed` is unused: the
+    harness's calls reach the policy in the order the episodes make them."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _play_heldout(policy, fmt, tasks, params, samples, concurrency)).result()
+
+
+async def _play_heldout(policy: Any, fmt: Any, tasks: list[dict[str, Any]], params: Any, samples: int,
+                        concurrency: int) -> list[Any]:
+    import verifiers.v1 as vf
+
+    from trajmesh.envs.base import make_environment
+    from trajmesh.infra import free_port
+    from trajmesh.rollout.agent_endpoint import AgentEndpoint, serve
+    from trajmesh.rollout.episode import Episode
+    from trajmesh.rollout.generation import PauseClock
+
+    key = os.urandom(16).hex()
+    os.environ[EVAL_API_KEY_VAR] = key
+    endpoint = AgentEndpoint(fmt.tokenizer, fmt.chat, PolicySampler(policy, params), PauseClock(),
+                             model_name="trajmesh-heldout", default_max_tokens=params.max_new_tokens, api_key=key)
+    port = free_port()
+    server, serving = await serve(endpoint, "127.0.0.1", port)
+    envs = _Envs()
+    gate = asyncio.Semaphore(max(1, concurrency))
+    revision_env = make_environment("verifiers")
+
+    async def one(task: dict[str, Any], k: int) -> Any:
+        meta = dict(task.get("metadata") or {})
+        async with gate:
+            env, vtasks = await envs.get(meta)
+            sid = f"heldout-{task['task_id']}-{k}-{os.urandom(4).hex()}"
+            session = endpoint.open_session(sid)
+            ctx = vf.ModelContext(model=endpoint.model_name, client=vf.EvalClientConfig(
+                base_url=f"http://127.0.0.1:{port}/sessions/{sid}/v1", api_key_var=EVAL_API_KEY_VAR))
+            try:
+                reason, answer = await _play(env, vtasks[int(meta["idx"])], ctx, float(meta.get("budget_s", 300.0)))
+            finally:
+                endpoint.close_session(sid)
+        received = [c for call in session.calls for c in call.completions if not c.orphan]
+        ep = Episode(task, revision_env, [], [], prompt_ids=list(session.calls[0].prompt_ids) if session.calls else [],
+                     turn_ids=[list(c.output_ids) for c in received])
+        if not received:  # the harness never called the model (as in training: never rewarded)
+            log.warning("held-out verifiers episode on %s made no model call: %s", task["task_id"], answer[-500:])
+            ep.terminal_reason = "INFRA_FAILURE"
+        else:
+            ep.terminal_reason = trajectory_pb2.TerminalReason.Name(reason)
+            ep.final_answer = answer
+        return ep
+
+    try:
+        return list(await asyncio.gather(*(one(t, k) for t in tasks for k in range(samples))))
+    finally:
+        await envs.stack.aclose()
+        server.should_exit = True
+        await serving

@@ -117,6 +117,35 @@ def store_draws(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {r["task_id"]: r["task_source"] for r in rows if r["task_id"]}
 
 
+def train_and_evaluate(cfg: RunConfig, steps: int, timeout_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`train_to_end`, the learner's versions 1..`steps`, then the held-out evaluation of the final
+    weights, one sample a task, each source through its own environment and grader (what `trajmesh
+    train` writes to summary.json): every source evaluated its held-out tasks. Returns the archive
+    rows and the evaluation."""
+    from trajmesh.learner.evaluate import heldout_tasks
+    from trajmesh.run.train import evaluate_dir, latest_weights_dir, read_metrics
+
+    _, _, rows = train_to_end(cfg, timeout_s=timeout_s)
+    versions = [m["version"] for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    assert versions == list(range(1, steps + 1))
+    result = evaluate_dir(str(latest_weights_dir(Path(cfg.run_dir))), heldout_tasks(cfg), cfg, samples=1)
+    for src in cfg.tasks.sources:
+        per = result["heldout"][src.name]
+        assert per["n_tasks"] == cfg.tasks.heldout_size and per["terminal_reasons"], result
+    return rows, result
+
+
+def check_engine_tokens(row: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """An archived row's tokens are the engine's: the prompt masked out, sampled tokens in, each with
+    a version and a log-prob, the rest with version -1. Returns its token ids and loss mask."""
+    ids, mask, versions, logps = (list(row["token_ids"]), list(row["loss_mask"]), list(row["behavior_versions"]),
+                                  list(row["behavior_logprobs"]))
+    assert mask[0] == 0 and 1 in mask
+    assert all(v >= 0 and lp <= 0.0 for v, lp, m in zip(versions, logps, mask, strict=True) if m)
+    assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
+    return ids, mask
+
+
 def tid_of(archived: str, tasks: dict[str, Any]) -> str:
     """The task id of an archived row (``<task id>`` or ``<task id>-c<k>``)."""
     return archived if archived in tasks else archived.rsplit("-", 1)[0]

@@ -24,13 +24,13 @@ class SumData(vf.TaskData):
 class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def correct(self, task: SumData, trace: Any) -> float:
-        return float((trace.root_reply or "").strip() == task.answer)
+        return float(trace.last_reply == task.answer)
 
     @vf.reward(weight=0.5)
     async def mentions_answer(self, task: SumData, trace: Any) -> float:
         if task.boom:
             raise RuntimeError("rubric exploded")
-        return float(task.answer in (trace.root_reply or ""))
+        return float(task.answer in trace.last_reply)
 
 
 class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):

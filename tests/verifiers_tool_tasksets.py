@@ -47,7 +47,7 @@ class AddTask(vf.Task[AddData, vf.State, vf.TaskConfig]):
 
     @vf.reward(weight=1.0)
     async def correct(self, task: AddData, trace: Any) -> float:
-        return float((trace.root_reply or "").strip() == task.answer)
+        return float(trace.last_reply == task.answer)
 
 
 class AddTaskset(vf.Taskset[AddTask, vf.TasksetConfig]):

@@ -18,7 +18,10 @@ A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the 
 * ``rollout_setup`` / ``rollout_episodes``  optional rollout hooks: a "module:function" the rollout
                    runs at setup when the source is configured, and environment keys whose episodes
                    the rollout hands to the source's own runner instead of its environment loop
-                   (external_agent: the agent endpoint and the agent's run).
+                   (external_agent: the agent endpoint and the agent's run);
+* ``heldout_episodes``  optional: environment keys whose held-out episodes the source plays itself
+                   (verifiers: its harness through an agent endpoint over the evaluation's policy)
+                   instead of `play_episodes`' in-process loop.
 
 Everything that lists or dispatches on sources reads this registry: `trajmesh envs`, config
 loading, task generation (trajmesh/tasks.py), the rollout service (setup hooks and episode
@@ -78,6 +81,10 @@ class SourcePlugin:
     rollout_episodes: Mapping[str, str] = field(default_factory=dict)
     """Environment key -> "module:function" ``async (rollout_service, task, index) -> Trajectory``:
     the rollout runs a task whose ``environment`` is a key with it instead of its environment loop."""
+    heldout_episodes: Mapping[str, str] = field(default_factory=dict)
+    """Environment key -> "module:function" ``(policy, fmt, tasks, params, *, samples, seed) ->
+    [Episode]``: held-out evaluation (learner/evaluate.py) plays those tasks with it instead of
+    `play_episodes`; an episode's ``final_answer`` goes to the grader."""
 
 
 _SOURCES: dict[str, SourcePlugin] = {}
@@ -172,6 +179,15 @@ def rollout_episodes() -> dict[str, str]:
     out: dict[str, str] = {}
     for plugin in sources().values():
         out.update(plugin.rollout_episodes)
+    return out
+
+
+def heldout_episodes() -> dict[str, str]:
+    """Environment key -> "module:function" of its own held-out player (`SourcePlugin.heldout_episodes`),
+    over every source."""
+    out: dict[str, str] = {}
+    for plugin in sources().values():
+        out.update(plugin.heldout_episodes)
     return out
 
 

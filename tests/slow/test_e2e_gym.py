@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_checks import sampled_turns, tid_of, train_to_end
+from mesh_checks import check_engine_tokens, sampled_turns, tid_of, train_and_evaluate
 
 from trajmesh.config import load_config
 from trajmesh.tasks import load_split
@@ -71,7 +71,7 @@ def _env_return(row: dict[str, Any], turns: list[str]) -> float:
 
 def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str) -> None:
     from trajmesh.learner.evaluate import heldout_tasks
-    from trajmesh.run.train import evaluate_dir, evaluation_protocol, latest_weights_dir, read_metrics
+    from trajmesh.run.train import evaluation_protocol
     from trajmesh.tokenizer import load_tokenizer
 
     cfg = load_config(None, {
@@ -84,17 +84,8 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
         "learner.checkpoint_every": STEPS,
     })
-    _, _, rows = train_to_end(cfg, timeout_s=240)
-    steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
-    assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
-
-    # the held-out evaluation of each source through its own environment and grader (what
-    # `trajmesh train` writes to summary.json), on the final weights
-    held = heldout_tasks(cfg)
-    result = evaluate_dir(str(latest_weights_dir(Path(cfg.run_dir))), held, cfg, samples=1)
-    for name in NAMES:
-        assert result["heldout"][name]["n_tasks"] == 2 and result["heldout"][name]["terminal_reasons"], result
-    assert evaluation_protocol(cfg, held)["sources"]["tictactoe"]["environments"] == {
+    rows, _ = train_and_evaluate(cfg, STEPS, timeout_s=240)
+    assert evaluation_protocol(cfg, heldout_tasks(cfg))["sources"]["tictactoe"]["environments"] == {
         "textarena": f"textarena-adapter-v1+textarena-{importlib.metadata.version('textarena')}"}
 
     tok = load_tokenizer(chat_model_dir)
@@ -103,11 +94,7 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
     assert all(by_source.values()), {k: len(v) for k, v in by_source.items()}
     tasks = {t.task_id: t for src in cfg.tasks.sources for t in load_split(src, 20, 2)[0]}
     for r in accepted:
-        ids, mask, versions, logps = (list(r["token_ids"]), list(r["loss_mask"]), list(r["behavior_versions"]),
-                                      list(r["behavior_logprobs"]))
-        assert mask[0] == 0 and 1 in mask
-        assert all(v >= 0 and lp <= 0.0 for v, lp, m in zip(versions, logps, mask, strict=True) if m)
-        assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
+        ids, mask = check_engine_tokens(r)
         turns = sampled_turns(ids, mask, tok)
         if r["terminal_reason"] == "MAX_TOKENS":  # the last turn was cut: the environment never saw it
             turns = turns[:-1]
