@@ -105,6 +105,21 @@ for _reason in trajectory_pb2.TerminalReason.keys():  # exported at 0 so rates e
     TRAJECTORIES.labels(terminal_reason=_reason)
 
 
+async def wait_healthy(engine: Any, proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
+                       logs: str) -> None:
+    """Returns once `engine` answers its health check; raises if its child process `proc` (None: a
+    server this process did not start) exits first, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {logs}")
+        if await engine.health():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} at {engine.base_url} not healthy after {timeout_s}s")
+        await asyncio.sleep(0.2)
+
+
 class RolloutService(Service):
     name = "rollout"
     engine_log_prefix = "engine"
@@ -222,13 +237,8 @@ class RolloutService(Service):
                 url, proc = self._spawn_torch_engine(t.model_path, 0, f"teacher-{t.source}")
                 self.teacher_procs.append(proc)
             engine = VLLMEngine(url) if t.type == "vllm" else EngineClient(url)
-            deadline = time.monotonic() + TEACHER_STARTUP_S
-            while not await engine.health():
-                if t.url is None and self.teacher_procs[-1].poll() is not None:
-                    raise RuntimeError(f"teacher engine for {t.source} exited; see logs/teacher-{t.source}-*.log")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"teacher engine for {t.source} at {url} not healthy")
-                await asyncio.sleep(0.2)
+            await wait_healthy(engine, self.teacher_procs[-1] if t.url is None else None, TEACHER_STARTUP_S,
+                               f"teacher engine for {t.source}", f"logs/teacher-{t.source}-*.log")
             teacher = Teacher(t, engine, self.cfg.distill)
             await teacher.start()
             self.teachers[t.source] = teacher
@@ -243,15 +253,8 @@ class RolloutService(Service):
 
         ec = self.cfg.rollout.engine
         assert isinstance(ec, HttpEngineConfig), "only an engine behind HTTP has a server to wait for"
-        timeout_s = ec.startup_timeout_s
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.engine_proc is not None and self.engine_proc.poll() is not None:
-                raise RuntimeError(f"torch engine exited with {self.engine_proc.returncode}; see logs/engine-*.log")
-            if await self._live_engine().health():
-                return
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"engine at {self._live_engine().base_url} not healthy after {timeout_s}s")
+        await wait_healthy(self._live_engine(), self.engine_proc, ec.startup_timeout_s, "torch engine",
+                           "logs/engine-*.log")
 
     async def run(self) -> None:
         await supervise(self.weights_loop(), self.task_loop(), self.utilization_loop(), stopping=self.stopping)
