@@ -255,7 +255,8 @@ class Trajectory:
         """Records a teacher's log-probs of every token (0 is stored where loss_mask is 0) and its name."""
         lp_T = np.where(self.loss_mask_T == 1, np.asarray(logprobs_T, dtype=np.float32), np.float32(0.0))
         del self.pb.teacher_logprobs[:]
-        self.pb.MergeFromString(_packed(_TEACHER_LOGPROBS_FIELD, lp_T.astype("<f4").tobytes()))
+        payload = lp_T.astype("<f4").tobytes()
+        self.pb.MergeFromString(b"".join([_TEACHER_LOGPROBS_KEY, _varint(len(payload)), payload]))
         self.pb.teacher = teacher
 
     # ---------------------------------------------------------------- construction helpers
@@ -312,7 +313,13 @@ class Trajectory:
                 f"append_sampled: {ids_T.size} token ids, {logprobs_T.size} logprobs, {versions_T.size} versions"
             )
         span = self._new_span(action_type, turn_index, ids_T.size)
-        versions = _repeated_varint(int(versions), ids_T.size) if isinstance(versions, (int, np.integer)) \
+        if ids_T.size < _WIRE_FROM_TOKENS:
+            self.pb.token_ids.extend(ids_T.tolist())
+            self.pb.loss_mask.extend([1] * ids_T.size)
+            self.pb.behavior_logprobs.extend(logprobs_T.tolist())
+            self.pb.behavior_versions.extend(versions_T.tolist())
+            return span
+        versions = _varint(int(versions) & _UINT64_MASK) * ids_T.size if isinstance(versions, (int, np.integer)) \
             else _varints(versions_T)
         self._extend_per_token(_varints(ids_T), b"\x01" * ids_T.size, logprobs_T.astype("<f4").tobytes(), versions)
         return span
@@ -379,8 +386,14 @@ class Trajectory:
         # Everything so far is prompt (no sampled token yet): the prompt grows with these tokens.
         extends_prompt = self.pb.prompt_length == len(self.pb.token_ids)
         span = self._new_span(action_type, turn_index, ids_T.size)
-        self._extend_per_token(_varints(ids_T), bytes(ids_T.size), bytes(4 * ids_T.size),
-                               _repeated_varint(UNSAMPLED_VERSION, ids_T.size))
+        if ids_T.size < _WIRE_FROM_TOKENS:
+            self.pb.token_ids.extend(ids_T.tolist())
+            self.pb.loss_mask.extend([0] * ids_T.size)
+            self.pb.behavior_logprobs.extend([0.0] * ids_T.size)
+            self.pb.behavior_versions.extend([UNSAMPLED_VERSION] * ids_T.size)
+        else:
+            self._extend_per_token(_varints(ids_T), bytes(ids_T.size), bytes(4 * ids_T.size),
+                                   _UNSAMPLED_VERSION_VARINT * ids_T.size)
         if extends_prompt:
             self.pb.prompt_length = len(self.pb.token_ids)
         return span
@@ -391,10 +404,11 @@ class Trajectory:
         `extend` converts every element to a Python object and back (~100 µs per 4k-token array):
         a 4k-token turn from the engine's lists is built in ~0.2 ms instead of ~0.7 ms (about a
         third of the rollout's CPU in the mesh benchmark). The message is the one `extend` builds,
-        field for field (tests/unit/trajmesh/test_contract.py)."""
+        field for field (tests/unit/trajmesh/test_contract.py). Below `_WIRE_FROM_TOKENS` tokens the
+        builders still `extend`: this path's fixed cost (~25 µs) is more than a few elements cost."""
         self.pb.MergeFromString(b"".join([
-            _packed(_TOKEN_IDS_FIELD, token_ids), _packed(_LOSS_MASK_FIELD, loss_mask),
-            _packed(_LOGPROBS_FIELD, logprobs), _packed(_VERSIONS_FIELD, versions),
+            _TOKEN_IDS_KEY, _varint(len(token_ids)), token_ids, _LOSS_MASK_KEY, _varint(len(loss_mask)), loss_mask,
+            _LOGPROBS_KEY, _varint(len(logprobs)), logprobs, _VERSIONS_KEY, _varint(len(versions)), versions,
         ]))
 
     def _new_span(
@@ -592,21 +606,17 @@ _STRUCT_DTYPES: dict[str, type[np.generic]] = {"q": np.int64, "d": np.float64}
 
 def _as_token_ids(token_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
     ids_T = _as_array(token_ids, np.int64, "q")
-    if ids_T.size and (ids_T.min() < 0 or ids_T.max() > np.iinfo(np.uint32).max):
+    if ids_T.size and (ids_T.min() < 0 or ids_T.max() > _UINT32_MAX):
         raise ContractError("token ids must fit in uint32")
     return ids_T
 
 
-_FIELDS = trajectory_pb2.Trajectory.DESCRIPTOR.fields_by_name
-_TOKEN_IDS_FIELD = _FIELDS["token_ids"].number
-_LOSS_MASK_FIELD = _FIELDS["loss_mask"].number
-_LOGPROBS_FIELD = _FIELDS["behavior_logprobs"].number
-_VERSIONS_FIELD = _FIELDS["behavior_versions"].number
-_TEACHER_LOGPROBS_FIELD = _FIELDS["teacher_logprobs"].number
-
-
 def _varint(value: int) -> bytes:
     """One protobuf varint (a non-negative int below 2**64)."""
+    if value < 0x80:
+        return bytes((value,))
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -615,14 +625,22 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _packed(field_number: int, payload: bytes) -> bytes:
-    """A packed repeated field on the wire: key (wire type 2), length, the encoded elements."""
-    return _varint(field_number << 3 | 2) + _varint(len(payload)) + payload
+def _field_key(name: str) -> bytes:
+    """The wire key of a packed repeated field of Trajectory (wire type 2: length-delimited)."""
+    return _varint(trajectory_pb2.Trajectory.DESCRIPTOR.fields_by_name[name].number << 3 | 2)
 
 
-def _repeated_varint(value: int, count: int) -> bytes:
-    """`count` varints of one int (an int64 below 0 as its two's complement, 10 bytes, as protobuf does)."""
-    return _varint(value & 0xFFFF_FFFF_FFFF_FFFF) * count
+_TOKEN_IDS_KEY = _field_key("token_ids")
+_LOSS_MASK_KEY = _field_key("loss_mask")
+_LOGPROBS_KEY = _field_key("behavior_logprobs")
+_VERSIONS_KEY = _field_key("behavior_versions")
+_TEACHER_LOGPROBS_KEY = _field_key("teacher_logprobs")
+_UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
+"""An int64 on the wire is the varint of its 64-bit two's complement (10 bytes when negative)."""
+_UNSAMPLED_VERSION_VARINT = _varint(UNSAMPLED_VERSION & _UINT64_MASK)
+_UINT32_MAX = int(np.iinfo(np.uint32).max)
+_WIRE_FROM_TOKENS = 64
+"""Appends of at least this many tokens go through wire bytes (`Trajectory._extend_per_token`)."""
 
 
 def _varints(values_T: npt.NDArray[np.int64]) -> bytes:

@@ -204,16 +204,17 @@ def test_builders_reject_bad_input(call: Callable[[Trajectory], Any]) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    st.lists(st.integers(0, 2**32 - 1), max_size=150),  # either side of the builders' 64-token switch
     st.lists(st.tuples(st.integers(0, 2**32 - 1), _any_float32, st.integers(-(2**63), 2**63 - 1)), min_size=1,
-             max_size=40),
+             max_size=150),
     st.sampled_from(["list", "numpy", "one_version"]),
 )
 def test_builders_write_what_per_element_extend_writes(
     prompt: list[int], sampled: list[tuple[int, float, int]], form: str
 ) -> None:
-    """The builders append wire bytes (trajmesh/contract.py `_extend_per_token`): the message is the
-    one `extend` builds, for every uint32 id, float32 log-prob and int64 version, lists or arrays."""
+    """The builders append wire bytes from 64 tokens on (trajmesh/contract.py `_extend_per_token`):
+    the message is the one `extend` builds, for every uint32 id, float32 log-prob and int64 version,
+    lists or arrays."""
     ids, logprobs, versions = (list(x) for x in zip(*sampled, strict=True))
     one = versions[0] if form == "one_version" else None
     expected = pb.Trajectory(trajectory_id="t")
