@@ -256,7 +256,7 @@ class Trajectory:
         lp_T = np.where(self.loss_mask_T == 1, np.asarray(logprobs_T, dtype=np.float32), np.float32(0.0))
         del self.pb.teacher_logprobs[:]
         payload = lp_T.astype("<f4").tobytes()
-        self.pb.MergeFromString(b"".join([_TEACHER_LOGPROBS_KEY, _varint(len(payload)), payload]))
+        self.pb.MergeFromString(b"".join([_TEACHER_LOGPROBS_KEY, varint(len(payload)), payload]))
         self.pb.teacher = teacher
 
     # ---------------------------------------------------------------- construction helpers
@@ -319,7 +319,7 @@ class Trajectory:
             self.pb.behavior_logprobs.extend(logprobs_T.tolist())
             self.pb.behavior_versions.extend(versions_T.tolist())
             return span
-        versions = _varint(int(versions) & _UINT64_MASK) * ids_T.size if isinstance(versions, (int, np.integer)) \
+        versions = varint(int(versions) & _UINT64_MASK) * ids_T.size if isinstance(versions, (int, np.integer)) \
             else _varints(versions_T)
         self._extend_per_token(_varints(ids_T), b"\x01" * ids_T.size, logprobs_T.astype("<f4").tobytes(), versions)
         return span
@@ -407,8 +407,8 @@ class Trajectory:
         field for field (tests/unit/trajmesh/test_contract.py). Below `_WIRE_FROM_TOKENS` tokens the
         builders still `extend`: this path's fixed cost (~25 µs) is more than a few elements cost."""
         self.pb.MergeFromString(b"".join([
-            _TOKEN_IDS_KEY, _varint(len(token_ids)), token_ids, _LOSS_MASK_KEY, _varint(len(loss_mask)), loss_mask,
-            _LOGPROBS_KEY, _varint(len(logprobs)), logprobs, _VERSIONS_KEY, _varint(len(versions)), versions,
+            _TOKEN_IDS_KEY, varint(len(token_ids)), token_ids, _LOSS_MASK_KEY, varint(len(loss_mask)), loss_mask,
+            _LOGPROBS_KEY, varint(len(logprobs)), logprobs, _VERSIONS_KEY, varint(len(versions)), versions,
         ]))
 
     def _new_span(
@@ -611,8 +611,8 @@ def _as_token_ids(token_ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.in
     return ids_T
 
 
-def _varint(value: int) -> bytes:
-    """One protobuf varint (a non-negative int below 2**64)."""
+def varint(value: int) -> bytes:
+    """One protobuf varint (a non-negative int below 2**64; the store frames NextBatch with it)."""
     if value < 0x80:
         return bytes((value,))
     if value < 0x4000:
@@ -627,7 +627,7 @@ def _varint(value: int) -> bytes:
 
 def _field_key(name: str) -> bytes:
     """The wire key of a packed repeated field of Trajectory (wire type 2: length-delimited)."""
-    return _varint(trajectory_pb2.Trajectory.DESCRIPTOR.fields_by_name[name].number << 3 | 2)
+    return varint(trajectory_pb2.Trajectory.DESCRIPTOR.fields_by_name[name].number << 3 | 2)
 
 
 _TOKEN_IDS_KEY = _field_key("token_ids")
@@ -637,7 +637,7 @@ _VERSIONS_KEY = _field_key("behavior_versions")
 _TEACHER_LOGPROBS_KEY = _field_key("teacher_logprobs")
 _UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 """An int64 on the wire is the varint of its 64-bit two's complement (10 bytes when negative)."""
-_UNSAMPLED_VERSION_VARINT = _varint(UNSAMPLED_VERSION & _UINT64_MASK)
+_UNSAMPLED_VERSION_VARINT = varint(UNSAMPLED_VERSION & _UINT64_MASK)
 _UINT32_MAX = int(np.iinfo(np.uint32).max)
 _WIRE_FROM_TOKENS = 64
 """Appends of at least this many tokens go through wire bytes (`Trajectory._extend_per_token`)."""

@@ -176,18 +176,19 @@ def environment_class(kind: str) -> Any:
 def rollout_episodes() -> dict[str, str]:
     """Environment key -> "module:function" of its own episode runner (`SourcePlugin.rollout_episodes`),
     over every source."""
-    out: dict[str, str] = {}
-    for plugin in sources().values():
-        out.update(plugin.rollout_episodes)
-    return out
+    return _merged_hooks("rollout_episodes")
 
 
 def heldout_episodes() -> dict[str, str]:
     """Environment key -> "module:function" of its own held-out player (`SourcePlugin.heldout_episodes`),
     over every source."""
+    return _merged_hooks("heldout_episodes")
+
+
+def _merged_hooks(attr: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for plugin in sources().values():
-        out.update(plugin.heldout_episodes)
+        out.update(getattr(plugin, attr))
     return out
 
 

@@ -46,7 +46,7 @@ from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.bus import Bus, Consumer
 from trajmesh.config import RunConfig
-from trajmesh.contract import Trajectory
+from trajmesh.contract import Trajectory, varint
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
 from trajmesh.service import Service, supervise
@@ -823,15 +823,6 @@ class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
 _BATCH_FIELD_KEY = bytes([services_pb2.NextBatchResponse.DESCRIPTOR.fields_by_name["trajectories"].number << 3 | 2])
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def batch_response_bytes(trajs: list[Trajectory]) -> bytes:
     """The wire bytes of ``NextBatchResponse(trajectories=[t.pb for t in trajs])``, each trajectory
     serialized once into the repeated field. Building the response message copies every trajectory
@@ -840,7 +831,7 @@ def batch_response_bytes(trajs: list[Trajectory]) -> bytes:
     parts: list[bytes] = []
     for t in trajs:
         data = t.pb.SerializeToString()
-        parts += (_BATCH_FIELD_KEY, _varint(len(data)), data)
+        parts += (_BATCH_FIELD_KEY, varint(len(data)), data)
     return b"".join(parts)
 
 
