@@ -126,27 +126,31 @@ class GraderService(Service):
             await self.redis.aclose()
 
     async def grade_loop(self) -> None:
-        """Consumes TRAJ_RAW (pull, shared durable `grader`); waits for messages; never drops one."""
+        """Consumes TRAJ_RAW (pull, shared durable `grader`); waits for messages; never drops one.
+        Publishes each on its store partition's TRAJ_GRADED subject (what is not a trajectory: partition 0's)."""
         bus, consumer = self.bus, self.consumer
         assert bus is not None and consumer is not None, "grade_loop() before setup()"
+        partitions = self.cfg.store.replicas  # each graded trajectory goes to its group's store
         while True:
             for msg in await consumer.fetch(batch=16, timeout=1.0):
                 data = await consumer.resolve(msg)
-                out, msg_id = await self._grade(data)
-                await bus.publish(busmod.SUBJECT_TRAJ_GRADED, out, msg_id=msg_id,
+                out, msg_id, group_id = await self._grade(data)
+                await bus.publish(busmod.graded_subject(busmod.partition_of(group_id, partitions), partitions),
+                                  out, msg_id=msg_id,
                                   retry_s=busmod.PUBLISH_RETRY_S if msg_id else 0.0)
                 await msg.ack()
 
-    async def _grade(self, data: bytes) -> tuple[bytes, str | None]:
+    async def _grade(self, data: bytes) -> tuple[bytes, str | None, str]:
+        """(What to publish on TRAJ_GRADED, its message id, its group id: "" when not a trajectory)."""
         try:
             traj = Trajectory.from_bytes(data)
         except ContractError:
             GRADED.labels(result="not_a_trajectory").inc()
-            return data, None
+            return data, None, ""
         task = await self._task(traj.task_id) if traj.task_id else None
         if task is None or traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
             GRADED.labels(result="forwarded_ungraded").inc()
-            return data, f"graded-{traj.trajectory_id}"
+            return data, f"graded-{traj.trajectory_id}", traj.group_id
         start = time.perf_counter()
         kind = grader_kind(task)
         try:
@@ -158,7 +162,7 @@ class GraderService(Service):
             VERIFIER_ERRORS.labels(kind, type(exc).__name__).inc()
             traj.finish(trajectory_pb2.INFRA_FAILURE, truncated=traj.truncated)
             traj.pb.verifier_output = f"verifier error: {exc}"
-            return traj.to_bytes(), f"graded-{traj.trajectory_id}"
+            return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
         elapsed = time.perf_counter() - start
         VERIFY_SECONDS.observe(elapsed)
         traj.set_reward(grade.reward, components=grade.components, grader_revision=grade.revision,
@@ -173,7 +177,7 @@ class GraderService(Service):
         if grade.audit:
             traj.pb.verifier_output += " audit=" + json.dumps(grade.audit, sort_keys=True)
         GRADED.labels(result=PARSE_ERROR if PARSE_ERROR in grade.components else "graded").inc()
-        return traj.to_bytes(), f"graded-{traj.trajectory_id}"
+        return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
 
     async def _task(self, task_id: str, cache_size: int = 4096) -> dict[str, Any] | None:
         """The store's task record. A record never changes once written, and the G samples of a

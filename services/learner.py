@@ -74,6 +74,7 @@ from trajmesh.learner.train_engine import (
 from trajmesh.learner.weights import export_policy, sha256_file
 from trajmesh.rollout.hf_model import load_causal_lm
 from trajmesh.service import Service
+from trajmesh.services.store.client import StoreClient
 from trajmesh.stopgates import (
     GATES,
     TRUNCATED_RATIO,
@@ -83,7 +84,7 @@ from trajmesh.stopgates import (
     stop_record,
     write_stop_reason,
 )
-from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+from trajmesh.v1 import services_pb2, trajectory_pb2
 from trajmesh.weight_sync import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
 
 log = logging.getLogger("trajmesh.learner")
@@ -198,8 +199,8 @@ class LearnerService(Service):
         self.redis: Any = None
         self.gate: AsyncStalenessGate | None = None
         self.bus: Any = None
-        self.channel: grpc.aio.Channel | None = None
-        self.store: Any = None
+        self.store: StoreClient | None = None
+        """Leader: the store replicas (services/store/client.py)."""
         self.engine: TrainEngine | None = None
         self.reference: ReferencePolicy | None = None
         """The frozen reference policy (`learner.reference.enabled`; None: off)."""
@@ -246,8 +247,7 @@ class LearnerService(Service):
             self.redis = security.redis_client(cfg)
             self.gate = AsyncStalenessGate.from_config(self.redis, cfg)
             self.bus = await security.connect_bus(cfg, "learner", name=self.worker_id)
-            self.channel = security.grpc_channel(cfg.infra.store_address, cfg.infra.security.grpc_tls)
-            self.store = services_pb2_grpc.TrajectoryStoreStub(self.channel)
+            self.store = StoreClient(cfg, self._rpc)
 
         resumed = (self.ckpt_dir / "latest").exists()
         if resumed and self.leader:  # before the followers can load it: they wait in the group's start below
@@ -359,7 +359,7 @@ class LearnerService(Service):
         temperature = self.cfg.tasks.sampling.temperature or 1.0
         loop_start = time.monotonic() - self.rl_seconds
         replay = self._batches_to_replay()
-        first_call = True
+        assert self.store is not None
         while (self.steps_done < lc.max_steps and time.monotonic() - loop_start < lc.max_seconds
                and not self.stopping.is_set()):
             if self.regression is not None:
@@ -370,10 +370,7 @@ class LearnerService(Service):
                 resp = replay.pop(0)
                 log.info("replaying step %d's batch from %s", self.steps_done, self.batches_dir)
             else:
-                resp = await self._rpc(self.store.NextBatch, services_pb2.NextBatchRequest(
-                    learner_version=self.version, max_trajectories=self.cfg.batch_trajectories,
-                    timeout_seconds=5.0, learner_restarted=first_call))
-                first_call = False
+                resp = await self.store.next_batch(self.version)
             waited = time.perf_counter() - wait_start
             WAIT_SECONDS.inc(waited)
             if not resp.trajectories:
@@ -392,11 +389,12 @@ class LearnerService(Service):
             pub_start = time.perf_counter()
             await self._publish_weights()
             WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - pub_start)
-            await self._rpc(self.store.Report, services_pb2.ReportRequest(
+            await self.store.report(services_pb2.ReportRequest(
                 learner_version=self.version - 1,  # the version the batch was trained at
                 trained_ids=outcome.trained_ids,
                 quarantined_ids=outcome.stale_ids,
-                quarantine_reasons=["stale"] * len(outcome.stale_ids)))
+                quarantine_reasons=["stale"] * len(outcome.stale_ids)),
+                {t.trajectory_id: t.group_id for t in trajs})
             self.rl_seconds = time.monotonic() - loop_start
             metrics.update(step=self.steps_done, version=self.version, rl_seconds=self.rl_seconds,
                            wait_seconds=waited, step_seconds=step_s, time=time.time())
@@ -799,8 +797,8 @@ class LearnerService(Service):
                     await self._checkpoint_async()
             finally:
                 await self._command("stop")  # the followers leave their loop (once)
-        if self.channel is not None:
-            await self.channel.close()
+        if self.store is not None:
+            await self.store.close()
         if self.bus is not None:
             await self.bus.close()
         if self.redis is not None:

@@ -24,6 +24,12 @@ counts it in ``trajmesh_bus_poison_messages_total``. A message that travelled th
 store deletes its blob once its outcome is final: on ``ack()`` (confirmed by the server first) or
 ``term()``.
 
+Store partitions. With ``store.replicas: N > 1`` each store replica owns the groups whose
+:func:`partition_of` is its index: the grader publishes a graded trajectory on its partition's
+subject (:func:`graded_subject`, ``trajmesh.traj.graded.<k>``) and replica k consumes that subject
+alone through its own durable (:func:`store_durable`, ``store-<k>``). With one replica the subject
+and the durable are the unpartitioned ones.
+
 A ``namespace`` lets two runs share one NATS server: it prefixes every stream (``run1_TASKS``),
 subject (``run1.trajmesh.tasks``), KV bucket and object-store bucket. Callers always speak in the
 unprefixed constants below; the :class:`Bus` applies the namespace.
@@ -38,6 +44,7 @@ import re
 import ssl
 import time
 import uuid
+import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -75,6 +82,9 @@ __all__ = [
     "PoisonHook",
     "StreamSpec",
     "connect",
+    "graded_subject",
+    "partition_of",
+    "store_durable",
 ]
 
 # Streams and their subjects (unprefixed; see Layout for namespacing).
@@ -170,15 +180,37 @@ class StreamSpec:
     # Messages kept per subject of a limits stream; -1: the weights history (`ensure_streams`).
     # Work queues keep every message until it is acked.
     max_msgs_per_subject: int = -1
+    # The stream also holds one subject per store partition, ``<subject>.<k>`` (graded_subject).
+    partitioned: bool = False
+
+    @property
+    def subjects(self) -> tuple[str, ...]:
+        return (self.subject, f"{self.subject}.*") if self.partitioned else (self.subject,)
 
 
 _SPECS: tuple[StreamSpec, ...] = (
     StreamSpec(STREAM_TASKS, SUBJECT_TASKS, api.RetentionPolicy.WORK_QUEUE),
     StreamSpec(STREAM_TRAJ_RAW, SUBJECT_TRAJ_RAW, api.RetentionPolicy.WORK_QUEUE),
-    StreamSpec(STREAM_TRAJ_GRADED, SUBJECT_TRAJ_GRADED, api.RetentionPolicy.WORK_QUEUE),
+    StreamSpec(STREAM_TRAJ_GRADED, SUBJECT_TRAJ_GRADED, api.RetentionPolicy.WORK_QUEUE, partitioned=True),
     StreamSpec(STREAM_WEIGHTS, SUBJECT_WEIGHTS, api.RetentionPolicy.LIMITS),
     StreamSpec(STREAM_EVAL, SUBJECT_EVAL, api.RetentionPolicy.LIMITS, max_msgs_per_subject=EVAL_HISTORY),
 )
+
+
+def partition_of(group_id: str, partitions: int) -> int:
+    """The store replica that owns group `group_id` among `partitions`: crc32 of the id, modulo
+    (the same in every process and after every restart; Python's `hash` is salted per process)."""
+    return zlib.crc32(group_id.encode()) % partitions if partitions > 1 else 0
+
+
+def graded_subject(partition: int, partitions: int) -> str:
+    """The (unprefixed) TRAJ_GRADED subject of store partition `partition` of `partitions`."""
+    return SUBJECT_TRAJ_GRADED if partitions <= 1 else f"{SUBJECT_TRAJ_GRADED}.{partition}"
+
+
+def store_durable(partition: int, partitions: int) -> str:
+    """The durable consumer of TRAJ_GRADED that store replica `partition` of `partitions` binds."""
+    return "store" if partitions <= 1 else f"store-{partition}"
 
 
 @dataclass(frozen=True)
@@ -423,7 +455,7 @@ class Bus:
             work_queue = spec.retention == api.RetentionPolicy.WORK_QUEUE
             config = api.StreamConfig(
                 name=self.layout.stream(spec.name),
-                subjects=[self.layout.subject(spec.subject)],
+                subjects=[self.layout.subject(subject) for subject in spec.subjects],
                 retention=spec.retention,
                 storage=api.StorageType.FILE,
                 duplicate_window=duplicate_window_s,
@@ -557,8 +589,10 @@ class Bus:
         max_deliveries: int | None = None,
         max_ack_pending: int = 1000,
         on_poison: PoisonHook | None = None,
+        subject: str | None = None,
     ) -> Consumer:
         """Create or update the durable pull consumer on ``stream`` (unprefixed) and bind to it.
+        ``subject`` (unprefixed; default: the stream's own) is the one subject it consumes.
 
         ``ack_wait_s``: seconds before an unacked message is redelivered (extend it with
         ``msg.in_progress()``). ``max_deliveries`` (default: the Bus's): deliveries a message may
@@ -574,7 +608,7 @@ class Bus:
         config = api.ConsumerConfig(
             name=durable,
             durable_name=durable,
-            filter_subject=self.layout.subject(spec.subject),
+            filter_subject=self.layout.subject(subject or spec.subject),
             ack_policy=api.AckPolicy.EXPLICIT,
             deliver_policy=api.DeliverPolicy.ALL,
             ack_wait=ack_wait_s,

@@ -76,6 +76,10 @@ class InfraConfig(_Strict):
     """Prefix for streams, consumers and Redis keys, so several runs may share one server."""
     store_address: str = "127.0.0.1:50051"
     """host:port of the trajectory store's gRPC server (the launcher fills in a free port)."""
+    store_addresses: list[str] = Field(default_factory=list)
+    """host:port of each store replica's gRPC server, in replica order, when `store.replicas` > 1
+    (the launcher fills in free ports, the chart the StatefulSet pods' names). Empty: one store at
+    `store_address`."""
     environment_addresses: list[str] = Field(default_factory=lambda: ["127.0.0.1:50061"])
     """host:port of each environment service; rollout picks one per session (sticky)."""
     security: SecurityConfig = Field(default_factory=SecurityConfig)
@@ -638,6 +642,11 @@ class ResampleOnCorrectConfig(_Strict):
 
 
 class StoreConfig(_Strict):
+    replicas: int = Field(1, ge=1)
+    """Store processes (the chart's store.replicaCount). Replica k owns the groups whose
+    `trajmesh.bus.partition_of(group id)` is k: their graded trajectories reach it alone, it
+    assembles them and hands them out, and the learner gathers each batch from every replica.
+    Admission and the staleness gate stay global (Redis). Fixed for the life of a run."""
     resample_on_correct: ResampleOnCorrectConfig = Field(default_factory=ResampleOnCorrectConfig)
     """GRPO-RoC group selection (off by default)."""
     drop_zero_variance_groups: bool = True
@@ -868,6 +877,10 @@ class RunConfig(_Strict):
             raise ValueError(f"distill.teachers: no task source named {unknown} (sources: {names})")
         if len(taught) != len(set(taught)):
             raise ValueError(f"distill.teachers: one teacher per task source, got {taught}")
+        addrs = self.infra.store_addresses
+        if addrs and len(addrs) != self.store.replicas:
+            raise ValueError(f"infra.store_addresses has {len(addrs)} addresses for store.replicas "
+                             f"{self.store.replicas}: one per replica, in replica order")
         roc = self.store.resample_on_correct
         if roc.enabled and self.effective_eta * self.learner.batch_groups < roc.oversample - 1:
             # The gate counts a kept group's G as accepted and frees its other (k-1)·G: with fewer than
@@ -882,6 +895,17 @@ class RunConfig(_Strict):
     @property
     def effective_eta(self) -> int:
         return 0 if self.mode == "sync" else self.gate.eta
+
+    @property
+    def store_endpoints(self) -> list[str]:
+        """host:port of each store replica, in replica order (`infra.store_addresses`, else the
+        one `infra.store_address`)."""
+        if self.infra.store_addresses:
+            return list(self.infra.store_addresses)
+        if self.store.replicas > 1:
+            raise ValueError(f"store.replicas {self.store.replicas} needs infra.store_addresses "
+                             "(the launcher and the chart fill it in)")
+        return [self.infra.store_address]
 
     @property
     def batch_trajectories(self) -> int:

@@ -142,8 +142,9 @@ def _watch_stream(stream: str) -> list[str]:
             f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.FC.{stream}.>"]
 
 
-def nats_permissions(role: Role, namespace: str = "") -> Permissions:
-    """The allow lists of ``role`` for the mesh in ``namespace`` (see the matrix in docs/SECURITY.md).
+def nats_permissions(role: Role, namespace: str = "", store_replicas: int = 1) -> Permissions:
+    """The allow lists of ``role`` for the mesh in ``namespace`` with ``store_replicas`` store
+    partitions (see the matrix in docs/SECURITY.md).
 
     store: publishes TASKS; consumes TRAJ_GRADED; reads the backlog of every work queue.
     rollout: consumes TASKS; publishes TRAJ_RAW; reads and watches the weights KV.
@@ -168,8 +169,10 @@ def nats_permissions(role: Role, namespace: str = "") -> Permissions:
     blobs = [f"$O.{obj_bucket}.>", *_read_stream(obj_stream), *_watch_stream(obj_stream),
              f"$JS.API.STREAM.PURGE.{obj_stream}", "$JS.API.STREAM.NAMES"]  # get() looks the stream up by subject
     pub: list[str]
+    n = store_replicas
     if role == "store":
-        pub = [lay.subject(busmod.SUBJECT_TASKS), *_consume(graded, "store"), *blobs]
+        consume = [p for k in range(n) for p in _consume(graded, busmod.store_durable(k, n))]
+        pub = [lay.subject(busmod.SUBJECT_TASKS), *consume, *blobs]
         for stream, durable in ((tasks, "rollout"), (raw, "grader")):
             pub.append(f"$JS.API.CONSUMER.INFO.{stream}.{durable}")
         for stream in (tasks, raw, graded):
@@ -178,7 +181,7 @@ def nats_permissions(role: Role, namespace: str = "") -> Permissions:
         pub = [lay.subject(busmod.SUBJECT_TRAJ_RAW), *_consume(tasks, "rollout"), *blobs,
                *_read_stream(kv_stream), *_watch_stream(kv_stream)]
     elif role == "grader":
-        pub = [lay.subject(busmod.SUBJECT_TRAJ_GRADED), *_consume(raw, "grader"), *blobs]
+        pub = [*(lay.subject(busmod.graded_subject(k, n)) for k in range(n)), *_consume(raw, "grader"), *blobs]
     elif role == "evaluator":
         pub = [lay.subject(busmod.SUBJECT_EVAL), f"$JS.API.STREAM.INFO.{eval_stream}",
                *_read_stream(kv_stream), *_watch_stream(kv_stream)]
@@ -189,7 +192,7 @@ def nats_permissions(role: Role, namespace: str = "") -> Permissions:
     return Permissions(publish=tuple(dict.fromkeys(pub)), subscribe=(f"{inbox_prefix(role, namespace)}.>",))
 
 
-def nats_authorization(namespace: str = "", users: Mapping[Role, str] | None = None) -> str:
+def nats_authorization(namespace: str = "", users: Mapping[Role, str] | None = None, store_replicas: int = 1) -> str:
     """An ``authorization { users = [...] }`` block for nats.conf with one user per NATS role.
 
     Passwords are not in the text: each is ``$TRAJMESH_NATS_PASSWORD_<ROLE>``, which nats-server
@@ -198,7 +201,7 @@ def nats_authorization(namespace: str = "", users: Mapping[Role, str] | None = N
     """
     entries = []
     for role in NATS_ROLES:
-        perms = nats_permissions(role, namespace)
+        perms = nats_permissions(role, namespace, store_replicas)
         user = (users or {}).get(role, role)
         var = _ENV_NATS_SERVER_PASSWORD.format(role=role.upper())
         entries.append(
@@ -457,11 +460,12 @@ def _main(argv: list[str] | None = None) -> int:
     p_prov.add_argument("config")
     p_conf = sub.add_parser("nats-conf", help="print the nats.conf authorization block")
     p_conf.add_argument("--namespace", default="")
+    p_conf.add_argument("--store-replicas", type=int, default=1)
     args = parser.parse_args(argv)
     if args.command == "provision":
         asyncio.run(provision(load_config(args.config)))
     else:
-        print(nats_authorization(args.namespace), end="")
+        print(nats_authorization(args.namespace, store_replicas=args.store_replicas), end="")
     return 0
 
 

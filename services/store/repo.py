@@ -17,7 +17,7 @@ MULTI replies, so the store's wiring never counts reply positions:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,14 +88,24 @@ class OpenMember:
     source: str
 
 
-class StoreRepo:
-    """Redis bookkeeping of one run's store (`keys` scopes it; `version_key` is the gate's)."""
+def _every_group(group_id: str) -> bool:
+    return True
 
-    def __init__(self, client: redis.asyncio.Redis, keys: RedisKeys, gate: AsyncStalenessGate) -> None:
+
+class StoreRepo:
+    """Redis bookkeeping of one run's store (`keys` scopes it; `version_key` is the gate's).
+
+    The keys are the run's, shared by every store replica. `owns` (group id → bool) is this
+    replica's partition: what it waits for, recovers and finalizes is its own groups alone; the
+    admission, the gate and every per-id record are global."""
+
+    def __init__(self, client: redis.asyncio.Redis, keys: RedisKeys, gate: AsyncStalenessGate,
+                 owns: Callable[[str], bool] = _every_group) -> None:
         self.r = client
         self.keys = keys
         self.gate = gate
         self.version_key = gate.version_key
+        self.owns = owns
 
     # ------------------------------------------------------------------ admission
     async def next_cursor(self) -> int:
@@ -114,9 +124,9 @@ class StoreRepo:
             admitted_key=self.keys.admitted_trajectories, pending_key=self.keys.pending_groups)
 
     async def due_groups(self, max_version: int) -> set[str]:
-        """Pending groups admitted at a learner version ≤ `max_version`."""
+        """This partition's pending groups admitted at a learner version ≤ `max_version`."""
         found = await self.r.zrangebyscore(self.keys.pending_groups, "-inf", max_version)
-        return {_text(g) for g in found if isinstance(g, (bytes, str))}
+        return {gid for gid in (_text(g) for g in found if isinstance(g, (bytes, str))) if self.owns(gid)}
 
     async def not_pending(self, group_ids: list[str]) -> None:
         """Groups handed to the learner or dropped: nothing to wait for any more."""
@@ -285,8 +295,8 @@ class StoreRepo:
     # ------------------------------------------------------------------ recovery
     async def owed_ids(self) -> set[str]:
         """Ids a previous store held: valid members of groups still open, without a final outcome
-        (their messages are unacked and will be redelivered)."""
-        groups = [_text(g) for g in await self.r.smembers(self.keys.open_groups)]
+        (their messages are unacked and will be redelivered). This partition's groups only."""
+        groups = await self._open_groups()
         ids = sorted(await self._valid_members(groups))
         return {tid for tid, final in zip(ids, await self.finals(ids), strict=True) if not final}
 
@@ -294,7 +304,7 @@ class StoreRepo:
         """Open groups that are settled all the same: gate accounting done (`groups_done`) and at
         least `group_size` members received, every one final. A store killed after marking their
         ids final and before its cleanup left their records; a restarted store drops them."""
-        groups = [_text(g) for g in await self.r.smembers(self.keys.open_groups)]
+        groups = await self._open_groups()
         if not groups:
             return []
         done = await self.r.smismember(self.keys.groups_done, groups)
@@ -310,12 +320,18 @@ class StoreRepo:
         return [gid for gid, members in zip(candidates, received, strict=True)
                 if len(members) >= group_size and all(final[t] for t in members)]
 
+    async def _open_groups(self) -> list[str]:
+        return [gid for gid in (_text(g) for g in await self.r.smembers(self.keys.open_groups)) if self.owns(gid)]
+
     async def unfinished_members(self) -> list[OpenMember]:
-        """Every admitted trajectory id (task id + index, G per task) without a final outcome."""
+        """Every admitted trajectory id (task id + index, G per task) of this partition's groups
+        without a final outcome."""
         tasks = await self.r.hgetall(self.keys.tasks)
         candidates: list[OpenMember] = []
         for task_id_raw, raw in tasks.items():
             task_id, rec = _text(task_id_raw), json.loads(raw)
+            if not self.owns(str(rec["group_id"])):
+                continue
             for tid in member_ids(task_id, int(rec["group_size"])):
                 candidates.append(OpenMember(tid, task_id, str(rec["group_id"]), str(rec.get("source", ""))))
         finals = await self.finals([c.trajectory_id for c in candidates])

@@ -18,6 +18,11 @@ set of trajectory ids already seen (dedupe), and the sampler cursor. Every recor
 goes to the archive; every admitted trajectory ends as exactly one of trained, filtered,
 quarantined, failed_infra or (when a finished run stops) in_flight_at_stop.
 
+With `store.replicas` > 1 each replica owns a partition of the groups (`trajmesh.bus.partition_of`):
+it consumes its partition's TRAJ_GRADED subject, waits for, recovers and finalizes its own groups,
+and serves the learner its share (services/store/client.py gathers a batch from every replica). All
+replicas admit, through the one gate; a replica's death leaves its partition to its restart.
+
 This module is the wiring: the states and transitions of held trajectories and groups live in
 `trajmesh.services.store.state.StoreState` (pure), the Redis bookkeeping in `trajmesh.services.store.repo.StoreRepo`.
 """
@@ -214,6 +219,10 @@ class TrajectoryStore(Service):
         self.capacity_changed = asyncio.Event()
         self.recent_zero_variance: deque[bool] = deque(maxlen=100)
         self.recent_distinct_ratio: deque[float] = deque(maxlen=100)
+        self.partitions = self.cfg.store.replicas
+        """Store replicas; this one (`replica`) owns the groups whose partition is its index."""
+        self.durable = busmod.store_durable(self.replica, self.partitions)
+        """Its TRAJ_GRADED durable consumer."""
 
     @property
     def w(self) -> _Wiring:
@@ -225,13 +234,16 @@ class TrajectoryStore(Service):
         keys = RedisKeys(cfg.infra.namespace)
         assert cfg.infra.nats_url and cfg.infra.redis_url, "store needs infra.nats_url and infra.redis_url"
         assert cfg.model.path, "store needs model.path (for the tokenizer's vocabulary)"
+        k, n = self.replica, self.partitions
+        if k >= n:
+            raise ValueError(f"store replica {k} of store.replicas {n}: replicas are 0..{n - 1}")
         r = security.redis_client(cfg)
         gate = AsyncStalenessGate.from_config(r, cfg)
-        repo = StoreRepo(r, keys, gate)
+        repo = StoreRepo(r, keys, gate, owns=lambda gid: busmod.partition_of(gid, n) == k)
         bus = await security.connect_bus(cfg, "store", name=self.worker_id)
         intake = await bus.pull_subscribe(
-            busmod.STREAM_TRAJ_GRADED, "store", ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000,
-            on_poison=self._on_poison)
+            busmod.STREAM_TRAJ_GRADED, self.durable, ack_wait_s=cfg.store.intake_ack_wait_s, max_ack_pending=100_000,
+            on_poison=self._on_poison, subject=busmod.graded_subject(k, n))
         tokenizer = load_tokenizer(cfg.model.path)
         self.vocab_size = tokenizer.vocab_size
         roc = cfg.store.resample_on_correct
@@ -249,7 +261,7 @@ class TrajectoryStore(Service):
         self._export_zero_series()
         server = grpc.aio.server()
         add_store_servicer(_StoreServicer(self), server)
-        port = cfg.infra.store_address.rsplit(":", 1)[1]
+        port = cfg.store_endpoints[k].rsplit(":", 1)[1]
         security.add_grpc_port(server, f"0.0.0.0:{port}", cfg.infra.security.grpc_tls)
         self.io = _Wiring(r, repo, gate, bus, intake, archive, server)
         await self._begin_recovery()
@@ -637,6 +649,7 @@ class TrajectoryStore(Service):
         ends a recovery wait that ran out while no message arrived."""
         while True:
             for stream, durable in QUEUES:
+                durable = self.durable if stream == busmod.STREAM_TRAJ_GRADED else durable
                 try:
                     p = await self.w.bus.pending(stream, durable)
                     QUEUE_PENDING.labels(stream=stream).set(p.num_pending)
@@ -697,18 +710,20 @@ class TrajectoryStore(Service):
         self.w.archive.append(outcome="quarantined", reason=reason, payload_sha256=hashlib.sha256(data).hexdigest())
 
     # ------------------------------------------------------------------ serving the learner
-    async def next_batch(self, learner_version: int, max_trajectories: int, timeout_s: float) -> list[Trajectory]:
-        """Whole groups, oldest admission first, up to `max_trajectories`; waits up to `timeout_s`
-        for a full batch (and, after a store restart, for the previous store's trajectories)."""
+    async def next_batch(self, learner_version: int, max_trajectories: int, timeout_s: float,
+                         max_groups: int = 0) -> list[Trajectory]:
+        """Whole groups, oldest admission first, `max_groups` of them (0: learner.batch_groups) and
+        up to `max_trajectories`; waits up to `timeout_s` for them (and, after a store restart,
+        for the previous store's trajectories)."""
         self._note_version(learner_version)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        want = max_groups or self.cfg.learner.batch_groups
         while True:
             self.ready_changed.clear()
             due = await self.w.repo.due_groups(learner_version - self.cfg.effective_eta)
             was_held, gave_up = self.state.held_for_stragglers(), set(self.state.given_up)
-            out = self.state.hand_out(self.cfg.learner.batch_groups, max_trajectories, time.time(), due,
-                                      learner_version)
+            out = self.state.hand_out(want, max_trajectories, time.time(), due, learner_version)
             if self.state.held_for_stragglers() and not was_held:
                 self.held_at = time.time()
                 log.info("learner at v%d held for due groups not ready: %s", learner_version,
@@ -734,6 +749,29 @@ class TrajectoryStore(Service):
         GROUPS_READY.set(self.state.ready_count)
         self.ready_changed.set()
         return out
+
+    async def peek(self, learner_version: int, max_groups: int, timeout_s: float,
+                   batch_ready_elsewhere: bool) -> tuple[bool, list[int]]:
+        """(Whether this store holds the learner, the admission versions of its first `max_groups`
+        ready groups), for a learner gathering a batch across store replicas. With `timeout_s` > 0
+        it first waits, that long at most, for a change of the ready groups, unless `max_groups`
+        are ready. `batch_ready_elsewhere` runs the straggler wait (`StoreState.held`)."""
+        self._note_version(learner_version)
+        due = await self.w.repo.due_groups(learner_version - self.cfg.effective_eta)
+        if timeout_s > 0 and (self.state.ready_count < max_groups or self.state.held(time.time(), due, clock=False)):
+            self.ready_changed.clear()
+            try:
+                await asyncio.wait_for(self.ready_changed.wait(), timeout=timeout_s)
+            except TimeoutError:
+                pass
+            due = await self.w.repo.due_groups(learner_version - self.cfg.effective_eta)
+        gave_up = set(self.state.given_up)
+        held = self.state.held(time.time(), due, clock=batch_ready_elsewhere)
+        if self.state.given_up - gave_up:
+            log.warning("learner at v%d gave up waiting (%.0fs) for due groups: %s", learner_version,
+                        self.state.straggler_wait_s, sorted(self.state.given_up - gave_up))
+        STRAGGLERS_GIVEN_UP.set(len(self.state.given_up))
+        return held, self.state.ready_versions(max_groups)
 
     @staticmethod
     def _oldest_version(traj: Trajectory) -> int:
@@ -806,13 +844,17 @@ class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
     def __init__(self, store: TrajectoryStore) -> None:
         self.store = store
 
-    async def NextBatch(self, request: Any, context: Any) -> bytes:  # noqa: N802
+    async def NextBatch(self, request: Any, context: Any) -> bytes | services_pb2.NextBatchResponse:  # noqa: N802
         """A `NextBatchResponse`, encoded (`batch_response_bytes`; `add_store_servicer` sends it as is)."""
         if request.learner_restarted:
             await self.store.recycle_handed_out(request.learner_version)
+        if request.peek:
+            held, versions = await self.store.peek(request.learner_version, request.max_groups or 1 << 30,
+                                                   request.timeout_seconds, request.batch_ready_elsewhere)
+            return services_pb2.NextBatchResponse(held=held, ready_versions=versions)
         trajs = await self.store.next_batch(
-            request.learner_version, request.max_trajectories or 1 << 30, request.timeout_seconds or 5.0
-        )
+            request.learner_version, request.max_trajectories or 1 << 30, request.timeout_seconds or 5.0,
+            request.max_groups)
         return batch_response_bytes(trajs)
 
     async def Report(self, request: Any, context: Any) -> services_pb2.ReportResponse:  # noqa: N802

@@ -445,11 +445,11 @@ class StoreState:
     def hand_out(self, want_groups: int, max_trajectories: int, now: float,
                  due: Iterable[str] = (), learner_version: int = 0) -> list[Trajectory]:
         """Whole READY groups, oldest admission first, up to `want_groups` groups and
-        `max_trajectories`; [] unless `want_groups` are ready, no recovery is pending, and no
-        `due` group (admitted so long ago that after this step it could only be trained stale)
-        is still on its way — the learner is held for it, at most `straggler_wait_s`. (A due
-        group that is READY goes in this batch unless older ones fill it; its tokens were
-        sampled at or after its admission, so it may well still be within η later.)"""
+        `max_trajectories`; [] unless `want_groups` are ready and the learner is not `held` (a
+        recovery pending, or a `due` group — admitted so long ago that after this step it could
+        only be trained stale — still on its way, at most `straggler_wait_s`). (A due group that
+        is READY goes in this batch unless older ones fill it; its tokens were sampled at or
+        after its admission, so it may well still be within η later.)"""
         if self.recovering(now) or len(self.ready) < want_groups:
             return []
         take, n = 0, 0
@@ -457,19 +457,36 @@ class StoreState:
             n += len(self.ready[take].members)
             take += 1
         batch = self.ready[:take]
-        missing = set(due) - self._ready_ids - self.given_up
-        if missing:
-            if self.held_since is None:
-                self.held_since = now
-            if now - self.held_since < self.straggler_wait_s:
-                return []
-            self.given_up |= missing
-        self.held_since = None
+        if self.held(now, due, clock=True):
+            return []
         out: list[Trajectory] = []
         for group in batch:
             out.extend(group.members)
             self._apply(Event.HAND_OUT, self._members(group), learner_version)
         return out
+
+    def held(self, now: float, due: Iterable[str], *, clock: bool) -> bool:
+        """Whether the learner must wait for this store: a recovery is pending, or a `due` group
+        is neither ready nor given up. With `clock` (the learner has a batch otherwise) the
+        straggler wait runs: past `straggler_wait_s` the missing due groups are given up and the
+        learner goes on."""
+        if self.recovering(now):
+            return True
+        missing = set(due) - self._ready_ids - self.given_up
+        if missing:
+            if not clock:
+                return True
+            if self.held_since is None:
+                self.held_since = now
+            if now - self.held_since < self.straggler_wait_s:
+                return True
+            self.given_up |= missing
+        self.held_since = None
+        return False
+
+    def ready_versions(self, limit: int) -> list[int]:
+        """The admission version of the first `limit` READY groups, in hand-out order."""
+        return [g.admitted_version for g in self.ready[:limit]]
 
     def held_for_stragglers(self) -> bool:
         """Whether the learner is being held for a due group that is not ready."""

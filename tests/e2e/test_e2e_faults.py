@@ -444,6 +444,8 @@ FAULT_SCENARIOS = {
     # A long ack wait: the killed store's groups come back late, after younger ones (issue 16's
     # 208 stale quarantines); the restarted store must hold the learner until they are back.
     "store_long_ack_wait": ({"store.intake_ack_wait_s": 15.0}, _kill_together("store")),
+    # Two store replicas (each owns half the groups); one is killed, the other keeps serving.
+    "two_stores_kill_one": ({"store.replicas": 2}, _kill_together("store")),
     **{f"sigstop_{n}": ({}, _hang(n)) for n in ("store", "learner", "grader", "rollout", "environment")},
 }
 
@@ -456,6 +458,26 @@ def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_mode
     a bound from the run's own rate before the fault, plus one mesh start, two ack waits and the
     store's hold for a due straggler), exact accounting, nothing in flight unaccounted, zero stale
     quarantines, gate counters = archive, and no process of the run left (from /proc)."""
+    _run_scenario(tmp_path, tiny_model_dir, scenario, monkeypatch)
+
+
+def test_two_store_replicas_one_killed_mid_run(tmp_path: Path, tiny_model_dir: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`store.replicas: 2`, one store killed mid-run (the scenario above): exact accounting, zero
+    stale, nothing trained twice; and the learner trained groups of both partitions, each archived
+    by its own replica."""
+    from trajmesh.bus import partition_of
+
+    cfg, rows = _run_scenario(tmp_path, tiny_model_dir, "two_stores_kill_one", monkeypatch)
+    group_of = {r["trajectory_id"]: r["group_id"] for r in rows if r["outcome"] == "accepted"}
+    trained = [group_of[r["trajectory_id"]] for r in rows if r["outcome"] == "trained"]
+    assert {partition_of(g, 2) for g in trained} == {0, 1}, trained
+    parts = {p.name for p in (Path(cfg.run_dir) / "archive").glob("part-*.parquet")}
+    assert any("store0" in n for n in parts) and any("store1" in n for n in parts), sorted(parts)
+
+
+def _run_scenario(tmp_path: Path, tiny_model_dir: str, scenario: str,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[RunConfig, list[dict[str, object]]]:
     over, fault = FAULT_SCENARIOS[scenario]
     mark = uuid.uuid4().hex
     monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
@@ -491,3 +513,4 @@ def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_mode
         mesh.stop_infra()
     check_no_stale(acct, cfg.run_dir)
     assert not processes_marked(mark), processes_marked(mark)
+    return cfg, rows

@@ -259,7 +259,8 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
         if local_nats:
             auth = creds is not None and sec.nats_auth
             mesh.nats = NatsServer(run_dir / "infra" / "nats",
-                                   authorization=security.nats_authorization(infra.namespace) if auth else None,
+                                   authorization=security.nats_authorization(
+                                       infra.namespace, store_replicas=cfg.store.replicas) if auth else None,
                                    env=creds.nats_server_env() if auth and creds else None)
             mesh.nats.start()
         if local_redis:
@@ -267,10 +268,12 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
                                      password=creds.redis_password if creds and sec.redis_auth else None)
             mesh.redis.start()
         env_ports = [free_port() for _ in range(cfg.environment.replicas)]
+        stores = [f"127.0.0.1:{free_port()}" for _ in range(cfg.store.replicas)]
         resolved = cfg.model_copy(update={"infra": infra.model_copy(update={
             "nats_url": infra.nats_url or (mesh.nats.url if mesh.nats else None),
             "redis_url": infra.redis_url or (mesh.redis.public_url if mesh.redis else None),
-            "store_address": f"127.0.0.1:{free_port()}",
+            "store_address": stores[0],
+            "store_addresses": stores if len(stores) > 1 else [],
             "environment_addresses": [f"127.0.0.1:{p}" for p in env_ports],
         })})
         mesh.cfg = resolved
@@ -278,7 +281,7 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
         _store_manifest_id(resolved)
         if mesh.nats is not None and creds is not None and sec.nats_auth:
             asyncio.run(security.provision(resolved))  # services may only bind, not create
-        replicas = {"environment": cfg.environment.replicas, "store": 1, "grader": cfg.grader.replicas,
+        replicas = {"environment": cfg.environment.replicas, "store": cfg.store.replicas, "grader": cfg.grader.replicas,
                     "rollout": cfg.rollout.replicas, "evaluator": 1 if cfg.eval.in_mesh else 0, "learner": 0}
         # All at once, as pods on a cluster start: every service waits for what it needs (the
         # rollout for its environment and engine, the learner for batches), so no order is needed.

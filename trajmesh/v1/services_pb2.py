@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from trajmesh.v1 import trajectory_pb2 as trajmesh_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrajmesh/v1/services.proto\x12\x0btrajmesh.v1\x1a\x1ctrajmesh/v1/trajectory.proto\"y\n\x10NextBatchRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x18\n\x10max_trajectories\x18\x02 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x19\n\x11learner_restarted\x18\x04 \x01(\x08\"j\n\x11NextBatchResponse\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.trajmesh.v1.Trajectory\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x04\x12\x11\n\texhausted\x18\x03 \x01(\x08\"\x87\x01\n\rReportRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x13\n\x0btrained_ids\x18\x02 \x03(\t\x12\x17\n\x0fquarantined_ids\x18\x03 \x03(\t\x12\x1a\n\x12quarantine_reasons\x18\x04 \x03(\t\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\x04\"\x10\n\x0eReportResponse\"Q\n\x0cResetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x11.trajmesh.v1.Task\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"V\n\rResetResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x1c\n\x14\x65nvironment_revision\x18\x03 \x01(\t\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"h\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x11\n\tinfo_json\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\xa0\x01\n\x0fTrajectoryStore\x12J\n\tNextBatch\x12\x1d.trajmesh.v1.NextBatchRequest\x1a\x1e.trajmesh.v1.NextBatchResponse\x12\x41\n\x06Report\x12\x1a.trajmesh.v1.ReportRequest\x1a\x1b.trajmesh.v1.ReportResponse2\xca\x01\n\x0b\x45nvironment\x12>\n\x05Reset\x12\x19.trajmesh.v1.ResetRequest\x1a\x1a.trajmesh.v1.ResetResponse\x12;\n\x04Step\x12\x18.trajmesh.v1.StepRequest\x1a\x19.trajmesh.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.trajmesh.v1.CloseRequest\x1a\x1a.trajmesh.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrajmesh/v1/services.proto\x12\x0btrajmesh.v1\x1a\x1ctrajmesh/v1/trajectory.proto\"\xba\x01\n\x10NextBatchRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x18\n\x10max_trajectories\x18\x02 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x19\n\x11learner_restarted\x18\x04 \x01(\x08\x12\x12\n\nmax_groups\x18\x05 \x01(\r\x12\x0c\n\x04peek\x18\x06 \x01(\x08\x12\x1d\n\x15\x62\x61tch_ready_elsewhere\x18\x07 \x01(\x08\"\x90\x01\n\x11NextBatchResponse\x12-\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x17.trajmesh.v1.Trajectory\x12\x13\n\x0b\x62\x61tch_index\x18\x02 \x01(\x04\x12\x11\n\texhausted\x18\x03 \x01(\x08\x12\x0c\n\x04held\x18\x04 \x01(\x08\x12\x16\n\x0eready_versions\x18\x05 \x03(\x03\"\x87\x01\n\rReportRequest\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x13\n\x0btrained_ids\x18\x02 \x03(\t\x12\x17\n\x0fquarantined_ids\x18\x03 \x03(\t\x12\x1a\n\x12quarantine_reasons\x18\x04 \x03(\t\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\x04\"\x10\n\x0eReportResponse\"Q\n\x0cResetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x11.trajmesh.v1.Task\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"V\n\rResetResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\x1c\n\x14\x65nvironment_revision\x18\x03 \x01(\t\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"h\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x12\n\nstate_hash\x18\x03 \x01(\t\x12\x11\n\tinfo_json\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\xa0\x01\n\x0fTrajectoryStore\x12J\n\tNextBatch\x12\x1d.trajmesh.v1.NextBatchRequest\x1a\x1e.trajmesh.v1.NextBatchResponse\x12\x41\n\x06Report\x12\x1a.trajmesh.v1.ReportRequest\x1a\x1b.trajmesh.v1.ReportResponse2\xca\x01\n\x0b\x45nvironment\x12>\n\x05Reset\x12\x19.trajmesh.v1.ResetRequest\x1a\x1a.trajmesh.v1.ResetResponse\x12;\n\x04Step\x12\x18.trajmesh.v1.StepRequest\x1a\x19.trajmesh.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.trajmesh.v1.CloseRequest\x1a\x1a.trajmesh.v1.CloseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trajmesh.v1.services_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NEXTBATCHREQUEST']._serialized_start=73
-  _globals['_NEXTBATCHREQUEST']._serialized_end=194
-  _globals['_NEXTBATCHRESPONSE']._serialized_start=196
-  _globals['_NEXTBATCHRESPONSE']._serialized_end=302
-  _globals['_REPORTREQUEST']._serialized_start=305
-  _globals['_REPORTREQUEST']._serialized_end=440
-  _globals['_REPORTRESPONSE']._serialized_start=442
-  _globals['_REPORTRESPONSE']._serialized_end=458
-  _globals['_RESETREQUEST']._serialized_start=460
-  _globals['_RESETREQUEST']._serialized_end=541
-  _globals['_RESETRESPONSE']._serialized_start=543
-  _globals['_RESETRESPONSE']._serialized_end=629
-  _globals['_STEPREQUEST']._serialized_start=631
-  _globals['_STEPREQUEST']._serialized_end=680
-  _globals['_STEPRESPONSE']._serialized_start=682
-  _globals['_STEPRESPONSE']._serialized_end=786
-  _globals['_CLOSEREQUEST']._serialized_start=788
-  _globals['_CLOSEREQUEST']._serialized_end=822
-  _globals['_CLOSERESPONSE']._serialized_start=824
-  _globals['_CLOSERESPONSE']._serialized_end=839
-  _globals['_TRAJECTORYSTORE']._serialized_start=842
-  _globals['_TRAJECTORYSTORE']._serialized_end=1002
-  _globals['_ENVIRONMENT']._serialized_start=1005
-  _globals['_ENVIRONMENT']._serialized_end=1207
+  _globals['_NEXTBATCHREQUEST']._serialized_start=74
+  _globals['_NEXTBATCHREQUEST']._serialized_end=260
+  _globals['_NEXTBATCHRESPONSE']._serialized_start=263
+  _globals['_NEXTBATCHRESPONSE']._serialized_end=407
+  _globals['_REPORTREQUEST']._serialized_start=410
+  _globals['_REPORTREQUEST']._serialized_end=545
+  _globals['_REPORTRESPONSE']._serialized_start=547
+  _globals['_REPORTRESPONSE']._serialized_end=563
+  _globals['_RESETREQUEST']._serialized_start=565
+  _globals['_RESETREQUEST']._serialized_end=646
+  _globals['_RESETRESPONSE']._serialized_start=648
+  _globals['_RESETRESPONSE']._serialized_end=734
+  _globals['_STEPREQUEST']._serialized_start=736
+  _globals['_STEPREQUEST']._serialized_end=785
+  _globals['_STEPRESPONSE']._serialized_start=787
+  _globals['_STEPRESPONSE']._serialized_end=891
+  _globals['_CLOSEREQUEST']._serialized_start=893
+  _globals['_CLOSEREQUEST']._serialized_end=927
+  _globals['_CLOSERESPONSE']._serialized_start=929
+  _globals['_CLOSERESPONSE']._serialized_end=944
+  _globals['_TRAJECTORYSTORE']._serialized_start=947
+  _globals['_TRAJECTORYSTORE']._serialized_end=1107
+  _globals['_ENVIRONMENT']._serialized_start=1110
+  _globals['_ENVIRONMENT']._serialized_end=1312
 # @@protoc_insertion_point(module_scope)

@@ -8,26 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextBatchRequest(_message.Message):
-    __slots__ = ("learner_version", "max_trajectories", "timeout_seconds", "learner_restarted")
+    __slots__ = ("learner_version", "max_trajectories", "timeout_seconds", "learner_restarted", "max_groups", "peek", "batch_ready_elsewhere")
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEARNER_RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PEEK_FIELD_NUMBER: _ClassVar[int]
+    BATCH_READY_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
     learner_version: int
     max_trajectories: int
     timeout_seconds: float
     learner_restarted: bool
-    def __init__(self, learner_version: _Optional[int] = ..., max_trajectories: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., learner_restarted: _Optional[bool] = ...) -> None: ...
+    max_groups: int
+    peek: bool
+    batch_ready_elsewhere: bool
+    def __init__(self, learner_version: _Optional[int] = ..., max_trajectories: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., learner_restarted: _Optional[bool] = ..., max_groups: _Optional[int] = ..., peek: _Optional[bool] = ..., batch_ready_elsewhere: _Optional[bool] = ...) -> None: ...
 
 class NextBatchResponse(_message.Message):
-    __slots__ = ("trajectories", "batch_index", "exhausted")
+    __slots__ = ("trajectories", "batch_index", "exhausted", "held", "ready_versions")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    READY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
     batch_index: int
     exhausted: bool
-    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., batch_index: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+    held: bool
+    ready_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., batch_index: _Optional[int] = ..., exhausted: _Optional[bool] = ..., held: _Optional[bool] = ..., ready_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("learner_version", "trained_ids", "quarantined_ids", "quarantine_reasons", "batch_index")

@@ -944,14 +944,14 @@ def _nats_conf(out: dict[str, str]) -> str:
     return str(cm["data"]["nats.conf"])
 
 
-def _assert_permissions_match_python(conf_text: str, namespace: str) -> None:
+def _assert_permissions_match_python(conf_text: str, namespace: str, store_replicas: int = 1) -> None:
     from trajmesh import security
 
     conf = _NatsConf.parse(conf_text)
     users = {u["user"]: u for u in conf["authorization"]["users"]}
     assert list(users) == list(security.NATS_ROLES)
     for role in security.NATS_ROLES:
-        want = security.nats_permissions(role, namespace)
+        want = security.nats_permissions(role, namespace, store_replicas)
         got = users[role]["permissions"]
         assert set(got) == {"publish", "subscribe"}, role
         for kind in ("publish", "subscribe"):
@@ -978,6 +978,25 @@ def test_nats_conf_permissions_equal_trajmesh_security(case: str) -> None:
 def test_nats_permissions_follow_the_namespace(namespace: str) -> None:
     out = _chart().render(values=_merged(IMAGES, {"trajmesh": {"namespace": namespace}}), name=RELEASE, namespace=NAMESPACE)
     _assert_permissions_match_python(_nats_conf(out), namespace)
+
+
+def test_store_replicas_render_partitions_by_pod() -> None:
+    """store.replicaCount 2: two store pods, the config's store.replicas and one address per pod
+    (its stable name on the headless Service, in ordinal order), and NATS permissions equal to
+    trajmesh.security's for two partitions (each pod's durable, each partition's subject)."""
+    from trajmesh.config import RunConfig
+
+    values = _merged(IMAGES, {"store": {"replicaCount": 2}})
+    objs = _objects_of(values)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet" and _component(o) == "store")
+    assert sts["spec"]["replicas"] == 2
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and "config.yaml" in o.get("data", {}))
+    cfg = RunConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert cfg.store.replicas == 2
+    store = f"{RELEASE}-store"
+    assert cfg.store_endpoints == [f"{store}-{k}.{store}-headless.{NAMESPACE}.svc:50051" for k in range(2)]
+    out = _chart().render(values=_merged(values, {"trajmesh": {"namespace": "run7"}}), name=RELEASE, namespace=NAMESPACE)
+    _assert_permissions_match_python(_nats_conf(out), "run7", store_replicas=2)
 
 
 def _env_refs(container: dict[str, Any], secret: str) -> dict[str, str]:

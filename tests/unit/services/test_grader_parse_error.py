@@ -63,7 +63,7 @@ def _graded(svc: GraderService, record: dict[str, Any], text: str, task_id: str)
     ids = svc.tokenizer.encode(text) + [svc.tokenizer.eos_token_id]
     traj.append_sampled(ids, [-1.0] * len(ids), 0)
     traj.finish(trajectory_pb2.EOS)
-    out, msg_id = asyncio.run(svc._grade(traj.to_bytes()))
+    out, msg_id, _ = asyncio.run(svc._grade(traj.to_bytes()))
     assert msg_id == f"graded-{traj.trajectory_id}"
     return Trajectory.from_bytes(out)
 

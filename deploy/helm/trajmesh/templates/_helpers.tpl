@@ -448,8 +448,20 @@ Returns JSON {role: {"publish": [...], "subscribe": [...]}}.
       (include "trajmesh.js.watchStream" $objStream | fromJsonArray)
       (list (printf "$JS.API.STREAM.PURGE.%s" $objStream) "$JS.API.STREAM.NAMES") -}}
 {{- $kvRead := include "trajmesh.js.readStream" $kvStream | fromJsonArray -}}
+{{- $stores := max 1 (int .Values.store.replicaCount) -}}
+{{- $storeConsume := list -}}
+{{- $gradedSubjects := list (printf "%strajmesh.traj.graded" $subj) -}}
+{{- if eq (int $stores) 1 -}}
+{{- $storeConsume = include "trajmesh.js.consume" (dict "stream" $graded "durable" "store") | fromJsonArray -}}
+{{- else -}}
+{{- $gradedSubjects = list -}}
+{{- range $k := until (int $stores) -}}
+{{- $storeConsume = concat $storeConsume (include "trajmesh.js.consume" (dict "stream" $graded "durable" (printf "store-%d" $k)) | fromJsonArray) -}}
+{{- $gradedSubjects = append $gradedSubjects (printf "%strajmesh.traj.graded.%d" $subj $k) -}}
+{{- end -}}
+{{- end -}}
 {{- $store := concat (list (printf "%strajmesh.tasks" $subj))
-      (include "trajmesh.js.consume" (dict "stream" $graded "durable" "store") | fromJsonArray)
+      $storeConsume
       $blobs
       (list (printf "$JS.API.CONSUMER.INFO.%s.rollout" $tasks) (printf "$JS.API.CONSUMER.INFO.%s.grader" $raw))
       (include "trajmesh.js.readStream" $tasks | fromJsonArray)
@@ -459,7 +471,7 @@ Returns JSON {role: {"publish": [...], "subscribe": [...]}}.
       (include "trajmesh.js.consume" (dict "stream" $tasks "durable" "rollout") | fromJsonArray)
       $blobs $kvRead
       (include "trajmesh.js.watchStream" $kvStream | fromJsonArray) -}}
-{{- $grader := concat (list (printf "%strajmesh.traj.graded" $subj))
+{{- $grader := concat $gradedSubjects
       (include "trajmesh.js.consume" (dict "stream" $raw "durable" "grader") | fromJsonArray)
       $blobs -}}
 {{- $evalStream := printf "%sEVAL" $pre -}}

@@ -75,7 +75,7 @@ def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
         _watch_announcements(learner, before, kill_after=1)
         with pytest.raises(_Killed):
             await learner.run()
-        await learner.channel.close()  # the kill: its connections go, nothing else runs
+        await learner.store.close()  # the kill: its connections go, nothing else runs
         await learner.bus.close()
         await learner.redis.aclose()
         announced = trajectory_pb2.WeightsAnnouncement.FromString(await store.w.bus.latest_weights())
