@@ -163,7 +163,8 @@ class SyntheticEngine:
             self._wake.clear()
             start = loop.time()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=steps * dt)
+                async with asyncio.timeout(steps * dt):
+                    await self._wake.wait()
                 # A request arrived: finish the step in progress, then admit it.
                 elapsed = loop.time() - start
                 steps = min(steps, int(elapsed / dt) + 1)

@@ -185,7 +185,8 @@ class EvaluatorService(RolloutService):
         """Until a version other than `seen` is loaded, at most FINISH_POLL_S."""
         async with self.version_changed:
             try:
-                await asyncio.wait_for(self.version_changed.wait_for(lambda: self.version != seen), FINISH_POLL_S)
+                async with asyncio.timeout(FINISH_POLL_S):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self.version_changed.wait_for(lambda: self.version != seen)
             except asyncio.TimeoutError:
                 pass
 

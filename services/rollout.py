@@ -455,7 +455,8 @@ class RolloutService(Service):
             return
         async with self.version_changed:
             try:
-                await asyncio.wait_for(self.version_changed.wait_for(lambda: self.version >= version), timeout_s)
+                async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self.version_changed.wait_for(lambda: self.version >= version)
             except TimeoutError:
                 log.warning("weights v%d not announced after %.0fs; sampling with v%d", version, timeout_s,
                             self.version)

@@ -377,7 +377,8 @@ class TrajectoryStore(Service):
                 continue
             self.capacity_changed.clear()
             try:
-                await asyncio.wait_for(self.capacity_changed.wait(), timeout=1.0)
+                async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self.capacity_changed.wait()
             except TimeoutError:
                 pass
 
@@ -740,7 +741,8 @@ class TrajectoryStore(Service):
             if remaining <= 0:
                 return []
             try:  # a recovery wait that runs out sets nothing: look again within a second
-                await asyncio.wait_for(self.ready_changed.wait(), timeout=min(remaining, 1.0))
+                async with asyncio.timeout(min(remaining, 1.0)):
+                    await self.ready_changed.wait()
             except TimeoutError:
                 pass
         self.w.archive.flush()  # the intake rows (tokens, versions) are on disk before anything trains
@@ -761,7 +763,8 @@ class TrajectoryStore(Service):
         if timeout_s > 0 and (self.state.ready_count < max_groups or self.state.held(time.time(), due, clock=False)):
             self.ready_changed.clear()
             try:
-                await asyncio.wait_for(self.ready_changed.wait(), timeout=timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self.ready_changed.wait()
             except TimeoutError:
                 pass
             due = await self.w.repo.due_groups(learner_version - self.cfg.effective_eta)
