@@ -185,6 +185,9 @@ def test_service_monitors_need_the_api() -> None:
         ({"nats": {"auth": {"provision": {"backoffLimit": -1}}}}, "/nats/auth/provision/backoffLimit"),
         ({"evaluator": {"replicaCount": 2}}, "/evaluator/replicaCount"),
         ({"evaluator": {"engine": "torch"}}, "engine"),  # the engine is the rollout's
+        ({"rollout": {"localWeights": {"medium": "Disk"}}}, "/rollout/localWeights/medium"),
+        ({"rollout": {"localWeights": {"mountPath": "local-weights"}}}, "/rollout/localWeights/mountPath"),
+        ({"evaluator": {"localWeights": {"sizeLimit": "8Gi"}}}, "localWeights"),  # one weights.local_dir for both
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:

@@ -227,6 +227,25 @@ volume and the model. (dict "root" $ "shared" true "model" true)
 {{- end -}}
 
 {{/*
+weights.local_dir of the engine pods (rollout, evaluator) when trajmesh.config weights.sync is
+delta: rollout.localWeights.mountPath, where the pod's local-weights volume is mounted in the
+trajmesh container (which rebuilds each checkpoint there) and in the SGLang/vLLM container (which
+loads it). "" with weights.sync full. A weights.local_dir in trajmesh.config other than that path
+fails the render: the engine container would not see it.
+*/}}
+{{- define "trajmesh.localWeightsDir" -}}
+{{- $cfg := .Values.trajmesh.config -}}
+{{- if eq (toString (dig "weights" "sync" "full" $cfg)) "delta" -}}
+{{- $mount := .Values.rollout.localWeights.mountPath -}}
+{{- $given := toString (dig "weights" "local_dir" "" $cfg | default "") -}}
+{{- if and $given (ne (clean $given) (clean $mount)) -}}
+{{- fail (printf "trajmesh.config.weights.local_dir %q: with weights.sync delta the chart mounts the local-weights volume (rollout.localWeights) at %q in the rollout/evaluator container and in its SGLang/vLLM container, and sets weights.local_dir to it; leave weights.local_dir unset, or move the volume with rollout.localWeights.mountPath" $given $mount) -}}
+{{- end -}}
+{{- $mount -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Init container fetching an hf:// model into the pod-local cache (nothing for other sources).
 (dict "root" $ "image" <image values> "tokenizerOnly" bool)
 */}}
