@@ -9,12 +9,13 @@ step, version by version:
   "shared volume" directory, then read back whole (``safetensors.torch.load_file``, the engine's
   read): raw write + read of the checkpoint's bytes;
 * **delta** (``weights.sync: delta``): the same export through a ``DeltaWriter`` (only the changed
-  tensors, XOR/sparse + zstd; an anchor every ``--anchor-every`` versions), then a rollout's
+  tensors, each in the smallest of its encodings, trajmesh/weight_sync.py; an anchor every
+  ``--anchor-every`` versions), then a rollout's
   ``LocalWeights.prepare`` (rebuild on local disk from its previous copy, every sha256 checked),
   then the same engine read of the rebuilt file: publish → loaded.
 
 Printed per version: weight bytes written to the volume (full vs delta, = what each pod reads), the
-two latencies and their ratio; then the goals (delta bytes ≤ 10 % of full at lr ≤ 1e-5, delta
+two latencies and their ratio, how many tensors each encoding carried; then the goals (delta bytes ≤ 10 % of full at lr ≤ 1e-5, delta
 latency ≤ 1.5× raw I/O of the same bytes) stated met or not, and an extrapolation to 1.5B / 7B /
 32B parameters from the measured changed-byte fraction (an extrapolation, not a measurement).
 Every file here lives on one local disk and mostly in the page cache: the raw I/O is the fastest
@@ -24,6 +25,7 @@ a volume could be, so the latency ratio is the worst case for deltas.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -38,7 +40,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trajmesh.learner.weights import export_policy
-from trajmesh.weight_sync import DELTA_NAME, SAFETENSORS_NAME, DeltaWriter, LocalWeights
+from trajmesh.weight_sync import DELTA_NAME, MANIFEST_NAME, SAFETENSORS_NAME, DeltaWriter, LocalWeights
 
 BYTES_GOAL = 0.10
 LATENCY_GOAL = 1.5
@@ -81,8 +83,11 @@ def _delta_version(model: torch.nn.Module, volume: Path, v: int, writer: DeltaWr
     rebuild_s = time.perf_counter() - start - publish_s
     load_file(str(local / SAFETENSORS_NAME))
     pod.loaded(local)
+    total_s = time.perf_counter() - start
+    tensors = json.loads((final / MANIFEST_NAME).read_text())["tensors"]
+    encodings = collections.Counter(t["delta"]["enc"] if "delta" in t else "unchanged" for t in tensors)
     return {"bytes": _weight_bytes(final), "anchor": (final / SAFETENSORS_NAME).exists(), "publish_s": publish_s,
-            "rebuild_s": rebuild_s, "total_s": time.perf_counter() - start, "local": local}
+            "rebuild_s": rebuild_s, "total_s": total_s, "local": local, "encodings": dict(sorted(encodings.items()))}
 
 
 def run_lr(lr: float, steps: int, anchor_every: int, root: Path, seed: int) -> list[dict[str, Any]]:
@@ -113,7 +118,7 @@ def run_lr(lr: float, steps: int, anchor_every: int, root: Path, seed: int) -> l
                      "delta_publish_s": round(delta["publish_s"], 3), "delta_rebuild_s": round(delta["rebuild_s"], 3),
                      "delta_publish_to_loaded_s": round(delta["total_s"], 3),
                      "latency_ratio": round(delta["total_s"] / full["total_s"], 3), "train_step_s": round(step_s, 2),
-                     "bitwise_equal": same})
+                     "bitwise_equal": same, "tensors_by_encoding": delta["encodings"]})
     return rows
 
 
@@ -141,7 +146,8 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     params = sum(t.numel() for t in build_model(args.seed).parameters())
     print(json.dumps({"model": "Qwen2 (random init)", "parameters": params, "publish_dtype": "bf16",
-                      "steps_per_lr": args.steps, "anchor_every": args.anchor_every}), flush=True)
+                      "steps_per_lr": args.steps, "anchor_every": args.anchor_every, "cpus": os.cpu_count(),
+                      "load_avg_1m_at_start": os.getloadavg()[0]}), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-weights-", dir=args.dir) as tmp:
         rows = []
         for lr in args.lrs:
@@ -160,7 +166,7 @@ def main(argv: list[str]) -> None:
             "latency_ratio_median": round(statistics.median(r["latency_ratio"] for r in deltas), 3),
             "raw_write_read_s_median": statistics.median(r["raw_write_read_s"] for r in deltas),
             "delta_publish_to_loaded_s_median": statistics.median(r["delta_publish_to_loaded_s"] for r in deltas)}
-    print(json.dumps({"summary_delta_versions": summary}), flush=True)
+    print(json.dumps({"summary_delta_versions": summary, "load_avg_1m_at_end": os.getloadavg()[0]}), flush=True)
     for key, cell in summary.items():
         b, lat = cell["delta_over_full_bytes_median"], cell["latency_ratio_median"]
         print(f"{key}: goal delta bytes <= {BYTES_GOAL:.0%} of full: {'met' if b <= BYTES_GOAL else 'NOT met'} "
