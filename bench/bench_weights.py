@@ -18,7 +18,8 @@ Printed per version: weight bytes written to the volume (full vs delta, = what e
 two latencies and their ratio, how many tensors each encoding carried; then the goals (delta bytes ≤ 10 % of full at lr ≤ 1e-5, delta
 latency ≤ 1.5× raw I/O of the same bytes) stated met or not, and an extrapolation to 1.5B / 7B /
 32B parameters from the measured changed-byte fraction (an extrapolation, not a measurement).
-Every file here lives on one local disk and mostly in the page cache: the raw I/O is the fastest
+`--shape 1.5B --device cuda` trains Qwen2.5-1.5B's shape on a GPU instead (the publish and
+rebuild stay on the CPU, as on a pod). Every file here lives on one local disk and mostly in the page cache: the raw I/O is the fastest
 a volume could be, so the latency ratio is the worst case for deltas.
 """
 
@@ -48,13 +49,22 @@ EXTRAPOLATE = {"1.5B": 1.5e9, "7B": 7.6e9, "32B": 32.8e9}
 PODS = 32
 
 
-def build_model(seed: int) -> Qwen2ForCausalLM:
-    """Qwen2 shape (GQA, SwiGLU, untied head), random init, fp32: ~125M parameters."""
+SHAPES = {
+    # ~125M parameters (GQA, SwiGLU, untied head): what a 2-core, 24 GiB machine trains in seconds.
+    "125M": {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "num_key_value_heads": 4, "tie_word_embeddings": False},
+    # Qwen2.5-1.5B's published shape (1.54B parameters, tied embeddings); needs a GPU to train quickly.
+    "1.5B": {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": True},
+}
+
+
+def build_model(seed: int, shape: str = "125M", device: str = "cpu") -> Qwen2ForCausalLM:
+    """A Qwen2-architecture model of `shape` (SHAPES), random init, fp32 master weights, on `device`."""
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                      num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    return Qwen2ForCausalLM(cfg).float()
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096)
+    with torch.device(device):
+        return Qwen2ForCausalLM(cfg).float()
 
 
 def _weight_bytes(d: Path) -> int:
@@ -90,8 +100,9 @@ def _delta_version(model: torch.nn.Module, volume: Path, v: int, writer: DeltaWr
             "rebuild_s": rebuild_s, "total_s": total_s, "local": local, "encodings": dict(sorted(encodings.items()))}
 
 
-def run_lr(lr: float, steps: int, anchor_every: int, root: Path, seed: int) -> list[dict[str, Any]]:
-    model = build_model(seed)
+def run_lr(lr: float, steps: int, anchor_every: int, root: Path, seed: int, shape: str = "125M",
+           device: str = "cpu", batch: tuple[int, int] = (1, 32)) -> list[dict[str, Any]]:
+    model = build_model(seed, shape, device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     volume, full_volume = root / f"volume-{lr:g}", root / f"full-{lr:g}"
@@ -100,7 +111,7 @@ def run_lr(lr: float, steps: int, anchor_every: int, root: Path, seed: int) -> l
     writer, pod = DeltaWriter(anchor_every), LocalWeights(root / f"pod-{lr:g}")
     rows = []
     for v in range(1, steps + 1):
-        ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=gen)
+        ids = torch.randint(0, model.config.vocab_size, batch, generator=gen).to(device)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad()
@@ -143,9 +154,15 @@ def main(argv: list[str]) -> None:
     p.add_argument("--anchor-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="where the volume and the pod's disk go (default: a temp dir)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="125M", help="model shape (SHAPES)")
+    p.add_argument("--device", default="cpu", help="where the model trains (cuda for the 1.5B shape)")
+    p.add_argument("--batch", type=int, nargs=2, default=[1, 32], metavar=("SEQS", "TOKENS"),
+                   help="random-token sequences per step and their length")
     args = p.parse_args(argv)
-    params = sum(t.numel() for t in build_model(args.seed).parameters())
-    print(json.dumps({"model": "Qwen2 (random init)", "parameters": params, "publish_dtype": "bf16",
+    with torch.device("meta"):
+        params = sum(t.numel() for t in build_model(args.seed, args.shape, "meta").parameters())
+    print(json.dumps({"model": f"Qwen2 {args.shape} shape (random init)", "parameters": params,
+                      "device": args.device, "batch": args.batch, "publish_dtype": "bf16",
                       "steps_per_lr": args.steps, "anchor_every": args.anchor_every, "cpus": os.cpu_count(),
                       "load_avg_1m_at_start": os.getloadavg()[0]}), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-weights-", dir=args.dir) as tmp:
@@ -153,7 +170,8 @@ def main(argv: list[str]) -> None:
         for lr in args.lrs:
             sub = Path(tmp) / f"lr-{lr:g}"
             sub.mkdir()
-            for row in run_lr(lr, args.steps, args.anchor_every, sub, args.seed):
+            for row in run_lr(lr, args.steps, args.anchor_every, sub, args.seed, args.shape, args.device,
+                              tuple(args.batch)):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     summary: dict[str, Any] = {}
