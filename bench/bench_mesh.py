@@ -8,8 +8,11 @@
     store → gRPC NextBatch; this script plays the learner (NextBatch, Report, version + 1), so the
     gate keeps admitting. Trajectories per second reaching the learner. On 2 cores one process per
     service with 16 groups of 4 in flight beat two of each (more processes only compete for CPU).
+(c) the same mesh with `store.replicas: 2` (--stores): each store owns half the groups, and the
+    learner gathers each batch from both (services/store/client.py, the learner's own client).
 
-Prints `mesh_vs_raw_jetstream_ratio` (goal ≥ 0.5). Both sides run on the same NATS server build,
+Prints `mesh_vs_raw_jetstream_ratio` (one store; goal ≥ 0.3, issue #24) and
+`two_stores_vs_one_ratio` (goal ≥ 1.6). Both sides run on the same NATS server build,
 on this machine, in the same run. It also prints each mesh process's CPU time per trajectory over
 the measured window (Linux /proc: user + system): where the per-trajectory cost is, and whether a
 change cut it. A busy machine disturbs it less than the rates, but it too grows under contention
@@ -25,8 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.config import load_config
@@ -34,7 +35,8 @@ from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.infra import NatsServer
 from trajmesh.run.launcher import Mesh, start_mesh
-from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+from trajmesh.services.store.client import StoreClient
+from trajmesh.v1 import services_pb2, trajectory_pb2
 
 TOKENS = 4096
 
@@ -112,8 +114,7 @@ async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-un
     r = security.redis_client(cfg)
     gate = AsyncStalenessGate.from_config(r, cfg)
     bus = await security.connect_bus(cfg, "learner", name="bench-learner")
-    channel = grpc.aio.insecure_channel(cfg.infra.store_address)
-    store = services_pb2_grpc.TrajectoryStoreStub(channel)
+    store = StoreClient(cfg, lambda call, request: call(request, timeout=60.0))
     version, counted, t0 = 0, 0, None
     cpu0: dict[str, float | None] = {}
     start = time.perf_counter()
@@ -124,11 +125,11 @@ async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-un
             cpu0 = _cpu_snapshot(pids or {})
         if t0 is not None and now - t0 > seconds:
             break
-        resp = await store.NextBatch(services_pb2.NextBatchRequest(
-            learner_version=version, max_trajectories=cfg.batch_trajectories, timeout_seconds=10.0))
+        resp = await store.next_batch(version, timeout_s=10.0)
         ids = [t.trajectory_id for t in resp.trajectories]
         counted += len(ids)
-        await store.Report(services_pb2.ReportRequest(learner_version=version, trained_ids=ids))
+        await store.report(services_pb2.ReportRequest(learner_version=version, trained_ids=ids),
+                           {t.trajectory_id: t.group_id for t in resp.trajectories})
         version += 1
         # What a learner does after a step: announce the version (the synthetic engine loads nothing).
         ann = trajectory_pb2.WeightsAnnouncement(version=version, path="synthetic", sha256="")
@@ -139,9 +140,30 @@ async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-un
     cpu_ms = {name: 1e3 * (after - before) / max(counted, 1) for name, after in cpu1.items()
               if after is not None and (before := cpu0.get(name)) is not None}
     await bus.close()
-    await channel.close()
+    await store.close()
     await r.aclose()
     return counted / elapsed, cpu_ms
+
+
+def mesh_cell(root: Path, args: argparse.Namespace, stores: int) -> tuple[float, dict[str, float]]:
+    """The mesh with `stores` store replicas: (trajectories/s reaching the learner, CPU ms per
+    trajectory by process)."""
+    cfg = load_config(None, {
+        "run_dir": str(root / "run"), "model.path": _model_dir(root / "model"), "gate.eta": 2,
+        "tasks.group_size": 4, "tasks.train_size": 500, "tasks.heldout_size": 10,
+        "tasks.sampling.max_new_tokens": TOKENS - 8, "rollout.engine.type": "synthetic",
+        "rollout.replicas": args.rollouts, "rollout.concurrent_tasks": args.concurrent_tasks,
+        "grader.replicas": args.graders, "store.drop_zero_variance_groups": False,
+        "learner.batch_groups": args.batch_groups, "store.replicas": stores,
+    })
+    Path(cfg.run_dir).mkdir(parents=True)
+    (Path(cfg.run_dir) / "manifest.json").write_text('{"manifest_id": "bench"}')
+    mesh: Mesh = start_mesh(cfg, services=("environment", "store", "grader", "rollout"))
+    try:
+        return asyncio.run(play_learner(mesh.cfg, args.seconds, args.warmup, _mesh_pids(mesh)))
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -153,38 +175,30 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--graders", type=int, default=1, help="grader processes")
     ap.add_argument("--concurrent-tasks", type=int, default=16, help="groups in flight per rollout process")
     ap.add_argument("--batch-groups", type=int, default=8, help="groups per learner batch")
+    ap.add_argument("--stores", default="1,2", help="store replicas of each mesh cell, in run order")
     args = ap.parse_args(argv)
     payload = _sample_bytes()
+    cells: dict[int, tuple[float, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         with NatsServer(root / "nats-raw") as nats:
             raw = asyncio.run(raw_jetstream(nats.url, args.raw_messages, payload))
-        cfg = load_config(None, {
-            "run_dir": str(root / "run"), "model.path": _model_dir(root / "model"), "gate.eta": 2,
-            "tasks.group_size": 4, "tasks.train_size": 500, "tasks.heldout_size": 10,
-            "tasks.sampling.max_new_tokens": TOKENS - 8, "rollout.engine.type": "synthetic",
-            "rollout.replicas": args.rollouts, "rollout.concurrent_tasks": args.concurrent_tasks,
-            "grader.replicas": args.graders, "store.drop_zero_variance_groups": False,
-            "learner.batch_groups": args.batch_groups,
-        })
-        Path(cfg.run_dir).mkdir(parents=True)
-        (Path(cfg.run_dir) / "manifest.json").write_text('{"manifest_id": "bench"}')
-        mesh: Mesh = start_mesh(cfg, services=("environment", "store", "grader", "rollout"))
-        try:
-            mesh_rate, cpu_ms = asyncio.run(play_learner(mesh.cfg, args.seconds, args.warmup, _mesh_pids(mesh)))
-        finally:
-            mesh.stop_services()
-            mesh.stop_infra()
+        for stores in (int(n) for n in args.stores.split(",")):
+            cells[stores] = mesh_cell(root / f"stores{stores}", args, stores)
     print(f"trajectory size: {len(payload)} bytes ({TOKENS} tokens)")
     print(f"raw JetStream publish+consume: {raw:.1f} msg/s")
-    print(f"mesh rollout→grader→store→learner batch: {mesh_rate:.1f} trajectories/s "
-          f"({args.rollouts} rollout, {args.graders} grader processes, {args.concurrent_tasks} groups of 4 in "
-          f"flight per rollout, {args.batch_groups} groups per batch)")
-    mesh_ms = sum(v for k, v in cpu_ms.items() if k != "bench learner")
-    print("CPU ms per trajectory (user + system): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_ms.items())
-          + f"; mesh total (without the bench learner) {mesh_ms:.2f}")
-    ratio = mesh_rate / raw
-    print(f"mesh_vs_raw_jetstream_ratio={ratio:.3f} (goal >= 0.5)")
+    for stores, (rate, cpu_ms) in cells.items():
+        print(f"mesh with {stores} store replica(s), rollout→grader→store→learner batch: {rate:.1f} trajectories/s "
+              f"({args.rollouts} rollout, {args.graders} grader processes, {args.concurrent_tasks} groups of 4 in "
+              f"flight per rollout, {args.batch_groups} groups per batch)")
+        mesh_ms = sum(v for k, v in cpu_ms.items() if k != "bench learner")
+        print("  CPU ms per trajectory (user + system): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_ms.items())
+              + f"; mesh total (without the bench learner) {mesh_ms:.2f}")
+    first = next(iter(cells.values()))[0]
+    ratio = first / raw
+    print(f"mesh_vs_raw_jetstream_ratio={ratio:.3f} ({next(iter(cells))} store replica(s); goal >= 0.3)")
+    if 1 in cells and 2 in cells:
+        print(f"two_stores_vs_one_ratio={cells[2][0] / cells[1][0]:.3f} (goal >= 1.6)")
     return ratio
 
 
