@@ -9,6 +9,8 @@ and its Report reaches the replica that handed each trajectory out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +59,19 @@ async def _arrive(store: TrajectoryStore, task_id: str, gid: str, version: int) 
     await take(store, G)
 
 
-async def _start(cfg: Any) -> list[TrajectoryStore]:
+@contextlib.asynccontextmanager
+async def _replicas(cfg: Any) -> AsyncIterator[tuple[list[TrajectoryStore], StoreClient]]:
+    """Two set-up store replicas and a learner's client of both; all stopped on the way out."""
     stores = [TrajectoryStore(cfg, replica=k) for k in range(2)]
     for s in stores:
         await s.setup()
-    return stores
+    client = StoreClient(cfg, lambda call, request: call(request, timeout=30.0))
+    try:
+        yield stores, client
+    finally:
+        await client.close()
+        for s in stores:
+            await s.stop()
 
 
 def _trained_rows(store: TrajectoryStore) -> set[str]:
@@ -85,9 +95,7 @@ def test_gather_takes_oldest_across_replicas_and_reports_to_each(
     cfg = _config(tmp_path, nats_server, redis_server, tiny_model_dir)
 
     async def main() -> dict[str, Any]:
-        stores = await _start(cfg)
-        client = StoreClient(cfg, lambda call, request: call(request, timeout=30.0))
-        try:
+        async with _replicas(cfg) as (stores, client):
             a = await _admit(stores, 1)  # at v0, replica 1
             await stores[0].w.gate.set_version(1)
             b = await _admit(stores, 0)  # at v1, replica 0
@@ -99,10 +107,6 @@ def test_gather_takes_oldest_across_replicas_and_reports_to_each(
             return {"a": a, "b": b, "c": c, "ids": ids, "trained": [_trained_rows(s) for s in stores],
                     "held": [[s.state.holds(t) for t in ids] for s in stores],
                     "c_ready": all(stores[0].state.holds(t) for t in c)}
-        finally:
-            await client.close()
-            for s in stores:
-                await s.stop()
 
     out = asyncio.run(main())
     assert sorted(out["ids"]) == sorted(out["a"] + out["b"]), out  # oldest across replicas, not c
@@ -115,9 +119,7 @@ def test_a_replica_waiting_for_a_due_group_holds_the_gather(
     cfg = _config(tmp_path, nats_server, redis_server, tiny_model_dir)
 
     async def main() -> dict[str, Any]:
-        stores = await _start(cfg)
-        client = StoreClient(cfg, lambda call, request: call(request, timeout=30.0))
-        try:
+        async with _replicas(cfg) as (stores, client):
             due = await _admit(stores, 1, arrive=False)  # at v0: due at v1 (η = 1), on its way
             await stores[0].w.gate.set_version(1)
             young = [await _admit(stores, 0) for _ in range(2)]  # a whole batch ready on replica 0
@@ -129,10 +131,6 @@ def test_a_replica_waiting_for_a_due_group_holds_the_gather(
             batch = await client.next_batch(1, timeout_s=5.0)
             return {"held": len(held.trajectories), "ready_while_held": ready_while_held, "due": due,
                     "young": young, "ids": [t.trajectory_id for t in batch.trajectories]}
-        finally:
-            await client.close()
-            for s in stores:
-                await s.stop()
 
     out = asyncio.run(main())
     assert out["held"] == 0 and all(out["ready_while_held"]), out
