@@ -461,6 +461,15 @@ def test_fault_scenario_accounts_exactly_without_stale(tmp_path: Path, tiny_mode
     _run_scenario(tmp_path, tiny_model_dir, scenario, monkeypatch)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", [s for s in FAULT_SCENARIOS if s != "two_stores_kill_one"])
+def test_fault_scenario_with_two_store_replicas(tmp_path: Path, tiny_model_dir: str, scenario: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every scenario above with `store.replicas: 2` (a store fault hits replica 0, the other
+    keeps its partition): the same progress bound, exact accounting, zero stale, gate = archive."""
+    _run_scenario(tmp_path, tiny_model_dir, scenario, monkeypatch, {"store.replicas": 2})
+
+
 def test_two_store_replicas_one_killed_mid_run(tmp_path: Path, tiny_model_dir: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """`store.replicas: 2`, one store killed mid-run (the scenario above): exact accounting, zero
@@ -476,9 +485,10 @@ def test_two_store_replicas_one_killed_mid_run(tmp_path: Path, tiny_model_dir: s
     assert any("store0" in n for n in parts) and any("store1" in n for n in parts), sorted(parts)
 
 
-def _run_scenario(tmp_path: Path, tiny_model_dir: str, scenario: str,
-                  monkeypatch: pytest.MonkeyPatch) -> tuple[RunConfig, list[dict[str, object]]]:
+def _run_scenario(tmp_path: Path, tiny_model_dir: str, scenario: str, monkeypatch: pytest.MonkeyPatch,
+                  extra: dict[str, object] | None = None) -> tuple[RunConfig, list[dict[str, object]]]:
     over, fault = FAULT_SCENARIOS[scenario]
+    over = {**over, **(extra or {})}
     mark = uuid.uuid4().hex
     monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
     cfg = _build_config(tmp_path / "run", tiny_model_dir, **{
