@@ -101,14 +101,14 @@ def _delta_version(model: torch.nn.Module, volume: Path, v: int, writer: DeltaWr
 
 
 def run_lr(lr: float, steps: int, anchor_every: int, root: Path, seed: int, shape: str = "125M",
-           device: str = "cpu", batch: tuple[int, int] = (1, 32)) -> list[dict[str, Any]]:
+           device: str = "cpu", batch: tuple[int, int] = (1, 32), threads: int = 4) -> list[dict[str, Any]]:
     model = build_model(seed, shape, device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     volume, full_volume = root / f"volume-{lr:g}", root / f"full-{lr:g}"
     volume.mkdir()
     full_volume.mkdir()
-    writer, pod = DeltaWriter(anchor_every), LocalWeights(root / f"pod-{lr:g}")
+    writer, pod = DeltaWriter(anchor_every, threads=threads), LocalWeights(root / f"pod-{lr:g}", threads=threads)
     rows = []
     for v in range(1, steps + 1):
         ids = torch.randint(0, model.config.vocab_size, batch, generator=gen).to(device)
@@ -156,13 +156,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--dir", default=None, help="where the volume and the pod's disk go (default: a temp dir)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="125M", help="model shape (SHAPES)")
     p.add_argument("--device", default="cpu", help="where the model trains (cuda for the 1.5B shape)")
+    p.add_argument("--threads", type=int, default=4, help="encode / rebuild threads (DeltaWriter, LocalWeights)")
     p.add_argument("--batch", type=int, nargs=2, default=[1, 32], metavar=("SEQS", "TOKENS"),
                    help="random-token sequences per step and their length")
     args = p.parse_args(argv)
     with torch.device("meta"):
         params = sum(t.numel() for t in build_model(args.seed, args.shape, "meta").parameters())
     print(json.dumps({"model": f"Qwen2 {args.shape} shape (random init)", "parameters": params,
-                      "device": args.device, "batch": args.batch, "publish_dtype": "bf16",
+                      "device": args.device, "batch": args.batch, "threads": args.threads, "publish_dtype": "bf16",
                       "steps_per_lr": args.steps, "anchor_every": args.anchor_every, "cpus": os.cpu_count(),
                       "load_avg_1m_at_start": os.getloadavg()[0]}), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-weights-", dir=args.dir) as tmp:
@@ -171,7 +172,7 @@ def main(argv: list[str]) -> None:
             sub = Path(tmp) / f"lr-{lr:g}"
             sub.mkdir()
             for row in run_lr(lr, args.steps, args.anchor_every, sub, args.seed, args.shape, args.device,
-                              tuple(args.batch)):
+                              tuple(args.batch), args.threads):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     summary: dict[str, Any] = {}
