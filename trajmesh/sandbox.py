@@ -247,6 +247,13 @@ def cgroup_problem() -> str:
     return cgroups.mode().problem
 
 
+NPROC_MARGIN = 8
+"""With a cgroup, RLIMIT_NPROC (the backstop) is pids.max + this. The kernel checks RLIMIT_NPROC
+before the cgroup at a fork, and it counts every task of the call's host uid, also those outside
+the cgroup (the namespace's pid 1, say); at + 1 a fork bomb was once classed `process_limit`
+instead of `pids_limit` (a clean-clone CI run), which RLIMIT_NPROC refusing first explains."""
+
+
 def _pids_max(limits: SandboxLimits) -> int:
     return limits.max_processes + 2  # + the init's child (which joins first) and pid 1
 
@@ -732,7 +739,7 @@ def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], repor
         "nr": SYSCALL_NUMBERS[machine], "deny": list(SECCOMP_DENY), "arch": AUDIT_ARCH[machine], "ns": CLONE_NEW_ALL,
         # With a cgroup its limits come first and the per-process rlimits are a backstop just above them.
         "limits": {"cpu_s": limits.cpu_s + (1 if group else 0), "memory_bytes": limits.memory_bytes,
-                   "nproc": _pids_max(limits) + 1 if group else limits.max_processes,
+                   "nproc": _pids_max(limits) + NPROC_MARGIN if group else limits.max_processes,
                    "file_size_bytes": limits.file_size_bytes, "open_files": limits.open_files},
         "user_max": USER_NS_MAX, "hidden_proc": list(HIDDEN_PROC),
     }
