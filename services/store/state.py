@@ -447,16 +447,19 @@ class StoreState:
         """Whole READY groups, oldest admission first, up to `want_groups` groups and
         `max_trajectories`; [] unless `want_groups` are ready and the learner is not `held` (a
         recovery pending, or a `due` group — admitted so long ago that after this step it could
-        only be trained stale — still on its way, at most `straggler_wait_s`). (A due group that
-        is READY goes in this batch unless older ones fill it; its tokens were sampled at or
-        after its admission, so it may well still be within η later.)"""
+        only be trained stale — still on its way, at most `straggler_wait_s`). Every `due` group
+        that is READY goes in the batch, also past `want_groups` and `max_trajectories` when
+        older ones fill it: after this step it could only be trained stale. (With the gate's
+        bound and oldest-first hand-out there are at most a batch of them; after faults there
+        were more, and each extra one went stale.)"""
         if self.recovering(now) or len(self.ready) < want_groups:
             return []
         take, n = 0, 0
         while take < min(want_groups, len(self.ready)) and n + len(self.ready[take].members) <= max_trajectories:
             n += len(self.ready[take].members)
             take += 1
-        batch = self.ready[:take]
+        due = set(due)
+        batch = self.ready[:take] + [g for g in self.ready[take:] if g.group_id in due]
         if self.held(now, due, clock=True):
             return []
         out: list[Trajectory] = []

@@ -199,13 +199,16 @@ def test_a_due_group_already_in_the_batch_holds_nothing() -> None:
     assert [t.trajectory_id for t in out] == ["due-0", "due-1", "next-0", "next-1"]
 
 
-def test_a_due_group_that_is_ready_but_does_not_fit_holds_nothing() -> None:
-    """Holding the learner cannot get a ready group into a batch that older groups fill."""
+def test_every_ready_due_group_goes_in_the_batch_even_past_its_size() -> None:
+    """Three due groups ready, a batch of two: after this step the third could only be trained
+    stale, so the batch grows by it (past `want_groups` and `max_trajectories`); a younger group
+    that is not due waits. (Seen after faults in the all-faults mesh: the third went stale.)"""
     s = StoreState()
-    for gid, order in (("g10", 1), ("g11", 2), ("g12", 3)):
+    for gid, order in (("g10", 1), ("g11", 2), ("g12", 3), ("g13", 4)):
         _ready_group(s, gid, order=order)
-    out = s.hand_out(2, 10, now=0.0, due={"g10", "g11", "g12"})
-    assert [t.group_id for t in out] == ["g10", "g10", "g11", "g11"] and not s.held_for_stragglers()
+    out = s.hand_out(2, 4, now=0.0, due={"g10", "g11", "g12"})
+    assert [t.group_id for t in out] == ["g10", "g10", "g11", "g11", "g12", "g12"]
+    assert not s.held_for_stragglers() and s.state("g13-0") is TrajectoryState.READY
 
 
 def test_a_straggler_is_given_up_after_the_wait_and_never_waited_for_again() -> None:

@@ -257,12 +257,19 @@ class StoreMachine(RuleBasedStateMachine):
         ids = [t.trajectory_id for t in out]
         gids = list(dict.fromkeys(t.group_id for t in out))
         oldest_first = sorted(self.ready, key=self.ready.__getitem__)
-        assert gids == oldest_first[:len(gids)], f"served {gids}, READY in admission order {oldest_first}"
+        # the oldest groups up to `want` and `max_trajectories`, then every other due one (it could
+        # only be trained stale after this step)
+        k, n = 0, 0
+        while k < min(want, len(oldest_first)) and n + len(self.members[oldest_first[k]]) <= max_trajectories:
+            n += len(self.members[oldest_first[k]])
+            k += 1
+        expected = oldest_first[:k] + [g for g in oldest_first[k:] if g in due]
+        assert gids == expected, f"served {gids}, READY in admission order {oldest_first}, due {sorted(due)}"
         for gid in gids:
             assert {tid for tid in ids if tid.startswith(gid + "-")} == self.members[gid], "a group split"
         assert not set(ids) & self.learner.got, "handed out twice to one learner"
         assert not set(ids) & (self.final_marks | {t for t, _ in self.unflushed}), "handed out a final id"
-        assert len(ids) <= max_trajectories
+        assert len(ids) <= max_trajectories or set(gids[k:]) <= due
         for gid in gids:
             del self.ready[gid]
         self.pending_groups -= set(gids)
