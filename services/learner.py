@@ -69,6 +69,7 @@ from trajmesh.learner.train_engine import (
     DeepSpeedTrainEngine,
     TrainEngine,
     build_train_engine,
+    shutdown_distributed,
     wants_deterministic,
 )
 from trajmesh.learner.weights import export_policy, sha256_file
@@ -803,3 +804,8 @@ class LearnerService(Service):
             await self.bus.close()
         if self.redis is not None:
             await self.redis.aclose()
+        if self.world_size > 1 and self.engine is not None:
+            # Every rank leaves the process group itself: a rank that exited with it still up once
+            # died in C++ teardown ("terminate called without an active exception", SIGABRT) after
+            # the leader's stop command (tests/e2e/test_e2e_learner_ranks.py, in a clean-clone CI run).
+            await asyncio.to_thread(shutdown_distributed)
