@@ -85,7 +85,12 @@ ANCHOR_FALLBACKS = Counter(
 _ELEMENT = {"F64": np.uint64, "I64": np.uint64, "F32": np.uint32, "I32": np.uint32, "BF16": np.uint16,
             "F16": np.uint16, "I16": np.uint16, "BOOL": np.uint8, "U8": np.uint8, "I8": np.uint8}
 _SPARSE_MAX_ELEMENTS = 1 << 32  # gap-coded indices are uint32
-_WINDOW = 8  # tensors decoded ahead of the writer (at least; 2 per thread with more threads)
+_WINDOW = 8  # tensors decoded ahead of the writer (at least; see _window)
+
+
+def _window(threads: int) -> int:
+    """Tensors in flight on a pool of `threads`: _WINDOW, or 2 per thread with more threads."""
+    return max(_WINDOW, 2 * threads)
 
 
 class WeightSyncError(RuntimeError):
@@ -329,7 +334,7 @@ class DeltaWriter:
             return hashlib.sha256(new.data).hexdigest(), enc, blob
 
         st["encoding"].append((entry, st["pool"].submit(encode)))
-        if len(st["encoding"]) >= max(_WINDOW, 2 * self.threads):
+        if len(st["encoding"]) >= _window(self.threads):
             self._write_encoded(st, 1)
 
     def _write_encoded(self, st: dict[str, Any], n: int) -> None:
@@ -551,7 +556,7 @@ def reconstruct(target: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         files.waiting = f"the tensors of {target} from {base_name} ({len(chain)} deltas)"
         with open(tmp / SAFETENSORS_NAME, "wb") as fh, ThreadPoolExecutor(threads) as pool:
             fh.write(header)
-            for data in _ordered(pool, build, header_tensors(header), max(_WINDOW, 2 * threads)):
+            for data in _ordered(pool, build, header_tensors(header), _window(threads)):
                 sha.update(data.data)
                 fh.write(data.data)
         digest = sha.hexdigest()
