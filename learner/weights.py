@@ -33,9 +33,13 @@ from torch import nn
 from trajmesh.rollout.hf_model import dtype_kwarg
 from trajmesh.weight_sync import DeltaWriter
 
-__all__ = ["SAFETENSORS_NAME", "export_policy", "sha256_file"]
+__all__ = ["SAFETENSORS_NAME", "TOKENIZER_FILES", "export_policy", "sha256_file"]
 
 SAFETENSORS_NAME = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""Copied from the base model into every published version, so that each is a whole HF directory (an
+engine that reloads its tokenizer with the weights finds it; transformers 5 keeps the chat template in
+``chat_template.jinja``)."""
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
 

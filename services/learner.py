@@ -72,7 +72,7 @@ from trajmesh.learner.train_engine import (
     shutdown_distributed,
     wants_deterministic,
 )
-from trajmesh.learner.weights import export_policy, sha256_file
+from trajmesh.learner.weights import TOKENIZER_FILES, export_policy, sha256_file
 from trajmesh.rollout.hf_model import load_causal_lm
 from trajmesh.service import Service
 from trajmesh.services.store.client import StoreClient
@@ -717,7 +717,7 @@ class LearnerService(Service):
         try:
             (tmp / "model.safetensors.sha256").write_text(sha + "\n")
             base = Path(self.cfg.model.path)  # type: ignore[arg-type]
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            for name in TOKENIZER_FILES:
                 if (base / name).exists():
                     shutil.copy(base / name, tmp / name)
             os.replace(tmp, final)

@@ -133,7 +133,7 @@ def supported_architectures() -> list[str]:
     """The GGUF architectures this transformers can dequantize into a model."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    return sorted(GGUF_CONFIG_MAPPING)
+    return sorted(set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"})  # key groups, not architectures
 
 
 def end_ids(tokenizer: Any, eos_from_gguf: int | None) -> list[int]:

@@ -29,6 +29,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from chatml_model import build_chatml_model  # noqa: E402
+from constrained_checks import constraint, masked_logprobs  # noqa: E402
 from vllm_server import VLLMServer, start_all  # noqa: E402
 
 from trajmesh.learner.models import (  # noqa: E402
@@ -539,63 +540,6 @@ def test_seeded_requests_beyond_one_step_token_budget_keep_the_server_up(engine)
     assert healthy and len(out) == n and all(len(r.output_ids) == 2 for r in out)
 
 
-CONSTRAINED_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "required": ["city", "celsius"], "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"}}}}}]
-CONSTRAINED_JSON = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
-                    "required": ["answer"], "additionalProperties": False}
-CONSTRAINED_REGEX = r"\([a-z]{2}\+[0-9]\)=[0-9]{2}\."
-
-
-def _constraint(kind: str) -> tuple[dict[str, str], Any]:
-    """(the sampling field the agent endpoint sends for `kind`, a check of the decoded output)."""
-    import json
-    import re
-
-    from trajmesh.rollout.grammar import json_ebnf, tool_calls_ebnf
-    from trajmesh.tool_calls import parse_tool_calls
-
-    def tool_call(text: str) -> bool:
-        rest, calls = parse_tool_calls(text)
-        return (rest, [c.name for c in calls]) == ("", ["get_weather"]) and \
-            calls[0].arguments.get("city") in ("Paris", "Oslo") and isinstance(calls[0].arguments.get("celsius"), bool)
-
-    def answer(text: str) -> bool:
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return False
-        return isinstance(value, dict) and set(value) == {"answer"} and isinstance(value["answer"], int)
-
-    if kind == "tool_call":
-        return {"ebnf": tool_calls_ebnf(CONSTRAINED_TOOLS, one_call=True)}, tool_call
-    if kind == "json":
-        return {"ebnf": json_ebnf(CONSTRAINED_JSON)}, answer
-    return {"regex": CONSTRAINED_REGEX}, lambda text: re.fullmatch(CONSTRAINED_REGEX, text) is not None
-
-
-def _masked_logprobs(model: Any, tok: Any, prompt: list[int], output: list[int], grammar: dict[str, str],
-                     stop_ids: list[int]) -> list[float]:
-    """log_softmax of the sampled tokens over the logits with the grammar's disallowed tokens at
-    -inf (xgrammar's mask, recomputed here with the learner's forward)."""
-    xgr = pytest.importorskip("xgrammar")
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=logits.shape[1], stop_token_ids=stop_ids)
-    compiler = xgr.GrammarCompiler(info)
-    kind, spec = next(iter(grammar.items()))
-    matcher = xgr.GrammarMatcher(compiler.compile_regex(spec) if kind == "regex" else compiler.compile_grammar(spec))
-    bitmask = xgr.allocate_token_bitmask(1, logits.shape[1])
-    out = []
-    for row, token in zip(logits, output, strict=True):
-        matcher.fill_next_token_bitmask(bitmask)
-        masked = row.clone().unsqueeze(0)
-        xgr.apply_token_bitmask_inplace(masked, bitmask)
-        out.append(float(torch.log_softmax(masked[0], -1)[token]))
-        assert matcher.accept_token(token) or matcher.is_terminated()
-    return out
-
-
 @pytest.mark.parametrize("kind", ["tool_call", "json", "regex"])
 def test_structured_outputs_follow_the_grammar_with_masked_logprobs(engine, model_and_tokenizer, kind):
     """The agent endpoint's constraints (SGLang's ``ebnf`` / ``regex`` sampling params; vLLM's
@@ -604,9 +548,10 @@ def test_structured_outputs_follow_the_grammar_with_masked_logprobs(engine, mode
     of the masked distribution (xgrammar's mask on the learner's logits), not the model's own."""
     model, tok = model_and_tokenizer
     if kind != "regex" and tok.convert_tokens_to_ids("{") == tok.unk_token_id:
-        pytest.skip("the character tokenizer cannot write JSON (the torch engine's JSON and tool-call "
+        pytest.skip("the character tokenizer cannot write JSON (vLLM with a real BPE model: "
+                    "tests/unit/rollout/test_real_model.py; the torch engine's JSON and tool-call "
                     "constraints run in tests/unit/rollout/test_agent_constrained.py with a chat model)")
-    grammar, check = _constraint(kind)
+    grammar, check = constraint(kind)
     prompt = _prompt(tok, "12+7-3=")
     end_ids = sorted({int(tok.eos_token_id)} | ({int(i) for i in model.generation_config.eos_token_id}
                                                  if isinstance(model.generation_config.eos_token_id, list) else set()))
@@ -621,7 +566,7 @@ def test_structured_outputs_follow_the_grammar_with_masked_logprobs(engine, mode
     assert not check(tok.decode([t for t in free.output_ids if t not in end_ids], skip_special_tokens=False))
     assert check(text), text
     assert constrained.finish_reason["type"] == "stop"
-    masked = _masked_logprobs(model, tok, prompt, constrained.output_ids, grammar, end_ids)
+    masked = masked_logprobs(model, tok, prompt, constrained.output_ids, grammar, end_ids)
     unmasked = _learner_logprobs(model, prompt, constrained.output_ids, 1.0)
     tol = 1e-4 if engine["kind"] != "sglang" else 2e-2
     assert max(abs(a - b) for a, b in zip(constrained.logprobs, masked, strict=True)) < tol
