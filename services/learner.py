@@ -74,7 +74,7 @@ from trajmesh.learner.train_engine import (
 )
 from trajmesh.learner.weights import TOKENIZER_FILES, export_policy, sha256_file
 from trajmesh.rollout.hf_model import load_causal_lm
-from trajmesh.service import Service
+from trajmesh.service import FIRST_STEP_ALLOWANCE_S, STOP_NOTICE, Service
 from trajmesh.services.store.client import StoreClient
 from trajmesh.stopgates import (
     GATES,
@@ -172,7 +172,8 @@ class LearnerService(Service):
     from timing out), ``checkpoint`` and ``stop``. Every rank runs every collective in that order."""
 
     name = "learner"
-    graceful_stop_s = 120.0  # finish the step in progress: train, publish, report, then checkpoint
+    graceful_stop_s = 120.0  # finish the step in progress: train, publish, report, then checkpoint;
+    # a stop during a step extends it to the step's measured length (`stop_allowance_s`)
     stop_work_s = 90.0  # stop()'s final checkpoint (a large model's), beyond service.stop_timeout_s
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -215,6 +216,10 @@ class LearnerService(Service):
         self.regression: dict[str, Any] | None = None
         """Leader: the stop record of a confirmed held-out regression (None: none); the step loop
         stops on it."""
+        self.step_started: float | None = None
+        """Leader: time.monotonic() when the step in progress began (None between steps)."""
+        self.longest_step_s = 0.0
+        """Leader: the longest step so far (train + publish + report), what a stop waits for."""
 
     @property
     def leader(self) -> bool:
@@ -230,11 +235,37 @@ class LearnerService(Service):
 
     def request_stop(self, sig: int) -> None:
         """A follower notes the signal but keeps following: the leader decides when the group stops
-        (``stop`` command), so no rank leaves a collective the others are in."""
-        if self.leader:
-            super().request_stop(sig)
-        else:
+        (``stop`` command), so no rank leaves a collective the others are in. The leader lets the
+        step in progress finish (`stop_allowance_s`) and tells the launcher how long that may take
+        (`STOP_NOTICE` in the run directory)."""
+        if not self.leader:
             self.stop_signal = sig
+            return
+        if self.stop_deadline is None:
+            self.graceful_stop_s = self.stop_allowance_s()
+            notice = {"pid": os.getpid(), "signal": sig, "in_step": self.step_started is not None,
+                      "deadline_unix": time.time() + self.graceful_stop_s + self.stop_timeout_s}
+            try:
+                (self.run_dir / STOP_NOTICE).write_text(json.dumps(notice) + "\n")
+            except OSError as exc:
+                log.warning("could not write %s: %s", STOP_NOTICE, exc)
+            if self.step_started is not None:
+                log.info("stop asked during step %d (%.0fs in): finishing it within %.0fs, then checkpointing",
+                         self.steps_done, time.monotonic() - self.step_started, self.graceful_stop_s)
+        super().request_stop(sig)
+
+    def stop_allowance_s(self) -> float:
+        """How long a stop waits for `run()` (the step in progress; `learner.stop_step_allowance_s`):
+        the configured figure, else twice the longest step so far and at least `graceful_stop_s`'s
+        class default, else (no step finished yet) `FIRST_STEP_ALLOWANCE_S`; counted from the stop.
+        Between steps the class default (nothing long to finish)."""
+        configured = self.cfg.learner.stop_step_allowance_s
+        if configured is not None:
+            return configured
+        if self.step_started is None:
+            return type(self).graceful_stop_s
+        expected = 2 * self.longest_step_s if self.longest_step_s > 0 else FIRST_STEP_ALLOWANCE_S
+        return max(type(self).graceful_stop_s, expected)
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -381,6 +412,8 @@ class LearnerService(Service):
             trajs = [Trajectory(pb) for pb in resp.trajectories]
             alpha = self.entropy_ctl.coef if self.entropy_ctl is not None else 0.0
             await self._command("step", resp.SerializeToString(), alpha)
+            self.step_started = time.monotonic()
+            log.info("step %d: training on %d trajectories", self.steps_done, len(trajs))
             start = time.perf_counter()
             outcome = await asyncio.to_thread(self._train_step, trajs, eta, temperature, alpha)
             metrics = outcome.metrics
@@ -396,6 +429,8 @@ class LearnerService(Service):
                 quarantined_ids=outcome.stale_ids,
                 quarantine_reasons=["stale"] * len(outcome.stale_ids)),
                 {t.trajectory_id: t.group_id for t in trajs})
+            self.longest_step_s = max(self.longest_step_s, time.monotonic() - self.step_started)
+            self.step_started = None
             self.rl_seconds = time.monotonic() - loop_start
             metrics.update(step=self.steps_done, version=self.version, rl_seconds=self.rl_seconds,
                            wait_seconds=waited, step_seconds=step_s, time=time.time())

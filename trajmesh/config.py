@@ -598,6 +598,12 @@ class LearnerConfig(_Strict):
     """Learner seed: torch's RNG in the learner process (dropout, minibatch order) and DeepSpeed's."""
     simulated_step: SimulatedStepCost = Field(default_factory=lambda: SimulatedStepCost())
     """Benchmarks only: a modelled step duration in place of training (off by default)."""
+    stop_step_allowance_s: float | None = Field(None, gt=0)
+    """How long a stop (Ctrl-C, SIGTERM, the end of the run) waits for the step in progress to
+    finish, publish and report before the learner checkpoints and exits. None: twice the longest step
+    of this process so far (train + publish + report), at least 120 s; 1800 s while no step has
+    finished (a real model's first step on a CPU takes minutes). The launcher waits as long
+    (docs/RELIABILITY.md)."""
 
     @property
     def optimizer_updates(self) -> int:

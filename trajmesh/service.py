@@ -52,6 +52,12 @@ STOP_TIMEOUT_EXIT_CODE = 3
 EXIT_GRACE_S = 5.0
 """After the stop deadline, how long the process may take to leave (HTTP cleanup, asyncio.run's
 teardown) before the watchdog ends it."""
+STOP_NOTICE = "learner-stop.json"
+"""In the run directory: the learner's answer to a stop, ``{pid, signal, in_step, deadline_unix}``
+(services/learner.py `request_stop`). The launcher waits for the learner until that deadline instead
+of its own grace (trajmesh/run/launcher.py `Mesh._stop`): a real model's step takes minutes."""
+FIRST_STEP_ALLOWANCE_S = 1800.0
+"""How long a learner stopped during its first step waits for it (nothing measured yet)."""
 
 
 class LoopError(RuntimeError):

@@ -37,6 +37,7 @@ from trajmesh import security
 from trajmesh.config import ConfigError, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, die_with_parent, free_port
 from trajmesh.rollout.engines import HttpEngineConfig
+from trajmesh.service import STOP_NOTICE
 
 log = logging.getLogger("trajmesh.run.launcher")
 
@@ -188,20 +189,29 @@ class Mesh:
         unreported), then every other service; each gets up to ``grace_s``, then SIGKILL of its whole
         process group (its engine and anything else it started), stopped in time or not."""
         learners = [p for p in self.procs if p.name == "learner"]
-        self._stop(learners, grace_s)
+        self._stop(learners, grace_s, notice=Path(self.cfg.run_dir) / STOP_NOTICE)
         self._stop([p for p in self.procs if p.name != "learner"], grace_s)
 
     @staticmethod
-    def _stop(procs: list[Proc], grace_s: float) -> None:
+    def _stop(procs: list[Proc], grace_s: float, *, notice: Path | None = None) -> None:
+        """SIGTERM each of `procs`, wait up to `grace_s` (or, with `notice`, until the deadline the
+        learner wrote there in answer to this SIGTERM: it is finishing a step), then SIGKILL the group."""
+        signalled = time.time()
         for p in reversed(procs):
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in reversed(procs):
-            try:
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs; killing pid %d", p.label, grace_s, p.popen.pid)
+            while p.popen.poll() is None:
+                left = max(deadline, _notice_deadline(notice, p.popen.pid, signalled)) - time.monotonic()
+                if left <= 0:
+                    log.warning("%s did not stop in %.0fs; killing pid %d", p.label,
+                                grace_s + max(0.0, time.time() - signalled - grace_s), p.popen.pid)
+                    break
+                try:
+                    p.popen.wait(timeout=min(1.0, left))
+                except subprocess.TimeoutExpired:
+                    continue
             kill_group(p.popen)
 
     def stop_infra(self) -> None:
@@ -209,6 +219,21 @@ class Mesh:
             self.nats.stop()
         if self.redis is not None:
             self.redis.stop()
+
+
+def _notice_deadline(notice: Path | None, pid: int, signalled: float) -> float:
+    """The monotonic deadline of a stop notice `pid` wrote after `signalled` (time.time()), capped at
+    two hours; 0 when there is none (trajmesh.service.STOP_NOTICE)."""
+    if notice is None:
+        return 0.0
+    try:
+        record = json.loads(notice.read_text())
+        if int(record["pid"]) != pid or notice.stat().st_mtime < signalled - 1.0:
+            return 0.0
+        left = min(float(record["deadline_unix"]) - time.time(), 7200.0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    return time.monotonic() + left
 
 
 _groups_killed: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
