@@ -162,6 +162,8 @@ class ImportRecord:
     dtype: str
     end_ids: list[int]
     converter: dict[str, str]
+    chat_template: bool = False
+    """Whether the GGUF carried a chat template (an instruct model's; a base model's has none)."""
 
     def matches(self, other: ImportRecord) -> bool:
         return self.source["sha256"] == other.source["sha256"] and self.dtype == other.dtype
@@ -212,7 +214,9 @@ def import_model(source: str, out_dir: str | Path, *, dtype: str = "bfloat16", f
         if out.exists():
             shutil.rmtree(out)
         staged.rename(out)
-    log(f"{out}: {record.architecture}, end ids {record.end_ids}, licence {record.licence}")
+    template = "with its chat template" if record.chat_template else \
+        "without a chat template (a base model: prompts are BOS + text)"
+    log(f"{out}: {record.architecture}, {template}, end ids {record.end_ids}, licence {record.licence}")
     return out, True
 
 
@@ -265,7 +269,7 @@ def _convert(src: GgufSource, digest: str, arch: str, dtype: str, staged: Path) 
         path.chmod(0o644)  # readable by the engines' users (a pod's vLLM container may run as another uid)
     record = ImportRecord(
         source={"package": src.package, "version": src.version, "file": src.path.name, "sha256": digest},
-        licence=src.licence, architecture=arch, dtype=dtype, end_ids=stops,
+        licence=src.licence, architecture=arch, dtype=dtype, end_ids=stops, chat_template=bool(tokenizer.chat_template),
         converter={"transformers": _version("transformers"), "gguf": _version("gguf"), "torch": _version("torch")})
     (staged / RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
     return record
