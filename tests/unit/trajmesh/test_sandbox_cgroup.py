@@ -39,8 +39,26 @@ def _host_mode() -> cgroups.CgroupMode:
 
 MODE = _host_mode() if sandbox.available() else cgroups.CgroupMode("none", problem="no sandbox")
 pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox unavailable on this kernel"),
-              pytest.mark.skipif(MODE.kind == "none", reason=f"no per-call cgroup here: {MODE.problem}"),
               pytest.mark.timeout(120)]
+CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _mounted_hierarchies() -> list[str]:
+    """The cgroup file systems this host mounts (``cgroup2``, ``cgroup``), whatever their state."""
+    return sorted({m.fstype for m in cgroups._mounts() if m.fstype in ("cgroup", "cgroup2")})
+
+
+@pytest.fixture(autouse=True)
+def _usable_cgroup_mode() -> None:
+    """Without a per-call cgroup these tests cannot run. Where the host mounts no cgroup at all the
+    skip says so; where it mounts one that the sandbox cannot use (not writable, a failed set-up),
+    that is a broken host, and under ``CI=true`` a failure naming the problem, not a skip."""
+    if MODE.kind != "none":
+        return
+    mounted = _mounted_hierarchies()
+    if mounted and CI:
+        pytest.fail(f"CI=true: cgroup {'/'.join(mounted)} is mounted but the sandbox cannot use it: {MODE.problem}")
+    pytest.skip(f"no per-call cgroup here ({'mounted but unusable' if mounted else 'none mounted'}): {MODE.problem}")
 
 MiB = 1 << 20
 MEMORY = dict(wall_s=20.0, cpu_s=5, memory_bytes=96 * MiB, max_processes=16, tmpfs_bytes=256 * MiB,
