@@ -283,6 +283,29 @@ def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float,
     return adv.expand_to_tokens(advantages_B(batch, kind, scale_by_std=scale_by_std, eps=eps), batch.mask_BT)
 
 
+def advantage_metrics(batch: Batch, adv_BT: Tensor, kind: str, trajs: list[Trajectory], *, scale_by_std: bool,
+                      eps: float) -> dict[str, float]:
+    """What the step's advantages are, for a run to show it trained with `kind` (metrics.jsonl):
+    ``advantage_minus_grpo_max_abs``, the largest |A − A_GRPO| over action tokens (GRPO on the same
+    batch; 0 when `kind` is grpo), and for gigpo ``advantage_step_anchor_groups``, the step-level
+    anchor groups (a state hash reached by two or more steps of one group) that give steps their own
+    relative advantage."""
+    mask = batch.mask_BT > 0
+    out: dict[str, float] = {}
+    if kind != "grpo":
+        grpo_BT = advantages_BT(batch, "grpo", scale_by_std=scale_by_std, eps=eps)
+        out["advantage_minus_grpo_max_abs"] = float((adv_BT - grpo_BT)[mask].abs().max()) if mask.any() else 0.0
+    if kind == "gigpo":
+        members: dict[tuple[str, str], int] = {}
+        for t in trajs:
+            for k in range(t.num_turns):
+                h = t.pb.state_hashes[k] if k < len(t.pb.state_hashes) else ""
+                if h:
+                    members[(t.group_id, h)] = members.get((t.group_id, h), 0) + 1
+        out["advantage_step_anchor_groups"] = float(sum(1 for n in members.values() if n >= 2))
+    return out
+
+
 def teacher_logprobs_BT(batch: Batch, trajs: list[Trajectory]) -> tuple[Tensor, Tensor]:
     """(teacher_BT, taught_B) for a batch built from `trajs` by :func:`build_batch`: each row's
     teacher log-probs (``Trajectory.teacher_logprobs``, 0 on padding) and whether its trajectory

@@ -57,6 +57,7 @@ from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.simulated import simulated_train_batch
 from trajmesh.learner.step import (
     StepPlan,
+    advantage_metrics,
     advantages_BT,
     apply_truncation,
     build_batch,
@@ -641,6 +642,8 @@ class LearnerService(Service):
             adv_BT = advantages_BT(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
                                    eps=lc.advantage.eps, trajs=keep, omega=lc.advantage.gigpo_omega,
                                    gamma=lc.advantage.gigpo_gamma)
+            metrics.update(advantage_metrics(batch, adv_BT, lc.advantage.type, keep,
+                                             scale_by_std=lc.advantage.scale_by_std, eps=lc.advantage.eps))
             if self.cfg.distill.teachers:
                 adv_BT, distill_metrics = distill_advantages_BT(adv_BT, batch, keep, coef=self.cfg.distill.coef,
                                                                 reward_weight=self.cfg.distill.reward_weight)

@@ -173,6 +173,10 @@ def test_gigpo_trains_the_workplace_source_through_the_mesh(tmp_path: Path, text
         "store.drop_zero_variance_groups": False,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": GIGPO_STEPS,
         "learner.checkpoint_every": GIGPO_STEPS, "learner.advantage.type": "gigpo",
+        # DAPO's soft length penalty gives the group's rewards a spread even when no episode solves
+        # its task (this model rarely does), so GiGPO's step-level credit has returns to compare.
+        "learner.truncation.policy": "dapo_soft", "learner.truncation.max_length": 160,
+        "learner.truncation.cache_length": 150,
     })
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
@@ -189,6 +193,11 @@ def test_gigpo_trains_the_workplace_source_through_the_mesh(tmp_path: Path, text
     assert sum(m.get("trajectories_trained", 0) for m in steps) > 0
     algorithm = json.loads(json.loads((run_dir / "manifest.json").read_text())["algorithm_json"])
     assert algorithm["learner"]["advantage"]["type"] == "gigpo"
+    # The trained advantages are GiGPO's: step-level anchor groups exist (workplace states repeat
+    # across a group's episodes), and the advantages differ from GRPO's on the same batch (a learner
+    # that silently used GRPO reports 0; learner/step.py `advantage_metrics`).
+    assert sum(m["advantage_step_anchor_groups"] for m in steps) > 0, steps
+    assert max(m["advantage_minus_grpo_max_abs"] for m in steps) > 1e-3, steps
     archive = read_archive(run_dir / "archive").to_pylist()
     trained = {r["trajectory_id"] for r in archive if r["outcome"] == "trained"}
     accepted = [r for r in archive if r["outcome"] == "accepted" and r["trajectory_id"] in trained]

@@ -180,3 +180,21 @@ def test_step_rewards_are_archived() -> None:
         rows = final_outcomes(read_archive(d))
     assert rows["e0"]["step_rewards"] == [0.0, 0.75, 0.0]
     assert rows["bare"]["step_rewards"] is None
+
+
+def test_advantage_metrics_tell_gigpo_from_grpo() -> None:
+    """The step's metrics name what it trained with (learner/step.py `advantage_metrics`): the
+    anchor groups counted here by hand (s0 is reached by 6 steps, s1 by 2: two groups), and a
+    nonzero distance from GRPO for GiGPO's advantages, zero for GRPO's own."""
+    task = make_tasks(0, 1)[0]
+    trajs = [_play(task, actions, n)[0] for n, actions in enumerate(EPISODES)]
+    batch = step.build_batch(trajs, pad_id=0)
+    kw = {"scale_by_std": True, "eps": EPS}
+    gigpo_BT = step.advantages_BT(batch, "gigpo", trajs=trajs, omega=OMEGA, gamma=GAMMA, **kw)
+    grpo_BT = step.advantages_BT(batch, "grpo", **kw)
+    as_gigpo = step.advantage_metrics(batch, gigpo_BT, "gigpo", trajs, **kw)
+    assert as_gigpo["advantage_step_anchor_groups"] == 2
+    assert as_gigpo["advantage_minus_grpo_max_abs"] > 0.1
+    # a learner that trained GRPO's advantages under a gigpo config would report no distance
+    assert step.advantage_metrics(batch, grpo_BT, "gigpo", trajs, **kw)["advantage_minus_grpo_max_abs"] == 0.0
+    assert step.advantage_metrics(batch, grpo_BT, "grpo", trajs, **kw) == {}
