@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
+ANSWER_LOG_ENV = "TRAJMESH_ENGINE_ANSWER_LOG"
+"""For tests: a directory where each torch engine server (rollout/engine_server.py) writes every
+answer it gives (prompt ids, output ids, log-probs, weight version) to ``engine-<pid>.jsonl``, so a
+mesh test can check that the tokens the learner trained are the ones the engine sampled
+(tests/mesh_checks.py `check_engine_tokens`)."""
+
 @dataclass
 class GenerateResult:
     """One generated continuation."""

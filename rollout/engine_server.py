@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import struct
 import threading
 import uuid
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from trajmesh.rollout.engine_client import ANSWER_LOG_ENV
 from trajmesh.rollout.grammar import Grammars, RowConstraint
 from trajmesh.rollout.hf_model import load_causal_lm
 from trajmesh.rollout.torch_sampler import RequestSampling, Sampled, decode_batch
@@ -113,6 +115,7 @@ def load_served_model(model_dir: str) -> tuple[Any, Any]:
 
     model = load_causal_lm(model_dir, dtype=stored_dtype(model_dir), attn_implementation="eager")
     return model, AutoTokenizer.from_pretrained(model_dir)
+
 
 @dataclass
 class _Request:
@@ -176,6 +179,9 @@ class TorchEngineServer:
         self._abort_round = threading.Event()  # polled by the worker thread between tokens
         self._stopped = asyncio.Event()
         self._running = 0  # requests in the round being decoded (reported by /get_load)
+        answers = os.environ.get(ANSWER_LOG_ENV)
+        self._answers = open(Path(answers) / f"engine-{os.getpid()}.jsonl", "a", buffering=1) if answers else None  # noqa: SIM115
+        """Tests: every answer this engine gives, one JSON line each (`ANSWER_LOG_ENV`)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -309,6 +315,9 @@ class TorchEngineServer:
                 starts = r.input_ids[r.logprob_start_len:]
                 meta["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(r.input_logprobs, starts, strict=True)]
         text = self.tokenizer.decode(o.output_ids, skip_special_tokens=True)
+        if self._answers is not None:
+            self._answers.write(json.dumps({"input_ids": list(r.input_ids), "output_ids": list(o.output_ids),
+                                            "logprobs": list(o.logprobs), "weight_version": version}) + "\n")
         return {"text": text, "output_ids": list(o.output_ids), "meta_info": meta}
 
     async def _abort_running_and_queued(self) -> int:

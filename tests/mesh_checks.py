@@ -135,14 +135,49 @@ def train_and_evaluate(cfg: RunConfig, steps: int, timeout_s: float) -> tuple[li
     return rows, result
 
 
-def check_engine_tokens(row: dict[str, Any]) -> tuple[list[int], list[int]]:
+EngineAnswers = dict[tuple[int, ...], list[tuple[list[int], list[float]]]]
+"""Every answer the run's torch engines gave: prompt ids -> [(output ids, log-probs)]."""
+
+
+def engine_answers(log_dir: str | Path) -> EngineAnswers:
+    """The answers the engines wrote under `log_dir` (``TRAJMESH_ENGINE_ANSWER_LOG``,
+    rollout/engine_server.py `ANSWER_LOG_ENV`), by prompt."""
+    out: EngineAnswers = {}
+    for path in sorted(Path(log_dir).glob("engine-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                a = json.loads(line)
+                out.setdefault(tuple(a["input_ids"]), []).append((list(a["output_ids"]), list(a["logprobs"])))
+    return out
+
+
+def check_engine_tokens(row: dict[str, Any], answers: EngineAnswers) -> tuple[list[int], list[int]]:
     """An archived row's tokens are the engine's: the prompt masked out, sampled tokens in, each with
-    a version and a log-prob, the rest with version -1. Returns its token ids and loss mask."""
+    a version and a log-prob, the rest with version -1; and each sampled span is what the engine
+    answered for the context before it (one answer, or several when an abort cut it and the rollout
+    asked again from where it stopped), token for token, with the engine's log-probs. Returns the
+    row's token ids and loss mask."""
     ids, mask, versions, logps = (list(row["token_ids"]), list(row["loss_mask"]), list(row["behavior_versions"]),
                                   list(row["behavior_logprobs"]))
     assert mask[0] == 0 and 1 in mask
     assert all(v >= 0 and lp <= 0.0 for v, lp, m in zip(versions, logps, mask, strict=True) if m)
     assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    for lo, hi in spans:
+        at = lo
+        while at < hi:
+            given = [(out, lps) for out, lps in answers.get(tuple(ids[:at]), []) if out and out == ids[at:at + len(out)]]
+            assert given, f"{row['trajectory_id']}: tokens {lo}..{hi} are not what the engine answered at {at}"
+            out, lps = max(given, key=lambda a: len(a[0]))
+            assert logps[at:at + len(out)] == pytest.approx(lps, abs=1e-6), row["trajectory_id"]
+            at += len(out)
+        assert at == hi, (row["trajectory_id"], lo, hi, at)
     return ids, mask
 
 

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_checks import check_engine_tokens, sampled_turns, tid_of, train_and_evaluate
+from mesh_checks import check_engine_tokens, engine_answers, sampled_turns, tid_of, train_and_evaluate
 
 from trajmesh.config import load_config
+from trajmesh.rollout.engine_client import ANSWER_LOG_ENV
 from trajmesh.tasks import load_split
 
 # slow: about 100 s on the 2 loaded cores of the dev machine (mesh start, 3 steps, held-out
@@ -69,7 +70,7 @@ def _env_return(row: dict[str, Any], turns: list[str]) -> float:
     return sum(rewards)
 
 
-def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str) -> None:
+def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from trajmesh.learner.evaluate import heldout_tasks
     from trajmesh.run.train import evaluation_protocol
     from trajmesh.tokenizer import load_tokenizer
@@ -84,7 +85,11 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
         "learner.checkpoint_every": STEPS,
     })
+    answers_dir = tmp_path / "engine-answers"  # every answer the torch engines give, for check_engine_tokens
+    answers_dir.mkdir()
+    monkeypatch.setenv(ANSWER_LOG_ENV, str(answers_dir))
     rows, _ = train_and_evaluate(cfg, STEPS, timeout_s=240)
+    answers = engine_answers(answers_dir)
     assert evaluation_protocol(cfg, heldout_tasks(cfg))["sources"]["tictactoe"]["environments"] == {
         "textarena": f"textarena-adapter-v1+textarena-{importlib.metadata.version('textarena')}"}
 
@@ -94,7 +99,7 @@ def test_gym_adapters_train_through_one_mesh(tmp_path: Path, chat_model_dir: str
     assert all(by_source.values()), {k: len(v) for k, v in by_source.items()}
     tasks = {t.task_id: t for src in cfg.tasks.sources for t in load_split(src, 20, 2)[0]}
     for r in accepted:
-        ids, mask = check_engine_tokens(r)
+        ids, mask = check_engine_tokens(r, answers)
         turns = sampled_turns(ids, mask, tok)
         if r["terminal_reason"] == "MAX_TOKENS":  # the last turn was cut: the environment never saw it
             turns = turns[:-1]

@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_checks import check_engine_tokens, sampled_turns, tid_of, train_and_evaluate
+from mesh_checks import check_engine_tokens, engine_answers, sampled_turns, tid_of, train_and_evaluate
 from repo_paths import TESTS as TESTS_DIR
 
 from trajmesh.config import load_config
+from trajmesh.rollout.engine_client import ANSWER_LOG_ENV
 from trajmesh.tasks import load_split
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -92,7 +93,7 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(root / "sft")
 
 
-def test_verifiers_tasksets_train_through_the_mesh(tmp_path: Path, chat_model_dir: str) -> None:
+def test_verifiers_tasksets_train_through_the_mesh(tmp_path: Path, chat_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from verifiers_tasksets import ROWS as SUM_ROWS
     from verifiers_tool_tasksets import ROWS as TOOL_ROWS
 
@@ -110,7 +111,11 @@ def test_verifiers_tasksets_train_through_the_mesh(tmp_path: Path, chat_model_di
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
         "learner.checkpoint_every": STEPS,
     })
+    answers_dir = tmp_path / "engine-answers"  # every answer the torch engines give, for check_engine_tokens
+    answers_dir.mkdir()
+    monkeypatch.setenv(ANSWER_LOG_ENV, str(answers_dir))
     rows, result = train_and_evaluate(cfg, STEPS, timeout_s=420)
+    answers = engine_answers(answers_dir)
     # held-out through the harness and its tools (rollout/verifiers_episodes.py play_heldout): the
     # greedy policy's tool call is answered, which the rubric's tool_answered (1) credits; a reply
     # scored without the harness could earn at most `correct` (1) on a sum that happens to be 3
@@ -127,7 +132,7 @@ def test_verifiers_tasksets_train_through_the_mesh(tmp_path: Path, chat_model_di
     tasks = {t.task_id: t for src in cfg.tasks.sources for t in load_split(src, 20, 2)[0]}
     tool_results = 0
     for r in accepted:
-        ids, mask = check_engine_tokens(r)
+        ids, mask = check_engine_tokens(r, answers)
         turns = [t.replace("<|im_end|>", "").strip() for t in sampled_turns(ids, mask, tok)]
         components = dict(r["reward_components"])  # archived with the trajectory, as graded
         prompt = tasks[tid_of(r["task_id"], tasks)].prompt
