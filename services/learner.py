@@ -75,7 +75,7 @@ from trajmesh.learner.train_engine import (
 )
 from trajmesh.learner.weights import TOKENIZER_FILES, export_policy, sha256_file
 from trajmesh.rollout.hf_model import load_causal_lm
-from trajmesh.service import FIRST_STEP_ALLOWANCE_S, STOP_NOTICE, Service
+from trajmesh.service import FIRST_STEP_ALLOWANCE_S, STOP_NOTICE, STOP_WORK_S, Service
 from trajmesh.services.store.client import StoreClient
 from trajmesh.stopgates import (
     GATES,
@@ -175,7 +175,7 @@ class LearnerService(Service):
     name = "learner"
     graceful_stop_s = 120.0  # finish the step in progress: train, publish, report, then checkpoint;
     # a stop during a step extends it to the step's measured length (`stop_allowance_s`)
-    stop_work_s = 90.0  # stop()'s final checkpoint (a large model's), beyond service.stop_timeout_s
+    stop_work_s = STOP_WORK_S["learner"]  # stop()'s final checkpoint (a large model's), beyond service.stop_timeout_s
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -58,6 +58,16 @@ STOP_NOTICE = "learner-stop.json"
 of its own grace (trajmesh/run/launcher.py `Mesh._stop`): a real model's step takes minutes."""
 FIRST_STEP_ALLOWANCE_S = 1800.0
 """How long a learner stopped during its first step waits for it (nothing measured yet)."""
+STOP_WORK_S = {"store": 90.0, "learner": 90.0}
+"""`Service.stop_work_s` of the services that have durable work in `stop()` (the store's finalization,
+the learner's last checkpoint), by service name: the launcher reads it too, so it never kills a
+service before the stop budget the service itself runs under (trajmesh/run/launcher.py)."""
+
+
+def stop_budget_s(name: str, cfg_stop_timeout_s: float) -> float:
+    """How long a `name` service may take from SIGTERM to exit, not counting a graceful period:
+    `service.stop_timeout_s` + its `stop_work_s` + `EXIT_GRACE_S`."""
+    return cfg_stop_timeout_s + STOP_WORK_S.get(name, 0.0) + EXIT_GRACE_S
 
 
 class LoopError(RuntimeError):

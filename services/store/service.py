@@ -54,7 +54,7 @@ from trajmesh.config import RunConfig
 from trajmesh.contract import Trajectory, varint
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.keys import RedisKeys
-from trajmesh.service import Service, supervise
+from trajmesh.service import STOP_WORK_S, Service, supervise
 from trajmesh.services.store import roc as roc_mod
 from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
@@ -193,7 +193,7 @@ def straggler_wait_s(cfg: RunConfig) -> float:
 
 class TrajectoryStore(Service):
     name = "store"
-    stop_work_s = 90.0
+    stop_work_s = STOP_WORK_S["store"]
     """The finalization in `stop()` (every held and owed trajectory archived as one outcome; it
     reads the archive once): with the default `service.stop_timeout_s` the store gets 120 s, the
     launcher's allowance (trajmesh.run.run_end.STORE_STOP_S)."""

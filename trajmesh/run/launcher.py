@@ -37,7 +37,7 @@ from trajmesh import security
 from trajmesh.config import ConfigError, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, die_with_parent, free_port
 from trajmesh.rollout.engines import HttpEngineConfig
-from trajmesh.service import STOP_NOTICE
+from trajmesh.service import STOP_NOTICE, stop_budget_s
 
 log = logging.getLogger("trajmesh.run.launcher")
 
@@ -192,21 +192,24 @@ class Mesh:
         self._stop(learners, grace_s, notice=Path(self.cfg.run_dir) / STOP_NOTICE)
         self._stop([p for p in self.procs if p.name != "learner"], grace_s)
 
-    @staticmethod
-    def _stop(procs: list[Proc], grace_s: float, *, notice: Path | None = None) -> None:
-        """SIGTERM each of `procs`, wait up to `grace_s` (or, with `notice`, until the deadline the
-        learner wrote there in answer to this SIGTERM: it is finishing a step), then SIGKILL the group."""
+    def _stop(self, procs: list[Proc], grace_s: float, *, notice: Path | None = None) -> None:
+        """SIGTERM each of `procs`, wait up to `grace_s` or the service's own stop budget, whichever
+        is longer (`trajmesh.service.stop_budget_s`: the store's finalization reads the whole archive
+        and may take longer than `grace_s`; killed in it, it would leave outcomes unwritten), or,
+        with `notice`, until the deadline the learner wrote there in answer to this SIGTERM (it is
+        finishing a step); then SIGKILL the group."""
         signalled = time.time()
         for p in reversed(procs):
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        start = time.monotonic()
         for p in reversed(procs):
+            deadline = start + max(grace_s, stop_budget_s(p.name, self.cfg.service.stop_timeout_s))
             while p.popen.poll() is None:
                 left = max(deadline, _notice_deadline(notice, p.popen.pid, signalled)) - time.monotonic()
                 if left <= 0:
-                    log.warning("%s did not stop in %.0fs; killing pid %d", p.label,
-                                grace_s + max(0.0, time.time() - signalled - grace_s), p.popen.pid)
+                    log.warning("%s did not stop in %.0fs; killing pid %d", p.label, time.time() - signalled,
+                                p.popen.pid)
                     break
                 try:
                     p.popen.wait(timeout=min(1.0, left))
