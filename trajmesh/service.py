@@ -78,6 +78,13 @@ class ServiceFailed(RuntimeError):
     """A service stopped itself without a signal; the message names the service and the cause."""
 
 
+class StartFailed(RuntimeError):
+    """`setup()` could not start something the service needs, for a known reason its message says
+    in one line (what failed, which log to read, which setting to change): the service logs that
+    line and `trajmesh serve` exits 1 without a traceback (an engine that exited or timed out at
+    start, rollout/vllm_engine.py)."""
+
+
 class Service(ABC):
     """One trajmesh process. Subclasses wire their components in `setup()` and loop in `run()`."""
 

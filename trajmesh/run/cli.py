@@ -250,9 +250,12 @@ def main(argv: list[str] | None = None) -> int:
             # weight load, tqdm); set before those libraries load, inherited by the engine it starts.
             os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
             os.environ.setdefault("TQDM_DISABLE", "1")
-            from trajmesh.service import run_service
+            from trajmesh.service import StartFailed, run_service
 
-            run_service(_build_service(args.service, args))
+            try:
+                run_service(_build_service(args.service, args))
+            except StartFailed:
+                return 1  # a known start failure: `serve` logged its one line (no traceback)
             return 0
         if args.command == "sweep":
             return _sweep(args)
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "train":
             from trajmesh.run.audit import VerifierAuditRefused
+            from trajmesh.run.launcher import StartupError
             from trajmesh.run.train import RunDirExists, train
 
             cfg = load_config(args.config, _overrides(args.set))
@@ -276,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             except (RunDirExists, VerifierAuditRefused) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
+            except StartupError as exc:  # services stopped; the line names the log to read
+                print(f"error: {exc.line}", file=sys.stderr)
+                return 1
             except KeyboardInterrupt:
                 print(f"\ninterrupted: services stopped, state saved; continue with "
                       f"`trajmesh train {args.config} --resume`", file=sys.stderr)

@@ -42,6 +42,17 @@ from trajmesh.service import STOP_NOTICE, stop_budget_s
 log = logging.getLogger("trajmesh.run.launcher")
 
 SERVICE_ORDER = ("environment", "store", "grader", "rollout", "evaluator", "learner")
+ENGINE_SERVICES = ("rollout", "evaluator")
+"""Services that start an engine of `rollout.engine` and are healthy once it is."""
+
+
+class StartupError(RuntimeError):
+    """A service did not become healthy at start. `line`: one line saying which, what failed and
+    which log to read (what `trajmesh train` prints); `tail`: the end of that log. str(): both."""
+
+    def __init__(self, line: str, tail: str = "") -> None:
+        super().__init__(line + (f"\n{tail}" if tail else ""))
+        self.line, self.tail = line, tail
 
 
 @dataclass
@@ -112,16 +123,23 @@ class Mesh:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master}) for rank in range(world)]
 
     def startup_bound_s(self, procs: list[Proc]) -> float:
-        """How long `procs` may take to become healthy: 180 s, or for a rollout (or the evaluator) its
-        engine's own start-up allowance (`rollout.engine.startup_timeout_s`: it is healthy once its
-        engine is, and a vLLM server takes minutes on a loaded CPU) plus 60 s."""
-        engine_wait = getattr(self.cfg.rollout.engine, "startup_timeout_s", None)
-        if engine_wait is not None and any(p.name in ("rollout", "evaluator") for p in procs):
-            return max(180.0, float(engine_wait) + 60.0)
-        return 180.0
+        """How long `procs` may take to become healthy: 180 s, or for rollouts (and the evaluator)
+        their engine's start-up allowance (`rollout.engine.startup_timeout_s`: each is healthy once
+        its engine is, and a vLLM server takes minutes on a loaded CPU) plus 60 s. vLLM servers that
+        compile start one at a time on a machine (rollout/vllm_engine.py `StartLock`) and each
+        one's allowance counts from its own start, so the last of N queued ones may take N
+        allowances: the bound is N × the allowance + 60 s."""
+        engine = self.cfg.rollout.engine
+        engine_wait = getattr(engine, "startup_timeout_s", None)
+        engines = sum(1 for p in procs if p.name in ENGINE_SERVICES)
+        if engine_wait is None or not engines:
+            return 180.0
+        queued = engines if queued_engine_starts(engine) else 1
+        return max(180.0, queued * float(engine_wait) + 60.0)
 
     def wait_healthy(self, procs: list[Proc], timeout_s: float | None = None) -> None:
-        """Wait until every process in `procs` answers healthy (bound: `startup_bound_s`)."""
+        """Wait until every process in `procs` answers healthy (bound: `startup_bound_s`); a
+        `StartupError` naming the process and its log if one exits first or the bound passes."""
         if timeout_s is None:
             timeout_s = self.startup_bound_s(procs)
         deadline = time.monotonic() + timeout_s
@@ -132,11 +150,16 @@ class Mesh:
                     pending.remove(p)  # finished already (e.g. a stop gate fired on its first step)
                     continue
                 if p.popen.poll() is not None:
-                    raise RuntimeError(f"{p.label} exited with {p.popen.returncode} during start:\n{tail(p.log_path)}")
+                    reason = failure_line(p.log_path)
+                    raise StartupError(f"{p.label} exited with {p.popen.returncode} during start"
+                                       + (f": {reason}" if reason else "") + f" (log: {p.log_path})",
+                                       tail(p.log_path))
                 if healthy(p.metrics_port):
                     pending.remove(p)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not healthy after {timeout_s}s: {[p.label for p in pending]}")
+                logs = ", ".join(str(p.log_path) for p in pending)
+                raise StartupError(f"not healthy after {timeout_s:.0f}s: {', '.join(p.label for p in pending)} "
+                                   f"(logs: {logs})")
             time.sleep(0.2)
 
     def dead(self) -> list[Proc]:
@@ -255,6 +278,25 @@ def kill_group(popen: subprocess.Popen[bytes]) -> None:
         pass  # the leader and every member are gone already
     _groups_killed.add(popen)
     popen.wait()
+
+
+def queued_engine_starts(engine: Any) -> bool:
+    """Whether engine starts of this `rollout.engine` queue on one machine: a vLLM server that each
+    process starts itself (no `url`) with `compile` on."""
+    return getattr(engine, "type", None) == "vllm" and getattr(engine, "url", None) is None \
+        and bool(getattr(engine, "compile", False))
+
+
+def failure_line(path: Path) -> str:
+    """Why a service failed, from its log: its ``<worker> failed: ...`` line (trajmesh/service.py
+    `serve`, the last one), else the log's last non-empty line (e.g. a traceback's last), "" if none."""
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    line = next((ln for ln in reversed(lines) if " failed: " in ln), lines[-1] if lines else "")
+    line = line.split(" ERROR ", 1)[-1]  # without the log record's time and logger
+    return line if len(line) <= 600 else line[:600] + "…"
 
 
 def healthy(port: int) -> bool:
