@@ -162,14 +162,7 @@ def check_engine_tokens(row: dict[str, Any], answers: EngineAnswers) -> tuple[li
     assert mask[0] == 0 and 1 in mask
     assert all(v >= 0 and lp <= 0.0 for v, lp, m in zip(versions, logps, mask, strict=True) if m)
     assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    for lo, hi in spans:
+    for lo, hi in sampled_spans(mask):
         at = lo
         while at < hi:
             given = [(out, lps) for out, lps in answers.get(tuple(ids[:at]), []) if out and out == ids[at:at + len(out)]]
@@ -181,6 +174,19 @@ def check_engine_tokens(row: dict[str, Any], answers: EngineAnswers) -> tuple[li
     return ids, mask
 
 
+def sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of every maximal run of loss_mask 1 (a sampled turn, or the part of one an abort
+    left)."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
 def tid_of(archived: str, tasks: dict[str, Any]) -> str:
     """The task id of an archived row (``<task id>`` or ``<task id>-c<k>``)."""
     return archived if archived in tasks else archived.rsplit("-", 1)[0]
@@ -188,14 +194,7 @@ def tid_of(archived: str, tasks: dict[str, Any]) -> str:
 
 def sampled_turns(ids: list[int], mask: list[int], tok: Any) -> list[str]:
     """Each sampled span of an archived row decoded (one span per turn)."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append(tok.tokenizer.decode(ids[start:i]))
-            start = None
-    return spans
+    return [tok.tokenizer.decode(ids[lo:hi]) for lo, hi in sampled_spans(mask)]
 
 
 def check_no_stale(acct: dict[str, Any], run_dir: str | Path | None = None) -> None:

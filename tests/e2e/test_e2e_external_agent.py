@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, write_manifest
+from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, sampled_spans, write_manifest
 from repo_paths import REPO
 
 from trajmesh.config import RunConfig, load_config
@@ -191,18 +191,6 @@ class AgentServer:
         self.loop.close()
 
 
-def _sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of every maximal run of loss_mask 1."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
 def _check_span(decode: Any, ids: list[int], got: dict[str, Any], stops: list[str]) -> bool:
     """The sampled tokens `ids` of one call are exactly what the framework received for it (`got`);
     True when the call ended at one of `stops` (its tokens then end at the one completing it)."""
@@ -265,7 +253,7 @@ def test_agent_frameworks_train_exactly_what_they_received(tmp_path: Path, chat_
         ids, mask, versions = list(row["token_ids"]), list(row["loss_mask"]), list(row["behavior_versions"])
         assert all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
         assert all(v >= 0 for v, m in zip(versions, mask, strict=True) if m)
-        spans = _sampled_spans(mask)
+        spans = sampled_spans(mask)
         assert len(spans) == len(rec["received"]), (rec["framework"], spans, rec["received"])
         for k, ((a, b), got) in enumerate(zip(spans, rec["received"], strict=True)):
             stopped += _check_span(tok.decode, ids[a:b], got, rec["stop"])

@@ -30,6 +30,7 @@ torch = pytest.importorskip("torch")
 
 from chatml_model import build_chatml_model  # noqa: E402
 from constrained_checks import constraint, masked_logprobs  # noqa: E402
+from logprob_checks import learner_logprobs  # noqa: E402
 from vllm_server import VLLMServer, start_all  # noqa: E402
 
 from trajmesh.learner.models import (  # noqa: E402
@@ -38,7 +39,6 @@ from trajmesh.learner.models import (  # noqa: E402
     encode_prompt,
     load_model,
 )
-from trajmesh.learner.step import Batch, token_logprobs  # noqa: E402
 from trajmesh.rollout.engine_client import (  # noqa: E402
     EngineClient,
     EngineError,
@@ -182,18 +182,6 @@ def model_and_tokenizer(engine):
     return _hf_model(engine["model"])
 
 
-def _learner_logprobs(model: Any, prompt: list[int], output: list[int], temperature: float) -> list[float]:
-    """log π(output | prompt) per output token at `temperature`, by the learner's own forward."""
-    ids = torch.tensor([prompt + output])
-    n = ids.shape[1]
-    zeros = torch.zeros((1, n))
-    batch = Batch(ids, torch.ones_like(ids), zeros, zeros, zeros.long(), torch.zeros(1),
-                  torch.zeros(1, dtype=torch.long), ["probe"], zeros.long())
-    with torch.no_grad():
-        logp_BT, _ = token_logprobs(model, batch, temperature)
-    return logp_BT[0, len(prompt):].tolist()
-
-
 def _prompt(tok: Any, text: str) -> list[int]:
     return encode_prompt(tok, text)
 
@@ -238,9 +226,9 @@ def test_loaded_weights_serve_the_next_request_even_a_cached_prompt(engine, mode
     first, second, third = _run(go())
     tol = 1e-4 if engine["kind"] != "sglang" else 2e-2
     for res, model in ((first, base), (second, other), (third, base)):
-        learner = _learner_logprobs(model, prompt, res.output_ids, 1.0)
+        learner = learner_logprobs(model, prompt, res.output_ids, 1.0)
         assert max(abs(a - b) for a, b in zip(res.logprobs, learner, strict=True)) < tol
-    stale = _learner_logprobs(base, prompt, second.output_ids, 1.0)
+    stale = learner_logprobs(base, prompt, second.output_ids, 1.0)
     assert max(abs(a - b) for a, b in zip(second.logprobs, stale, strict=True)) > 10 * tol  # the weights differ
 
 
@@ -434,7 +422,7 @@ def test_sampled_logprobs_equal_the_learners_at_temperature(engine, model_and_to
             return await client.generate(prompt, {"temperature": temperature, "max_new_tokens": 16})
 
     res = _run(go())
-    learner = _learner_logprobs(model, prompt, res.output_ids, temperature)
+    learner = learner_logprobs(model, prompt, res.output_ids, temperature)
     tol = 1e-4 if engine["kind"] != "sglang" else 2e-2  # bf16 kernels on GPU
     assert len(learner) == len(res.logprobs) > 0
     assert max(abs(a - b) for a, b in zip(res.logprobs, learner, strict=True)) < tol
@@ -452,7 +440,7 @@ def test_scored_sequences_equal_the_learners_logprobs(engine, model_and_tokenize
             return await client.score([long, short])
 
     got = _run(go())
-    want = [_learner_logprobs(model, seq[:1], seq[1:], 1.0) for seq in (long, short)]
+    want = [learner_logprobs(model, seq[:1], seq[1:], 1.0) for seq in (long, short)]
     tol = 1e-4 if engine["kind"] != "sglang" else 2e-2  # bf16 kernels on GPU
     assert [len(g) for g in got] == [len(long) - 1, len(short) - 1]
     for g, w in zip(got, want, strict=True):
@@ -490,7 +478,7 @@ def test_a_teacher_on_the_engine_scores_a_sampled_trajectory(engine, model_and_t
 
     traj = _run(go())
     sampled = list(traj.pb.token_ids)[len(prompt):]
-    want = _learner_logprobs(model, prompt, sampled, 1.0)
+    want = learner_logprobs(model, prompt, sampled, 1.0)
     got = list(traj.pb.teacher_logprobs)
     tol = 1e-4 if engine["kind"] != "sglang" else 2e-2
     assert traj.pb.teacher == "s@conformance" and len(got) == len(prompt) + len(sampled) == len(prompt) + 12
@@ -567,7 +555,7 @@ def test_structured_outputs_follow_the_grammar_with_masked_logprobs(engine, mode
     assert check(text), text
     assert constrained.finish_reason["type"] == "stop"
     masked = masked_logprobs(model, tok, prompt, constrained.output_ids, grammar, end_ids)
-    unmasked = _learner_logprobs(model, prompt, constrained.output_ids, 1.0)
+    unmasked = learner_logprobs(model, prompt, constrained.output_ids, 1.0)
     tol = 1e-4 if engine["kind"] != "sglang" else 2e-2
     assert max(abs(a - b) for a, b in zip(constrained.logprobs, masked, strict=True)) < tol
     assert max(abs(a - b) for a, b in zip(constrained.logprobs, unmasked, strict=True)) > 1e-2

@@ -34,11 +34,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from constrained_checks import constraint, masked_logprobs  # noqa: E402
+from logprob_checks import learner_logprobs  # noqa: E402
 from real_model import require_real_model  # noqa: E402
 from vllm_server import VLLMServer, start_all  # noqa: E402
 
 from trajmesh.infra import free_port  # noqa: E402
-from trajmesh.learner.step import Batch, token_logprobs  # noqa: E402
 from trajmesh.learner.weights import TOKENIZER_FILES, export_policy  # noqa: E402
 from trajmesh.rollout.engine_client import EngineClient  # noqa: E402
 from trajmesh.rollout.episode import Episode, EpisodeFormat, advance_episode  # noqa: E402
@@ -110,18 +110,6 @@ def fmt(served: Any) -> EpisodeFormat:
     return EpisodeFormat.load(served["dir"])
 
 
-def _learner_logprobs(model: Any, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
-    """log π(output | prompt) per token by the learner's own forward (learner/step.py)."""
-    ids = torch.tensor([prompt + output])
-    n = ids.shape[1]
-    zeros = torch.zeros((1, n))
-    batch = Batch(ids, torch.ones_like(ids), zeros, zeros, zeros.long(), torch.zeros(1),
-                  torch.zeros(1, dtype=torch.long), ["probe"], zeros.long())
-    with torch.no_grad():
-        logp_BT, _ = token_logprobs(model, batch, temperature)
-    return [float(x) for x in logp_BT[0, len(prompt):]]
-
-
 def _publish(model: Any, base: Path, out: Path, dtype: Any) -> Path:
     """A version directory as the learner writes it (services/learner.py `_save_weights`): the
     exporter's safetensors and config, the base model's tokenizer files."""
@@ -156,11 +144,11 @@ def test_fp32_behavior_logprobs_equal_the_learners(served: Any, learner: Any, fm
     diffs, n = [], 0
     for res in results:
         assert res.logprobs is not None and len(res.output_ids) >= 8
-        ours = _learner_logprobs(learner, prompt, res.output_ids)
+        ours = learner_logprobs(learner, prompt, res.output_ids)
         diffs.append(_max_diff(res.logprobs, ours))
         n += len(res.output_ids)
         # the check can fail: the same tokens at another temperature are far off
-        assert _max_diff(res.logprobs, _learner_logprobs(learner, prompt, res.output_ids, 0.7)) > 10 * TOL_FP32
+        assert _max_diff(res.logprobs, learner_logprobs(learner, prompt, res.output_ids, 0.7)) > 10 * TOL_FP32
     print(f"\n{kind} fp32: max |Δ log-prob| {max(diffs):.2e} over {n} sampled tokens")
     assert max(diffs) < TOL_FP32
 
@@ -183,7 +171,7 @@ def test_bf16_torch_engine_logprobs_equal_the_bf16_learners(served: Any, learner
                 await client.update_weights_from_disk(str(served["dir"]), version=2)
 
     diffs = [abs(a - b) for r in _run(go())
-             for a, b in zip(r.logprobs, _learner_logprobs(bf16, prompt, r.output_ids), strict=True)]
+             for a, b in zip(r.logprobs, learner_logprobs(bf16, prompt, r.output_ids), strict=True)]
     mean = sum(diffs) / len(diffs)
     print(f"\ntorch engine bf16: max |Δ log-prob| {max(diffs):.2e}, mean {mean:.2e} over {len(diffs)} tokens")
     assert len(diffs) >= 16 and mean < TOL_BF16_MEAN and max(diffs) < TOL_BF16_MAX
@@ -216,9 +204,9 @@ def test_a_published_version_with_a_new_tied_embedding_reloads_into_vllm(served:
 
     res, label = _run(go())
     assert label == "5" and len(res.output_ids) >= 8
-    assert _max_diff(res.logprobs, _learner_logprobs(new, prompt, res.output_ids)) < TOL_FP32
-    assert _max_diff(res.logprobs, _learner_logprobs(learner, prompt, res.output_ids)) > 10 * TOL_FP32
-    assert _max_diff(res.logprobs, _learner_logprobs(half, prompt, res.output_ids)) > 10 * TOL_FP32
+    assert _max_diff(res.logprobs, learner_logprobs(new, prompt, res.output_ids)) < TOL_FP32
+    assert _max_diff(res.logprobs, learner_logprobs(learner, prompt, res.output_ids)) > 10 * TOL_FP32
+    assert _max_diff(res.logprobs, learner_logprobs(half, prompt, res.output_ids)) > 10 * TOL_FP32
 
 
 @pytest.mark.parametrize("kind", ["tool_call", "json"])
@@ -242,7 +230,7 @@ def test_structured_outputs_with_a_real_vocabulary_on_vllm(served: Any, learner:
     assert check(text), text
     assert constrained.finish_reason["type"] == "stop"
     masked = masked_logprobs(learner, tok, prompt, constrained.output_ids, grammar, end_ids)
-    unmasked = _learner_logprobs(learner, prompt, constrained.output_ids)
+    unmasked = learner_logprobs(learner, prompt, constrained.output_ids)
     assert _max_diff(constrained.logprobs, masked) < TOL_FP32
     assert _max_diff(constrained.logprobs, unmasked) > 1e-2
 
