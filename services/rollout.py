@@ -53,7 +53,7 @@ from trajmesh.rollout.generation import (
 )
 from trajmesh.rollout.synthetic_engine import SyntheticEngine
 from trajmesh.rollout.teacher import Teacher, scorable
-from trajmesh.service import Service, supervise
+from trajmesh.service import Service, StartFailed, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 from trajmesh.weight_sync import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
 
@@ -107,16 +107,18 @@ for _reason in trajectory_pb2.TerminalReason.keys():  # exported at 0 so rates e
 
 async def wait_healthy(engine: Any, proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
                        logs: str) -> None:
-    """Returns once `engine` answers its health check; raises if its child process `proc` (None: a
-    server this process did not start) exits first, or after `timeout_s`."""
+    """Returns once `engine` answers its health check; a one-line `StartFailed` (the service exits
+    with it, no traceback) if its child process `proc` (None: a server this process did not start)
+    exits first, or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}; see {logs}")
+            raise StartFailed(f"{what} exited with {proc.returncode} during start; see {logs}")
         if await engine.health():
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} at {engine.base_url} not healthy after {timeout_s}s")
+            raise StartFailed(f"{what} at {engine.base_url} not healthy after {timeout_s}s; see {logs} "
+                              "(rollout.engine.startup_timeout_s sets the allowance)")
         await asyncio.sleep(0.2)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from trajmesh.infra import free_port
 from trajmesh.rollout.engine_client import EngineClient
+from trajmesh.service import StartFailed
 from trajmesh.services.rollout import wait_healthy
 
 
@@ -28,11 +29,11 @@ def test_a_dead_child_fails_the_wait_at_once_naming_its_logs() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with pytest.raises(RuntimeError, match=r"teacher engine for x exited with 3; see logs/teacher-x-\*\.log"):
+    with pytest.raises(StartFailed, match=r"teacher engine for x exited with 3 during start; see logs/teacher-x-\*\.log"):
         asyncio.run(_wait(url, proc, 3600.0, "teacher engine for x", "logs/teacher-x-*.log"))
 
 
 def test_a_server_nobody_serves_times_out_with_its_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(TimeoutError, match=f"torch engine at {url} not healthy after 0.5s"):
+    with pytest.raises(StartFailed, match=f"torch engine at {url} not healthy after 0.5s; see .*startup_timeout_s"):
         asyncio.run(_wait(url, None, 0.5, "torch engine", "logs/engine-*.log"))
