@@ -45,6 +45,7 @@ from trajmesh.rollout.engines import HttpEngineConfig
 from trajmesh.run.audit import audit_run
 from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
 from trajmesh.run.run_end import end_run
+from trajmesh.tokenizer import chat_template_text
 from trajmesh.weight_sync import WeightSyncError, is_delta_dir, reconstruct
 
 log = logging.getLogger("trajmesh.run.train")
@@ -406,14 +407,13 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
     )
 
     model_dir = Path(cfg.model.path or "")
-    tok_cfg = model_dir / "tokenizer_config.json"
     protocol = evaluation_protocol(cfg, held if held is not None else heldout_tasks(cfg))
     manifest = build_manifest(
         code_commit=code_commit(),
         config=cfg.model_dump(mode="json"),
         model_revision=_dir_hash(model_dir, "model.safetensors"),
         tokenizer_revision=_dir_hash(model_dir, "tokenizer.json"),
-        chat_template=json.loads(tok_cfg.read_text()).get("chat_template", "") or "" if tok_cfg.exists() else "",
+        chat_template=chat_template_text(model_dir) or "",
         environment_revisions={e: r for s in protocol["sources"].values() for e, r in s["environments"].items()},
         grader_revisions={g: r for s in protocol["sources"].values() for g, r in s["graders"].items()},
         algorithm={"eta": cfg.effective_eta, "mode": cfg.mode, "learner": cfg.learner.model_dump(mode="json"),

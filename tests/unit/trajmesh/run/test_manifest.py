@@ -109,3 +109,29 @@ def test_code_commit_reads_head(tmp_path: Path) -> None:
         ["git", "rev-parse", "HEAD"], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
     ).stdout.strip()
     assert code_commit(tmp_path) == head and len(head) == 40
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+def test_run_manifest_hashes_the_chat_template_wherever_the_model_keeps_it(tmp_path: Path, where: str) -> None:
+    """transformers 5 writes the template to chat_template.jinja (SmolLM2 as `make models` imports
+    it), not into tokenizer_config.json: the manifest hashes the template the rollout renders."""
+    import json
+
+    from trajmesh.config import load_config
+    from trajmesh.run.train import _write_manifest
+
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    model = tmp_path / "model"
+    model.mkdir()
+    tok_cfg = {"eos_token": "<|im_end|>"}
+    if where == "tokenizer_config.json":
+        tok_cfg["chat_template"] = template
+    else:
+        (model / where).write_text(template)
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    cfg = load_config(overrides={"model.path": str(model), "run_dir": str(tmp_path / "run"),
+                                 "tasks.heldout_size": 2})
+    (tmp_path / "run").mkdir()
+    _write_manifest(cfg)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["chat_template_sha256"] == hashlib.sha256(template.encode()).hexdigest()
