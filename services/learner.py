@@ -44,6 +44,7 @@ from trajmesh.keys import RedisKeys
 from trajmesh.learner import consistency
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.evaluate import HeldoutTracker, keep_best
+from trajmesh.learner.heap import release_free_heap
 from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import (
     DISTILL_METRIC_NAMES,
@@ -687,6 +688,7 @@ class LearnerService(Service):
         # The version advances by exactly one per step, even if every trajectory was stale.
         self.version += 1
         self.steps_done += 1
+        release_free_heap()  # the step's activations, freed but resident until trimmed (learner/heap.py)
         if not leader:
             return outcome
         STEPS.inc()
@@ -804,6 +806,7 @@ class LearnerService(Service):
             "gate_counters": gate or {}, "sampler_cursor": cursor, "world_size": self.world_size})
         if self.reference is not None:  # after a reset: reference.pt (ZeRO-3: one per rank)
             self.reference.save(tmp)
+        release_free_heap()  # DeepSpeed's copies of the model and optimizer state (learner/heap.py)
         self._barrier()
         if self.leader:
             latest = self.ckpt_dir / "latest"
