@@ -96,7 +96,7 @@ bench: setup
 demo: setup
 	$(PY) -m trajmesh.run.cli train examples/demo.yaml --fresh
 
-# SmolLM2-135M-Instruct learns one-digit additions through the mesh on CPU (about an hour;
+# SmolLM2-135M-Instruct learns one-digit additions through the mesh on CPU (about 95 minutes;
 # docs/RESULTS.md, "SmolLM2-135M-Instruct learns basic arithmetic").
 demo-real: setup models
 	$(PY) -m trajmesh.run.cli train examples/smollm2.yaml --fresh
