@@ -97,7 +97,7 @@ demo: setup
 	$(PY) -m trajmesh.run.cli train examples/demo.yaml --fresh
 
 # SmolLM2-135M-Instruct learns one-digit additions through the mesh on CPU (about 95 minutes;
-# docs/RESULTS.md, "SmolLM2-135M-Instruct learns basic arithmetic").
+# docs/RESULTS.md, "SmolLM2-135M-Instruct learns one-digit additions").
 demo-real: setup models
 	$(PY) -m trajmesh.run.cli train examples/smollm2.yaml --fresh
 
