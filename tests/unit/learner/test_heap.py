@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import tiny_llama_dir
 
 from trajmesh.config import load_config
 from trajmesh.contract import Trajectory
@@ -49,16 +48,6 @@ def test_release_returns_freed_tensors_to_the_os() -> None:
     assert float(before) - float(after) > 200, out.stdout  # of the 400 MB freed
 
 
-def _model_dir(tmp_path: Path) -> str:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                      tie_word_embeddings=True)
-    path = tmp_path / "model"
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    return str(path)
-
-
 def _trajectories() -> list[Trajectory]:
     """One group of four, two rewarded 1 and two 0."""
     out = []
@@ -83,7 +72,7 @@ def test_the_learner_releases_after_each_step_and_checkpoint(tmp_path: Path, mon
         return True
 
     monkeypatch.setattr(learner, "release_free_heap", release)
-    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": _model_dir(tmp_path),
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "model.path": tiny_llama_dir(tmp_path),
                              "learner.engine.type": "torch", "learner.consistency_probe_trajectories": 0})
     svc = learner.LearnerService(cfg)
     svc._build_trainer()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import tiny_llama_dir
 
 from trajmesh.config import ObjectiveConfig, load_config
 from trajmesh.contract import Trajectory
@@ -71,16 +71,6 @@ def test_the_term_reduces_with_the_objective_denominators_and_ignores_padding() 
 # ------------------------------------------------------------------ the learner service
 
 
-def _model_dir(tmp_path: Path) -> str:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                      tie_word_embeddings=True)
-    path = tmp_path / "model"
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    return str(path)
-
-
 def _trajectories(step: int) -> list[Trajectory]:
     """Two groups of four; in each, two trajectories rewarded 1 and two 0 (GRPO advantages ±)."""
     out = []
@@ -115,7 +105,7 @@ def test_the_reference_and_the_optimizer_reset_at_the_configured_versions(tmp_pa
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     from prometheus_client import REGISTRY
 
-    svc = _service(tmp_path, _model_dir(tmp_path), "run", **{"learner.reference.reset_every": 2,
+    svc = _service(tmp_path, tiny_llama_dir(tmp_path), "run", **{"learner.reference.reset_every": 2,
                                                              "learner.reference.kl_coef": 0.1})
     resets_before = REGISTRY.get_sample_value("trajmesh_learner_reference_reset_steps_total") or 0.0
     with caplog.at_level(logging.INFO, logger="trajmesh.learner"):
@@ -139,7 +129,7 @@ def test_the_reference_and_the_optimizer_reset_at_the_configured_versions(tmp_pa
 def test_resume_is_bitwise_with_the_reference_on_across_a_reset(tmp_path: Path) -> None:
     """An uninterrupted run of 6 steps (resets at versions 2 and 4) against one checkpointed at
     version 3 (reference at 2, written to the checkpoint) and resumed by a fresh learner."""
-    model = _model_dir(tmp_path)
+    model = tiny_llama_dir(tmp_path)
     over = {"learner.reference.reset_every": 2, "learner.reference.kl_coef": 0.2, "learner.lr": 1e-2}
     a = _service(tmp_path, model, "a", **over)
     whole = _steps(a, 0, 6)
@@ -167,7 +157,7 @@ def test_resume_is_bitwise_with_the_reference_on_across_a_reset(tmp_path: Path) 
 def test_the_term_keeps_kl_to_the_reference_under_a_bound_the_run_without_it_exceeds(tmp_path: Path) -> None:
     """Same seed, same batches, lr 3e-2: with kl_coef 0 the reference is only measured and the policy
     runs away from it; with the term it stays close."""
-    model = _model_dir(tmp_path)
+    model = tiny_llama_dir(tmp_path)
     bound = 1.0
     kl = {}
     for coef in (0.0, 2.0):
@@ -229,7 +219,7 @@ def test_the_learner_service_builds_its_zero3_reference_from_the_engines_partiti
     pytest.importorskip("deepspeed")
     from trajmesh.learner.train_engine import shutdown_distributed
 
-    svc = _service(tmp_path, _model_dir(tmp_path), "run", **{"learner.engine.type": "deepspeed",
+    svc = _service(tmp_path, tiny_llama_dir(tmp_path), "run", **{"learner.engine.type": "deepspeed",
                                                              "learner.engine.zero_stage": 3,
                                                              "learner.reference.kl_coef": 0.1})
     try:
