@@ -113,8 +113,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def gguf_architecture(path: Path) -> str:
-    """``general.architecture`` of a GGUF file (read with the `gguf` package)."""
+def gguf_header(path: Path) -> tuple[str, int | None]:
+    """``general.architecture`` and ``tokenizer.ggml.eos_token_id`` (None if absent) of a GGUF file,
+    from one read of its header (the `gguf` package)."""
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -126,7 +127,8 @@ def gguf_architecture(path: Path) -> str:
     fld = reader.fields.get("general.architecture")
     if fld is None:
         raise ModelImportError(f"{path}: GGUF file without general.architecture")
-    return bytes(fld.parts[fld.data[0]]).decode()
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+    return bytes(fld.parts[fld.data[0]]).decode(), int(eos.parts[eos.data[0]][0]) if eos is not None else None
 
 
 def supported_architectures() -> list[str]:
@@ -196,7 +198,7 @@ def import_model(source: str, out_dir: str | Path, *, dtype: str = "bfloat16", f
         src = resolve_source(source, scratch)
         try:
             digest = sha256_file(src.path)
-            arch = gguf_architecture(src.path)
+            arch, gguf_eos = gguf_header(src.path)
             previous = _existing(out)
             if previous is not None and not force and previous.source["sha256"] == digest and previous.dtype == dtype:
                 log(f"{out}: already imported from {previous.source['file']} (sha256 {digest[:12]}); nothing to do")
@@ -207,7 +209,7 @@ def import_model(source: str, out_dir: str | Path, *, dtype: str = "bfloat16", f
                     f"{_version('transformers')} (it converts: {', '.join(supported_architectures())})")
             log(f"dequantizing {src.path.name} ({arch}) to {dtype}")
             staged = scratch / "model"
-            record = _convert(src, digest, arch, dtype, staged)
+            record = _convert(src, digest, arch, gguf_eos, dtype, staged)
         finally:
             if src.cleanup is not None:
                 src.cleanup.unlink(missing_ok=True)
@@ -227,7 +229,7 @@ def _version(package: str) -> str:
         return "absent"
 
 
-def _convert(src: GgufSource, digest: str, arch: str, dtype: str, staged: Path) -> ImportRecord:
+def _convert(src: GgufSource, digest: str, arch: str, gguf_eos: int | None, dtype: str, staged: Path) -> ImportRecord:
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -250,8 +252,7 @@ def _convert(src: GgufSource, digest: str, arch: str, dtype: str, staged: Path) 
         del model.config.quantization_config
     model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module's __setattr__ typing; the dequantized tensors are ordinary ones: save them as such
     model = model.to(torch_dtype)
-    reader_eos = _gguf_int(src.path, "tokenizer.ggml.eos_token_id")
-    stops = end_ids(tokenizer, reader_eos)
+    stops = end_ids(tokenizer, gguf_eos)
     model.generation_config = GenerationConfig.from_model_config(model.config)
     model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
     if tokenizer.pad_token_id is not None:
@@ -274,9 +275,3 @@ def _convert(src: GgufSource, digest: str, arch: str, dtype: str, staged: Path) 
     (staged / RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
     return record
 
-
-def _gguf_int(path: Path, key: str) -> int | None:
-    from gguf import GGUFReader
-
-    fld = GGUFReader(str(path)).fields.get(key)
-    return int(fld.parts[fld.data[0]][0]) if fld is not None else None
