@@ -27,6 +27,7 @@ from hypothesis import settings
 from repo_paths import TESTS
 
 from trajmesh.infra import NatsServer, RedisServer
+from trajmesh.service import WATCHDOG_THREAD
 
 CI = os.environ.get("CI", "").lower() == "true"
 
@@ -92,6 +93,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return MeshesInOneWorker(config, log)  # type: ignore[arg-type]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """A worker that went down mid-run ("node down: Not properly terminated") is named with how its
+    process ended: the exit status, or the signal that killed it (-9: SIGKILL, from the OOM killer
+    or a kill that reached the wrong process), so a crash is never just "not properly terminated"."""
+    if not error:
+        return
+    import signal as _signal
+
+    popen = getattr(getattr(getattr(node, "gateway", None), "_io", None), "popen", None)
+    if popen is None:
+        return
+    try:
+        code = popen.wait(timeout=10)
+    except Exception as exc:  # a diagnostic never fails the run
+        code = f"unknown ({exc})"
+    how = f"killed by {_signal.Signals(-code).name}" if isinstance(code, int) and code < 0 else f"exit {code}"
+    print(f"\n[{getattr(node.gateway, 'id', '?')}] worker pid {popen.pid} went down: {how}", flush=True)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"hypothesis profile: {settings.get_current_profile_name()} (CI={CI})"
 
@@ -120,6 +141,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.longrepr = f"CI=true and {reason}: CI must run this test; install it: {hint}"
     else:
         report.longrepr = (path, lineno, f"{reason}; install it: {hint}")
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_watchdog_left() -> Iterator[None]:
+    """A test that ran a service through `run_service` in this process (e.g. `cli.main(["serve",
+    ...])`) leaves its stop watchdog armed, and it ends the pytest worker with exit status 3 half a
+    minute later, in whatever test runs then ("node down: Not properly terminated"). Such a
+    watchdog is cancelled here and the test that left it fails."""
+    yield
+    import threading
+
+    left = [t for t in threading.enumerate() if t.name.endswith(WATCHDOG_THREAD) and t.is_alive()
+            and not (isinstance(t, threading.Timer) and t.finished.is_set())]  # a cancelled one ends now
+    for thread in left:
+        if isinstance(thread, threading.Timer):
+            thread.cancel()
+    if left:
+        pytest.fail(f"a service's stop watchdog outlived the test (it would end this process): "
+                    f"{[t.name for t in left]}; cancel it (service._watchdog.cancel())", pytrace=False)
 
 
 @pytest.fixture

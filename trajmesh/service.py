@@ -49,6 +49,10 @@ log = logging.getLogger("trajmesh.service")
 
 STOP_TIMEOUT_EXIT_CODE = 3
 """Exit status of a process whose stop outlived its deadline (ended by the stop watchdog)."""
+WATCHDOG_THREAD = "stop watchdog"
+"""The end of the name of the thread that `run_service` arms at a stop (`<worker id> stop watchdog`):
+it ends the process when the stop outlives its deadline, so it must never outlive a service served
+inside another process (the tests check that none is left after a test)."""
 EXIT_GRACE_S = 5.0
 """After the stop deadline, how long the process may take to leave (HTTP cleanup, asyncio.run's
 teardown) before the watchdog ends it."""
@@ -141,6 +145,7 @@ class Service(ABC):
         self.stop_deadline = time.monotonic() + graceful + self.stop_timeout_s
         if self.exit_on_stop_timeout:
             self._watchdog = threading.Timer(graceful + self.stop_timeout_s + EXIT_GRACE_S, self._stop_expired)
+            self._watchdog.name = f"{self.worker_id} {WATCHDOG_THREAD}"
             self._watchdog.daemon = True
             self._watchdog.start()
 

@@ -34,9 +34,16 @@ class EngineWontStart(Service):
 def test_serve_exits_1_with_one_line_on_a_known_start_failure(monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str],
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(cli, "_build_service", lambda name, args: EngineWontStart(load_config(None), metrics_port=0))
-    with caplog.at_level(logging.INFO):
-        rc = cli.main(["serve", "rollout", "--config", "unused.yaml", "--metrics-port", "0"])
+    service = EngineWontStart(load_config(None), metrics_port=0)
+    monkeypatch.setattr(cli, "_build_service", lambda name, args: service)
+    try:
+        with caplog.at_level(logging.INFO):
+            rc = cli.main(["serve", "rollout", "--config", "unused.yaml", "--metrics-port", "0"])
+    finally:
+        # `serve` armed the process's stop watchdog (os._exit at the stop deadline): here the
+        # process is the pytest worker, so it is cancelled (conftest fails a test that leaves one)
+        assert service._watchdog is not None
+        service._watchdog.cancel()
     assert rc == 1
     out = capsys.readouterr()
     assert "Traceback" not in out.err + out.out
