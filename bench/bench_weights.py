@@ -9,7 +9,7 @@ step, version by version:
   "shared volume" directory, then read back whole (``safetensors.torch.load_file``, the engine's
   read): raw write + read of the checkpoint's bytes;
 * **delta** (``weights.sync: delta``): the same export through a ``DeltaWriter`` (only the changed
-  tensors, each in the smallest of its encodings, trajmesh/weight_sync.py; an anchor every
+  tensors, each in the smallest of its encodings, trajmesh/weights/delta.py; an anchor every
   ``--anchor-every`` versions), then a rollout's
   ``LocalWeights.prepare`` (rebuild on local disk from its previous copy, every sha256 checked),
   then the same engine read of the rebuilt file: publish → loaded.
@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trajmesh.learner.weights import export_policy
-from trajmesh.weight_sync import DELTA_NAME, MANIFEST_NAME, SAFETENSORS_NAME, DeltaWriter, LocalWeights
+from trajmesh.weights.delta import DELTA_NAME, MANIFEST_NAME, SAFETENSORS_NAME, DeltaWriter, LocalWeights
 
 BYTES_GOAL = 0.10
 LATENCY_GOAL = 1.5

@@ -10,7 +10,7 @@ peak is the largest layer, never the whole model::
     header (names, dtypes, shapes, offsets: known before any gather)
     for each module: gather its parameters ─▶ bytes ─▶ file + sha256 ─▶ release
 
-With a `trajmesh.weight_sync.DeltaWriter` (``weights.sync: delta``) the same bytes go to it instead:
+With a `trajmesh.weights.delta.DeltaWriter` (``weights.sync: delta``) the same bytes go to it instead:
 it writes only what changed since the last version it committed (and a full anchor now and then),
 plus a manifest of per-tensor checksums; the sha256 returned is still that of the full file.
 """
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from trajmesh.rollout.hf_model import dtype_kwarg
-from trajmesh.weight_sync import DeltaWriter
+from trajmesh.weights.delta import DeltaWriter
 
 __all__ = ["SAFETENSORS_NAME", "TOKENIZER_FILES", "export_policy", "sha256_file"]
 

@@ -88,7 +88,7 @@ from trajmesh.stopgates import (
     write_stop_reason,
 )
 from trajmesh.v1 import services_pb2, trajectory_pb2
-from trajmesh.weight_sync import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
+from trajmesh.weights.delta import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
 
 log = logging.getLogger("trajmesh.learner")
 

@@ -55,7 +55,7 @@ from trajmesh.rollout.synthetic_engine import SyntheticEngine
 from trajmesh.rollout.teacher import Teacher, scorable
 from trajmesh.service import Service, StartFailed, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
-from trajmesh.weight_sync import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
+from trajmesh.weights.delta import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
 
 log = logging.getLogger("trajmesh.rollout")
 
@@ -348,7 +348,7 @@ class RolloutService(Service):
 
     async def _checkpoint_dir(self, ann: trajectory_pb2.WeightsAnnouncement) -> str:
         """The directory the engine loads for `ann`: the announced one, or, for a delta version
-        (``weights.sync: delta``), its checked rebuild on local disk (trajmesh/weight_sync.py).
+        (``weights.sync: delta``), its checked rebuild on local disk (trajmesh/weights/delta.py).
         Raises `WeightSyncTimeout`, naming what it waited for, after ``weights.sync_timeout_s``."""
         if not is_delta_dir(ann.path):
             return ann.path

@@ -795,7 +795,7 @@ class EvalConfig(_Strict):
 
 
 class WeightsConfig(_Strict):
-    """How the learner's weights reach the engines (trajmesh/weight_sync.py, docs/ARCHITECTURE.md "Weights")."""
+    """How the learner's weights reach the engines (trajmesh/weights/delta.py, docs/ARCHITECTURE.md "Weights")."""
 
     sync: Literal["full", "delta"] = "full"
     """full: every version is a full safetensors checkpoint on the shared volume, which each engine

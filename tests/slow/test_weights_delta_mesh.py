@@ -25,7 +25,7 @@ from trajmesh.learner.weights import export_policy
 from trajmesh.run.launcher import Proc, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.run.train import read_metrics
-from trajmesh.weight_sync import DELTA_NAME, SAFETENSORS_NAME
+from trajmesh.weights.delta import DELTA_NAME, SAFETENSORS_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -46,7 +46,7 @@ from trajmesh.run.audit import audit_run
 from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.tokenizer import chat_template_text
-from trajmesh.weight_sync import WeightSyncError, is_delta_dir, reconstruct
+from trajmesh.weights.delta import WeightSyncError, is_delta_dir, reconstruct
 
 log = logging.getLogger("trajmesh.run.train")
 console = Console()

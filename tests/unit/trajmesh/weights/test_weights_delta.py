@@ -1,4 +1,4 @@
-"""Delta weight sync (trajmesh/weight_sync.py): the learner writes only what changed plus anchors;
+"""Delta weight sync (trajmesh/weights/delta.py): the learner writes only what changed plus anchors;
 a rollout rebuilds every version bitwise from its local copy or the anchor, checks every checksum,
 falls back to the anchor on a bad delta (counted), catches up late, and retention keeps what a pod
 needs. Real files, a real tiny model trained with real AdamW steps at an RL learning rate; the
@@ -27,7 +27,7 @@ from trajmesh.config import load_config
 from trajmesh.learner.weights import export_policy
 from trajmesh.services.rollout import RolloutService
 from trajmesh.v1 import trajectory_pb2
-from trajmesh.weight_sync import (
+from trajmesh.weights.delta import (
     DELTA_NAME,
     ENCODINGS,
     MANIFEST_NAME,

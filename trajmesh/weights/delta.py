@@ -67,7 +67,7 @@ from prometheus_client import Counter
 __all__ = ["DELTA_NAME", "MANIFEST_NAME", "SAFETENSORS_NAME", "DeltaWriter", "LocalWeights", "WeightSyncError",
            "WeightSyncTimeout", "is_delta_dir", "prunable", "reconstruct"]
 
-log = logging.getLogger("trajmesh.weight_sync")
+log = logging.getLogger("trajmesh.weights.delta")
 
 SAFETENSORS_NAME = "model.safetensors"
 MANIFEST_NAME = "weights-manifest.json"

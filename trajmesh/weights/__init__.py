@@ -1,0 +1,9 @@
+"""Weights on the shared volume, torch-free: what the learner publishes and the rollout loads.
+
+- `trajmesh.weights.delta`: ``weights.sync: delta``, the codec (per version only the tensors whose
+  bytes changed, a full anchor now and then), the learner's writer, the pruning rule and the
+  rollout's reconstruction of the full checkpoint on its own disk (`LocalWeights`).
+
+The learner (learner/weights.py, services/learner.py) writes through it and the rollout
+(services/rollout.py) reads through it; it imports nothing of theirs (torch stays out).
+"""
