@@ -42,6 +42,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trajmesh.learner.weights import export_policy
 from trajmesh.weights.delta import DELTA_NAME, MANIFEST_NAME, SAFETENSORS_NAME, DeltaWriter, LocalWeights
+from trajmesh.weights.layout import temp_dir_name, version_dir_name
 
 BYTES_GOAL = 0.10
 LATENCY_GOAL = 1.5
@@ -83,9 +84,9 @@ def _full_version(model: torch.nn.Module, volume: Path, v: int) -> dict[str, Any
 def _delta_version(model: torch.nn.Module, volume: Path, v: int, writer: DeltaWriter,
                    pod: LocalWeights) -> dict[str, Any]:
     start = time.perf_counter()
-    tmp = volume / f".v{v:06d}.tmp"
+    tmp = volume / temp_dir_name(v)
     export_policy(model, tmp, dtype=torch.bfloat16, delta=writer, version=v)
-    final = volume / f"v{v:06d}-{time.time_ns()}"
+    final = volume / version_dir_name(v)
     os.replace(tmp, final)
     writer.commit(final.name)
     publish_s = time.perf_counter() - start

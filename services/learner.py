@@ -89,6 +89,7 @@ from trajmesh.stopgates import (
 )
 from trajmesh.v1 import services_pb2, trajectory_pb2
 from trajmesh.weights.delta import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
+from trajmesh.weights.layout import temp_dir_name, version_dir_name, version_dirs, weights_root
 
 log = logging.getLogger("trajmesh.learner")
 
@@ -483,7 +484,7 @@ class LearnerService(Service):
         if version == 0:
             self.tracker.best["path"] = self.cfg.model.path
             return
-        dirs = sorted((self.run_dir / "weights").glob(f"v{version:06d}-*"))
+        dirs = version_dirs(weights_root(self.run_dir), version)
         try:
             if not dirs:
                 raise FileNotFoundError(f"no weights dir of v{version}")
@@ -735,18 +736,18 @@ class LearnerService(Service):
         """A follower's part in the leader's weights export: under ZeRO-3 the per-module gathers
         are collective, so it gathers without writing; otherwise nothing."""
         if self.cfg.learner.engine.zero_stage == 3:
-            export_policy(policy_of(self._engine().model), self.run_dir / "weights" / f".v{version:06d}.none",
+            export_policy(policy_of(self._engine().model), weights_root(self.run_dir) / temp_dir_name(version, 0),
                           zero3=True, write=False, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32)
 
     def _save_weights(self, version: int) -> Path:
         """HF safetensors dir for `version`, written to a temp dir and renamed (atomic); the file's
         sha256 (computed while writing) beside it for the announcement."""
-        root = self.run_dir / "weights"
+        root = weights_root(self.run_dir)
         root.mkdir(parents=True, exist_ok=True)
         # A fresh name per save: a learner replaying after a crash never rewrites a directory a
         # rollout engine may be reading.
-        final = root / f"v{version:06d}-{time.time_ns()}"
-        tmp = root / f".v{version:06d}.tmp-{os.getpid()}"
+        final = root / version_dir_name(version)
+        tmp = root / temp_dir_name(version)
         shutil.rmtree(tmp, ignore_errors=True)
         # Streamed in the training dtype, hashed while written, ZeRO-3 gathered module by module.
         # weights.sync delta: only what changed since the last version (self.delta keeps its bytes).

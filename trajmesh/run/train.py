@@ -47,6 +47,7 @@ from trajmesh.run.launcher import Mesh, accounting, preflight, prepare_model, st
 from trajmesh.run.run_end import end_run
 from trajmesh.tokenizer import chat_template_text
 from trajmesh.weights.delta import WeightSyncError, is_delta_dir, reconstruct
+from trajmesh.weights.layout import latest_version_dir, weights_root
 
 log = logging.getLogger("trajmesh.run.train")
 console = Console()
@@ -209,15 +210,15 @@ def latest_weights_dir(run_dir: Path) -> Path | None:
     """The newest published checkpoint as a directory an engine loads: a delta version
     (``weights.sync: delta``) rebuilt in full as RUN_DIR/.eval-weights; None when there is none
     (or its anchor chain was pruned meanwhile)."""
-    dirs = sorted((run_dir / "weights").glob("v*"))
-    if not dirs:
+    latest = latest_version_dir(weights_root(run_dir))
+    if latest is None:
         return None
-    if not is_delta_dir(dirs[-1]):
-        return dirs[-1]
+    if not is_delta_dir(latest):
+        return latest
     try:
-        reconstruct(dirs[-1], run_dir / ".eval-weights")
+        reconstruct(latest, run_dir / ".eval-weights")
     except WeightSyncError as exc:
-        log.warning("latest weights %s not rebuilt: %s", dirs[-1].name, exc)
+        log.warning("latest weights %s not rebuilt: %s", latest.name, exc)
         return None
     return run_dir / ".eval-weights"
 

@@ -64,6 +64,8 @@ import numpy as np
 import zstandard
 from prometheus_client import Counter
 
+from trajmesh.weights.layout import version_dirs
+
 __all__ = ["DELTA_NAME", "MANIFEST_NAME", "SAFETENSORS_NAME", "DeltaWriter", "LocalWeights", "WeightSyncError",
            "WeightSyncTimeout", "is_delta_dir", "prunable", "reconstruct"]
 
@@ -450,7 +452,7 @@ def prunable(root: str | os.PathLike[str], keep: int, grace_s: float, now: float
     the way from one of those back to its anchor (anchor + deltas since: what a pod reconstructing
     them reads), and older than `grace_s`. Directories without a manifest are their own anchor."""
     now = time.time() if now is None else now
-    dirs = sorted(p for p in Path(root).glob("v*") if p.is_dir())
+    dirs = version_dirs(root)
     needed = set(dirs[-keep:]) if keep > 0 else set()
     for d in dirs[-keep:] if keep > 0 else []:
         if not is_delta_dir(d):
