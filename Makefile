@@ -31,7 +31,7 @@ $(GEMMA3)/trajmesh_import.json: $(VENV_OK)
 models-gemma: $(GEMMA3)/trajmesh_import.json
 
 # vLLM's CPU build in its own venv (it pins transformers and fastapi below the project's): the
-# `vllm` rollout engine's server runs from it (rollout/vllm_engine.py) and `make test` serves the
+# `vllm` rollout engine's server runs from it (rollout/engines/vllm_engine.py) and `make test` serves the
 # engine conformance suite and one mesh e2e with it. PyPI's torchvision, torchaudio and torchcodec
 # do not import beside this torch and vLLM does not need them, so they are removed.
 VLLM_PY := .venv-vllm/bin/python
@@ -113,4 +113,4 @@ SGLANG_ARGS ?=
 GPU_PYTHON ?= python3
 gpu-check:
 	@test -n "$(SGLANG_MODEL)" || { echo "set SGLANG_MODEL=/path/to/hf/model (docs/ENGINE.md)"; exit 2; }
-	$(GPU_PYTHON) -m trajmesh.rollout.sglang_check --model $(SGLANG_MODEL) $(SGLANG_ARGS)
+	$(GPU_PYTHON) -m trajmesh.rollout.engines.sglang_check --model $(SGLANG_MODEL) $(SGLANG_ARGS)

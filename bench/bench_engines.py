@@ -30,8 +30,8 @@ from typing import Any
 
 from trajmesh.infra import free_port
 from trajmesh.learner.models import build_char_tokenizer, build_tiny_model, encode_prompt
-from trajmesh.rollout.engine_client import EngineClient
-from trajmesh.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, start_server, stop_server
+from trajmesh.rollout.engines.engine_client import EngineClient
+from trajmesh.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["12+7-3=", "34-5+6=", "1+2+3+4=", "9-8+7=", "50-25=", "3+3-1=", "18+2=", "7+8-9="]
@@ -91,7 +91,7 @@ async def _measure(client: Any, proc: subprocess.Popen[bytes], paths: tuple[str,
 def _torch(model: str, root: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     log = open(root / "torch-engine.log", "wb")  # noqa: SIM115 - lives as long as the process
-    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", model, "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", model, "--port",
                              str(port), "--host", "127.0.0.1", "--version", "0", "--threads", "1"],
                             stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"

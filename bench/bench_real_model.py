@@ -115,9 +115,9 @@ async def _rollout(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     from trajmesh import plugins
     from trajmesh.config import load_config
-    from trajmesh.rollout.episode import EpisodeFormat
-    from trajmesh.rollout.generation import PauseClock, TurnSampler, sampling_seed
-    from trajmesh.rollout.vllm_engine import stop_server, vllm_sampling
+    from trajmesh.rollout.agents.episode import EpisodeFormat
+    from trajmesh.rollout.engines.generation import PauseClock, TurnSampler, sampling_seed
+    from trajmesh.rollout.engines.vllm_engine import stop_server, vllm_sampling
     from trajmesh.v1 import trajectory_pb2
 
     cfg = load_config(None, {"model.path": str(args.model), "run_dir": str(root / "rollout-run"),
@@ -220,7 +220,7 @@ def _save_batch(model_dir: Path, n_seqs: int, path: Path) -> dict[str, Any]:
     from trajmesh.config import LearnerConfig
     from trajmesh.contract import Trajectory
     from trajmesh.learner.step import advantages_BT, build_batch
-    from trajmesh.rollout.episode import EpisodeFormat
+    from trajmesh.rollout.agents.episode import EpisodeFormat
 
     fmt = EpisodeFormat.load(model_dir)
     tok = fmt.tokenizer
@@ -260,7 +260,7 @@ def _learner_side(model_dir: str, saved: dict[str, Any]) -> tuple[Any, str]:
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.step import Batch, StepPlan, train_batch
     from trajmesh.learner.train_engine import build_train_engine
-    from trajmesh.rollout.hf_model import load_causal_lm
+    from trajmesh.rollout.engines.hf_model import load_causal_lm
 
     lc = LearnerConfig(engine={"type": "torch"})  # type: ignore[arg-type]
     model = load_causal_lm(model_dir, dtype=torch.float32, attn_implementation="eager")

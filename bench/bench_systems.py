@@ -7,7 +7,7 @@ sleep of the modelled time, so rollout and learner do not compete for this machi
 figures hold on a busy machine (the services' own CPU work — messaging, grading, storing — is
 real):
 
-- rollout: the synthetic engine (rollout/synthetic_engine.py, `rollout.engine.synthetic`) with
+- rollout: the synthetic engine (rollout/engines/synthetic_engine.py, `rollout.engine.synthetic`) with
   log-normal response lengths capped at max_new_tokens (long tail), decoded as one continuous
   batch: a step of B running sequences takes decode_step_s + step_s_per_sequence·B seconds;
 - environment: a log-normal delay per Step (`environment.simulated_step_latency`);

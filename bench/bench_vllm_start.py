@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh.infra import free_port
-from trajmesh.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, start_server, stop_server
+from trajmesh.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {"off": (False, "compile off (-O0)"), "empty": (True, "compile on, cache empty"),

@@ -1,5 +1,5 @@
 """The ``external_agent`` environment: the registry entry of tasks a user's own agent solves
-through the rollout's agent endpoint. The agent runs itself (rollout/agent_runner.py starts it and
+through the rollout's agent endpoint. The agent runs itself (rollout/agents/agent_runner.py starts it and
 turns its calls into one trajectory); graders/external_agent.py scores its answer. No torch here."""
 
 from __future__ import annotations

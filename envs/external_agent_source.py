@@ -1,6 +1,6 @@
 """The ``external_agent`` task source's plug-in entry (`trajmesh.plugins`): reasoning-gym tasks that a
-user's own agent solves through the rollout's agent endpoint (rollout/agent_runner.py runs the agent,
-graders/external_agent.py scores its answer; rollout/agent_episodes.py holds the rollout hooks the
+user's own agent solves through the rollout's agent endpoint (rollout/agents/agent_runner.py runs the agent,
+graders/external_agent.py scores its answer; rollout/agents/agent_episodes.py holds the rollout hooks the
 plug-in names: serve the endpoint, run one agent per sample). No torch."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from trajmesh.plugins import SourcePlugin
 
 class ExternalAgentSource(SourceConfig):
     """A user's own agent solves reasoning-gym tasks through the rollout's OpenAI/Anthropic-compatible
-    endpoint (rollout/agent_runner.py, docs/AGENTS.md); its LLM calls become the trajectories."""
+    endpoint (rollout/agents/agent_runner.py, docs/AGENTS.md); its LLM calls become the trajectories."""
 
     type: Literal["external_agent"] = "external_agent"
     """Selects this source: tasks solved by an external agent through the agent endpoint."""
@@ -65,6 +65,6 @@ PLUGIN = SourcePlugin(
     type="external_agent", config=ExternalAgentSource, draw=draw,
     environments={"external_agent": ExternalAgentEnv},
     graders={"external_agent": "trajmesh.graders.external_agent:ExternalAgentGrader"},
-    rollout_setup="trajmesh.rollout.agent_episodes:serve_endpoint",
-    rollout_episodes={"external_agent": "trajmesh.rollout.agent_episodes:run_episode"},
+    rollout_setup="trajmesh.rollout.agents.agent_episodes:serve_endpoint",
+    rollout_episodes={"external_agent": "trajmesh.rollout.agents.agent_episodes:run_episode"},
     description="a user's own agent solves reasoning-gym or workplace tasks through the rollout's agent endpoint")

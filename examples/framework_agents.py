@@ -1,7 +1,7 @@
 """Tool-using agents written with three agent frameworks, each trainable by trajmesh as it is.
 
 One ``solve(task, base_url, api_key)`` per framework, the shape the ``external_agent`` runner calls
-(``rollout/agent_runner.py``; see ``examples/openai_agent.py`` for the plain ``openai`` client):
+(``rollout/agents/agent_runner.py``; see ``examples/openai_agent.py`` for the plain ``openai`` client):
 
 ==========================  ====================================================================
 ``agents_chat``             the OpenAI Agents SDK (``openai-agents``), its Chat Completions model

@@ -4,7 +4,7 @@ It knows nothing about trajmesh: it gets a base URL and an API key, asks the mod
 the model calls (here an integer calculator it executes itself), sends the results back as ``tool``
 messages and returns the model's final answer. Point it at a run's agent endpoint
 (``<rollout>/sessions/<sid>/v1``) and every call it makes is recorded as trajectory tokens; the
-``external_agent`` runner (``rollout/agent_runner.py``) calls ``solve`` in its own process,
+``external_agent`` runner (``rollout/agents/agent_runner.py``) calls ``solve`` in its own process,
 and what ``solve`` returns is the answer the run is graded on (``None``: an infrastructure failure,
 never rewarded).
 

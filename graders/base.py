@@ -22,7 +22,7 @@ class Sample:
     state_hashes: list[str] = field(default_factory=list)
     terminal_reason: str = "EOS"
     final_answer: str | None = None
-    """The answer an external agent returned (``Trajectory.final_answer``; rollout/agent_runner.py),
+    """The answer an external agent returned (``Trajectory.final_answer``; rollout/agents/agent_runner.py),
     None for the project's own agent loop, whose answer is the sampled text."""
 
 

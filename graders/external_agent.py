@@ -1,4 +1,4 @@
-"""Grader for external agents' runs (rollout/agent_runner.py): the agent's returned answer (no torch).
+"""Grader for external agents' runs (rollout/agents/agent_runner.py): the agent's returned answer (no torch).
 
 What an agent returns — ``function(task, base_url, api_key)``'s return value, or an HTTP agent's
 ``{"answer": ...}`` — is recorded on the trajectory (``Trajectory.final_answer``) and is what gets

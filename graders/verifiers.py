@@ -1,7 +1,7 @@
 """Grader of the ``verifiers`` source (envs/verifiers_env.py): the taskset's own rubric (no torch).
 
 verifiers scores each episode itself, at its end, with the task's ``@vf.reward`` functions and
-judges (rollout/verifiers_episodes.py); what it recorded is the trajectory's final answer (JSON:
+judges (rollout/agents/verifiers_episodes.py); what it recorded is the trajectory's final answer (JSON:
 each reward's score and weight, the errors). The reward is verifiers' own: the weighted sum of the
 scores (``Trace.reward``); each reward function's score is a raw component under its name. A
 rubric or harness error (an exception in a reward function, a failed harness run) is reward 0 with
@@ -9,7 +9,7 @@ the error as the verifier output, never an infrastructure failure: the policy's 
 rubric could not credit it. A run that did not end EOS (WALL_TIMEOUT: the budget ran out) scores 0.
 
 Held-out evaluation (learner/evaluate.py) plays the task as training does, by its harness and tools
-through an agent endpoint over the evaluation's policy (rollout/verifiers_episodes.py
+through an agent endpoint over the evaluation's policy (rollout/agents/verifiers_episodes.py
 `play_heldout`), and scores what the rubric recorded there the same way.
 """
 

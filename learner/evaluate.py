@@ -1,12 +1,12 @@
 """Held-out evaluation: every task played through the rollout's own episode layout, scored by its grader.
 
-The episodes are played by ``play_episodes`` (rollout/episode.py): the same ``EpisodeFormat`` the
+The episodes are played by ``play_episodes`` (rollout/agents/episode.py): the same ``EpisodeFormat`` the
 rollout service feeds its engine (chat template or BOS + text, tool/user observation messages,
 every stop id), the same environment classes (`envs/`, in-process: tools and the sandbox included),
 budgets and terminal reasons. Each episode is scored by its source's grader (`graders/`):
 reasoning-gym ``score_answer``, math-verify, search normalized exact match, workplace final state.
 The policy is a hook (`Policy`): the model sampled in-process with ``sample_batch``
-(rollout/torch_sampler.py, ``ModelPolicy``) in `trajmesh train`, the run's inference engine in
+(rollout/engines/torch_sampler.py, ``ModelPolicy``) in `trajmesh train`, the run's inference engine in
 the evaluator service (services/evaluator.py), a scripted one in tests.
 
 Above the episodes sits what both callers share: the held-out split of every source
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trajmesh.rollout.episode import Episode, EpisodeFormat, ModelPolicy, Policy, play_episodes
+from trajmesh.rollout.agents.episode import Episode, EpisodeFormat, ModelPolicy, Policy, play_episodes
 
 if TYPE_CHECKING:
     from trajmesh.config import RunConfig
@@ -95,7 +95,7 @@ def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any
     correct for pass@k when its reward is ≥ 1. Also returns the graders' and environments'
     revisions that ran, and the terminal reasons.
     """
-    from trajmesh.rollout.torch_sampler import GREEDY_EPS
+    from trajmesh.rollout.engines.torch_sampler import GREEDY_EPS
 
     if temperature <= GREEDY_EPS:
         samples = 1

@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from trajmesh.config import DemoModelConfig
-from trajmesh.rollout.hf_model import load_causal_lm
+from trajmesh.rollout.engines.hf_model import load_causal_lm
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]

@@ -323,7 +323,7 @@ def teacher_logprobs_BT(batch: Batch, trajs: list[Trajectory]) -> tuple[Tensor, 
 
 def distill_advantages_BT(adv_BT: Tensor, batch: Batch, trajs: list[Trajectory], *, coef: float,
                           reward_weight: float) -> tuple[Tensor, dict[str, float]]:
-    """On-policy distillation (rollout/teacher.py): on the action tokens of a trajectory a teacher
+    """On-policy distillation (rollout/engines/teacher.py): on the action tokens of a trajectory a teacher
     scored, ``reward_weight · A_t + coef · (log π_T(y_t) − log π_behavior(y_t))``: the second part
     is the negated per-token reverse KL's single-sample estimate (k1), a reward per token that the
     decoupled objective then corrects for staleness like any advantage. Other rows keep `adv_BT`.

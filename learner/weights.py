@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trajmesh.rollout.hf_model import dtype_kwarg
+from trajmesh.rollout.engines.hf_model import dtype_kwarg
 from trajmesh.weights.delta import DeltaWriter
 
 __all__ = ["SAFETENSORS_NAME", "TOKENIZER_FILES", "export_policy", "sha256_file"]

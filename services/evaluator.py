@@ -11,7 +11,7 @@
        │            │  newest announced version loaded: after)
        │            ▼
        │     per source: evaluate_source (learner/evaluate.py) in a worker thread: the held-out
-       │     split played by play_episodes (rollout/episode.py) through EnginePolicy → TurnSampler
+       │     split played by play_episodes (rollout/agents/episode.py) through EnginePolicy → TurnSampler
        │     → the engine; greedy and sampled with pass@k, scored by the source's own grader
        │            ▼
        └── one record per evaluated version ──▶ EVAL (NATS; the learner's tracker reads it)
@@ -41,7 +41,7 @@ from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.keys import RedisKeys
 from trajmesh.learner.evaluate import HeldoutTracker, evaluate_source, heldout_result, heldout_tasks
-from trajmesh.rollout.generation import TurnSampler, sampling_seed
+from trajmesh.rollout.engines.generation import TurnSampler, sampling_seed
 from trajmesh.service import supervise
 from trajmesh.services.rollout import RolloutService
 from trajmesh.v1 import trajectory_pb2
@@ -67,7 +67,7 @@ for the key; the read is one EXISTS)."""
 
 
 class EnginePolicy:
-    """`Policy` (rollout/episode.py) over the run's engine: each `generate` call of play_episodes
+    """`Policy` (rollout/agents/episode.py) over the run's engine: each `generate` call of play_episodes
     (in a worker thread) samples its contexts concurrently with the rollout's `TurnSampler` on the
     service's event loop, one engine sampling seed per row and call (deterministic per pass)."""
 
@@ -80,7 +80,7 @@ class EnginePolicy:
         return asyncio.run_coroutine_threadsafe(self._turns(contexts, params, self.calls), self.loop).result()
 
     async def _turns(self, contexts: list[list[int]], params: Any, call: int) -> list[Any]:
-        from trajmesh.rollout.torch_sampler import Sampled
+        from trajmesh.rollout.engines.torch_sampler import Sampled
 
         turns = await asyncio.gather(*(self.sampler.sample(ctx, params, sampling_seed(self.seed, f"eval-{call}", i))
                                        for i, ctx in enumerate(contexts)))
@@ -111,8 +111,8 @@ class EvaluatorService(RolloutService):
     async def setup(self) -> None:
         """The rollout's engine, sampler and weight watch, without its task consumer or environments."""
         from trajmesh import plugins
-        from trajmesh.rollout.episode import EpisodeFormat
-        from trajmesh.rollout.generation import PauseClock
+        from trajmesh.rollout.agents.episode import EpisodeFormat
+        from trajmesh.rollout.engines.generation import PauseClock
 
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.infra.redis_url and cfg.model.path

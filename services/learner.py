@@ -75,7 +75,7 @@ from trajmesh.learner.train_engine import (
     wants_deterministic,
 )
 from trajmesh.learner.weights import TOKENIZER_FILES, export_policy, sha256_file
-from trajmesh.rollout.hf_model import load_causal_lm
+from trajmesh.rollout.engines.hf_model import load_causal_lm
 from trajmesh.service import FIRST_STEP_ALLOWANCE_S, STOP_NOTICE, STOP_WORK_S, Service
 from trajmesh.services.store.client import StoreClient
 from trajmesh.stopgates import (

@@ -41,9 +41,9 @@ from trajmesh import bus as busmod
 from trajmesh import plugins, security
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
-from trajmesh.rollout.engine_client import CoalescingEngine, EngineError
-from trajmesh.rollout.episode import EpisodeFormat
-from trajmesh.rollout.generation import (
+from trajmesh.rollout.agents.episode import EpisodeFormat
+from trajmesh.rollout.engines.engine_client import CoalescingEngine, EngineError
+from trajmesh.rollout.engines.generation import (
     ENGINE_FAILURES,
     EngineFailed,
     NewestOnly,
@@ -51,8 +51,8 @@ from trajmesh.rollout.generation import (
     TurnSampler,
     sampling_seed,
 )
-from trajmesh.rollout.synthetic_engine import SyntheticEngine
-from trajmesh.rollout.teacher import Teacher, scorable
+from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine
+from trajmesh.rollout.engines.teacher import Teacher, scorable
 from trajmesh.service import Service, StartFailed, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 from trajmesh.weights.delta import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
@@ -166,7 +166,7 @@ class RolloutService(Service):
         cfg = self.cfg
         assert cfg.infra.nats_url and cfg.model.path
         bus = self.bus = await security.connect_bus(cfg, "rollout", name=self.worker_id)
-        # The episode token layout (rollout/episode.py, shared with held-out evaluation): the model's
+        # The episode token layout (rollout/agents/episode.py, shared with held-out evaluation): the model's
         # own chat format when it has a template (else BOS + raw observation text), and every id
         # that ends a turn (EOS ids of the tokenizer and generation config, end of turn).
         self.format = EpisodeFormat.load(cfg.model.path)
@@ -175,7 +175,7 @@ class RolloutService(Service):
         # loads the newest announced weights in weights_loop before it samples any task admitted
         # at that version (_wait_for_version).
         self.version = 0
-        # The engine by type (`trajmesh.plugins.ENGINES`, factories in rollout/engines.py).
+        # The engine by type (`trajmesh.plugins.ENGINES`, factories in rollout/engines/__init__.py).
         engine: CoalescingEngine | SyntheticEngine
         engine = self.engine = await plugins.load(plugins.engine(cfg.rollout.engine.type).start)(self)
         # Pauses for weight loads: a request the pause aborts waits and resubmits; the time paused
@@ -212,7 +212,7 @@ class RolloutService(Service):
         port = free_port()
         log_path = Path(self.cfg.run_dir) / "logs" / f"{log_prefix}-{self.replica}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", model_path,
+        cmd = [sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", model_path,
                "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
                "--seed", str(self.cfg.seed * 101 + self.replica), "--threads", "1"]
         import signal
@@ -227,10 +227,10 @@ class RolloutService(Service):
         return f"http://127.0.0.1:{port}", proc
 
     async def _start_teachers(self) -> None:
-        """One `Teacher` per `distill.teachers` entry (rollout/teacher.py): a torch engine child
+        """One `Teacher` per `distill.teachers` entry (rollout/engines/teacher.py): a torch engine child
         from its model_path, or the SGLang / vLLM server at its url; waits until each is healthy."""
-        from trajmesh.rollout.engine_client import EngineClient
-        from trajmesh.rollout.vllm_engine import VLLMEngine
+        from trajmesh.rollout.engines.engine_client import EngineClient
+        from trajmesh.rollout.engines.vllm_engine import VLLMEngine
 
         for t in self.cfg.distill.teachers:
             url = t.url

@@ -21,7 +21,7 @@ def constraint(kind: str) -> tuple[dict[str, str], Any]:
     import json
     import re
 
-    from trajmesh.rollout.grammar import json_ebnf, tool_calls_ebnf
+    from trajmesh.rollout.engines.grammar import json_ebnf, tool_calls_ebnf
     from trajmesh.tool_calls import parse_tool_calls
 
     def tool_call(text: str) -> bool:

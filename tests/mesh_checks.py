@@ -141,7 +141,7 @@ EngineAnswers = dict[tuple[int, ...], list[tuple[list[int], list[float]]]]
 
 def engine_answers(log_dir: str | Path) -> EngineAnswers:
     """The answers the engines wrote under `log_dir` (``TRAJMESH_ENGINE_ANSWER_LOG``,
-    rollout/engine_server.py `ANSWER_LOG_ENV`), by prompt."""
+    rollout/engines/engine_server.py `ANSWER_LOG_ENV`), by prompt."""
     out: EngineAnswers = {}
     for path in sorted(Path(log_dir).glob("engine-*.jsonl")):
         for line in path.read_text().splitlines():

@@ -203,7 +203,7 @@ class SGLangFixtureServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m sglang.launch_server`` as tests/unit/rollout/test_sglang_check.py fakes it: serves the
+    """``python -m sglang.launch_server`` as tests/unit/rollout/engines/test_sglang_check.py fakes it: serves the
     recorded SGLang 0.5.23 on ``--port`` until SIGTERM."""
     import argparse
     import signal

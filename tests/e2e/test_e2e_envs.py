@@ -62,7 +62,7 @@ def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from chatml_model import build_chatml_model
 
     from trajmesh.learner.models import sft
-    from trajmesh.rollout.chat_format import ChatFormat
+    from trajmesh.rollout.agents.chat_format import ChatFormat
 
     root = tmp_path_factory.mktemp("text-model")
     cfg = load_config(None, {"tasks.sources": list(SOURCES.values())})

@@ -268,9 +268,9 @@ def _metric(port: int, name: str, labels: str = "") -> float:
 
 
 def _engine_pid(rollout_pid: int) -> int:
-    """The rollout's torch engine process (its child running trajmesh.rollout.engine_server)."""
+    """The rollout's torch engine process (its child running trajmesh.rollout.engines.engine_server)."""
     for child in Path(f"/proc/{rollout_pid}/task/{rollout_pid}/children").read_text().split():
-        if b"trajmesh.rollout.engine_server" in Path(f"/proc/{child}/cmdline").read_bytes():
+        if b"trajmesh.rollout.engines.engine_server" in Path(f"/proc/{child}/cmdline").read_bytes():
             return int(child)
     raise AssertionError("the rollout has no engine process")
 

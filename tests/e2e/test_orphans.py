@@ -142,7 +142,7 @@ def test_a_sigkilled_rollout_leaves_no_engine_behind(tmp_path: Path, tiny_model_
         rollout = subprocess.Popen([sys.executable, "-m", "trajmesh.run.cli", "serve", "rollout", "--config",
                                     str(config_path), "--metrics-port", str(port)],
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    engine = "trajmesh.rollout.engine_server"
+    engine = "trajmesh.rollout.engines.engine_server"
     try:
         deadline = time.monotonic() + 240
         while not _healthy(port):  # ready = its engine answered /health

@@ -24,7 +24,7 @@ import pytest
 from mesh_checks import check_engine_tokens, engine_answers, sampled_turns, tid_of, train_and_evaluate
 
 from trajmesh.config import load_config
-from trajmesh.rollout.engine_client import ANSWER_LOG_ENV
+from trajmesh.rollout.engines.engine_client import ANSWER_LOG_ENV
 from trajmesh.tasks import load_split
 
 # slow: about 100 s on the 2 loaded cores of the dev machine (mesh start, 3 steps, held-out

@@ -30,7 +30,7 @@ from mesh_checks import check_engine_tokens, engine_answers, sampled_turns, tid_
 from repo_paths import TESTS as TESTS_DIR
 
 from trajmesh.config import load_config
-from trajmesh.rollout.engine_client import ANSWER_LOG_ENV
+from trajmesh.rollout.engines.engine_client import ANSWER_LOG_ENV
 from trajmesh.tasks import load_split
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -65,8 +65,8 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from verifiers_tool_tasksets import TOOL_NAME
 
     from trajmesh.learner.models import sft
-    from trajmesh.rollout.agent_endpoint import render_messages
-    from trajmesh.rollout.chat_format import ChatFormat
+    from trajmesh.rollout.agents.agent_endpoint import render_messages
+    from trajmesh.rollout.agents.chat_format import ChatFormat
     from trajmesh.tool_calls import ToolCall, render_tool_calls
 
     root = tmp_path_factory.mktemp("verifiers-model")
@@ -116,7 +116,7 @@ def test_verifiers_tasksets_train_through_the_mesh(tmp_path: Path, chat_model_di
     monkeypatch.setenv(ANSWER_LOG_ENV, str(answers_dir))
     rows, result = train_and_evaluate(cfg, STEPS, timeout_s=420)
     answers = engine_answers(answers_dir)
-    # held-out through the harness and its tools (rollout/verifiers_episodes.py play_heldout): the
+    # held-out through the harness and its tools (rollout/agents/verifiers_episodes.py play_heldout): the
     # greedy policy's tool call is answered, which the rubric's tool_answered (1) credits; a reply
     # scored without the harness could earn at most `correct` (1) on a sum that happens to be 3
     assert result["heldout"]["tools"]["greedy_accuracy"] >= 1.0, result["heldout"]["tools"]

@@ -126,7 +126,7 @@ class Mesh:
         """How long `procs` may take to become healthy: 180 s, or for rollouts (and the evaluator)
         their engine's start-up allowance (`rollout.engine.startup_timeout_s`: each is healthy once
         its engine is, and a vLLM server takes minutes on a loaded CPU) plus 60 s. vLLM servers that
-        compile start one at a time on a machine (rollout/vllm_engine.py `StartLock`) and each
+        compile start one at a time on a machine (rollout/engines/vllm_engine.py `StartLock`) and each
         one's allowance counts from its own start, so the last of N queued ones may take N
         allowances: the bound is N × the allowance + 60 s."""
         engine = self.cfg.rollout.engine

@@ -81,7 +81,7 @@ def engine_server_version(url: str, timeout_s: float = 5.0) -> str:
     """The `version` an SGLang-API inference server reports on `/get_server_info` (the external
     SGLang server's own release, which the trainer's environment may not have installed);
     "unreachable" when it does not answer."""
-    from trajmesh.rollout.engine_client import reported_version
+    from trajmesh.rollout.engines.engine_client import reported_version
 
     return reported_version(url, "/get_server_info", timeout_s)
 

@@ -236,7 +236,7 @@ def _convert(src: GgufSource, digest: str, arch: str, gguf_eos: int | None, dtyp
     except ImportError:
         raise ModelImportError("importing a model needs torch and transformers: pip install 'trajmesh[learner,models]'"
                                ) from None
-    from trajmesh.rollout.hf_model import dtype_kwarg
+    from trajmesh.rollout.engines.hf_model import dtype_kwarg
 
     for needed in ("gguf", "accelerate"):
         if _version(needed) == "absent":

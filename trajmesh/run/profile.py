@@ -33,7 +33,7 @@ def profile_tasks(cfg: RunConfig, *, samples: int, tasks_per_source: int,
 
     from trajmesh.graders import Sample, grade_sample, grader_kind, make_grader
     from trajmesh.learner.models import load_model
-    from trajmesh.rollout.episode import EpisodeFormat, ModelPolicy, play_episodes
+    from trajmesh.rollout.agents.episode import EpisodeFormat, ModelPolicy, play_episodes
     from trajmesh.run.launcher import prepare_model
 
     started = time.monotonic()

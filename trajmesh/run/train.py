@@ -95,7 +95,7 @@ def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: Run
     import torch
 
     from trajmesh.learner.models import load_model
-    from trajmesh.rollout.episode import EpisodeFormat, ModelPolicy
+    from trajmesh.rollout.agents.episode import EpisodeFormat, ModelPolicy
 
     torch.manual_seed(cfg.seed)
     model, _ = load_model(model_dir)
@@ -434,7 +434,7 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
 def _distill_record(cfg: RunConfig) -> dict[str, Any]:
     """The manifest's distillation entry: its config, each teacher with its ``name@revision``
     identity (the one every trajectory it scores carries)."""
-    from trajmesh.rollout.teacher import teacher_identity
+    from trajmesh.rollout.engines.teacher import teacher_identity
 
     record = cfg.distill.model_dump(mode="json")
     for entry, t in zip(record["teachers"], cfg.distill.teachers, strict=True):

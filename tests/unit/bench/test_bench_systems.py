@@ -13,7 +13,7 @@ import pytest
 
 from trajmesh.config import SimulatedStepCost, load_config
 from trajmesh.contract import Trajectory
-from trajmesh.rollout.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, SyntheticTiming
+from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, SyntheticTiming
 from trajmesh.v1 import trajectory_pb2
 
 EOS = 0

@@ -358,8 +358,8 @@ def _learner_on_gpu(objects: list[dict[str, Any]]) -> bool:
 @pytest.mark.parametrize("case", CASES)
 def test_sglang_serves_in_the_dtype_the_learner_publishes(case: str) -> None:
     """Weights are published in the training dtype (learner.precision; auto is bf16 on a GPU): SGLang's
-    --dtype is that dtype, once, and `make gpu-check` (rollout/sglang_check.py) maps it the same way."""
-    from trajmesh.rollout.sglang_check import sglang_dtype
+    --dtype is that dtype, once, and `make gpu-check` (rollout/engines/sglang_check.py) maps it the same way."""
+    from trajmesh.rollout.engines.sglang_check import sglang_dtype
 
     objects = _objects(case)
     dtypes = _sglang_dtypes(objects)
@@ -382,7 +382,7 @@ def test_sglang_dtype_follows_learner_precision_and_is_not_overridden() -> None:
 
 def test_gpu_check_launches_sglang_with_the_learners_dtype(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``make gpu-check`` (no GPU here): the launch_server command it builds, captured."""
-    from trajmesh.rollout import sglang_check
+    from trajmesh.rollout.engines import sglang_check
 
     launched: list[list[str]] = []
 
@@ -432,10 +432,15 @@ VLLM_VALUES = yaml.safe_load((CHART / "values.yaml").read_text())["rollout"]["vl
 
 
 def test_vllm_sidecar_starts_with_the_plugins_flags() -> None:
-    """The chart's vLLM container runs the flags rollout/vllm_engine.py starts its own servers with
+    """The chart's vLLM container runs the flags rollout/engines/vllm_engine.py starts its own servers with
     (server_command, the same max-num-batched-tokens and max-model-len), on the pod's address, in the
     learner's dtype, with the GPU sizing added; the env turns the RL endpoints on."""
-    from trajmesh.rollout.vllm_engine import WORKER_EXTENSION, VLLMEngineConfig, server_command, server_env
+    from trajmesh.rollout.engines.vllm_engine import (
+        WORKER_EXTENSION,
+        VLLMEngineConfig,
+        server_command,
+        server_env,
+    )
 
     values = _values("vllm")
     pod = _rollout_pod(values)

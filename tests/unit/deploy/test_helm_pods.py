@@ -66,7 +66,7 @@ def test_vllm_pod_wiring_runs(tmp_path: Path) -> None:
     assert init["command"][0] == "python"  # the trajmesh image's interpreter; here this test's
     subprocess.run([sys.executable, *init["command"][1:], *init["args"]], env=init_env, check=True, timeout=60)
     copied = target / "vllm_worker.py"
-    assert copied.read_bytes() == (REPO / "rollout" / "vllm_worker.py").read_bytes()
+    assert copied.read_bytes() == (REPO / "rollout" / "engines" / "vllm_worker.py").read_bytes()
     env = {**os.environ, "PYTHONPATH": str(target), "VLLM_SERVER_DEV_MODE": "1"}
     done = subprocess.run([str(python), "-c", _VLLM_POD_CHECK, json.dumps(vllm["args"])], env=env,
                           capture_output=True, text=True, timeout=540)

@@ -25,7 +25,7 @@ def test_heldout_split_is_disjoint():
 
 def test_task_source_and_engine_client_import_without_torch():
     code = (
-        "import sys, trajmesh.envs.chain_sum, trajmesh.rollout.engine_client; "
+        "import sys, trajmesh.envs.chain_sum, trajmesh.rollout.engines.engine_client; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

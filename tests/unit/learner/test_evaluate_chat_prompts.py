@@ -26,8 +26,8 @@ from chatml_model import build_chatml_model  # noqa: E402
 
 from trajmesh.config import RunConfig, load_config  # noqa: E402
 from trajmesh.learner.evaluate import evaluate_tasks  # noqa: E402
-from trajmesh.rollout.episode import EpisodeFormat  # noqa: E402
-from trajmesh.rollout.torch_sampler import Sampled, SamplingParams  # noqa: E402
+from trajmesh.rollout.agents.episode import EpisodeFormat  # noqa: E402
+from trajmesh.rollout.engines.torch_sampler import Sampled, SamplingParams  # noqa: E402
 from trajmesh.run import train as train_mod  # noqa: E402
 from trajmesh.services.environment import EnvironmentService  # noqa: E402
 from trajmesh.services.rollout import RolloutService  # noqa: E402

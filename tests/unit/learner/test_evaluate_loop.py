@@ -17,8 +17,8 @@ from trajmesh.envs.reasoning_gym import ReasoningGymSource
 from trajmesh.envs.search import SearchSource
 from trajmesh.envs.workplace import WorkplaceSource
 from trajmesh.learner.evaluate import evaluate_tasks, pass_at_k, pass_at_ks
-from trajmesh.rollout.episode import EpisodeFormat
-from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
+from trajmesh.rollout.agents.episode import EpisodeFormat
+from trajmesh.rollout.engines.torch_sampler import Sampled, SamplingParams
 from trajmesh.tasks import load_split
 from trajmesh.tokenizer import TextTokenizer, load_tokenizer
 

@@ -27,7 +27,7 @@ from trajmesh.learner.models import (
 )
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.train_engine import build_train_engine
-from trajmesh.rollout.hf_model import dtype_kwarg, load_causal_lm
+from trajmesh.rollout.engines.hf_model import dtype_kwarg, load_causal_lm
 
 EXTRA_EOS = 5  # an end-of-turn id only generation_config.json names
 
@@ -125,8 +125,8 @@ def test_from_pretrained_dtype_keyword_by_transformers_version() -> None:
 
 
 def test_eos_ids_include_generation_config(qwen2_dir: Path) -> None:
-    from trajmesh.rollout.chat_format import model_stop_ids
-    from trajmesh.rollout.engine_server import model_eos_ids
+    from trajmesh.rollout.agents.chat_format import model_stop_ids
+    from trajmesh.rollout.engines.engine_server import model_eos_ids
 
     tok = AutoTokenizer.from_pretrained(str(qwen2_dir))
     assert EXTRA_EOS != tok.eos_token_id
@@ -141,10 +141,10 @@ def _free_port() -> int:
 
 
 def _serve_greedy(model_dir: Path, prompts: list[list[int]], max_new: int, log: Path) -> list[list[int]]:
-    from trajmesh.rollout.engine_client import EngineClient
+    from trajmesh.rollout.engines.engine_client import EngineClient
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", str(model_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", str(model_dir),
                              "--port", str(port), "--host", "127.0.0.1", "--version", "0", "--threads", "1"],
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # noqa: SIM115
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from trajmesh.infra import free_port
-from trajmesh.rollout.engine_client import EngineClient
+from trajmesh.rollout.engines.engine_client import EngineClient
 from trajmesh.service import StartFailed
 from trajmesh.services.rollout import wait_healthy
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from trajmesh.config import load_config  # noqa: E402
-from trajmesh.rollout.synthetic_engine import SyntheticEngine  # noqa: E402
+from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine  # noqa: E402
 from trajmesh.services.rollout import RolloutService  # noqa: E402
 
 

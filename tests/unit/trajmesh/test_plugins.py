@@ -149,8 +149,8 @@ class _CharCodec:
 
 def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plugins.SourcePlugin) -> None:
     from trajmesh.learner.evaluate import evaluate_tasks
-    from trajmesh.rollout.episode import EpisodeFormat
-    from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
+    from trajmesh.rollout.agents.episode import EpisodeFormat
+    from trajmesh.rollout.engines.torch_sampler import Sampled, SamplingParams
     from trajmesh.run.train import heldout_tasks
 
     cfg = load_config(overrides={"tasks.sources": [{"type": "toy"}], "tasks.heldout_size": 4})
@@ -180,8 +180,8 @@ def test_a_source_with_its_own_heldout_player_plays_its_tasks(toy: plugins.Sourc
     sampling and sample count), never to the in-process loop, and the grader gets each episode's
     final answer; the other sources' tasks still go through `play_episodes`."""
     from trajmesh.learner.evaluate import evaluate_tasks
-    from trajmesh.rollout.episode import Episode, EpisodeFormat
-    from trajmesh.rollout.torch_sampler import Sampled, SamplingParams
+    from trajmesh.rollout.agents.episode import Episode, EpisodeFormat
+    from trajmesh.rollout.engines.torch_sampler import Sampled, SamplingParams
     from trajmesh.run.train import heldout_tasks
 
     class AnswerGrader:
@@ -292,7 +292,7 @@ def _start(svc: _FakeRollout) -> Any:
     ({"type": "sglang", "url": "http://sglang:30000/"}, [], "http://sglang:30000"),
 ])
 def test_http_engines_start_or_connect_by_type(engine: dict[str, Any], started: list[Any], url: str) -> None:
-    from trajmesh.rollout.engine_client import CoalescingEngine
+    from trajmesh.rollout.engines.engine_client import CoalescingEngine
 
     svc = _FakeRollout(**engine)
     eng = _start(svc)
@@ -301,7 +301,7 @@ def test_http_engines_start_or_connect_by_type(engine: dict[str, Any], started: 
 
 
 def test_synthetic_engine_is_built_in_process() -> None:
-    from trajmesh.rollout.synthetic_engine import SyntheticEngine
+    from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine
 
     svc = _FakeRollout(type="synthetic")
     eng = _start(svc)

@@ -73,7 +73,7 @@ TOOLS_TEMPLATE = (  # the shape of Qwen2.5's: tools listed in the system turn, o
 
 def test_chat_format_passes_the_task_tools_to_the_template() -> None:
     from trajmesh.envs.base import function_schemas
-    from trajmesh.rollout.chat_format import ChatFormat
+    from trajmesh.rollout.agents.chat_format import ChatFormat
 
     chat = ChatFormat(TOOLS_TEMPLATE, {})
     tools = function_schemas({"search": {"description": "Search.", "parameters": {"type": "object"}}})

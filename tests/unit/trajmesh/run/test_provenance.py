@@ -113,7 +113,7 @@ def test_engine_server_version_is_read_from_a_real_engine(tiny_model_dir: str, t
 
     port = free_port()
     log = open(tmp_path / "engine.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engine_server", "--model", tiny_model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", tiny_model_dir,
                              "--port", str(port), "--host", "127.0.0.1", "--version", "0", "--threads", "1"],
                             stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"

@@ -246,8 +246,8 @@ def test_delta_sync_rebuilds_every_version_bitwise(published: tuple[Path, dict[i
     assert _fallbacks() == before
     from safetensors.torch import load_file
 
-    from trajmesh.rollout.engine_server import stored_dtype
-    from trajmesh.rollout.hf_model import load_causal_lm
+    from trajmesh.rollout.engines.engine_server import stored_dtype
+    from trajmesh.rollout.engines.hf_model import load_causal_lm
 
     # The torch engine's load (load_served_model without the tokenizer this model has none of).
     engine_model = load_causal_lm(str(out), dtype=stored_dtype(out), attn_implementation="eager")

@@ -1,0 +1,14 @@
+"""Agents and episodes: what the rollout plays with an engine, and the tokens it keeps.
+
+::
+
+    episode               the token layout of one episode (rollout service and held-out evaluation)
+    chat_format           the model's own chat format for the agent loop (no torch)
+    agent_endpoint        an OpenAI/Anthropic-compatible endpoint turning an agent's calls into
+                          trajectories ─ agent_session (one agent's calls, with the engine's tokens),
+                          agent_runner (runs a user's agent on a task through it)
+    agent_episodes        the ``external_agent`` source's rollout hooks
+    verifiers_episodes    the ``verifiers`` source's rollout hooks
+
+Imports: trajmesh's core and `trajmesh.rollout.engines`.
+"""
