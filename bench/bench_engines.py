@@ -30,6 +30,7 @@ from typing import Any
 
 from trajmesh.infra import free_port
 from trajmesh.learner.models import build_char_tokenizer, build_tiny_model, encode_prompt
+from trajmesh.rollout.engines.base import wait_healthy
 from trajmesh.rollout.engines.engine_client import EngineClient
 from trajmesh.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, start_server, stop_server
 
@@ -42,17 +43,6 @@ def _build(root: Path) -> tuple[str, str, Any]:
     build_tiny_model(root / "a", root / "tok", seed=0)
     build_tiny_model(root / "b", root / "tok", seed=1)
     return str(root / "a"), str(root / "b"), tok
-
-
-async def _healthy(client: Any, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}")
-        if await client.health():
-            return time.monotonic() - start
-        await asyncio.sleep(0.2)
-    raise TimeoutError("engine not healthy")
 
 
 async def _throughput(client: Any, prompts: list[list[int]], concurrency: int, new_tokens: int, rounds: int) -> float:
@@ -81,7 +71,7 @@ async def _swap(client: Any, paths: tuple[str, str], swaps: int) -> float:
 
 async def _measure(client: Any, proc: subprocess.Popen[bytes], paths: tuple[str, str], prompts: list[list[int]],
                    args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"startup_s": round(await _healthy(client, proc, args.startup_timeout_s), 1)}
+    out: dict[str, Any] = {"startup_s": round(await wait_healthy(client, args.startup_timeout_s, proc=proc, poll_s=0.2), 1)}
     for n in args.concurrency:
         out[f"tokens_per_s_{n}"] = round(await _throughput(client, prompts, n, args.new_tokens, args.rounds), 1)
     out["weight_swap_s"] = round(await _swap(client, paths, args.swaps), 4)

@@ -66,7 +66,6 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +115,7 @@ async def _rollout(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from trajmesh import plugins
     from trajmesh.config import load_config
     from trajmesh.rollout.agents.episode import EpisodeFormat
+    from trajmesh.rollout.engines.base import EngineContext
     from trajmesh.rollout.engines.generation import PauseClock, TurnSampler, sampling_seed
     from trajmesh.rollout.engines.vllm_engine import stop_server, vllm_sampling
     from trajmesh.v1 import trajectory_pb2
@@ -123,12 +123,11 @@ async def _rollout(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     cfg = load_config(None, {"model.path": str(args.model), "run_dir": str(root / "rollout-run"),
                              "rollout.engine": {"type": "vllm", "compile": False, "python": args.vllm_python,
                                                 "max_model_len": args.max_model_len}})
-    svc = SimpleNamespace(cfg=cfg, replica=0, engine_log_prefix="engine", worker_id="bench-rollout-0",
-                          engine_proc=None)
     started = time.monotonic()
     # The factory RolloutService.setup calls for rollout.engine.type vllm: starts the server (its
     # log at RUN_DIR/logs/engine-0.log) and waits until it is healthy.
-    engine = await plugins.load(plugins.engine("vllm").start)(svc)
+    server = await plugins.load(plugins.engine("vllm").start)(EngineContext(cfg, 0, "bench-rollout-0", 0, 0))
+    engine = server.engine
     startup_s = time.monotonic() - started
     print(f"rollout: vLLM server (compile off) healthy after {startup_s:.0f}s", flush=True)
     try:
@@ -186,8 +185,8 @@ async def _rollout(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 paired.append(rates["rollout"] / rates["raw"])
     finally:
         await engine.close()
-        if svc.engine_proc is not None:
-            stop_server(svc.engine_proc)
+        if server.proc is not None:
+            stop_server(server.proc)
     rate = {k: tokens[k] / seconds[k] for k in sides}
     requests = args.rounds * n
     out = {"vllm_startup_s": round(startup_s, 1), "concurrency": n, "new_tokens": args.new_tokens,

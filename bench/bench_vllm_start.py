@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trajmesh.infra import free_port
+from trajmesh.rollout.engines.base import wait_healthy
 from trajmesh.rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ async def _start_once(cfg: VLLMEngineConfig, model: str, log_path: Path, cache_r
     try:
         async with VLLMEngine(f"http://127.0.0.1:{port}", proc=proc) as engine:
             try:
-                await engine.wait_healthy(timeout_s)
+                await wait_healthy(engine, timeout_s, proc=proc, what="vLLM server", log_path=log_path)
                 row["startup_s"] = round(time.monotonic() - started, 1)
             except (RuntimeError, TimeoutError) as exc:
                 row["error"] = str(exc)

@@ -110,7 +110,6 @@ class EvaluatorService(RolloutService):
 
     async def setup(self) -> None:
         """The rollout's engine, sampler and weight watch, without its task consumer or environments."""
-        from trajmesh import plugins
         from trajmesh.rollout.agents.episode import EpisodeFormat
         from trajmesh.rollout.engines.generation import PauseClock
 
@@ -123,10 +122,10 @@ class EvaluatorService(RolloutService):
         self.format = EpisodeFormat.load(cfg.model.path)
         self.tokenizer, self.chat, self.stop_ids = self.format.tokenizer, self.format.chat, self.format.stop_ids
         self.version = 0
-        self.engine = await plugins.load(plugins.engine(cfg.rollout.engine.type).start)(self)
+        engine = await self.start_engine()
         self.pause = PauseClock()
-        context_len = await self.engine.context_length()
-        self.sampler = TurnSampler(self.engine, cfg.rollout.engine, stop_ids=self.stop_ids, pause=self.pause,
+        context_len = await engine.context_length()
+        self.sampler = TurnSampler(engine, cfg.rollout.engine, stop_ids=self.stop_ids, pause=self.pause,
                                    context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
         latest = await self.bus.latest_weights()

@@ -24,10 +24,8 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,8 +38,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from trajmesh import bus as busmod
 from trajmesh import plugins, security
 from trajmesh.contract import Trajectory
-from trajmesh.infra import free_port
 from trajmesh.rollout.agents.episode import EpisodeFormat
+from trajmesh.rollout.engines import spawn_torch_server
+from trajmesh.rollout.engines.base import EngineContext, StartedEngine, wait_healthy
 from trajmesh.rollout.engines.engine_client import CoalescingEngine, EngineError
 from trajmesh.rollout.engines.generation import (
     ENGINE_FAILURES,
@@ -53,7 +52,7 @@ from trajmesh.rollout.engines.generation import (
 )
 from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine
 from trajmesh.rollout.engines.teacher import Teacher, scorable
-from trajmesh.service import Service, StartFailed, supervise
+from trajmesh.service import Service, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 from trajmesh.weights.delta import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
 
@@ -103,23 +102,6 @@ def _record_tool_call(traj: Trajectory, span_id: str, info: dict[str, Any]) -> N
                        latency_seconds=float(call.get("latency_s", 0.0)), span_id=span_id)
 for _reason in trajectory_pb2.TerminalReason.keys():  # exported at 0 so rates exist before the first one
     TRAJECTORIES.labels(terminal_reason=_reason)
-
-
-async def wait_healthy(engine: Any, proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
-                       logs: str) -> None:
-    """Returns once `engine` answers its health check; a one-line `StartFailed` (the service exits
-    with it, no traceback) if its child process `proc` (None: a server this process did not start)
-    exits first, or after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise StartFailed(f"{what} exited with {proc.returncode} during start; see {logs}")
-        if await engine.health():
-            return
-        if time.monotonic() > deadline:
-            raise StartFailed(f"{what} at {engine.base_url} not healthy after {timeout_s}s; see {logs} "
-                              "(rollout.engine.startup_timeout_s sets the allowance)")
-        await asyncio.sleep(0.2)
 
 
 class RolloutService(Service):
@@ -175,9 +157,7 @@ class RolloutService(Service):
         # loads the newest announced weights in weights_loop before it samples any task admitted
         # at that version (_wait_for_version).
         self.version = 0
-        # The engine by type (`trajmesh.plugins.ENGINES`, factories in rollout/engines/__init__.py).
-        engine: CoalescingEngine | SyntheticEngine
-        engine = self.engine = await plugins.load(plugins.engine(cfg.rollout.engine.type).start)(self)
+        engine = await self.start_engine()
         # Pauses for weight loads: a request the pause aborts waits and resubmits; the time paused
         # does not count against request_timeout_s.
         self.pause = PauseClock()
@@ -192,6 +172,16 @@ class RolloutService(Service):
         await self._start_teachers()
         await self._source_setups()
 
+    async def start_engine(self) -> CoalescingEngine | SyntheticEngine:
+        """The engine by `rollout.engine.type` (`trajmesh.plugins.ENGINES`, factories in
+        rollout/engines/__init__.py), healthy, at the version this process holds; the server it
+        started is kept in `engine_proc` (stop() ends it)."""
+        ctx = EngineContext(self.cfg, self.replica, self.worker_id, self.tokenizer.vocab_size,
+                            self.tokenizer.eos_token_id, version=self.version, log_prefix=self.engine_log_prefix)
+        started: StartedEngine = await plugins.load(plugins.engine(self.cfg.rollout.engine.type).start)(ctx)
+        self.engine, self.engine_proc = started.engine, started.proc
+        return self.engine
+
     async def _source_setups(self) -> None:
         """Runs each configured source type's ``rollout_setup`` hook once, given that type's
         `tasks.sources` entries (`trajmesh.plugins.SourcePlugin`; e.g. one serves the agent endpoint)."""
@@ -203,29 +193,6 @@ class RolloutService(Service):
             if hook is not None:
                 await plugins.load(hook)(self, srcs)
 
-    def _start_torch_engine(self, model_path: str, version: int) -> str:
-        url, self.engine_proc = self._spawn_torch_engine(model_path, version, self.engine_log_prefix)
-        return url
-
-    def _spawn_torch_engine(self, model_path: str, version: int, log_prefix: str) -> tuple[str, subprocess.Popen[bytes]]:
-        """A torch engine server child serving `model_path` (logs: RUN_DIR/logs/<prefix>-<replica>.log)."""
-        port = free_port()
-        log_path = Path(self.cfg.run_dir) / "logs" / f"{log_prefix}-{self.replica}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", model_path,
-               "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
-               "--seed", str(self.cfg.seed * 101 + self.replica), "--threads", "1"]
-        import signal
-
-        from trajmesh.infra import die_with_parent
-
-        with open(log_path, "ab") as fh:
-            # No orphan engine: it stays in this service's process group (the launcher kills the
-            # group) and gets SIGKILL when this process dies, even by SIGKILL (PR_SET_PDEATHSIG).
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy(),
-                                    preexec_fn=die_with_parent(signal.SIGKILL))
-        return f"http://127.0.0.1:{port}", proc
-
     async def _start_teachers(self) -> None:
         """One `Teacher` per `distill.teachers` entry (rollout/engines/teacher.py): a torch engine child
         from its model_path, or the SGLang / vLLM server at its url; waits until each is healthy."""
@@ -233,14 +200,15 @@ class RolloutService(Service):
         from trajmesh.rollout.engines.vllm_engine import VLLMEngine
 
         for t in self.cfg.distill.teachers:
-            url = t.url
+            url, proc = t.url, None
+            log_path = Path(self.cfg.run_dir) / "logs" / f"teacher-{t.source}-{self.replica}.log"
             if url is None:
                 assert t.model_path is not None
-                url, proc = self._spawn_torch_engine(t.model_path, 0, f"teacher-{t.source}")
+                url, proc = spawn_torch_server(self.cfg, self.replica, t.model_path, 0, log_path)
                 self.teacher_procs.append(proc)
             engine = VLLMEngine(url) if t.type == "vllm" else EngineClient(url)
-            await wait_healthy(engine, self.teacher_procs[-1] if t.url is None else None, TEACHER_STARTUP_S,
-                               f"teacher engine for {t.source}", f"logs/teacher-{t.source}-*.log")
+            await wait_healthy(engine, TEACHER_STARTUP_S, proc=proc, what=f"teacher engine for {t.source} at {url}",
+                               log_path=log_path if proc is not None else None)
             teacher = Teacher(t, engine, self.cfg.distill)
             await teacher.start()
             self.teachers[t.source] = teacher
@@ -249,14 +217,6 @@ class RolloutService(Service):
         """Each trajectory of a source with a teacher gets its teacher's scores (or ends INFRA_FAILURE)."""
         await asyncio.gather(*(self.teachers[t.pb.task_source].score_trajectory(t) for t in trajs
                                if t.pb.task_source in self.teachers and scorable(t)))
-
-    async def _wait_engine(self) -> None:
-        from trajmesh.rollout.engines import HttpEngineConfig
-
-        ec = self.cfg.rollout.engine
-        assert isinstance(ec, HttpEngineConfig), "only an engine behind HTTP has a server to wait for"
-        await wait_healthy(self._live_engine(), self.engine_proc, ec.startup_timeout_s, "torch engine",
-                           "logs/engine-*.log")
 
     async def run(self) -> None:
         await supervise(self.weights_loop(), self.task_loop(), self.utilization_loop(), stopping=self.stopping)

@@ -15,18 +15,28 @@
 How a rollout process gets its engine, one factory per engine type (`trajmesh.plugins.ENGINES`
 names them by `rollout.engine.type`). No torch here: the torch engine runs in its own process.
 
-Each factory takes the rollout service after its tokenizer is loaded and returns the engine it
-generates with; every engine speaks the same interface (generate, pause, resume,
-update_weights_from_disk, context_length, close).
+Each factory takes an `EngineContext` (the run's config, the replica, who starts it, the
+tokenizer's vocabulary and EOS, the starting version, its log's prefix) and returns a healthy
+`StartedEngine`: the engine, and the server process it started (the caller stops it). Every
+engine speaks `base.Engine` (generate, pause, resume, update_weights_from_disk, context_length,
+health, close).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
-from trajmesh.config import EngineConfig
+from trajmesh.config import EngineConfig, RunConfig
+from trajmesh.infra import die_with_parent, free_port
+from trajmesh.rollout.engines.base import EngineContext, StartedEngine, wait_healthy
 from trajmesh.rollout.engines.engine_client import CoalescingEngine, EngineClient
 from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine, SyntheticEngineConfig
 
@@ -67,22 +77,53 @@ class SGLangEngineConfig(HttpEngineConfig):
     """Base URL of the running SGLang server (required: rollout never starts one)."""
 
 
-async def start_http(svc: Any) -> CoalescingEngine:
+def spawn_torch_server(cfg: RunConfig, replica: int, model_path: str, version: int, log_path: Path
+                       ) -> tuple[str, subprocess.Popen[bytes]]:
+    """A torch engine server child serving `model_path` (its log at `log_path`): its URL and process.
+    No orphan engine: it stays in this process's group (the launcher kills the group) and gets
+    SIGKILL when this process dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
+    port = free_port()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", model_path,
+           "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
+           "--seed", str(cfg.seed * 101 + replica), "--threads", "1"]
+    with open(log_path, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                                preexec_fn=die_with_parent(signal.SIGKILL))
+    return f"http://127.0.0.1:{port}", proc
+
+
+async def start_http(ctx: EngineContext) -> StartedEngine:
     """torch / sglang: an engine behind SGLang's HTTP API, at `rollout.engine.url` or (torch only) a
-    child engine server this process starts; waits until it is healthy. The G samples of a group
-    (and of concurrent groups) reach it as batch requests (`batch_window_ms`)."""
-    ec = svc.cfg.rollout.engine
+    child engine server this process starts; waits until it is healthy (a child that did not
+    become healthy is killed). The G samples of a group (and of concurrent groups) reach it as
+    batch requests (`batch_window_ms`)."""
+    ec = ctx.cfg.rollout.engine
     assert isinstance(ec, HttpEngineConfig), ec.type
-    url = ec.url if ec.url is not None else svc._start_torch_engine(svc.cfg.model.path, svc.version)
-    svc.engine = CoalescingEngine(EngineClient(url), window_s=ec.batch_window_ms / 1000)
-    await svc._wait_engine()
-    return svc.engine  # type: ignore[no-any-return]
+    proc = None
+    if ec.url is not None:
+        url = ec.url
+    else:
+        assert ctx.cfg.model.path is not None
+        url, proc = spawn_torch_server(ctx.cfg, ctx.replica, ctx.cfg.model.path, ctx.version, ctx.log_path)
+    engine = CoalescingEngine(EngineClient(url), window_s=ec.batch_window_ms / 1000)
+    try:
+        await wait_healthy(engine, ec.startup_timeout_s, proc=proc, what=f"{ec.type} engine at {url}",
+                           log_path=ctx.log_path if proc is not None else None,
+                           hint=f"raise rollout.engine.startup_timeout_s (now {ec.startup_timeout_s:g})")
+    except BaseException:
+        await engine.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+        raise
+    return StartedEngine(engine, proc)
 
 
-async def start_synthetic(svc: Any) -> SyntheticEngine:
+async def start_synthetic(ctx: EngineContext) -> StartedEngine:
     """synthetic: uniform random tokens in this process, timed by `rollout.engine.synthetic`."""
-    cfg = svc.cfg
+    cfg = ctx.cfg
     ec = cfg.rollout.engine
     assert isinstance(ec, SyntheticEngineConfig), ec.type
-    return SyntheticEngine(svc.tokenizer.vocab_size, svc.tokenizer.eos_token_id, seed=cfg.seed * 101 + svc.replica,
-                           version=svc.version, timing=ec.synthetic)
+    return StartedEngine(SyntheticEngine(ctx.vocab_size, ctx.eos_token_id, seed=cfg.seed * 101 + ctx.replica,
+                                         version=ctx.version, timing=ec.synthetic))

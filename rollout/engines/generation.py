@@ -31,12 +31,13 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 
 from trajmesh.config import EngineConfig
 from trajmesh.rollout.engines import HttpEngineConfig
+from trajmesh.rollout.engines.base import Engine
 from trajmesh.rollout.engines.engine_client import (
     EngineCapabilities,
     EngineError,
@@ -66,15 +67,6 @@ class EngineFailed(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-
-
-class Engine(Protocol):
-    """What the sampler calls. An HTTP engine (``EngineClient`` or ``CoalescingEngine``) also has
-    ``capabilities``: its server's probed ``EngineCapabilities`` (None until probed;
-    ``context_length()`` probes)."""
-
-    async def generate(self, input_ids: list[int], sampling: dict[str, Any], return_logprob: bool = True
-                       ) -> Any: ...
 
 
 def sampling_seed(run_seed: int, task_id: str, sample_index: int) -> int:

@@ -28,10 +28,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from trajmesh.rollout.engines.base import wait_healthy
 from trajmesh.rollout.engines.engine_client import EngineClient
+from trajmesh.service import StartFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -56,14 +57,14 @@ def sglang_dtype(precision: str, cuda: bool = True) -> str:
     return SGLANG_DTYPES[precision]
 
 
-async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
+async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> bool:
     async with EngineClient(url) as client:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if await client.health():
-                return True
-            await asyncio.sleep(2.0)
-    return False
+        try:
+            await wait_healthy(client, timeout_s, proc=proc, what="SGLang", log_path=log_path, poll_s=2.0)
+        except StartFailed as exc:
+            print(exc, file=sys.stderr)
+            return False
+    return True
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.log, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        if not asyncio.run(_wait_healthy(url, proc, args.startup_s)):
+        if not asyncio.run(_wait_healthy(url, proc, args.startup_s, Path(args.log))):
             print(f"SGLang did not become healthy (see {args.log})", file=sys.stderr)
             return 2
         env = dict(os.environ, TRAJMESH_SGLANG_URL=url, TRAJMESH_SGLANG_MODEL=args.model)

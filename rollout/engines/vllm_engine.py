@@ -54,9 +54,17 @@ import aiohttp
 from pydantic import Field
 
 from trajmesh.rollout.engines import HttpEngineConfig
+from trajmesh.rollout.engines.base import (
+    POLL_S,
+    PROGRESS_EVERY_S,
+    EngineContext,
+    StartedEngine,
+    last_line,
+    wait_healthy,
+)
 from trajmesh.rollout.engines.engine_client import EngineError, GenerateResult, HttpSession, reported_version
 
-log = logging.getLogger("trajmesh.rollout.vllm")
+log = logging.getLogger("trajmesh.rollout.engines.vllm")
 
 WORKER_EXTENSION = "vllm_worker.WeightReloadExtension"
 """The ``--worker-extension-cls`` of a server this module starts (rollout/engines/vllm_worker.py)."""
@@ -67,10 +75,6 @@ STARTUP_TIMEOUT_S = 600.0
 """Default `startup_timeout_s`: twice the slowest start measured on 2 busy cores (SmolLM2-135M,
 compile on, empty compile cache: 146 s at load 2, 301 s at load 11; docs/RESULTS.md, *vLLM start
 on 2 cores*)."""
-PROGRESS_EVERY_S = 30.0
-"""How often a start that waits (for the start lock, or for /health) logs how far it got."""
-POLL_S = 0.5
-"""How often a start polls the start lock and the server's /health."""
 
 
 class VLLMEngineConfig(HttpEngineConfig):
@@ -424,49 +428,6 @@ class VLLMEngine(HttpSession):
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def wait_healthy(self, timeout_s: float, *, log_path: Path | None = None, what: str = "vLLM server",
-                           hint: str = "") -> None:
-        """Until /health answers 200, logging progress every `PROGRESS_EVERY_S` (seconds so far
-        and the last line of `log_path`, the server's log). A `StartFailed` of one line naming
-        `log_path` if the started server exits first, or after `timeout_s` (with `hint`: the
-        settings to change)."""
-        from trajmesh.service import StartFailed
-
-        started = time.monotonic()
-        deadline, note_at = started + timeout_s, started + PROGRESS_EVERY_S
-        read = f"; read {log_path}" if log_path is not None else ""
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                rc = self.proc.returncode
-                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with {rc}"
-                last = last_line(log_path) if log_path is not None else ""
-                raise StartFailed(f"{what} {how} during start after {time.monotonic() - started:.0f}s"
-                                  + (f" (its last log line: {last})" if last else "") + read)
-            if await self.health():
-                log.info("%s healthy after %.0fs", what, time.monotonic() - started)
-                return
-            now = time.monotonic()
-            if now > deadline:
-                raise StartFailed(f"{what} not healthy after {timeout_s:g}s{read}" + (f": {hint}" if hint else ""))
-            if now >= note_at:
-                note_at = now + PROGRESS_EVERY_S
-                log.info("%s starting: %.0fs of %.0fs%s", what, now - started, timeout_s,
-                         f"; {log_path.name}: {last_line(log_path) or '(empty)'}" if log_path is not None else "")
-            await asyncio.sleep(POLL_S)
-
-
-def last_line(path: Path, limit: int = 300) -> str:
-    """The last non-empty line of the log at `path` (at most `limit` characters; "" if none)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 8192))
-            lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines()]
-    except OSError:
-        return ""
-    line = next((ln for ln in reversed(lines) if ln), "")
-    return line if len(line) <= limit else line[:limit] + "…"
-
 
 def start_lock_path(run_dir: str | Path) -> Path:
     """The start lock of a run's vLLM servers on this machine: ``<run_dir>/.locks/vllm-start-<host>.lock``
@@ -556,41 +517,38 @@ def server_version(url: str, timeout_s: float = 5.0) -> str:
     return reported_version(url, "/version", timeout_s)
 
 
-async def start(svc: Any) -> VLLMEngine:
+async def start(ctx: EngineContext) -> StartedEngine:
     """vllm: the server at `rollout.engine.url`, or one this process starts (its log at
-    ``<run_dir>/logs/<prefix>-<replica>.log``: ``engine-<replica>.log`` for a rollout,
-    ``evaluator-engine-<replica>.log`` for the evaluator); waits until it is healthy. With `compile`
-    on, a started server first takes the run's `StartLock` (one compiling start at a time on this
-    machine) and keeps it until it is healthy or has failed; `startup_timeout_s` counts from the
-    server's start, not the lock wait. A failed start is a one-line `StartFailed`."""
+    `ctx.log_path`: ``engine-<replica>.log`` for a rollout, ``evaluator-engine-<replica>.log`` for
+    the evaluator); waits until it is healthy. With `compile` on, a started server first takes the
+    run's `StartLock` (one compiling start at a time on this machine) and keeps it until it is
+    healthy or has failed; `startup_timeout_s` counts from the server's start, not the lock wait.
+    A failed start is a one-line `StartFailed`, and a server that did not become healthy is gone."""
     from trajmesh.infra import free_port
 
-    ec = svc.cfg.rollout.engine
+    ec = ctx.cfg.rollout.engine
     assert isinstance(ec, VLLMEngineConfig), ec.type
     if ec.url is not None:
         engine = VLLMEngine(ec.url, send_seed=ec.send_seed)
-        await engine.wait_healthy(ec.startup_timeout_s, what=f"vLLM server at rollout.engine.url {ec.url}",
-                                  hint="start that server, or raise rollout.engine.startup_timeout_s")
-        return engine
-    prefix = getattr(svc, "engine_log_prefix", "engine")
-    log_path = Path(svc.cfg.run_dir) / "logs" / f"{prefix}-{svc.replica}.log"
-    who = getattr(svc, "worker_id", f"{prefix}-{svc.replica}")
-    what = f"vLLM engine of {who} (compile {'on' if ec.compile else 'off'})"
+        await wait_healthy(engine, ec.startup_timeout_s, what=f"vLLM server at rollout.engine.url {ec.url}",
+                           hint="start that server, or raise rollout.engine.startup_timeout_s")
+        return StartedEngine(engine)
+    log_path = ctx.log_path
+    what = f"vLLM engine of {ctx.who} (compile {'on' if ec.compile else 'off'})"
     hint = (f"raise rollout.engine.startup_timeout_s (now {ec.startup_timeout_s:g}); it counts from the "
             "server's start and must cover a compile on this machine")
     if ec.compile:
         hint += ", or set rollout.engine.compile: false (eager, -O0: a shorter start, no compile)"
-    lock = StartLock(start_lock_path(svc.cfg.run_dir), who, log_path) if ec.compile else None
+    lock = StartLock(start_lock_path(ctx.cfg.run_dir), ctx.who, log_path) if ec.compile else None
     if lock is not None:
         await lock.acquire()
     try:
         port = free_port()
-        proc = start_server(ec, str(svc.cfg.model.path), port, log_path)
-        svc.engine_proc = proc  # the rollout's stop() terminates it
+        proc = start_server(ec, str(ctx.cfg.model.path), port, log_path)
         log.info("%s started (pid %d, log %s)", what, proc.pid, log_path)
         engine = VLLMEngine(f"http://127.0.0.1:{port}", send_seed=ec.send_seed, proc=proc)
         try:
-            await engine.wait_healthy(ec.startup_timeout_s, log_path=log_path, what=what, hint=hint)
+            await wait_healthy(engine, ec.startup_timeout_s, proc=proc, log_path=log_path, what=what, hint=hint)
         except BaseException:
             await engine.close()
             if proc.poll() is None:  # timed out (or stopped) while starting: gone before the next start
@@ -599,4 +557,4 @@ async def start(svc: Any) -> VLLMEngine:
     finally:
         if lock is not None:
             lock.release()
-    return engine
+    return StartedEngine(engine, proc)

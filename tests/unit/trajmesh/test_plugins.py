@@ -259,53 +259,57 @@ def test_unregistered_engine_type_is_rejected_at_load() -> None:
         load_config(overrides={"rollout.engine.type": "sglang"})
 
 
-class _FakeRollout:
-    """What the engine factories read of the rollout service; records a started torch engine."""
+class _Factories:
+    """Runs an engine factory as a rollout process would (replica 1 at version 3), with the torch
+    server's spawn and the health wait recorded instead of run."""
 
-    def __init__(self, **engine: Any) -> None:
-        from types import SimpleNamespace
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, **engine: Any) -> None:
+        import trajmesh.rollout.engines as engines
+        from trajmesh.rollout.engines.base import EngineContext
 
-        self.cfg = load_config(overrides={f"rollout.engine.{k}": v for k, v in engine.items()}
-                               | {"model.path": "/models/m"})
-        self.tokenizer = SimpleNamespace(vocab_size=50, eos_token_id=2)
-        self.replica, self.version, self.engine = 1, 3, None
-        self.started: list[tuple[str, int]] = []
-        self.waited = 0
+        cfg = load_config(overrides={f"rollout.engine.{k}": v for k, v in engine.items()} | {"model.path": "/models/m"})
+        self.ctx = EngineContext(cfg, 1, "rollout-1-7", vocab_size=50, eos_token_id=2, version=3)
+        self.started: list[tuple[str, int, int]] = []
+        self.waited: list[Any] = []
 
-    def _start_torch_engine(self, model_path: str, version: int) -> str:
-        self.started.append((model_path, version))
-        return "http://127.0.0.1:9/"
+        def spawn(cfg: Any, replica: int, model_path: str, version: int, log_path: Path) -> tuple[str, Any]:
+            self.started.append((model_path, version, replica))
+            return "http://127.0.0.1:9/", None
 
-    async def _wait_engine(self) -> None:
-        self.waited += 1
+        async def wait(engine: Any, timeout_s: float, **kwargs: Any) -> float:
+            self.waited.append(engine)
+            return 0.0
 
+        monkeypatch.setattr(engines, "spawn_torch_server", spawn)
+        monkeypatch.setattr(engines, "wait_healthy", wait)
 
-def _start(svc: _FakeRollout) -> Any:
-    import asyncio
+    def start(self) -> Any:
+        import asyncio
 
-    return asyncio.run(plugins.load(plugins.engine(svc.cfg.rollout.engine.type).start)(svc))
+        return asyncio.run(plugins.load(plugins.engine(self.ctx.cfg.rollout.engine.type).start)(self.ctx))
 
 
 @pytest.mark.parametrize(("engine", "started", "url"), [
-    ({"type": "torch"}, [("/models/m", 3)], "http://127.0.0.1:9"),
+    ({"type": "torch"}, [("/models/m", 3, 1)], "http://127.0.0.1:9"),
     ({"type": "torch", "url": "http://engine:30000"}, [], "http://engine:30000"),
     ({"type": "sglang", "url": "http://sglang:30000/"}, [], "http://sglang:30000"),
 ])
-def test_http_engines_start_or_connect_by_type(engine: dict[str, Any], started: list[Any], url: str) -> None:
+def test_http_engines_start_or_connect_by_type(monkeypatch: pytest.MonkeyPatch, engine: dict[str, Any],
+                                               started: list[Any], url: str) -> None:
     from trajmesh.rollout.engines.engine_client import CoalescingEngine
 
-    svc = _FakeRollout(**engine)
-    eng = _start(svc)
-    assert isinstance(eng, CoalescingEngine) and eng.client.base_url == url
-    assert svc.started == started and svc.waited == 1 and svc.engine is eng
+    run = _Factories(monkeypatch, **engine)
+    got = run.start()
+    assert isinstance(got.engine, CoalescingEngine) and got.engine.client.base_url == url
+    assert run.started == started and run.waited == [got.engine]
 
 
-def test_synthetic_engine_is_built_in_process() -> None:
+def test_synthetic_engine_is_built_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine
 
-    svc = _FakeRollout(type="synthetic")
-    eng = _start(svc)
-    assert isinstance(eng, SyntheticEngine) and svc.started == [] and svc.waited == 0
+    run = _Factories(monkeypatch, type="synthetic")
+    got = run.start()
+    assert isinstance(got.engine, SyntheticEngine) and got.proc is None and run.started == [] and run.waited == []
 
 
 def test_manifest_records_the_external_engine_release_by_engine_type() -> None:

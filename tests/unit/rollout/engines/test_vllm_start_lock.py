@@ -15,13 +15,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from trajmesh.config import load_config
+from trajmesh.rollout.engines import base as engines_base
 from trajmesh.rollout.engines import vllm_engine
+from trajmesh.rollout.engines.base import EngineContext
 from trajmesh.rollout.engines.vllm_engine import StartLock, VLLMEngine, start_lock_path
 from trajmesh.service import StartFailed
 
@@ -50,7 +51,7 @@ class Harness:
         self.by_url: dict[str, FakeServer] = {}
         self.stopped: list[str] = []
         self.health_hook: Any = None
-        monkeypatch.setattr(vllm_engine, "POLL_S", 0.01)
+        _timing(monkeypatch, "POLL_S", 0.01)
         monkeypatch.setattr(vllm_engine, "start_server", self.start_server)
         monkeypatch.setattr(vllm_engine, "stop_server", lambda proc, *a: self.stopped.append(proc.log_path.name))
         harness = self
@@ -81,16 +82,23 @@ class Harness:
         return server
 
 
-def _svc(tmp_path: Path, name: str = "rollout", **engine: Any) -> SimpleNamespace:
+def _svc(tmp_path: Path, name: str = "rollout", **engine: Any) -> EngineContext:
     overrides = {"run_dir": str(tmp_path / "run"), "model.path": str(tmp_path / "model"),
                  "rollout.engine.type": "vllm", **{f"rollout.engine.{k}": v for k, v in engine.items()}}
     prefix = "evaluator-engine" if name == "evaluator" else "engine"
-    return SimpleNamespace(cfg=load_config(None, overrides), replica=0, worker_id=f"{name}-0-{len(name)}",
-                           engine_log_prefix=prefix, engine_proc=None)
+    return EngineContext(load_config(None, overrides), 0, f"{name}-0-{len(name)}", vocab_size=8, eos_token_id=0,
+                         log_prefix=prefix)
+
+
+def _timing(monkeypatch: pytest.MonkeyPatch, name: str, value: float) -> None:
+    """POLL_S / PROGRESS_EVERY_S for the start lock (vllm_engine) and the health wait (base)."""
+    monkeypatch.setattr(vllm_engine, name, value)
+    monkeypatch.setattr(engines_base, name, value)
 
 
 class LogEvents(logging.Handler):
-    """Sets an event when a record of `trajmesh.rollout.vllm` contains a given text."""
+    """Sets an event when a record of `trajmesh.rollout.engines` (the health wait, vLLM's start lock)
+    contains a given text."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -111,7 +119,7 @@ class LogEvents(logging.Handler):
 @pytest.fixture
 def logs() -> Any:
     handler = LogEvents()
-    logger = logging.getLogger("trajmesh.rollout.vllm")
+    logger = logging.getLogger("trajmesh.rollout.engines")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
@@ -143,10 +151,12 @@ def test_compiling_starts_queue_one_at_a_time(tmp_path: Path, monkeypatch: pytes
         assert waits.is_set() and not h.server("evaluator-engine-0.log").started.is_set(), h.order
         assert h.order == ["start engine-0.log"]
         h.server("engine-0.log").healthy.set()
-        await (await first).close()
+        started = await first
+        assert started.proc is h.server("engine-0.log")
+        await started.engine.close()
         await h.server("evaluator-engine-0.log").started.wait()
         h.server("evaluator-engine-0.log").healthy.set()
-        await (await second).close()
+        await (await second).engine.close()
         assert done
 
     asyncio.run(scenario())
@@ -154,7 +164,6 @@ def test_compiling_starts_queue_one_at_a_time(tmp_path: Path, monkeypatch: pytes
                        "start evaluator-engine-0.log", "healthy evaluator-engine-0.log"]
     waiting = next(r for r in logs.records if "waits for" in r)
     assert "evaluator-0-9" in waiting and "rollout-0-7" in waiting, waiting  # who waits, and for whom
-    assert rollout.engine_proc is h.server("engine-0.log")
     # released: anyone may take it now
     fd = os.open(start_lock_path(rollout.cfg.run_dir), os.O_RDWR)
     try:
@@ -177,7 +186,7 @@ def test_the_lock_holds_across_processes_and_dies_with_its_holder(tmp_path: Path
                                                                   logs: LogEvents) -> None:
     """Another process (the evaluator) holds the lock: this one waits, naming it, and takes the
     lock once that process is gone (killed: the kernel drops its lock, no stale lock file blocks)."""
-    monkeypatch.setattr(vllm_engine, "POLL_S", 0.01)
+    _timing(monkeypatch, "POLL_S", 0.01)
     path = start_lock_path(tmp_path / "run")
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -214,7 +223,7 @@ def test_a_compile_off_start_takes_no_lock(tmp_path: Path, monkeypatch: pytest.M
             waits = logs.on("waits for")
             await _first(asyncio.shield(starting), waits.wait())
             assert starting.done() and not waits.is_set(), logs.records
-            await starting.result().close()
+            await starting.result().engine.close()
         finally:
             held.release()
 
@@ -228,7 +237,7 @@ def test_the_lock_wait_does_not_count_against_the_start_timeout(tmp_path: Path, 
     later than the timeout), then its server answers on the second poll: healthy, not timed out.
     Counting the lock wait, the first unhealthy poll would be past the deadline."""
     h = Harness(monkeypatch)
-    monkeypatch.setattr(vllm_engine, "PROGRESS_EVERY_S", 0.3)
+    _timing(monkeypatch, "PROGRESS_EVERY_S", 0.3)
     svc = _svc(tmp_path, "rollout", startup_timeout_s=0.2)
     def second_poll_healthy(server: FakeServer) -> None:
         if server.polls:
@@ -244,7 +253,7 @@ def test_the_lock_wait_does_not_count_against_the_start_timeout(tmp_path: Path, 
         await _first(still.wait(), asyncio.shield(starting))
         assert still.is_set() and not starting.done(), h.order
         held.release()
-        await (await starting).close()
+        await (await starting).engine.close()
 
     asyncio.run(scenario())
     assert h.order == ["start engine-0.log", "healthy engine-0.log"] and h.server("engine-0.log").polls == 2
@@ -257,7 +266,7 @@ def test_a_timeout_is_one_line_naming_the_log_and_the_settings(tmp_path: Path, m
     then one line naming the log, rollout.engine.startup_timeout_s and rollout.engine.compile: false;
     the server is stopped and the lock released before the error."""
     h = Harness(monkeypatch)
-    monkeypatch.setattr(vllm_engine, "PROGRESS_EVERY_S", 0.05)
+    _timing(monkeypatch, "PROGRESS_EVERY_S", 0.05)
     svc = _svc(tmp_path, "rollout", startup_timeout_s=0.3)
 
     with pytest.raises(StartFailed) as err:
