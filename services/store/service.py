@@ -62,6 +62,7 @@ from trajmesh.services.store.repo import Membership, StoreRepo, base_task_id, ta
 from trajmesh.services.store.state import (
     ACCEPTED_BEFORE_CRASH,
     NOT_RETURNED,
+    UNUSED_AT_END,
     Final,
     Group,
     StoreState,
@@ -314,9 +315,12 @@ class TrajectoryStore(Service):
     # ------------------------------------------------------------------ the end of a finished run
     async def finalize_run(self) -> None:
         """Every admitted trajectory gets a final outcome: what this store holds (`end_of_run`),
-        then, from durable state, every admitted id that still has none — held by a store that
-        died, or never returned from rollout — as `in_flight_at_stop:not_returned`. Idempotent
-        (a store killed meanwhile is restarted by the stop path and does it again)."""
+        then, from durable state, every admitted id that still has none: a valid member of a group
+        the gate finished as kept (it came back and was kept by a store that died; its message
+        waits unacked for a redelivery the stop does not wait for) as
+        `filtered:unused_at_end_of_run`, as if that store had lived, and the rest — never returned
+        from rollout, or held in a group still incomplete — as `in_flight_at_stop:not_returned`.
+        Idempotent (a store killed meanwhile is restarted by the stop path and does it again)."""
         for f in self.state.end_of_run():
             self._archive_final(f)
         await self._commit_final()
@@ -326,20 +330,25 @@ class TrajectoryStore(Service):
         # Members of a group the gate finished as kept, whose `accepted` rows a crashed store never
         # flushed: that acceptance happened (the gate counts it), so the archive records it too.
         counted = await self.w.repo.accepted_members([m.group_id for m in rows])
+        unused = 0
         for m in rows:
-            if m.trajectory_id in counted and m.trajectory_id not in accepted_on_disk:
+            kept = m.trajectory_id in counted
+            if kept and m.trajectory_id not in accepted_on_disk:
                 self.w.archive.append(trajectory_id=m.trajectory_id, task_id=m.task_id, group_id=m.group_id,
                                       task_source=m.source, outcome="accepted", reason=ACCEPTED_BEFORE_CRASH)
+            outcome, reason = UNUSED_AT_END if kept else NOT_RETURNED
+            unused += kept
             self.w.archive.append(trajectory_id=m.trajectory_id, task_id=m.task_id, group_id=m.group_id,
-                                  task_source=m.source, outcome=NOT_RETURNED[0], reason=NOT_RETURNED[1])
-            OUTCOMES.labels(outcome=NOT_RETURNED[0], reason=NOT_RETURNED[1]).inc()
+                                  task_source=m.source, outcome=outcome, reason=reason)
+            OUTCOMES.labels(outcome=outcome, reason=reason).inc()
         self.w.archive.flush()
         await self.w.repo.mark_final([m.trajectory_id for m in open_members])
         await self.w.repo.abandon_groups([m.group_id for m in open_members], self.cfg.admitted_group_size)
         await self.w.repo.not_pending(list(dict.fromkeys(m.group_id for m in open_members)))
         if open_members:
-            log.warning("run finished: %d admitted trajectories recorded as in flight at stop (%d new rows)",
-                        len(open_members), len(rows))
+            log.warning("run finished: %d admitted trajectories a live store did not hold (%d new rows: %d unused "
+                        "members of kept groups a dead store held, %d in flight at stop)",
+                        len(open_members), len(rows), unused, len(rows) - unused)
 
     def _final_in_archive(self) -> tuple[set[str], set[str]]:
         """Ids whose last row on disk is final (a store killed between flush and mark left some),
