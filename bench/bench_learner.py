@@ -87,7 +87,7 @@ def _batch(n: int, lengths: list[int], vocab: int, prompt: int = 4):  # type: ig
 
 def _learner_step(n_seqs: int, budget: int, minibatches: int = 1, vocab: int = VOCAB, hidden: int = 128,
                   layers: int = 2, lengths: tuple[int, ...] = (96, 128, 112, 80)) -> Callable[[], object]:
-    from trajmesh.learner import step
+    from trajmesh.learner import advantages, step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
     from trajmesh.learner.train_engine import build_train_engine
@@ -95,7 +95,7 @@ def _learner_step(n_seqs: int, budget: int, minibatches: int = 1, vocab: int = V
     engine = build_train_engine(PolicyLogprobs(_llama(vocab, hidden, layers)), type="torch", lr=1e-4,
                                 warmup_steps=0, weight_decay=0.0, grad_clip=1.0, seed=0)
     batch = _batch(n_seqs, list(lengths), vocab)
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     plan = step.StepPlan(micro_batch_tokens=budget, minibatches=minibatches)
     return lambda: step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), plan, temperature=1.0, version=0,
                                     max_lag=3)
@@ -157,7 +157,7 @@ RANK_STEPS = 3  # timed learner steps per world (after one untimed warm-up step)
 def _rank_child(steps: int) -> None:
     """One rank of a ZeRO-3 learner world: a warm-up step, then `steps` timed steps of the same
     batch; rank 0 prints the world's tokens (sum over ranks) and the wall time between barriers."""
-    from trajmesh.learner import step
+    from trajmesh.learner import advantages, step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
     from trajmesh.learner.train_engine import build_train_engine, ensure_distributed
@@ -168,7 +168,7 @@ def _rank_child(steps: int) -> None:
     engine = build_train_engine(PolicyLogprobs(_llama(50, 128, 4)), type="deepspeed", lr=1e-4, warmup_steps=0,
                                 weight_decay=0.0, grad_clip=1.0, zero_stage=3, seed=0)
     batch = _batch(256, [20, 22, 24, 21], 50)  # the demo's shapes (as _demo_step_times)
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     plan = step.StepPlan(micro_batch_tokens=16384)
 
     def one() -> None:
@@ -197,7 +197,7 @@ def _ref_child(zero_stage: int, reference: str) -> None:
     `reference` ``copied``: the reference copied from the policy first; ``partitioned``: built after
     the engine under ``zero.Init``, ZeRO-3 only; ``off``) and one step with the KL term."""
     from trajmesh.config import ReferenceConfig
-    from trajmesh.learner import step
+    from trajmesh.learner import advantages, step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
     from trajmesh.learner.reference import ReferencePolicy
@@ -208,7 +208,7 @@ def _ref_child(zero_stage: int, reference: str) -> None:
     import deepspeed  # noqa: F401 - imported before the baseline, as the learner has it by then
 
     batch = _batch(16, [60, 64], REF_MODEL["vocab"])
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     kl = ReferenceConfig(enabled=True, kl_coef=0.1)
 
     held: list[object] = []

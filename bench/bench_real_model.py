@@ -218,7 +218,8 @@ def _save_batch(model_dir: Path, n_seqs: int, path: Path) -> dict[str, Any]:
 
     from trajmesh.config import LearnerConfig
     from trajmesh.contract import Trajectory
-    from trajmesh.learner.step import advantages_BT, build_batch
+    from trajmesh.learner.advantages import advantages_BT
+    from trajmesh.learner.step import build_batch
     from trajmesh.rollout.agents.episode import EpisodeFormat
 
     fmt = EpisodeFormat.load(model_dir)

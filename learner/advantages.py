@@ -17,20 +17,32 @@ Conventions, decided once and tested (tests/unit/learner/test_advantages.py):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from trajmesh.contract import Trajectory
+    from trajmesh.learner.step import Batch
+
 __all__ = [
+    "advantage_metrics",
+    "advantages_B",
+    "advantages_BT",
     "discounted_returns",
+    "distill_advantages_BT",
     "dr_grpo_advantages",
     "expand_steps_to_tokens",
     "expand_to_tokens",
     "gae_advantages",
     "gigpo_advantages",
+    "gigpo_advantages_BT",
     "grpo_advantages",
     "per_trajectory",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "teacher_logprobs_BT",
 ]
 
 
@@ -248,3 +260,134 @@ def expand_steps_to_tokens(adv_BS: Tensor, step_index_BT: Tensor, mask_BT: Tenso
     idx_BT = torch.where(act_BT, step_index_BT, torch.zeros_like(step_index_BT)).long()
     gathered_BT = torch.gather(adv_BS, 1, idx_BT)
     return torch.where(act_BT, gathered_BT, torch.zeros_like(gathered_BT))
+
+
+# ------------------------------------------------------------------ a batch's advantages
+# What a learner step trains with, from a `trajmesh.learner.step.Batch` (and the trajectories it
+# was built from, where the estimator needs their turns, state hashes or teacher scores).
+
+def advantages_B(batch: Batch, kind: str, *, scale_by_std: bool, eps: float) -> Tensor:
+    """Per-row advantages: computed once per trajectory (the group baseline is over trajectories,
+    not rows: a trajectory split into segment rows counts once) and copied to each of its rows."""
+    row_traj_B = batch.trajectory_rows()
+    reward_J, group_J = per_trajectory(batch.reward_B, row_traj_B), per_trajectory(batch.group_index_B,
+                                                                                          row_traj_B)
+    if kind == "grpo":
+        adv_J = grpo_advantages(reward_J, group_J, scale_by_std=scale_by_std, eps=eps)
+    elif kind == "dr_grpo":
+        adv_J = dr_grpo_advantages(reward_J, group_J)
+    elif kind == "rloo":
+        adv_J = rloo_advantages(reward_J, group_J)
+    else:
+        raise ValueError(f"advantage {kind!r} has no per-sequence form (use advantages_BT)")
+    return adv_J[row_traj_B.to(adv_J.device)]
+
+
+def gigpo_advantages_BT(batch: Batch, trajs: list[Trajectory], *, omega: float, gamma: float,
+                        scale_by_std: bool, eps: float) -> Tensor:
+    """GiGPO per token (:func:`gigpo_advantages`) for a batch built from
+    `trajs` by :func:`trajmesh.learner.step.build_batch`. A trajectory's steps are its turns (its spans' ``turn_index``);
+    step k's anchor state is ``state_hashes[k]``, the environment's state before turn k (a step with
+    no hash gets a key of its own: a singleton, A^S = 0). Step k's reward is the environment's
+    ``step_rewards[k]`` (0 where there is none), plus the batch's reward of the trajectory (the
+    graded one, after any truncation shaping) on its last step; the step returns are discounted by
+    `gamma`. The episode-level part is GRPO on the batch's rewards. Every action token gets its
+    turn's advantage, each segment row its trajectory's."""
+    turns = [t.num_turns for t in trajs]
+    hashes = [[(t.pb.state_hashes[k] if k < len(t.pb.state_hashes) and t.pb.state_hashes[k]
+                else f"\x00{t.trajectory_id}:{k}") for k in range(n)] for t, n in zip(trajs, turns, strict=True)]
+    row_traj_B = batch.trajectory_rows()
+    reward_J = per_trajectory(batch.reward_B, row_traj_B)
+    group_J = per_trajectory(batch.group_index_B, row_traj_B)
+    rewards = []
+    for j, (t, n) in enumerate(zip(trajs, turns, strict=True)):
+        env_r = [float(t.pb.step_rewards[k]) if k < len(t.pb.step_rewards) else 0.0 for k in range(n)]
+        if n:
+            env_r[-1] += float(reward_J[j])
+        rewards.append(env_r)
+    adv_JS, _ = gigpo_advantages(reward_J, group_J, hashes, discounted_returns(rewards, gamma),
+                                     omega=omega, scale_by_std=scale_by_std, eps=eps)
+    if adv_JS.shape[1] == 0:
+        return torch.zeros_like(batch.mask_BT)
+    step_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.long)
+    rows = [(i, a) for i, t in enumerate(trajs) for a, _ in (t.segment_bounds() or [(0, len(t))])]
+    width = batch.mask_BT.shape[1]
+    for r, (i, a) in enumerate(rows):
+        for span in trajs[i].pb.spans:
+            lo, hi = max(span.token_start - a, 0), min(span.token_end - a, width)
+            if lo < hi:
+                step_BT[r, lo:hi] = span.turn_index
+    adv_BS = adv_JS[row_traj_B]
+    return expand_steps_to_tokens(adv_BS, step_BT.clamp(max=adv_BS.shape[1] - 1), batch.mask_BT)
+
+
+def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float,
+                  trajs: list[Trajectory] | None = None, omega: float = 1.0, gamma: float = 0.95) -> Tensor:
+    """Per-token advantages of the whole batch (before any split: REINFORCE++ whitens over it).
+    ``gigpo`` needs the `trajs` the batch was built from (their turns and state hashes)."""
+    if kind == "gigpo":
+        if trajs is None:
+            raise ValueError("advantage gigpo needs the batch's trajectories")
+        return gigpo_advantages_BT(batch, trajs, omega=omega, gamma=gamma, scale_by_std=scale_by_std, eps=eps)
+    if kind == "reinforce_pp":
+        return reinforce_pp_advantages(batch.reward_B, batch.group_index_B, batch.mask_BT, eps=eps,
+                                           trajectory_index_B=batch.trajectory_rows())
+    return expand_to_tokens(advantages_B(batch, kind, scale_by_std=scale_by_std, eps=eps), batch.mask_BT)
+
+
+def advantage_metrics(batch: Batch, adv_BT: Tensor, kind: str, trajs: list[Trajectory], *, scale_by_std: bool,
+                      eps: float) -> dict[str, float]:
+    """What the step's advantages are, for a run to show it trained with `kind` (metrics.jsonl):
+    ``advantage_minus_grpo_max_abs``, the largest |A − A_GRPO| over action tokens (GRPO on the same
+    batch; 0 when `kind` is grpo), and for gigpo ``advantage_step_anchor_groups``, the step-level
+    anchor groups (a state hash reached by two or more steps of one group) that give steps their own
+    relative advantage."""
+    mask = batch.mask_BT > 0
+    out: dict[str, float] = {}
+    if kind != "grpo":
+        grpo_BT = advantages_BT(batch, "grpo", scale_by_std=scale_by_std, eps=eps)
+        out["advantage_minus_grpo_max_abs"] = float((adv_BT - grpo_BT)[mask].abs().max()) if mask.any() else 0.0
+    if kind == "gigpo":
+        members: dict[tuple[str, str], int] = {}
+        for t in trajs:
+            for k in range(t.num_turns):
+                h = t.pb.state_hashes[k] if k < len(t.pb.state_hashes) else ""
+                if h:
+                    members[(t.group_id, h)] = members.get((t.group_id, h), 0) + 1
+        out["advantage_step_anchor_groups"] = float(sum(1 for n in members.values() if n >= 2))
+    return out
+
+
+def teacher_logprobs_BT(batch: Batch, trajs: list[Trajectory]) -> tuple[Tensor, Tensor]:
+    """(teacher_BT, taught_B) for a batch built from `trajs` by :func:`trajmesh.learner.step.build_batch`: each row's
+    teacher log-probs (``Trajectory.teacher_logprobs``, 0 on padding) and whether its trajectory
+    was scored by a teacher at all."""
+    teacher_BT = torch.zeros(batch.mask_BT.shape, dtype=torch.float32)
+    rows = [(i, a, e) for i, t in enumerate(trajs) for a, e in (t.segment_bounds() or [(0, len(t))])]
+    taught_B = torch.zeros(len(rows), dtype=torch.bool)
+    for r, (i, a, e) in enumerate(rows):
+        lp_T = trajs[i].teacher_logprobs_T
+        if lp_T is not None:
+            teacher_BT[r, :e - a] = torch.from_numpy(lp_T[a:e])
+            taught_B[r] = True
+    return teacher_BT, taught_B
+
+
+def distill_advantages_BT(adv_BT: Tensor, batch: Batch, trajs: list[Trajectory], *, coef: float,
+                          reward_weight: float) -> tuple[Tensor, dict[str, float]]:
+    """On-policy distillation (rollout/engines/teacher.py): on the action tokens of a trajectory a teacher
+    scored, ``reward_weight · A_t + coef · (log π_T(y_t) − log π_behavior(y_t))``: the second part
+    is the negated per-token reverse KL's single-sample estimate (k1), a reward per token that the
+    decoupled objective then corrects for staleness like any advantage. Other rows keep `adv_BT`.
+    Metrics (scored action tokens only): the reverse KL KL(π_behavior ‖ π_T) estimated as the mean
+    of ``log π_behavior − log π_T`` (nats) and the tokens it is over."""
+    teacher_BT, taught_B = teacher_logprobs_BT(batch, trajs)
+    if not bool(taught_B.any()):
+        return adv_BT, {}
+    taught_BT = (batch.mask_BT > 0) & taught_B[:, None]
+    gap_BT = (teacher_BT - batch.behavior_logp_BT) * taught_BT
+    out_BT = torch.where(taught_BT, reward_weight * adv_BT + coef * gap_BT, adv_BT)
+    n = int(taught_BT.sum())
+    metrics = {"trajmesh_learner_distill_reverse_kl_nats": float(-gap_BT.sum() / max(n, 1)),
+               "trajmesh_learner_distill_tokens": float(n)}
+    return out_BT, metrics

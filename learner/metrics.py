@@ -168,7 +168,7 @@ the KL term's value (coefficient included), and the policy version the reference
 DISTILL_METRIC_NAMES: tuple[str, ...] = (_P + "distill_reverse_kl_nats", _P + "distill_tokens")
 """With `distill.teachers`: the student's reverse KL to its teachers, KL(π_behavior ‖ π_T), as the
 mean of log π_behavior − log π_T over the step's teacher-scored action tokens, and their count
-(learner/step.py distill_advantages_BT)."""
+(learner/advantages.py distill_advantages_BT)."""
 
 STEP_METRIC_NAMES: tuple[str, ...] = tuple(
     _P + name

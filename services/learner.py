@@ -53,20 +53,11 @@ from trajmesh.learner.metrics import (
 )
 from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
+from trajmesh.learner.recipe import prepare
 from trajmesh.learner.reference import ReferencePolicy
 from trajmesh.learner.shaping import MagicEntropyController
 from trajmesh.learner.simulated import simulated_train_batch
-from trajmesh.learner.step import (
-    StepPlan,
-    advantage_metrics,
-    advantages_BT,
-    apply_truncation,
-    build_batch,
-    distill_advantages_BT,
-    response_length_metrics,
-    split_stale,
-    train_batch,
-)
+from trajmesh.learner.step import StepPlan, train_batch
 from trajmesh.learner.train_engine import (
     DeepSpeedTrainEngine,
     TrainEngine,
@@ -82,7 +73,6 @@ from trajmesh.stopgates import (
     GATES,
     TRUNCATED_RATIO,
     VERIFIER_DISAGREEMENT_RATIO,
-    batch_health,
     check_gates,
     stop_record,
     write_stop_reason,
@@ -627,7 +617,8 @@ class LearnerService(Service):
         lc = self.cfg.learner
         leader = self.leader
         reset = self._reset_reference()
-        keep, stale = split_stale(trajs, self.version, eta)
+        recipe = prepare(trajs, self.cfg, version=self.version, eta=eta, pad_id=self.pad_id)
+        keep, stale = recipe.keep, recipe.stale
         for _ in stale if leader else []:
             QUARANTINED.labels(reason="stale").inc()
         outcome = StepOutcome({"trajectories_in_batch": len(trajs), "trajectories_stale": len(stale)},
@@ -635,21 +626,10 @@ class LearnerService(Service):
         metrics = outcome.metrics
         if self.reference is not None:
             metrics.update(reference_reset=reset, trajmesh_learner_reference_version=self.reference.version)
-        metrics.update(batch_health(trajs, lc.stop_gates.verifier_components))
-        if keep:
-            metrics.update(response_length_metrics(keep))
-            max_length, cache_length = lc.truncation.lengths(self.cfg.tasks.sampling)
-            batch = apply_truncation(build_batch(keep, self.pad_id), keep, lc.truncation.policy,
-                                     max_length=max_length, cache_length=cache_length)
-            adv_BT = advantages_BT(batch, lc.advantage.type, scale_by_std=lc.advantage.scale_by_std,
-                                   eps=lc.advantage.eps, trajs=keep, omega=lc.advantage.gigpo_omega,
-                                   gamma=lc.advantage.gigpo_gamma)
-            metrics.update(advantage_metrics(batch, adv_BT, lc.advantage.type, keep,
-                                             scale_by_std=lc.advantage.scale_by_std, eps=lc.advantage.eps))
-            if self.cfg.distill.teachers:
-                adv_BT, distill_metrics = distill_advantages_BT(adv_BT, batch, keep, coef=self.cfg.distill.coef,
-                                                                reward_weight=self.cfg.distill.reward_weight)
-                metrics.update(distill_metrics)
+        metrics.update(recipe.metrics)
+        if recipe.batch is not None:
+            assert recipe.adv_BT is not None
+            batch, adv_BT = recipe.batch, recipe.adv_BT
             engine = self._engine()
             model = engine.module
             model.train()

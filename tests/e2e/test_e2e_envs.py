@@ -195,7 +195,7 @@ def test_gigpo_trains_the_workplace_source_through_the_mesh(tmp_path: Path, text
     assert algorithm["learner"]["advantage"]["type"] == "gigpo"
     # The trained advantages are GiGPO's: step-level anchor groups exist (workplace states repeat
     # across a group's episodes), and the advantages differ from GRPO's on the same batch (a learner
-    # that silently used GRPO reports 0; learner/step.py `advantage_metrics`).
+    # that silently used GRPO reports 0; learner/advantages.py `advantage_metrics`).
     assert sum(m["advantage_step_anchor_groups"] for m in steps) > 0, steps
     assert max(m["advantage_minus_grpo_max_abs"] for m in steps) > 1e-3, steps
     archive = read_archive(run_dir / "archive").to_pylist()

@@ -1,4 +1,4 @@
-"""On-policy distillation's learning signal (learner/step.py `distill_advantages_BT`), by hand.
+"""On-policy distillation's learning signal (learner/advantages.py `distill_advantages_BT`), by hand.
 
 The two-token example: a vocabulary of two tokens, the student's next-token distribution
 π = (0.8, 0.2) and the teacher's π_T = (0.5, 0.5). The per-token advantage of a sampled token y is
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from trajmesh.contract import Trajectory
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.v1 import trajectory_pb2
 
 STUDENT, TEACHER = (0.8, 0.2), (0.5, 0.5)
@@ -43,7 +43,7 @@ def test_two_token_example_advantages_metric_and_gradient() -> None:
              _traj("b", [0], [ln(STUDENT[0])], [ln(TEACHER[0])], reward=0.0)]
     batch = step.build_batch(trajs, pad_id=0)
     zero_BT = torch.zeros_like(batch.mask_BT)
-    adv_BT, metrics = step.distill_advantages_BT(zero_BT, batch, trajs, coef=1.0, reward_weight=1.0)
+    adv_BT, metrics = advantages.distill_advantages_BT(zero_BT, batch, trajs, coef=1.0, reward_weight=1.0)
     assert adv_BT[0, 2].item() == pytest.approx(0.916291, abs=1e-5)  # ln 0.5 − ln 0.2
     assert adv_BT[1, 2].item() == pytest.approx(-0.470004, abs=1e-5)  # ln 0.5 − ln 0.8
     assert adv_BT[:, :2].abs().sum().item() == 0  # prompt tokens get nothing
@@ -73,8 +73,8 @@ def test_mixed_with_the_task_reward_and_unscored_rows_untouched() -> None:
     plain = _traj("p", [1, 0], [ln(0.2), ln(0.8)], None, reward=0.0)
     trajs = [scored, plain]
     batch = step.build_batch(trajs, pad_id=0)
-    task_BT = step.advantages_BT(batch, "grpo", scale_by_std=False, eps=1e-6)  # +0.5 and −0.5
-    adv_BT, metrics = step.distill_advantages_BT(task_BT, batch, trajs, coef=2.0, reward_weight=0.5)
+    task_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=False, eps=1e-6)  # +0.5 and −0.5
+    adv_BT, metrics = advantages.distill_advantages_BT(task_BT, batch, trajs, coef=2.0, reward_weight=0.5)
     assert adv_BT[0, 2:4].tolist() == pytest.approx([0.5 * 0.5 + 2 * 0.916291, 0.5 * 0.5 - 2 * 0.470004], abs=1e-5)
     assert adv_BT[1].tolist() == task_BT[1].tolist()  # no teacher: the task advantage as it was
     assert metrics["trajmesh_learner_distill_tokens"] == 2
@@ -83,8 +83,8 @@ def test_mixed_with_the_task_reward_and_unscored_rows_untouched() -> None:
 def test_no_teacher_no_change_no_metrics() -> None:
     trajs = [_traj("p", [1], [-1.0], None, reward=1.0), _traj("q", [1], [-1.0], None, reward=0.0)]
     batch = step.build_batch(trajs, pad_id=0)
-    task_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
-    adv_BT, metrics = step.distill_advantages_BT(task_BT, batch, trajs, coef=1.0, reward_weight=0.0)
+    task_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT, metrics = advantages.distill_advantages_BT(task_BT, batch, trajs, coef=1.0, reward_weight=0.0)
     assert adv_BT is task_BT and metrics == {}
 
 

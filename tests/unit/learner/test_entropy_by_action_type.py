@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.learner.metrics import ENTROPY_BY_ACTION_TYPE_NAMES, entropy_by_action_type
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.v1 import trajectory_pb2
@@ -85,7 +85,7 @@ def test_compute_loss_reports_the_entropy_of_each_action_type() -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(_model_config()).float()
     batch = step.build_batch(_trajectories(), pad_id=0)
-    adv_B = step.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_B = advantages.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
     _, metrics = step.compute_loss(model, batch, adv_B, ObjectiveConfig(), temperature=1.0, version=3, max_lag=3)
     with torch.no_grad():
         _, entropy_BT = step.token_logprobs(model, batch, 1.0)

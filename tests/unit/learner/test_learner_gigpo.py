@@ -1,4 +1,4 @@
-"""GiGPO selectable in the learner (`learner.advantage.type: gigpo`, learner/step.py
+"""GiGPO selectable in the learner (`learner.advantage.type: gigpo`, learner/advantages.py
 `gigpo_advantages_BT`) on the workplace environment's real state hashes.
 
 Four episodes of one workplace task ("Mark task 7 as done"), played through `WorkplaceEnv` as
@@ -17,7 +17,7 @@ import torch
 
 from trajmesh.contract import Trajectory
 from trajmesh.envs.workplace import WorkplaceEnv, make_tasks
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.v1 import trajectory_pb2
 
 GAMMA, OMEGA, EPS = 0.95, 1.0, 1e-6
@@ -100,7 +100,7 @@ def test_gigpo_on_workplace_state_hashes_gives_step_advantages_where_anchor_stat
     assert [list(t.pb.step_rewards) for t in trajs] == [[0.0] * len(a) for a in EPISODES]  # workplace: 0 a step
     episode = [_relative(r, rewards) for r in rewards]
     batch = step.build_batch(trajs, pad_id=0)
-    adv_BT = step.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
+    adv_BT = advantages.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
     _check(trajs, adv_BT, _expected(hashes, rewards, [[0.0] * len(a) for a in EPISODES]))
     # Where the initial state repeats (six steps of four episodes) the step advantage moves the
     # episode's; where a state's returns all agree (s1) or it is seen once (the wrong update's) it
@@ -109,7 +109,7 @@ def test_gigpo_on_workplace_state_hashes_gives_step_advantages_where_anchor_stat
     assert e1[0] != pytest.approx(episode[1]) and e1[1] != pytest.approx(episode[1])
     assert e1[0] != pytest.approx(e1[1])
     assert e1[2] == pytest.approx(episode[1])
-    grpo_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=EPS)
+    grpo_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=EPS)
     assert not torch.allclose(adv_BT, grpo_BT)
 
 
@@ -133,13 +133,13 @@ def test_a_learner_step_trains_with_gigpo(tmp_path: Path) -> None:
     task = make_tasks(0, 1)[0]
     trajs = [_play(task, actions, n)[0] for n, actions in enumerate(EPISODES)]
     batch = step.build_batch(trajs, pad_id=0)
-    adv_BT = step.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
+    adv_BT = advantages.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
     on = batch.mask_BT > 0
     metrics = svc._train_step(trajs, eta=4, temperature=1.0).metrics
     assert metrics["trajectories_trained"] == 4
     got = metrics["trajmesh_learner_advantage_abs_mean"]
     assert got == pytest.approx(float(adv_BT[on].abs().mean()), rel=1e-5)
-    grpo = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=EPS)
+    grpo = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=EPS)
     assert got != pytest.approx(float(grpo[on].abs().mean()), rel=1e-3)  # not the episode-level figure
 
 
@@ -154,7 +154,7 @@ def test_gigpo_step_returns_take_the_environments_step_rewards() -> None:
     trajs[3].pb.step_rewards[0] = 0.25
     env = [list(t.pb.step_rewards) for t in trajs]
     batch = step.build_batch(trajs, pad_id=0)
-    adv_BT = step.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
+    adv_BT = advantages.advantages_BT(batch, "gigpo", scale_by_std=True, eps=EPS, trajs=trajs, omega=OMEGA, gamma=GAMMA)
     expected = _expected([h for _, h in played], [t.reward for t in trajs], env)
     _check(trajs, adv_BT, expected)
     without = _expected([h for _, h in played], [t.reward for t in trajs], [[0.0] * len(e) for e in env])
@@ -183,18 +183,18 @@ def test_step_rewards_are_archived() -> None:
 
 
 def test_advantage_metrics_tell_gigpo_from_grpo() -> None:
-    """The step's metrics name what it trained with (learner/step.py `advantage_metrics`): the
+    """The step's metrics name what it trained with (learner/advantages.py `advantage_metrics`): the
     anchor groups counted here by hand (s0 is reached by 6 steps, s1 by 2: two groups), and a
     nonzero distance from GRPO for GiGPO's advantages, zero for GRPO's own."""
     task = make_tasks(0, 1)[0]
     trajs = [_play(task, actions, n)[0] for n, actions in enumerate(EPISODES)]
     batch = step.build_batch(trajs, pad_id=0)
     kw = {"scale_by_std": True, "eps": EPS}
-    gigpo_BT = step.advantages_BT(batch, "gigpo", trajs=trajs, omega=OMEGA, gamma=GAMMA, **kw)
-    grpo_BT = step.advantages_BT(batch, "grpo", **kw)
-    as_gigpo = step.advantage_metrics(batch, gigpo_BT, "gigpo", trajs, **kw)
+    gigpo_BT = advantages.advantages_BT(batch, "gigpo", trajs=trajs, omega=OMEGA, gamma=GAMMA, **kw)
+    grpo_BT = advantages.advantages_BT(batch, "grpo", **kw)
+    as_gigpo = advantages.advantage_metrics(batch, gigpo_BT, "gigpo", trajs, **kw)
     assert as_gigpo["advantage_step_anchor_groups"] == 2
     assert as_gigpo["advantage_minus_grpo_max_abs"] > 0.1
     # a learner that trained GRPO's advantages under a gigpo config would report no distance
-    assert step.advantage_metrics(batch, grpo_BT, "gigpo", trajs, **kw)["advantage_minus_grpo_max_abs"] == 0.0
-    assert step.advantage_metrics(batch, grpo_BT, "grpo", trajs, **kw) == {}
+    assert advantages.advantage_metrics(batch, grpo_BT, "gigpo", trajs, **kw)["advantage_minus_grpo_max_abs"] == 0.0
+    assert advantages.advantage_metrics(batch, grpo_BT, "grpo", trajs, **kw) == {}

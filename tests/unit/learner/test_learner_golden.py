@@ -14,7 +14,7 @@ from repo_paths import TESTS
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.learner.logprobs import PolicyLogprobs
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.train_engine import build_train_engine
@@ -60,7 +60,7 @@ def _losses(kind: str, denominator: str, minibatches: int) -> list[float]:
     engine = build_train_engine(PolicyLogprobs(_model(), chunk_tokens=5), type="torch", lr=1e-2, warmup_steps=0,
                                 weight_decay=0.0, grad_clip=1.0, seed=0)
     batch = _batch()
-    adv_BT = step.advantages_BT(batch, kind, scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, kind, scale_by_std=True, eps=1e-6)
     cfg = ObjectiveConfig(denominator=denominator, constant_denominator=8.0)
     metrics = step.train_batch(engine, batch, adv_BT, cfg, step.StepPlan(micro_batch_tokens=16,
                                minibatches=minibatches), temperature=0.9, version=0, max_lag=3)

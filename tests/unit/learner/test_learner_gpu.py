@@ -21,7 +21,7 @@ def test_two_bf16_zero3_steps_on_cuda() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trajmesh.contract import Trajectory
-    from trajmesh.learner import consistency, step
+    from trajmesh.learner import advantages, consistency, step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
     from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed
@@ -44,7 +44,7 @@ def test_two_bf16_zero3_steps_on_cuda() -> None:
             t.set_reward(float(i % 2))
             trajs.append(t)
         batch = step.build_batch(trajs, 0)  # built on the CPU, as the service does
-        adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+        adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         assert step.model_device(engine.module) == device  # ZeRO-3 placeholders sit on the rank's GPU
         moved = batch.to(step.model_device(engine.module))  # what every forward feeds the model

@@ -8,7 +8,7 @@ from tiny_llama import tiny_llama
 from transformers import LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.learner.microbatch import balanced_split, global_counts, pack_micro_batches
 from trajmesh.learner.objective import ObjectiveConfig, decoupled_ppo_loss
 from trajmesh.learner.train_engine import build_train_engine
@@ -50,7 +50,7 @@ def _full_batch_reference(model, batch, adv_BT, prox_BT, cfg) -> tuple[float, li
 def test_micro_batched_loss_and_gradients_equal_the_full_batch(denominator: str) -> None:
     model = _model()
     batch = _batch()
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     prox_BT = _proximal(model, batch)
     cfg = ObjectiveConfig(denominator=denominator, constant_denominator=16.0)
     ref_loss, ref_grads = _full_batch_reference(model, batch, adv_BT, prox_BT, cfg)

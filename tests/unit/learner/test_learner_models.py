@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from trajmesh.contract import Trajectory
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.learner.logprobs import PolicyLogprobs
 from trajmesh.learner.models import (
     build_char_tokenizer,
@@ -87,7 +87,7 @@ def test_qwen2_trains_through_the_learner_step(qwen2_dir: Path, precision: str) 
     engine = build_train_engine(PolicyLogprobs(model, chunk_tokens=7), type="torch", lr=1e-2, warmup_steps=0,
                                 weight_decay=0.0, grad_clip=1.0, seed=0, precision=precision)
     batch = _batch(tok)
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     metrics = step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), step.StepPlan(micro_batch_tokens=30),
                                temperature=1.0, version=0, max_lag=3)
     assert torch.isfinite(torch.tensor(metrics["trajmesh_learner_loss"]))
@@ -106,7 +106,7 @@ def test_bf16_deepspeed_step_on_cpu_has_a_finite_loss(qwen2_dir: Path) -> None:
                                     warmup_steps=0, weight_decay=0.0, grad_clip=1.0, zero_stage=0, seed=0,
                                     precision="bf16")
         batch = _batch(AutoTokenizer.from_pretrained(str(qwen2_dir)))
-        adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+        adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
         for _ in range(2):
             metrics = step.train_batch(engine, batch, adv_BT, ObjectiveConfig(),
                                        step.StepPlan(micro_batch_tokens=30), temperature=1.0, version=0, max_lag=3)

@@ -8,7 +8,7 @@ from tiny_llama import tiny_llama
 from transformers import LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.learner.objective import ObjectiveConfig
 from trajmesh.learner.train_engine import build_train_engine
 
@@ -37,7 +37,7 @@ def _engine(model: torch.nn.Module, lr: float):  # type: ignore[no-untyped-def]
 
 def _train(model: LlamaForCausalLM, minibatches: int, lr: float, epochs: int = 1) -> dict:
     batch = _batch()
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     plan = step.StepPlan(micro_batch_tokens=24, minibatches=minibatches, epochs=epochs)
     return step.train_batch(_engine(model, lr), batch, adv_BT, ObjectiveConfig(), plan, temperature=1.0,
                             version=0, max_lag=3)
@@ -69,7 +69,7 @@ def test_one_update_loss_and_gradient_equal_the_single_forward_formula() -> None
     """K = E = 1: the loss is the pre-change one. Written out: with π_prox the forward itself,
     r ≡ 1, so every clip is inert and L = −Σ m·min(π/π_beh, 2)·Â / Σ m (TIS cap 2)."""
     batch = _batch()
-    adv_B = step.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_B = advantages.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
     ref_model = _model()
     logits_BTV = ref_model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_BT).logits
     logp_BT = torch.log_softmax(logits_BTV[:, :-1].float(), -1).gather(-1, batch.input_ids_BT[:, 1:, None])[..., 0]
@@ -89,7 +89,7 @@ def test_one_update_loss_and_gradient_equal_the_single_forward_formula() -> None
 
 def test_reinforce_pp_advantages_train() -> None:
     batch = _batch()
-    adv_BT = step.advantages_BT(batch, "reinforce_pp", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "reinforce_pp", scale_by_std=True, eps=1e-6)
     plan = step.StepPlan(micro_batch_tokens=24)
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]

@@ -28,7 +28,7 @@ def _worker(out_dir: str) -> None:
     from tiny_llama import tiny_llama
 
     from trajmesh.contract import Trajectory
-    from trajmesh.learner import step
+    from trajmesh.learner import advantages, step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.objective import ObjectiveConfig
     from trajmesh.learner.train_engine import build_train_engine, ensure_distributed
@@ -47,7 +47,7 @@ def _worker(out_dir: str) -> None:
         t.set_reward(float(i % 2))
         trajs.append(t)
     batch = step.build_batch(trajs, 0)
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     engine = build_train_engine(PolicyLogprobs(tiny_llama(0), chunk_tokens=7), type="deepspeed", lr=5e-2,
                                 warmup_steps=0, weight_decay=0.0, grad_clip=1.0, zero_stage=0, seed=0)
     m = step.train_batch(engine, batch, adv_BT, ObjectiveConfig(), step.StepPlan(12, minibatches=2),

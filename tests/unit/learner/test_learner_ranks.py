@@ -87,7 +87,7 @@ def _micro_batched_update() -> dict[str, float]:
     import torch
     from tiny_llama import tiny_llama
 
-    from trajmesh.learner import step
+    from trajmesh.learner import advantages, step
     from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
     from trajmesh.learner.microbatch import balanced_split, pack_micro_batches, sum_over_ranks
     from trajmesh.learner.objective import ObjectiveConfig, decoupled_ppo_loss
@@ -95,7 +95,7 @@ def _micro_batched_update() -> dict[str, float]:
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     batch = _batch()
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     cfg = ObjectiveConfig(denominator="token_global")
     reference = tiny_llama(0)
     with torch.no_grad():  # π_prox ≠ π_θ: the clip paths of the loss are live
@@ -126,7 +126,7 @@ def _worker(out_dir: str, mode: str) -> None:
 
     import torch
 
-    from trajmesh.learner import step
+    from trajmesh.learner import advantages
     from trajmesh.learner.logprobs import policy_of
     from trajmesh.learner.train_engine import ensure_distributed
     from trajmesh.learner.weights import export_policy
@@ -136,7 +136,7 @@ def _worker(out_dir: str, mode: str) -> None:
     ensure_distributed("gloo")
     rank = torch.distributed.get_rank()
     batch = _batch()
-    adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+    adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
     result: dict[str, Any] = {}
     if mode == "fast":
         solo = torch.distributed.new_group([0])  # the reference's world: rank 0 alone (collective call)

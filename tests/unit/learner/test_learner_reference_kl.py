@@ -176,7 +176,7 @@ def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_fro
     from tiny_llama import tiny_llama
 
     from trajmesh.config import ReferenceConfig
-    from trajmesh.learner import step
+    from trajmesh.learner import advantages, step
     from trajmesh.learner.logprobs import PolicyLogprobs
     from trajmesh.learner.reference import ReferencePolicy
     from trajmesh.learner.train_engine import build_train_engine, ensure_distributed, shutdown_distributed
@@ -194,7 +194,7 @@ def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_fro
         assert pairs and all(hasattr(r, "ds_id") and r.ds_tensor.numel() == p.ds_tensor.numel()
                              for r, p in pairs)
         batch = step.build_batch(_trajectories(0), pad_id=0)
-        adv_BT = step.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
+        adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
         kl = ReferenceConfig(enabled=True, kl_coef=0.1)
 
         def train(version: int) -> float:

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trajmesh.contract import Trajectory
-from trajmesh.learner import step
+from trajmesh.learner import advantages, step
 from trajmesh.learner.objective import ObjectiveConfig
 
 
@@ -30,7 +30,7 @@ def _batch() -> tuple[step.Batch, torch.Tensor]:
         t.set_reward(float(i % 2))
         trajs.append(t)
     batch = step.build_batch(trajs, 0)
-    return batch, step.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
+    return batch, advantages.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
 
 
 def _loss_and_grads(model: LlamaForCausalLM) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trajmesh.contract import Trajectory  # noqa: E402
-from trajmesh.learner import step  # noqa: E402
+from trajmesh.learner import advantages, step  # noqa: E402
 from trajmesh.learner.microbatch import global_counts  # noqa: E402
 from trajmesh.learner.objective import ObjectiveConfig, decoupled_ppo_loss  # noqa: E402
 from trajmesh.v1 import trajectory_pb2 as pb  # noqa: E402
@@ -106,13 +106,13 @@ def test_advantages_are_per_trajectory_and_copied_to_its_rows() -> None:
     batch = step.build_batch([_two_segments(), _one_sequence()], pad_id=0)
     # GRPO over the 2 trajectories: rewards 1, 0 → mean 0.5, unbiased std sqrt(0.5) → ±0.5/0.70711.
     # (Counting rows, the group would be 1, 1, 0 and a's advantage 0.57735.)
-    grpo = step.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
+    grpo = advantages.advantages_B(batch, "grpo", scale_by_std=True, eps=1e-6)
     assert grpo.tolist() == pytest.approx([0.707106, 0.707106, -0.707106], abs=1e-5)
     # RLOO over 2: R_i − the other's reward = ±1
-    assert step.advantages_B(batch, "rloo", scale_by_std=True, eps=1e-6).tolist() == pytest.approx([1, 1, -1])
+    assert advantages.advantages_B(batch, "rloo", scale_by_std=True, eps=1e-6).tolist() == pytest.approx([1, 1, -1])
     # REINFORCE++: ±0.5 per trajectory on its tokens (3 of +0.5, 4 of −0.5): mean −1/14,
     # population variance = (3·(4/7)² + 4·(3/7)²)/7 = 12/49 → std 0.49487; (a − μ)/std
-    rpp = step.advantages_BT(batch, "reinforce_pp", scale_by_std=True, eps=1e-6)
+    rpp = advantages.advantages_BT(batch, "reinforce_pp", scale_by_std=True, eps=1e-6)
     up, down = (0.5 + 1 / 14) / 0.494872, (-0.5 + 1 / 14) / 0.494872
     expected = [0, 0, up, up, 0, 0] + [0, 0, 0, 0, 0, up] + [0, 0, down, down, down, down]
     assert rpp.flatten().tolist() == pytest.approx(expected, abs=1e-5)
