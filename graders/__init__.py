@@ -1,7 +1,15 @@
 """trajmesh.graders: verifiers keyed by the task's `grader` kind.
 
+    base.py            the grader interface (Grade, Sample)
+    reasoning_gym.py   reasoning-gym's own score_answer      math.py math answers (math-verify)
+    code.py            model-written programs against tests, in the sandbox
+    search.py          search answers                       workplace.py the workplace's end state
+    gym.py             a Gymnasium environment's own reward  verifiers.py a verifiers rubric
+    external_agent.py  what a user's own agent returned, graded by the grader it delegates to
+
 Which kinds exist is the plug-in registry's business (`trajmesh.plugins`: each task source names its
-graders; `STANDALONE_GRADERS` the rest); grader modules are imported on first use.
+graders; `STANDALONE_GRADERS` the rest); grader modules are imported on first use. Imports: the core
+and envs/.
 """
 
 from __future__ import annotations

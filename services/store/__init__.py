@@ -1,3 +1,8 @@
-"""The trajectory store, in one place: the service (service.py: intake → grading → hand-out →
-report), its in-memory state (state.py), its Redis record (repo.py), the intake checks
-(intake.py) and the Parquet archive (archive.py)."""
+"""The trajectory store, in one place:
+
+    service.py   the service: intake → grading → hand-out → report, and the end of a run
+    state.py     its in-memory state (one table, a transition map)
+    repo.py      its Redis record                  client.py the small client other services call
+    intake.py    the intake checks                 roc.py resample-on-correct
+    archive.py   the Parquet archive
+"""
