@@ -39,11 +39,11 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from trajmesh import bus as busmod
 from trajmesh import security
-from trajmesh.keys import RedisKeys
 from trajmesh.learner.evaluate import HeldoutTracker, evaluate_source, heldout_result, heldout_tasks
 from trajmesh.rollout.engines.generation import TurnSampler, sampling_seed
 from trajmesh.service import supervise
 from trajmesh.services.rollout import RolloutService
+from trajmesh.services.store.record import RunRecord
 from trajmesh.v1 import trajectory_pb2
 
 log = logging.getLogger("trajmesh.evaluator")
@@ -106,7 +106,6 @@ class EvaluatorService(RolloutService):
         self.pending: trajectory_pb2.WeightsAnnouncement | None = None
         """The newest announcement not loaded because no evaluation of it was due."""
         self.redis: Any = None
-        self.keys = RedisKeys(self.cfg.infra.namespace)
 
     async def setup(self) -> None:
         """The rollout's engine, sampler and weight watch, without its task consumer or environments."""
@@ -203,7 +202,7 @@ class EvaluatorService(RolloutService):
 
     async def _finished_at(self, version: int) -> bool:
         """The learner has finished (run_finished) and `version` is the newest it announced."""
-        if not await self.redis.exists(self.keys.run_finished):
+        if not await RunRecord(self.redis, self.cfg.infra.namespace).finished():
             return False
         latest = await self._live_bus().latest_weights()
         return latest is None or trajectory_pb2.WeightsAnnouncement.FromString(latest).version == version

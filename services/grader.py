@@ -27,8 +27,8 @@ from trajmesh import bus as busmod
 from trajmesh import plugins, sandbox, security, tasks
 from trajmesh.contract import ContractError, Trajectory
 from trajmesh.graders import PARSE_ERROR, Grader, Sample, grade_sample, grader_kind, make_grader
-from trajmesh.keys import RedisKeys
 from trajmesh.service import Service
+from trajmesh.services.store.record import RunRecord
 from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import trajectory_pb2
 
@@ -95,7 +95,6 @@ class GraderService(Service):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.keys = RedisKeys(self.cfg.infra.namespace)
         self.redis: Redis | None = None
         self.bus: busmod.Bus | None = None
         self.consumer: busmod.Consumer | None = None
@@ -188,10 +187,10 @@ class GraderService(Service):
             self.task_cache.move_to_end(task_id)
             return task
         assert self.redis is not None, "_task() before setup()"
-        raw = await self.redis.hget(self.keys.tasks, task_id)
-        if raw is None:
+        found = await RunRecord(self.redis, self.cfg.infra.namespace).task(task_id)
+        if found is None:
             return None
-        task = self.task_cache[task_id] = json.loads(raw)
+        task = self.task_cache[task_id] = found
         while len(self.task_cache) > cache_size:
             self.task_cache.popitem(last=False)
         return task

@@ -40,7 +40,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from trajmesh import security
 from trajmesh.contract import Trajectory
 from trajmesh.gate import AsyncStalenessGate
-from trajmesh.keys import RedisKeys
 from trajmesh.learner import consistency
 from trajmesh.learner.checkpoint_compat import add_policy_prefix
 from trajmesh.learner.evaluate import HeldoutTracker, keep_best
@@ -69,6 +68,7 @@ from trajmesh.learner.weights import TOKENIZER_FILES, export_policy, sha256_file
 from trajmesh.rollout.engines.hf_model import load_causal_lm
 from trajmesh.service import FIRST_STEP_ALLOWANCE_S, STOP_NOTICE, STOP_WORK_S, Service
 from trajmesh.services.store.client import StoreClient
+from trajmesh.services.store.record import RunRecord
 from trajmesh.stopgates import (
     GATES,
     TRUNCATED_RATIO,
@@ -177,7 +177,6 @@ class LearnerService(Service):
         self.run_dir = Path(self.cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.keys = RedisKeys(self.cfg.infra.namespace)
         self.version = 0
         self.steps_done = 0
         self.rl_seconds = 0.0
@@ -221,6 +220,10 @@ class LearnerService(Service):
     def _engine(self) -> TrainEngine:
         assert self.engine is not None, "used before setup()"
         return self.engine
+
+    def _record(self) -> RunRecord:
+        """The store's run-level record (the run's end, the data cursor), over this learner's Redis."""
+        return RunRecord(self.redis, self.cfg.infra.namespace)
 
     def _gate(self) -> AsyncStalenessGate:
         assert self.gate is not None, "used before setup()"
@@ -291,9 +294,7 @@ class LearnerService(Service):
             return
         if resumed:
             # The data cursor lives in Redis; a wiped Redis must not replay already-drawn tasks.
-            await self.redis.set(self.keys.sampler_cursor,
-                                 max(int(await self.redis.get(self.keys.sampler_cursor) or 0),
-                                     int(state.get("sampler_cursor", 0))))
+            await self._record().restore_sampler_cursor(int(state.get("sampler_cursor", 0)))
             # No gate rebase: the counters live in Redis (AOF, fsync always) and the store finalizes
             # idempotently, so they stay true across a learner restart; the batches trained since
             # the checkpoint are replayed from disk (run()), bringing the version back to where
@@ -305,7 +306,7 @@ class LearnerService(Service):
         elif await self.bus.latest_weights() is None:
             await self._announce(self.version, cfg.model.path)
         await self._gate().set_version(self.version)
-        await self.redis.delete(self.keys.run_finished)  # a resumed run with a larger budget admits again
+        await self._record().reopen()  # a resumed run with a larger budget admits again
         VERSION.set(self.version)
 
     def _load_checkpoint(self) -> dict[str, Any]:
@@ -434,10 +435,10 @@ class LearnerService(Service):
             if self.steps_done % lc.checkpoint_every == 0:
                 await self._checkpoint_async()
             if await self._stop_gates_breached(metrics):
-                await self.redis.set(self.keys.run_finished, "stop_gate")
+                await self._record().mark_finished("stop_gate")
                 return
         if not self.stopping.is_set():  # budget spent: the run is over, the store stops admitting
-            await self.redis.set(self.keys.run_finished, "budget")
+            await self._record().mark_finished("budget")
         log.info("learner done: %d steps, version %d", self.steps_done, self.version)
 
     # ------------------------------------------------------------------ held-out evaluation
@@ -494,7 +495,7 @@ class LearnerService(Service):
                                          "time": time.time()})
         if self.steps_done > 0:
             await self._checkpoint_async()
-        await self.redis.set(self.keys.run_finished, "heldout_regression")
+        await self._record().mark_finished("heldout_regression")
 
     # ------------------------------------------------------------------ ranks
     def _broadcast(self, command: list[Any]) -> list[Any]:
@@ -809,7 +810,7 @@ class LearnerService(Service):
         data cursor from Redis in the client state."""
         await self._command("checkpoint")
         c = await self._gate().counters()
-        cursor = int(await self.redis.get(self.keys.sampler_cursor) or 0)
+        cursor = await self._record().sampler_cursor()
         gate = {"version": c.version, "accepted": c.accepted, "running": c.running}
         await asyncio.to_thread(self._checkpoint, gate, cursor)
 

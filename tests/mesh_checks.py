@@ -19,8 +19,8 @@ import pytest
 from trajmesh import security
 from trajmesh.config import RunConfig
 from trajmesh.gate import StalenessGate
-from trajmesh.keys import RedisKeys
 from trajmesh.services.store.archive import read_archive
+from trajmesh.services.store.keys import RedisKeys
 
 if TYPE_CHECKING:
     from trajmesh.run.launcher import Mesh

@@ -6,7 +6,7 @@ This folder is the core every service shares, torch-free (docs/ARCHITECTURE.md):
     config.py       the typed run configuration, one YAML file
     plugins.py      the plug-in registry: task sources, engines, graders ("module:attr", loaded lazily)
     bus.py          the JetStream layout and a typed wrapper over nats-py
-    gate.py         the staleness gate (η) in Redis          keys.py  a run's Redis key names
+    gate.py         the staleness gate (η), its counters in Redis
     service.py      the service lifecycle (setup → run → stop), stop budgets, the stop watchdog
     security.py     who may do what on the mesh, secrets     infra.py real NATS/Redis child processes
     stopgates.py    stop gates: predeclared bounds checked after every learner step

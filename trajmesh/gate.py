@@ -26,14 +26,18 @@ from typing import TYPE_CHECKING, Any
 import redis
 import redis.asyncio
 
-from trajmesh.keys import RedisKeys
-
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from trajmesh.config import RunConfig
 
 __all__ = ["AsyncStalenessGate", "GateCounters", "StalenessGate"]
+
+def gate_prefix(namespace: str = "") -> str:
+    """Prefix of the gate's counters in Redis (``<prefix>:version``, ``:accepted``, ``:running``),
+    namespaced like every key of a run."""
+    return f"{namespace}:trajmesh:gate" if namespace else "trajmesh:gate"
+
 
 # The capacity both admission scripts compute. KEYS[1..3]: version, accepted, running. ARGV[1..4]:
 # n, eta, batch_size, max_concurrent (-1 = no cap). capacity = (eta + v + 1)·B − (accepted + running).
@@ -211,7 +215,7 @@ class _Gate:
     def from_config(cls, redis_client: Any, cfg: RunConfig) -> Self:
         """The run's gate: its namespace's keys, the effective η (0 in sync mode), B = the learner's
         batch in trajectories, and `gate.max_concurrent`."""
-        return cls(redis_client, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
+        return cls(redis_client, key_prefix=gate_prefix(cfg.infra.namespace), eta=cfg.effective_eta,
                    batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
 
     @property

@@ -1,6 +1,6 @@
 """The trajectory store's Redis bookkeeping behind one small repository (no torch).
 
-It owns every key the store writes (see `trajmesh.keys`) and the index arithmetic over pipeline and
+It owns every key the store writes (see `trajmesh.services.store.keys`) and the index arithmetic over pipeline and
 MULTI replies, so the store's wiring never counts reply positions:
 
 - admission with its task record, the admitted count and the unpublished mark, and a group's
@@ -24,7 +24,7 @@ from typing import Any
 import redis.asyncio
 
 from trajmesh.gate import AsyncStalenessGate
-from trajmesh.keys import RedisKeys
+from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.state import member_ids, member_task_id
 
 

@@ -13,8 +13,11 @@
                                         learner ◀── gRPC NextBatch ◀──────────────┘
                                         learner ──▶ gRPC Report (trained / quarantined) ──▶ archive
 
-Redis holds the gate counters, the task records (the grader reads references from them), the
-set of trajectory ids already seen (dedupe), and the sampler cursor. Every record the store sees
+Redis holds the store's record (every key named in keys.py, written through repo.py): the task
+records, the final and settled marks (dedupe), the groups' membership and their gate accounting,
+the tasks admitted but not yet published, the sampler cursor and the run's end; the gate's
+counters beside it. Other services read or write only through record.py (the grader a task's
+reference, the learner the run's end and the cursor). Every record the store sees
 goes to the archive; every admitted trajectory ends as exactly one of trained, filtered,
 quarantined, failed_infra or (when a finished run stops) in_flight_at_stop.
 
@@ -53,11 +56,11 @@ from trajmesh.bus import Bus, Consumer
 from trajmesh.config import RunConfig
 from trajmesh.contract import Trajectory, varint
 from trajmesh.gate import AsyncStalenessGate
-from trajmesh.keys import RedisKeys
 from trajmesh.service import STOP_WORK_S, Service, supervise
 from trajmesh.services.store import roc as roc_mod
 from trajmesh.services.store.archive import ArchiveWriter
 from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
+from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.repo import Membership, StoreRepo, base_task_id, task_id_at
 from trajmesh.services.store.state import (
     ACCEPTED_BEFORE_CRASH,

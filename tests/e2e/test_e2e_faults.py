@@ -48,10 +48,10 @@ from safetensors.torch import load_file
 
 from trajmesh.config import RunConfig, load_config
 from trajmesh.gate import StalenessGate
-from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Mesh, accounting, start_mesh
 from trajmesh.run.run_end import drain_supervised, end_run
 from trajmesh.security import redis_sync_client
+from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.service import straggler_wait_s
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -33,11 +33,11 @@ from trajmesh import security
 from trajmesh.config import RunConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.graders.reasoning_gym import ReasoningGymGrader
-from trajmesh.keys import RedisKeys
 from trajmesh.run.launcher import Proc, accounting, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.run.train import read_metrics
 from trajmesh.services.store.archive import read_archive
+from trajmesh.services.store.keys import RedisKeys
 from trajmesh.tasks import read_profile
 from trajmesh.v1 import trajectory_pb2
 

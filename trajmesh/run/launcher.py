@@ -373,23 +373,23 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
 
 
 def _store_manifest_id(cfg: RunConfig) -> None:
-    from trajmesh.keys import RedisKeys
+    from trajmesh.services.store.record import SyncRunRecord
 
     manifest = json.loads((Path(cfg.run_dir) / "manifest.json").read_text())
     assert cfg.infra.redis_url
     r = security.redis_sync_client(cfg)
-    r.set(RedisKeys(cfg.infra.namespace).manifest_id, manifest["manifest_id"])
+    SyncRunRecord(r, cfg.infra.namespace).set_manifest_id(manifest["manifest_id"])
     r.close()
 
 
 def accounting(cfg: RunConfig) -> dict[str, Any]:
     """Admitted trajectories (Redis) against final outcomes in the archive."""
-    from trajmesh.keys import RedisKeys
     from trajmesh.services.store.archive import final_outcomes, read_archive
+    from trajmesh.services.store.record import SyncRunRecord
 
     assert cfg.infra.redis_url
     r = security.redis_sync_client(cfg)
-    admitted = int(r.get(RedisKeys(cfg.infra.namespace).admitted_trajectories) or 0)
+    admitted = SyncRunRecord(r, cfg.infra.namespace).admitted_trajectories()
     r.close()
     table = read_archive(Path(cfg.run_dir) / "archive")
     finals = final_outcomes(table)

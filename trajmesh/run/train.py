@@ -380,7 +380,7 @@ def _stop_on_regression(mesh: Mesh, tracker: HeldoutTracker, record: dict[str, A
     """stop_reason.json (+ a stop record in metrics.jsonl) and the run marked finished in Redis, as
     a learner stop gate does; the caller then stops the learner."""
     from trajmesh import security
-    from trajmesh.keys import RedisKeys
+    from trajmesh.services.store.record import SyncRunRecord
     from trajmesh.stopgates import write_stop_reason
 
     best = tracker.best or {}
@@ -391,7 +391,7 @@ def _stop_on_regression(mesh: Mesh, tracker: HeldoutTracker, record: dict[str, A
                                          "messages": [msg], "step": step, "version": record["version"],
                                          "best": best, "time": time.time()})
     r = security.redis_sync_client(mesh.cfg)
-    r.set(RedisKeys(mesh.cfg.infra.namespace).run_finished, "heldout_regression")
+    SyncRunRecord(r, mesh.cfg.infra.namespace).mark_finished("heldout_regression")
     r.close()
     console.print(f"[bold red]stop: {msg}")
 

@@ -142,7 +142,7 @@ def _plugin_strings(module: str, tree: ast.AST, mods: dict[str, Path]) -> list[t
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             target, _, attr = node.value.partition(":")
             named = all(part.isidentifier() for part in attr.split(".")) if attr else ":" not in node.value
-            if named and target in mods and target != module and (attr or target.count(".") >= 2):
+            if named and "." in target and target in mods and target != module and (attr or target.count(".") >= 2):
                 found.append((target, node.value, id(node) in declared))
     return found
 

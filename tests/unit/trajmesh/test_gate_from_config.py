@@ -9,7 +9,7 @@ import redis.asyncio
 
 from trajmesh.config import load_config
 from trajmesh.gate import AsyncStalenessGate, StalenessGate
-from trajmesh.keys import RedisKeys
+from trajmesh.services.store.keys import RedisKeys
 
 
 def test_from_config_maps_the_run_config() -> None:

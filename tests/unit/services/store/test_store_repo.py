@@ -10,7 +10,7 @@ import redis.asyncio
 
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.infra import RedisServer
-from trajmesh.keys import RedisKeys
+from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.repo import Membership, StoreRepo
 
 KEYS = RedisKeys("t")

@@ -1,8 +1,14 @@
-"""Redis key names of one run (namespace-prefixed), in one place."""
+"""The store's record in Redis: the key names of one run (namespace-prefixed), in one place.
+
+Only the store (this folder) names these keys. Other services read or write the few facts they
+need through `services/store/record.py`; the staleness gate names its own counters
+(`trajmesh.gate.gate_prefix`), and the store hands the gate the keys its admission script writes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from trajmesh.gate import gate_prefix
 
 
 @dataclass(frozen=True)
@@ -15,7 +21,7 @@ class RedisKeys:
     @property
     def gate_prefix(self) -> str:
         """Prefix of the staleness gate's counters (version, accepted, running)."""
-        return self._k("gate")
+        return gate_prefix(self.namespace)
 
     @property
     def tasks(self) -> str:
