@@ -241,6 +241,12 @@ class TextArenaEnv:
         self.trail: list[Any] = [obs, game_seed]
         return obs, state_hash(*self.trail)
 
+    @staticmethod
+    def scripted_action(observation: str) -> str:
+        """A legal move for `observation` (its first bracketed option, as the ``first`` opponent
+        plays): the verifier audit (trajmesh/run/audit.py) plays whole games with it."""
+        return first_move(observation, random.Random(0))
+
     def _observation(self) -> str:
         """What the game shows the policy now, less what it was shown before (TextArena's default
         wrappers show the whole history on every turn)."""
@@ -343,6 +349,6 @@ PLUGIN = SourcePlugin(
     type="gym", config=GymSource, draw=draw, split=split,
     environments={"gym": GymEnv, "textarena": TextArenaEnv},
     graders={"gym": "trajmesh.graders.gym:GymGrader"},
-    default_environment="gym",
+    default_environment="gym", reward_from="environment",
     description="a Gymnasium-style text environment by import path (SkyRL-Gym, Gymnasium, TextArena games); "
                 "its own per-step rewards are the reward")

@@ -144,7 +144,7 @@ PLUGIN = SourcePlugin(
     type="verifiers", config=VerifiersSource, draw=draw,
     environments={"verifiers": VerifiersEnv},
     graders={"verifiers": "trajmesh.graders.verifiers:VerifiersGrader"},
-    default_environment="verifiers",
+    default_environment="verifiers", reward_from="environment",
     rollout_setup="trajmesh.rollout.agents.verifiers_episodes:setup",
     rollout_episodes={"verifiers": "trajmesh.rollout.agents.verifiers_episodes:run_episode"},
     heldout_episodes={"verifiers": "trajmesh.rollout.agents.verifiers_episodes:play_heldout"},

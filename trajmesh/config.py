@@ -196,10 +196,15 @@ class TasksConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Rollout sampling parameters and token/turn budgets."""
     verifier_audit: Literal["refuse", "warn", "off"] = "refuse"
-    """`trajmesh train` probes each source's grader first (trajmesh/run/audit.py: gold, empty,
-    garbage, format-only and prompt-echo answers) and writes RUN_DIR/verifier_audit.json; refuse:
-    a source whose grader rewards an empty, garbage or format-only answer, or has a task without a
-    gold answer, stops the run before it starts; warn: it is reported and trained on."""
+    """`trajmesh train` probes each source's grader first (trajmesh/run/audit.py) and writes
+    RUN_DIR/verifier_audit.json. A reference-answer source gets gold, empty, garbage, format-only
+    and prompt-echo answers; an environment-reward source (games, verifiers rubrics, gym-style
+    environments: `SourcePlugin.reward_from`) gets empty and garbage actions and a scripted legal
+    play where its environment has one. refuse: a source whose grader rewards an empty, garbage or
+    format-only answer, a reference-answer source with a task without a gold answer, or an
+    environment-reward source whose grader raises on a probe, stops the run before it starts; warn:
+    it is reported and trained on. A gold answer scored below 1 is reported as a problem in either
+    mode, never refused."""
     verifier_audit_tasks: int = Field(8, ge=1)
     """Held-out tasks per source the audit grades."""
     profile: str = ""

@@ -1,7 +1,12 @@
 """Verifier audit: probe every source's grader on its own tasks before a run spends compute on it.
 
-Each task is graded five ways, exactly as the grader service grades a sample (the task record the
-store writes, `make_grader(grader_kind(task))`):
+How a source is probed depends on what its grader scores, as its plug-in declares
+(`trajmesh.plugins.SourcePlugin.reward_from`): a reference answer, or the environment's own reward.
+Every probe is graded exactly as the grader service grades a sample (the task record the store
+writes, `make_grader(grader_kind(task))`).
+
+A **reference-answer** source (``reference``: reasoning-gym, math, search, workplace) has each task
+graded five ways:
 
 - ``gold``: the task's own answer. It should score 1; a task without one ("" or "None": some
   reasoning-gym families store none) cannot be held out or trusted;
@@ -15,7 +20,22 @@ the family's partial credit for the 3), yet it is a reward a policy can learn to
 raises on model output is reported (``raises``): the grader service scores such a sample 0 with a
 ``parse_error`` component when the same scorer grades the gold answer (graders/base.py
 `grade_sample`), and records an infrastructure failure when it raises on the gold answer too. Gold answers that do not score 1 are
-reported too (``gold_rejected``).
+reported as a problem (``gold_rejected``: the grader cannot give a right answer full credit), not
+refused.
+
+An **environment-reward** source (``environment``: games, verifiers rubrics, gym-style environments)
+has no gold answer to grade: its reward is what the environment gives the actions it is played
+with, and a task's ``answer``, if any, need not be one of them. Each task is probed with two
+one-turn episodes, an ``empty`` and a ``garbage`` action, and, where the environment class offers a
+legal move (``scripted_action(observation) -> str``, e.g. a TextArena game's first bracketed
+option), one whole play of it (``scripted_play``) driven as the environment service drives an
+episode and graded with the state hashes the rollout would record. A source is **refused** when
+the empty or garbage action is rewarded as success (a reward above 0; a game's win is 1, a draw 0,
+a loss -1) or the grader raises on any of the three: such a grader must score whatever the policy
+plays, and an episode it cannot score is lost to training (an infrastructure failure when the task
+has no answer for `grade_sample` to fall back on). The probes
+reach the grader, not a verifiers rubric: the rubric runs inside the harness's episode, so a
+verifiers task's empty action is scored as an episode without a rubric outcome.
 
 `trajmesh envs --audit [CONFIG]` prints the table (every built-in reasoning-gym family without a
 config); `trajmesh train` audits its sources first (`tasks.verifier_audit`), writes
@@ -27,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from trajmesh import plugins
+from trajmesh.envs.base import make_environment
 from trajmesh.graders import Sample, grader_kind, make_grader
 from trajmesh.tasks import TaskSpec, load_split
 
@@ -35,14 +57,22 @@ PROBES = ("empty", "garbage", "format_only", "prompt_echo")
 """Answers that answer nothing: each should score 0."""
 REFUSING_PROBES = ("empty", "garbage", "format_only")
 """Probes whose reward above 0 refuses a source (the answer holds nothing of the task)."""
+ACTION_PROBES = ("empty", "garbage")
+"""The probes of an environment-reward source: one-turn episodes whose action should earn nothing."""
+MAX_PLAY_STEPS = 64
+"""Actions of a scripted play at most (a play still going then is graded as it stands)."""
 
 
 @dataclass
 class SourceAudit:
     source: str
+    reward_from: str = "reference"
+    """What its grader scores (`SourcePlugin.reward_from`): how the source was probed."""
     tasks: int = 0
     gold_missing: int = 0
     gold_rejected: int = 0
+    played: int = 0
+    """Environment-reward sources: tasks played with the environment's ``scripted_action`` and graded."""
     accepted: dict[str, int] = field(default_factory=dict)
     """Probe → tasks on which it scored above 0."""
     raised: dict[str, str] = field(default_factory=dict)
@@ -57,14 +87,22 @@ class SourceAudit:
             return [f"no tasks: {self.error}"]
         why = [f"accepts {probe} on {n}/{self.tasks}" for probe, n in self.accepted.items()
                if n and probe in REFUSING_PROBES]
-        if self.gold_missing:
+        if self.reward_from == "environment":
+            why += [f"grader raises on {probe}: {exc}" for probe, exc in self.raised.items()]
+        elif self.gold_missing:
             why.append(f"no gold answer on {self.gold_missing}/{self.tasks}")
         return why
 
+    @property
+    def problems(self) -> list[str]:
+        """What is wrong with a source that is not refused for it (reported by `trajmesh train` and the table)."""
+        return [f"gold answer scores below 1 on {self.gold_rejected}/{self.tasks}"] if self.gold_rejected else []
+
     def as_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "tasks": self.tasks, "gold_missing": self.gold_missing,
-                "gold_rejected": self.gold_rejected, "accepted": dict(self.accepted), "raised": dict(self.raised),
-                "error": self.error, "refused": self.refused}
+        return {"source": self.source, "reward_from": self.reward_from, "tasks": self.tasks,
+                "gold_missing": self.gold_missing, "gold_rejected": self.gold_rejected, "played": self.played,
+                "accepted": dict(self.accepted), "raised": dict(self.raised), "error": self.error,
+                "refused": self.refused, "problems": self.problems}
 
 
 def _probe_text(probe: str, spec: TaskSpec) -> str:
@@ -72,26 +110,67 @@ def _probe_text(probe: str, spec: TaskSpec) -> str:
             "prompt_echo": spec.prompt}[probe]
 
 
+def _task(spec: TaskSpec) -> dict[str, Any]:
+    """The task record as the store writes it (what the environment and the grader services read)."""
+    return {"source": spec.source, "answer": spec.answer, "prompt": spec.prompt, "metadata": spec.metadata}
+
+
 def _grade(spec: TaskSpec, text: str, graders: dict[str, Any] | None = None) -> float:
-    """`text` graded as the grader service grades a sample; `graders` caches one grader per kind
-    (the service keeps one each too)."""
-    task = {"source": spec.source, "answer": spec.answer, "prompt": spec.prompt, "metadata": spec.metadata}
+    """`text` graded as a one-turn sample (`_grade_sample`)."""
+    return _grade_sample(spec, Sample(text, [text], ended_with_eos=True), graders)
+
+
+def _grade_sample(spec: TaskSpec, sample: Sample, graders: dict[str, Any] | None = None) -> float:
+    """`sample` graded as the grader service grades it; `graders` caches one grader per kind (the
+    service keeps one each too)."""
+    task = _task(spec)
     kind = grader_kind(task)
     cache = graders if graders is not None else {}
     grader = cache.get(kind) or cache.setdefault(kind, make_grader(kind))
-    return float(grader.grade(Sample(text, [text], ended_with_eos=True), task).reward)
+    return float(grader.grade(sample, task).reward)
+
+
+def _scripted_play(spec: TaskSpec, graders: dict[str, Any]) -> bool:
+    """Plays the task with its environment's ``scripted_action`` until the episode ends (at most
+    `MAX_PLAY_STEPS` actions), as the environment service steps a session, and grades the play with
+    the state hashes the rollout would record (a replay that diverges raises). False: the
+    environment offers no scripted action."""
+    script = getattr(plugins.environment_class(spec.environment), "scripted_action", None)
+    if script is None:
+        return False
+    env = make_environment(spec.environment)
+    observation, first = env.reset(_task(spec), 0)
+    turns: list[str] = []
+    hashes = [first]
+    for _ in range(MAX_PLAY_STEPS):
+        turns.append(str(script(observation)))
+        res = env.step(turns[-1])
+        hashes.append(res.state_hash)
+        observation = res.observation
+        if res.done:
+            break
+    _grade_sample(spec, Sample("".join(turns), turns, True, hashes), graders)
+    return True
 
 
 def audit_source(src: Any, n_tasks: int = 8) -> SourceAudit:
-    """Grade `n_tasks` of the source's held-out split with the gold answer and every probe."""
+    """Grade `n_tasks` of the source's held-out split: a reference-answer source with the gold
+    answer and every probe, an environment-reward source with the action probes and a scripted play."""
+    reward_from = plugins.source(src.type).reward_from
     try:
         _, tasks = load_split(src, 1, n_tasks)
     except Exception as exc:  # noqa: BLE001 - a generator that cannot run is the finding
-        return SourceAudit(src.name, error=f"{type(exc).__name__}: {exc}"[:200])
-    out = SourceAudit(src.name, tasks=len(tasks), accepted=dict.fromkeys(PROBES, 0))
+        return SourceAudit(src.name, reward_from, error=f"{type(exc).__name__}: {exc}"[:200])
+    probes = PROBES if reward_from == "reference" else ACTION_PROBES
+    out = SourceAudit(src.name, reward_from, tasks=len(tasks), accepted=dict.fromkeys(probes, 0))
     graders: dict[str, Any] = {}
     for spec in tasks:
-        if spec.answer.strip() in ("", "None"):
+        if reward_from == "environment":
+            try:
+                out.played += int(_scripted_play(spec, graders))
+            except Exception as exc:  # noqa: BLE001 - an environment or grader failing a legal play is the finding
+                out.raised.setdefault("scripted_play", f"{type(exc).__name__}: {exc}"[:200])
+        elif spec.answer.strip() in ("", "None"):
             out.gold_missing += 1
         else:
             try:
@@ -99,7 +178,7 @@ def audit_source(src: Any, n_tasks: int = 8) -> SourceAudit:
             except Exception as exc:  # noqa: BLE001 - a scorer's failure is the finding
                 out.gold_rejected += 1
                 out.raised.setdefault("gold", f"{type(exc).__name__}: {exc}"[:200])
-        for probe in PROBES:
+        for probe in probes:
             try:
                 out.accepted[probe] += int(_grade(spec, _probe_text(probe, spec), graders) > 0.0)
             except Exception as exc:  # noqa: BLE001
@@ -146,17 +225,33 @@ def reasoning_gym_families() -> list[Any]:
     return [config(name=family, family=family) for family in sorted(reasoning_gym.factory.DATASETS)]
 
 
+def _verdict(a: SourceAudit) -> str:
+    """refused (why), problem (what), or ok; with how an environment-reward source was probed and a
+    rewarded prompt echo in parentheses."""
+    if a.refused:
+        return "refused: " + "; ".join(a.refused)
+    notes = []
+    if a.reward_from == "environment":
+        notes.append(f"environment reward, scripted play on {a.played}/{a.tasks}" if a.played
+                     else "environment reward, no scripted play")
+    if echo := a.accepted.get("prompt_echo", 0):
+        notes.append(f"prompt echo rewarded on {echo}/{a.tasks}")
+    head = "problem: " + "; ".join(a.problems) if a.problems else "ok"
+    return head + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def format_table(audits: list[SourceAudit]) -> str:
-    """One line per source: tasks, gold missing / rejected, each probe's acceptances, raises, verdict."""
+    """One line per source: tasks, gold missing / rejected, each probe's acceptances, raises, verdict
+    ("-": not probed, e.g. the gold answer of an environment-reward source)."""
     head = f"{'source':32} {'tasks':>5} {'no gold':>7} {'gold<1':>6} " + " ".join(f"{p:>11}" for p in PROBES)
     lines = [head + "  raises  verdict"]
     for a in audits:
-        echo = a.accepted.get("prompt_echo", 0)
-        verdict = ("refused: " + "; ".join(a.refused) if a.refused
-                   else f"ok (prompt echo rewarded on {echo}/{a.tasks})" if echo else "ok")
-        lines.append(f"{a.source:32} {a.tasks:5d} {a.gold_missing:7d} {a.gold_rejected:6d} "
-                     + " ".join(f"{a.accepted.get(p, 0):11d}" for p in PROBES)
-                     + f"  {','.join(sorted(a.raised)) or '-':6}  {verdict}")
+        gold = (a.gold_missing, a.gold_rejected) if a.reward_from == "reference" else ("-", "-")
+        lines.append(f"{a.source:32} {a.tasks:5d} {gold[0]:>7} {gold[1]:>6} "
+                     + " ".join(f"{a.accepted.get(p, '-'):>11}" for p in PROBES)
+                     + f"  {','.join(sorted(a.raised)) or '-':6}  {_verdict(a)}")
     refused = [a.source for a in audits if a.refused]
-    lines.append(f"{len(audits)} sources, {len(refused)} refused" + (f": {', '.join(refused)}" if refused else ""))
+    problems = [a.source for a in audits if a.problems and not a.refused]
+    lines.append(f"{len(audits)} sources, {len(refused)} refused" + (f": {', '.join(refused)}" if refused else "")
+                 + (f"; {len(problems)} with problems: {', '.join(problems)}" if problems else ""))
     return "\n".join(lines)

@@ -261,7 +261,7 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"in_mesh": True})})
     if not resume:  # before the model is built or anything starts
         for a in audit_run(cfg, run_dir):
-            if a.refused or a.raised or a.accepted.get("prompt_echo"):
+            if a.refused or a.problems or a.raised or a.accepted.get("prompt_echo"):
                 console.print(f"verifier audit, {a.source}: {a.as_dict()}")
     cfg = prepare_model(cfg)
     dump_config(cfg, run_dir / "config.yaml")
