@@ -18,6 +18,7 @@ import pytest
 from repo_paths import REPO
 
 from trajmesh.infra import free_port
+from trajmesh.rollout.engines.base import wait_healthy
 from trajmesh.rollout.engines.vllm_engine import (
     SETUP_HINT,
     VLLMEngine,
@@ -56,7 +57,8 @@ class VLLMServer:
     async def wait(self) -> None:
         async with VLLMEngine(self.url, proc=self.proc) as client:
             try:
-                await client.wait_healthy(self.cfg.startup_timeout_s)
+                await wait_healthy(client, self.cfg.startup_timeout_s, proc=self.proc, what="vLLM server",
+                                   log_path=self.log_path)
             except (RuntimeError, TimeoutError) as exc:
                 raise AssertionError(f"{exc}\n--- {self.log_path} (tail) ---\n{self.log_tail()}") from None
         self.startup_s = time.monotonic() - self.started
