@@ -128,6 +128,9 @@ def gpu_requests(values: dict[str, Any]) -> dict[str, tuple[int, int]]:
         pods = int(auto.get("minReplicas", 1)) if auto.get("enabled") and values.get("keda", {}).get("enabled") \
             else int(ro.get("replicaCount", 1))
         out["rollout"] = (int(ro[engine]["gpus"]), pods)
+    ev = values.get("evaluator", {})  # the evaluator pod is a rollout pod: the same engine sidecar and GPUs
+    if ev.get("enabled", True) and engine in {"sglang", "vllm"} and int(ro.get(engine, {}).get("gpus", 0)) > 0:
+        out["evaluator"] = (int(ro[engine]["gpus"]), int(ev.get("replicaCount", 1)))
     le = values.get("learner", {})
     if le.get("enabled", True) and int(le.get("gpus", 0)) > 0:
         out["learner"] = (int(le["gpus"]), int(le.get("replicaCount", 1)))
@@ -185,7 +188,8 @@ def check_gpus(core: Any, values: dict[str, Any]) -> list[Finding]:
                         f"(kubectl describe node shows {GPU} under Allocatable when it works)")]
     out = []
     for name, (per_pod, pods) in wanted.items():
-        comp = values.get(name, {})
+        # the evaluator pod schedules as a rollout pod unless its own keys say otherwise
+        comp = {**values.get("rollout", {}), **values.get("evaluator", {})} if name == "evaluator" else values.get(name, {})
         usable = {n.metadata.name: _gpus(n) for n in gpu_nodes if not _fits(n, comp)}
         reasons = sorted({f"{n.metadata.name}: {_fits(n, comp)}" for n in gpu_nodes if _fits(n, comp)})
         pods_fit = sum(g // per_pod for g in usable.values())

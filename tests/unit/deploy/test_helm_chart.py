@@ -145,7 +145,7 @@ def test_expected_custom_resources_per_case() -> None:
     kinds = {case: sorted(o["kind"] for o in _objects(case) if o["kind"] in CUSTOM_KINDS) for case in CASES}
     assert kinds["default"] == []  # all opt-in
     assert kinds["cpu-only"] == []
-    assert kinds["gpu-cluster"].count("ServiceMonitor") == 5 and "PodMonitor" in kinds["gpu-cluster"]
+    assert kinds["gpu-cluster"].count("ServiceMonitor") == 6 and "PodMonitor" in kinds["gpu-cluster"]  # evaluator's too
     assert kinds["autoscaling-on"].count("ScaledObject") == 3
     assert kinds["external-nats-redis"].count("ScaledObject") == 1
     assert kinds["vllm"] == ["PodMonitor"]
@@ -240,8 +240,10 @@ def test_gpu_only_where_expected(case: str) -> None:
         gpu_containers = [c["name"] for c in pod["containers"]
                           if "nvidia.com/gpu" in json.dumps(c.get("resources", {}))]
         teachers = {f"teacher-{t['name']}": t for t in vals.get("teachers", [])}  # an SGLang server each
-        gpu_wanted = comp in teachers or comp in GPU_COMPONENTS and not (
-            (comp == "rollout" and vals.get("rollout", {}).get("engine") == "torch")
+        # the evaluator (on by default) is a rollout pod: its engine, GPUs and runtimeClassName are the rollout's
+        own = {**vals.get("rollout", {}), **vals.get(comp, {})} if comp == "evaluator" else vals.get(comp, {})
+        gpu_wanted = comp in teachers or comp in GPU_COMPONENTS | {"evaluator"} and not (
+            (comp in {"rollout", "evaluator"} and vals.get("rollout", {}).get("engine") == "torch")
             or (comp == "learner" and vals.get("learner", {}).get("gpus") == 0))
         if not gpu_wanted:
             assert not gpu_containers, (case, comp)
@@ -254,7 +256,7 @@ def test_gpu_only_where_expected(case: str) -> None:
                 assert int(res["requests"]["nvidia.com/gpu"]) == int(res["limits"]["nvidia.com/gpu"]) >= 1
         shm = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
         assert shm and shm[0]["emptyDir"]["sizeLimit"], (case, comp)
-        assert ("runtimeClassName" in pod) == bool({**vals.get(comp, {}), **teachers.get(comp, {})}.get("runtimeClassName"))
+        assert ("runtimeClassName" in pod) == bool({**own, **teachers.get(comp, {})}.get("runtimeClassName"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -300,7 +302,7 @@ def test_sglang_probes_never_generate_and_the_agent_waits_as_long(case: str) -> 
         if pod is None or "sglang" not in [c["name"] for c in pod["containers"]] or _component(obj).startswith("teacher-"):
             continue  # a teacher never pauses for weight loads (test_distillation_teachers_are_sglang_services)
         sglang = next(c for c in pod["containers"] if c["name"] == "sglang")
-        agent = next(c for c in pod["containers"] if c["name"] == "rollout")
+        agent = _container(pod, _component(obj))  # the rollout agent, or the evaluator in its place
         for probe in ("readinessProbe", "livenessProbe"):
             assert sglang[probe]["httpGet"]["path"] not in {"/health", "/health_generate"}, probe
             # deprecated in SGLang 0.5.x (a warning logged per call; tests/fixtures/sglang/README.md)
@@ -373,9 +375,9 @@ def test_sglang_serves_in_the_dtype_the_learner_publishes(case: str) -> None:
 
 def test_sglang_dtype_follows_learner_precision_and_is_not_overridden() -> None:
     fp32 = _objects_of(_merged(IMAGES, {"trajmesh": {"config": {"learner": {"precision": "fp32"}}}}))
-    assert _sglang_dtypes(fp32) == ["float32"]
+    assert _sglang_dtypes(fp32) == ["float32"] * 2  # the rollout's SGLang and the evaluator's
     bf16 = _objects_of(_merged(IMAGES, {"trajmesh": {"config": {"learner": {"precision": "bf16"}}}}))
-    assert _sglang_dtypes(bf16) == ["bfloat16"]
+    assert _sglang_dtypes(bf16) == ["bfloat16"] * 2
     with pytest.raises(Exception, match="learner.precision"):  # noqa: B017 - the SDK wraps Helm's error
         _objects_of(_merged(IMAGES, {"rollout": {"sglang": {"extraArgs": ["--dtype=float16"]}}}))
 
@@ -854,8 +856,6 @@ def test_dashboards_and_rules_come_from_files() -> None:
 
 # ---------------------------------------------------------------- NATS users (nats.auth)
 NATS_SERVICE_ROLES = ("store", "rollout", "grader", "learner", "evaluator")
-OFF_BY_DEFAULT = {"evaluator"}
-"""Components no CI case enables (their pods are checked by the evaluator tests below)."""
 NATS_AUTH_SECRET_ENV = re.compile(r"^TRAJMESH_NATS_PASSWORD_([A-Z]+)$")
 
 
@@ -1045,7 +1045,7 @@ def test_each_pod_gets_only_its_own_nats_password(case: str) -> None:
             else:  # environment, redis, sglang, fetch-model
                 assert not refs and not users, (case, comp, c["name"], refs)
     if auth:
-        assert {"nats", "provision", *NATS_SERVICE_ROLES} - OFF_BY_DEFAULT <= seen, seen
+        assert {"nats", "provision", *NATS_SERVICE_ROLES} <= seen, seen  # the evaluator: on by default
     else:
         assert "provision" not in seen
 
@@ -1303,9 +1303,45 @@ def _with_evaluator(case: str) -> dict[str, Any]:
     return _merged(_values(case), {"evaluator": {"enabled": True}})
 
 
-def test_evaluator_is_off_by_default() -> None:
-    for case in CASES:
-        assert not [o["kind"] for o in _objects(case) if _component(o) == "evaluator"], case
+def _by_key(values: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) -> object of a render, Secret data redacted (the NATS passwords are random)."""
+    return {(o["kind"], o["metadata"]["name"]): _redacted(o) for o in _objects_of(values)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_evaluator_is_on_by_default(case: str) -> None:
+    """`trajmesh train` evaluates in the mesh unless eval.in_mesh is false, and so does the chart
+    unless evaluator.enabled is false: no case sets it, and each renders the evaluator's one-replica
+    Deployment (a mesh pod, its agent sized by evaluator.resources), its Service and ServiceAccount,
+    and its ServiceMonitor wherever the rollout has one."""
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())["evaluator"]
+    assert chart_values["enabled"] is True
+    assert "enabled" not in _values(case).get("evaluator", {}), case
+    objs = _objects(case)
+    ev = {o["kind"]: o for o in objs if _component(o) == "evaluator"}
+    assert {"Deployment", "Service", "ServiceAccount"} <= set(ev), (case, sorted(ev))
+    assert ev["Deployment"]["spec"]["replicas"] == 1
+    assert ev["Deployment"]["spec"]["template"]["metadata"]["labels"]["trajmesh.io/mesh"] == "true"  # NetworkPolicies
+    assert ("ServiceMonitor" in ev) == any(o["kind"] == "ServiceMonitor" and _component(o) == "rollout" for o in objs)
+    agent = _container(ev["Deployment"]["spec"]["template"]["spec"], "evaluator")
+    assert agent["resources"] == chart_values["resources"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_evaluator_enabled_false_turns_it_off(case: str) -> None:
+    """evaluator.enabled=false: the render is the default one less the evaluator's objects (its
+    Deployment, Service, ServiceAccount and ServiceMonitor); nothing else changes (the NATS users,
+    the config and its checksum, the NetworkPolicies), and it stays valid and lint-clean."""
+    values = _merged(_values(case), {"evaluator": {"enabled": False}})
+    report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE)
+    assert not [m for m in report["messages"] if m["severity"] >= 2] and not report["errors"], report
+    off, on = _by_key(values), _by_key(_values(case))
+    assert not [k for k, o in off.items() if _component(o) == "evaluator"], case
+    assert [k for k, o in on.items() if _component(o) == "evaluator"], case
+    assert off == {k: o for k, o in on.items() if _component(o) != "evaluator"}
+    for obj in off.values():
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("case", ["default", "cpu-only", "vllm"])

@@ -165,8 +165,8 @@ def test_delta_sync_agent_and_engine_share_the_local_weights_volume(case: str, e
 
 def test_the_wiring_check_fails_without_a_mount_or_the_config_key() -> None:
     """The check above catches a render that lacks the engine's mount, the agent's or the config key."""
-    objs = _objects("delta-sync")
-    assert _local_weights_wiring(objs) == {("rollout", "rollout"), ("rollout", "sglang")}
+    objs = _objects("delta-sync")  # the evaluator is on by default: its pod is wired too
+    assert _local_weights_wiring(objs) == {(comp, c) for comp in ENGINE_PODS for c in (comp, "sglang")}
     for drop in ("sglang", "rollout"):
         broken = json.loads(json.dumps(objs))
         c = _container(_deployment_pod(broken, "rollout"), drop)
@@ -207,7 +207,7 @@ def test_local_weights_volume_values() -> None:
     assert volume(memory)["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
     moved = _objects_of(_merged(_merged(IMAGES, DELTA), {"rollout": {"localWeights": {"mountPath": "/ckpt/local"}}}))
     assert _config(moved)["weights"]["local_dir"] == "/ckpt/local"
-    assert _local_weights_wiring(moved) == {("rollout", "rollout"), ("rollout", "sglang")}
+    assert _local_weights_wiring(moved) == {(comp, c) for comp in ENGINE_PODS for c in (comp, "sglang")}
     elsewhere = {"trajmesh": {"config": {"weights": {"sync": "delta", "local_dir": "/tmp/weights"}}}}
     with pytest.raises(Exception, match="rollout.localWeights.mountPath") as err:  # noqa: B017 - the SDK wraps Helm's error
         _objects_of(_merged(IMAGES, elsewhere))

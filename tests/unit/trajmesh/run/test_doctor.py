@@ -103,13 +103,15 @@ HEALTHY_VALUES = {
 def test_healthy_cluster_passes_every_check() -> None:
     findings, rest = _run("healthy", HEALTHY_VALUES)
     assert _summary(findings) == [
-        ("gpu", "ok"), ("gpu", "ok"), ("storage", "ok"), ("crd", "ok"), ("crd", "ok"), ("runtimeclass", "ok"),
-        ("pod/rl-trajmesh-learner-0", "ok"), ("pod/rl-trajmesh-nats-provision-x7k2p", "ok")]
-    assert [f.message for f in findings[:3]] == [
-        "rollout: 1 pods x 1 GPUs fit on ['gpu-pool-1']", "learner: 1 pods x 1 GPUs fit on ['gpu-pool-1']",
+        ("gpu", "ok"), ("gpu", "ok"), ("gpu", "ok"), ("storage", "ok"), ("crd", "ok"), ("crd", "ok"),
+        ("runtimeclass", "ok"), ("pod/rl-trajmesh-learner-0", "ok"), ("pod/rl-trajmesh-nats-provision-x7k2p", "ok")]
+    assert [f.message for f in findings[:4]] == [
+        "rollout: 1 pods x 1 GPUs fit on ['gpu-pool-1']",
+        "evaluator: 1 pods x 1 GPUs fit on ['gpu-pool-1']",  # a rollout pod (on by default), its tolerations
+        "learner: 1 pods x 1 GPUs fit on ['gpu-pool-1']",
         "shared volume: class 'efs-sc' (efs.csi.aws.com) serves ReadWriteMany"]
-    assert findings[3].message == "keda: scaledobjects.keda.sh installed"
-    assert findings[5].message == "rollout: RuntimeClass 'nvidia' exists (handler 'nvidia')"
+    assert findings[4].message == "keda: scaledobjects.keda.sh installed"
+    assert findings[6].message == "rollout: RuntimeClass 'nvidia' exists (handler 'nvidia')"
     assert doctor.report(findings)[1] == 0
     selectors = {path: q.get("labelSelector") for path, q in rest.calls}
     assert selectors[f"/api/v1/namespaces/{NS}/pods"] == "app.kubernetes.io/instance=rl"
@@ -120,8 +122,9 @@ def test_untolerated_gpu_taint_blocks_with_the_fix() -> None:
     sets = {k: v for k, v in HEALTHY_VALUES.items() if not k.endswith("tolerations")}
     findings, _ = _run("healthy", sets, release=None)
     gpu = [f for f in findings if f.check == "gpu"]
-    assert _summary(gpu) == [("gpu", "block"), ("gpu", "block")]
+    assert _summary(gpu) == [("gpu", "block"), ("gpu", "block"), ("gpu", "block")]  # rollout, evaluator, learner
     assert gpu[0].message == "rollout needs 1 nvidia.com/gpu per pod; no usable node has that (usable: none)"
+    assert gpu[1].message == "evaluator needs 1 nvidia.com/gpu per pod; no usable node has that (usable: none)"
     assert gpu[0].fix == ("add rollout.tolerations / rollout.nodeSelector matching the GPU nodes "
                           "(gpu-pool-1: taints ['nvidia.com/gpu=present:NoSchedule'] not tolerated)")
 
@@ -130,7 +133,8 @@ def test_broken_cluster_reports_every_blocking_finding_and_exits_1() -> None:
     findings, _ = _run("broken", {"keda.enabled": True, "rollout.autoscaling.enabled": True,
                                   "rollout.runtimeClassName": "nvidia"})
     assert _summary(findings) == [
-        ("gpu", "block"), ("gpu", "block"),  # gpu-b tainted, gpu-c cordoned
+        ("gpu", "block"), ("gpu", "block"), ("gpu", "block"),  # gpu-b tainted, gpu-c cordoned
+        ("gpu", "warn"),  # rollout + evaluator + learner ask for more GPUs than the cluster has
         ("storage", "block"),  # the default class is a GCE persistent disk: ReadWriteOnce only
         ("crd", "block"),  # KEDA scaling on, KEDA not installed
         ("runtimeclass", "block"),
@@ -162,7 +166,7 @@ def test_broken_cluster_reports_every_blocking_finding_and_exits_1() -> None:
     assert env[0].message == "container environment: 1 restarts, last ended Error (exit code 1)"
     assert env[1].message == "Running, not ready (ContainersNotReady)"
     text, code = doctor.report(findings)
-    assert code == 1 and text.endswith("12 checks: 9 blocking, 3 warnings")
+    assert code == 1 and text.endswith("14 checks: 10 blocking, 4 warnings")
     assert "[BLOCK] claim/rl-trajmesh-shared: Pending (class standard, modes ['ReadWriteMany'])\n        fix: " in text
 
 
@@ -210,7 +214,7 @@ def test_cli_prints_findings_with_fixes_and_exits_nonzero(monkeypatch: pytest.Mo
     monkeypatch.setattr(doctor, "api_client_from", lambda kubeconfig, context: healthy)
     sets = [f"--set={k}={json.dumps(v)}" for k, v in HEALTHY_VALUES.items()]
     assert main(["doctor", "-n", NS, "--release", RELEASE, *sets]) == 0
-    assert capsys.readouterr().out.endswith("8 checks: 0 blocking, 0 warnings\n")
+    assert capsys.readouterr().out.endswith("9 checks: 0 blocking, 0 warnings\n")
 
 
 def test_a_shared_claim_without_read_write_many_blocks_unless_single_node() -> None:
