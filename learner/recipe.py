@@ -23,7 +23,7 @@ from trajmesh.config import RunConfig
 from trajmesh.contract import Trajectory
 from trajmesh.learner.advantages import advantage_metrics, advantages_BT, distill_advantages_BT
 from trajmesh.learner.step import Batch, apply_truncation, build_batch, response_length_metrics, split_stale
-from trajmesh.stopgates import batch_health
+from trajmesh.stoprules import batch_health
 
 
 @dataclass
@@ -43,7 +43,7 @@ def prepare(trajs: list[Trajectory], cfg: RunConfig, *, version: int, eta: int, 
     """The recipe of one step at learner `version` with staleness bound `eta`."""
     lc = cfg.learner
     keep, stale = split_stale(trajs, version, eta)
-    recipe = Recipe(keep, stale, metrics=batch_health(trajs, lc.stop_gates.verifier_components))
+    recipe = Recipe(keep, stale, metrics=batch_health(trajs, lc.stop_rules.verifier_components))
     if not keep:
         return recipe
     recipe.metrics.update(response_length_metrics(keep))

@@ -13,7 +13,7 @@
 
 The learner owns the version: it increases by exactly one per step. It stops after
 `learner.max_steps` steps or `learner.max_seconds` of RL, writing a final checkpoint, or earlier on
-a stop gate or a confirmed held-out regression: the evaluator's records on EVAL
+a stop rule or a confirmed held-out regression: the evaluator's records on EVAL
 (services/evaluator.py) feed a `HeldoutTracker` here, which also snapshots the best version's
 weights as RUN_DIR/best.
 """
@@ -69,11 +69,11 @@ from trajmesh.rollout.engines.hf_model import load_causal_lm
 from trajmesh.service import FIRST_STEP_ALLOWANCE_S, STOP_NOTICE, STOP_WORK_S, Service
 from trajmesh.services.store.client import StoreClient
 from trajmesh.services.store.record import RunRecord
-from trajmesh.stopgates import (
-    GATES,
+from trajmesh.stoprules import (
+    RULES,
     TRUNCATED_RATIO,
     VERIFIER_DISAGREEMENT_RATIO,
-    check_gates,
+    check_stop_rules,
     stop_record,
     write_stop_reason,
 )
@@ -102,10 +102,10 @@ TOKENS_TRAINED = Counter("trajmesh_learner_tokens_trained_total", "Loss-masked (
 TRAJECTORY_AGE = Histogram("trajmesh_learner_trajectory_age_seconds",
                            "Seconds from a trajectory's creation (rollout start) to the step that trains it",
                            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
-GATE_BREACHES = Counter("trajmesh_learner_stop_gate_breaches_total", "Stop-gate breaches (each stops the run)",
-                        ["gate"])
-for _g in GATES:
-    GATE_BREACHES.labels(gate=_g.name)
+RULE_BREACHES = Counter("trajmesh_learner_stop_rule_breaches_total", "Stop-rule breaches (each stops the run)",
+                        ["rule"])
+for _rule in RULES:
+    RULE_BREACHES.labels(rule=_rule.name)
 QUARANTINED.labels(reason="stale")  # exported at 0: the stale-rate panel and alert read it
 STEP_GAUGES: dict[str, Gauge] = {}
 WEIGHTS_GRACE_S = 120.0
@@ -133,7 +133,7 @@ def _gauge(name: str) -> Gauge:
     return STEP_GAUGES[name]
 
 
-# Exported from the start (0 until the first step measures them): dashboards and stop gates read them,
+# Exported from the start (0 until the first step measures them): dashboards and stop rules read them,
 # and every action type has its entropy series even before a batch holds that type.
 RESPONSE_LENGTH_NAMES = tuple(f"trajmesh_learner_response_length_{q}_tokens"
                               for q in ("mean", "p50", "p90", "max", "correct_mean", "incorrect_mean"))
@@ -149,7 +149,7 @@ class StepOutcome:
     """What one learner step returns: its telemetry apart from the ids the store must be told."""
 
     metrics: dict[str, Any]
-    """The step's metrics (metrics.jsonl, Prometheus, stop gates)."""
+    """The step's metrics (metrics.jsonl, Prometheus, stop rules)."""
     trained_ids: list[str] = field(default_factory=list)
     """Trajectories trained on (a segmented trajectory once, however many rows it has)."""
     stale_ids: list[str] = field(default_factory=list)
@@ -434,8 +434,8 @@ class LearnerService(Service):
                 fh.write(json.dumps({"kind": "learner_step", **metrics}) + "\n")
             if self.steps_done % lc.checkpoint_every == 0:
                 await self._checkpoint_async()
-            if await self._stop_gates_breached(metrics):
-                await self._record().mark_finished("stop_gate")
+            if await self._stop_rules_broken(metrics):
+                await self._record().mark_finished("stop_rule")
                 return
         if not self.stopping.is_set():  # budget spent: the run is over, the store stops admitting
             await self._record().mark_finished("budget")
@@ -461,7 +461,7 @@ class LearnerService(Service):
             if stop and self.regression is None:
                 msg = self.tracker.regression_message(metric, score)
                 log.error("held-out regression: %s", msg)
-                self.regression = {"reason": "heldout_regression", "gates": ["heldout_regression"],
+                self.regression = {"reason": "heldout_regression", "rules": ["heldout_regression"],
                                    "messages": [msg], "evaluated_version": version, "best": self.tracker.best}
 
     def _evals_done(self, task: asyncio.Task[None]) -> None:
@@ -489,7 +489,7 @@ class LearnerService(Service):
 
     async def _stop_on_regression(self) -> None:
         """stop_reason.json (+ a stop record in metrics.jsonl), a checkpoint, and the run marked
-        finished in Redis, as a stop gate does; run() then returns (exit 0)."""
+        finished in Redis, as a stop rule does; run() then returns (exit 0)."""
         assert self.regression is not None
         write_stop_reason(self.run_dir, {**self.regression, "step": self.steps_done, "version": self.version,
                                          "time": time.time()})
@@ -599,14 +599,14 @@ class LearnerService(Service):
                 out.append(services_pb2.NextBatchResponse.FromString(path.read_bytes()))
         return out
 
-    async def _stop_gates_breached(self, metrics: dict[str, Any]) -> bool:
+    async def _stop_rules_broken(self, metrics: dict[str, Any]) -> bool:
         """Survey §11.4: on a breach, write the reason, checkpoint, and end run() (exit 0)."""
-        breaches = check_gates(metrics, self.cfg.learner.stop_gates, self.steps_done)
+        breaches = check_stop_rules(metrics, self.cfg.learner.stop_rules, self.steps_done)
         if not breaches:
             return False
         for b in breaches:
-            GATE_BREACHES.labels(gate=b.gate).inc()
-            log.error("stop gate breached at step %d: %s", self.steps_done, b.message)
+            RULE_BREACHES.labels(rule=b.rule).inc()
+            log.error("stop rule breached at step %d: %s", self.steps_done, b.message)
         write_stop_reason(self.run_dir, stop_record(breaches, step=self.steps_done, version=self.version))
         await self._checkpoint_async()
         return True
@@ -817,7 +817,7 @@ class LearnerService(Service):
     async def stop(self) -> None:
         if self.leader and self.engine is not None:
             try:
-                if self.steps_done > 0 and self.checkpointed_version != self.version:  # a stop gate saved it
+                if self.steps_done > 0 and self.checkpointed_version != self.version:  # a stop rule saved it
                     await self._checkpoint_async()
             finally:
                 await self._command("stop")  # the followers leave their loop (once)

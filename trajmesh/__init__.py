@@ -9,7 +9,7 @@ This folder is the core every service shares, torch-free (docs/ARCHITECTURE.md):
     gate.py         the staleness gate (η), its counters in Redis
     service.py      the service lifecycle (setup → run → stop), stop budgets, the stop watchdog
     security.py     who may do what on the mesh, secrets     infra.py real NATS/Redis child processes
-    stopgates.py    stop gates: predeclared bounds checked after every learner step
+    stoprules.py    stop rules: predeclared bounds checked after every learner step
     tasks.py        task sources' sampler                    tokenizer.py a torch-free tokenizer view
     tool_calls.py   tool calls in the model's native format
     sandbox.py      untrusted code in its own root, namespaces and limits ─ cgroups.py its cgroups

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -422,7 +423,7 @@ class TrainEngineConfig(_Strict):
         return self
 
 
-class StopGatesConfig(_Strict):
+class StopRulesConfig(_Strict):
     """Predeclared bounds checked after every learner step (survey §11.4); a breach stops the run.
 
     Every bound is off (None) by default. On a breach the learner writes RUN_DIR/stop_reason.json and
@@ -591,8 +592,20 @@ class LearnerConfig(_Strict):
     """Decoupled-PPO objective: clips, behavior correction, denominator."""
     entropy: EntropyConfig = Field(default_factory=EntropyConfig)
     """Entropy bonus and its controller."""
-    stop_gates: StopGatesConfig = Field(default_factory=StopGatesConfig)
-    """Bounds on entropy, KL, ESS, verifier disagreement, truncation and engine consistency (all off by default)."""
+    stop_rules: StopRulesConfig = Field(default_factory=StopRulesConfig)
+    """Bounds on entropy, KL, ESS, verifier disagreement, truncation and engine consistency (all off
+    by default). Formerly ``stop_gates`` ("gate" now means only the staleness gate): that key is
+    still read, with a warning, and giving both is an error."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_stop_gates(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "stop_gates" in data:
+            if "stop_rules" in data:
+                raise ValueError("learner.stop_gates is the former name of learner.stop_rules: give only stop_rules")
+            warnings.warn("learner.stop_gates is now learner.stop_rules (read as such)", FutureWarning, stacklevel=2)
+            data = {("stop_rules" if k == "stop_gates" else k): v for k, v in data.items()}
+        return data
     truncation: TruncationConfig = Field(default_factory=TruncationConfig)
     """What truncated trajectories are trained with (default: as graded)."""
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
@@ -848,7 +861,7 @@ class RunConfig(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     """The trajectory store."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    """The learner: optimizer, advantage, objective, stop gates."""
+    """The learner: optimizer, advantage, objective, stop rules."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation protocol, checkpoint choice and the held-out regression stop."""
     weights: WeightsConfig = Field(default_factory=WeightsConfig)

@@ -3,7 +3,7 @@ services need, behind named calls, so the key names stay in the store (keys.py).
 
 ::
 
-    learner     mark_finished(reason) at its budget, a stop gate or a regression; reopen() when a
+    learner     mark_finished(reason) at its budget, a stop rule or a regression; reopen() when a
                 resumed run may admit again; the data cursor (checkpointed, restored at least to it)
     grader      task(task_id): the admitted task's record (reference answer, group size)
     evaluator   finished(): the learner has ended the run
@@ -27,7 +27,7 @@ class RunRecord:
         self.keys = RedisKeys(namespace)
 
     async def mark_finished(self, reason: str) -> None:
-        """The run is over (`reason`: budget, stop_gate, heldout_regression): the store admits no more."""
+        """The run is over (`reason`: budget, stop_rule, heldout_regression): the store admits no more."""
         await self.redis.set(self.keys.run_finished, reason)
 
     async def reopen(self) -> None:

@@ -51,7 +51,7 @@ def test_two_evaluations_below_best_minus_margin_stop_the_run(tmp_path: Path, ti
     evals = [r for r in records if r.get("kind") == "eval"]
     assert [(e["phase"], e["score"]) for e in evals] == [("before", 0.5), ("during", 0.3), ("during", 0.2),
                                                          ("after", 0.25)]
-    assert [r["gates"] for r in records if r.get("kind") == "stop"] == [["heldout_regression"]]
+    assert [r["rules"] for r in records if r.get("kind") == "stop"] == [["heldout_regression"]]
     assert all(Path(p).parent == run / "weights" for p in evaluated[1:3])  # the weights published during RL
     assert summary["best_checkpoint"]["version"] == 0 and summary["best_checkpoint"]["path"] == tiny_model_dir
     assert summary["heldout"]["chain_sum"]["before"]["sampled_accuracy"] == 0.5

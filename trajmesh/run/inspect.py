@@ -3,7 +3,7 @@
 ::
 
     RUN_DIR/manifest.json ─────────▶ manifest (survey §11.1), frozen at start
-    RUN_DIR/stop_reason.json ──────▶ stop gate that ended the run, if any
+    RUN_DIR/stop_reason.json ──────▶ stop rule that ended the run, if any
     RUN_DIR/archive/*.parquet ─────▶ final outcome per trajectory: counts by outcome and reason;
                                      per learner version: trained / quarantined, reward, tokens, lag
     RUN_DIR/metrics.jsonl ─────────▶ per version: ESS fraction, entropy, KL, engine consistency;
@@ -22,7 +22,7 @@ from typing import Any
 
 from trajmesh.run.train import read_metrics
 from trajmesh.services.store.archive import final_outcomes, read_archive
-from trajmesh.stopgates import read_stop_reason
+from trajmesh.stoprules import read_stop_reason
 
 STEP_COLUMNS = {
     "ess_ratio": "trajmesh_learner_effective_sample_size_ratio",
@@ -157,8 +157,8 @@ def format_report(info: dict[str, Any]) -> str:
             lines.append(f"  WARNING: archive rows carry manifest ids {ids}")
     stop = info["stop_reason"]
     lines += ["", "stop"]
-    lines.append(f"  stopped by gate at step {stop['step']}: " + "; ".join(stop["messages"]) if stop
-                 else "  no stop gate fired")
+    lines.append(f"  stopped by a rule at step {stop['step']}: " + "; ".join(stop["messages"]) if stop
+                 else "  no stop rule fired")
     lines += ["", f"trajectories: {info['trajectories']} (archive rows {info['archive_rows']}, "
                   f"learner steps {info['learner_steps']})", "counts by outcome"]
     lines += [f"  {k:<24} {v:>8}" for k, v in info["outcomes"].items()] or ["  (empty archive)"]

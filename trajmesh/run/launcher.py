@@ -147,7 +147,7 @@ class Mesh:
         while pending:
             for p in list(pending):
                 if p.name == "learner" and p.popen.poll() == 0:
-                    pending.remove(p)  # finished already (e.g. a stop gate fired on its first step)
+                    pending.remove(p)  # finished already (e.g. a stop rule fired on its first step)
                     continue
                 if p.popen.poll() is not None:
                     reason = failure_line(p.log_path)

@@ -107,7 +107,9 @@ def truncation_policy(cfg: Any) -> dict[str, Any]:
     shaping = {"dapo_max_length": max_length, "dapo_cache_length": cache_length} if trunc.policy == "dapo_soft" else {}
     return {"policy": trunc.policy, **shaping, "max_new_tokens_per_turn": sp.max_new_tokens, "max_turns": sp.max_turns,
             "truncated_terminal_reasons": ["MAX_TOKENS", "MAX_TURNS"],
-            "stop_gate_truncation_ratio_max": cfg.learner.stop_gates.truncation_ratio_max}
+            # the key keeps the rules' former name: the manifest is hashed (manifest_id), and a resumed
+            # run written before the rename must keep its id
+            "stop_gate_truncation_ratio_max": cfg.learner.stop_rules.truncation_ratio_max}
 
 
 def _hashed_fields(manifest: trajectory_pb2.RunManifest) -> dict[str, Any]:

@@ -378,16 +378,16 @@ def _mesh_tracker(cfg: RunConfig, records: list[dict[str, Any]]) -> HeldoutTrack
 
 def _stop_on_regression(mesh: Mesh, tracker: HeldoutTracker, record: dict[str, Any], step: int) -> None:
     """stop_reason.json (+ a stop record in metrics.jsonl) and the run marked finished in Redis, as
-    a learner stop gate does; the caller then stops the learner."""
+    a learner stop rule does; the caller then stops the learner."""
     from trajmesh import security
     from trajmesh.services.store.record import SyncRunRecord
-    from trajmesh.stopgates import write_stop_reason
+    from trajmesh.stoprules import write_stop_reason
 
     best = tracker.best or {}
     msg = (f"held-out {mesh.cfg.eval.selection_metric} score {record['score']:.4f} more than "
            f"{tracker.margin} below the best {best.get('score', float('nan')):.4f} (version {best.get('version')}) "
            f"on {tracker.below} consecutive evaluations")
-    write_stop_reason(mesh.cfg.run_dir, {"reason": "heldout_regression", "gates": ["heldout_regression"],
+    write_stop_reason(mesh.cfg.run_dir, {"reason": "heldout_regression", "rules": ["heldout_regression"],
                                          "messages": [msg], "step": step, "version": record["version"],
                                          "best": best, "time": time.time()})
     r = security.redis_sync_client(mesh.cfg)

@@ -12,7 +12,7 @@ from trajmesh.run.cli import main
 from trajmesh.run.inspect import format_report, inspect_run
 from trajmesh.run.manifest import build_manifest
 from trajmesh.services.store.archive import ArchiveWriter
-from trajmesh.stopgates import GateBreach, stop_record, write_stop_reason
+from trajmesh.stoprules import RuleBreach, stop_record, write_stop_reason
 
 
 def _build_run(run: Path) -> str:
@@ -45,7 +45,7 @@ def _build_run(run: Path) -> str:
         for v in (1, 2):
             fh.write(json.dumps({"kind": "learner_step", "version": v, "step": v,
                                  "trajmesh_learner_effective_sample_size_ratio": 0.9 - 0.1 * v}) + "\n")
-    breach = GateBreach("ess_ratio_min", "trajmesh_learner_effective_sample_size_ratio", 0.7, 0.75, "min")
+    breach = RuleBreach("ess_ratio_min", "trajmesh_learner_effective_sample_size_ratio", 0.7, 0.75, "min")
     write_stop_reason(run, stop_record([breach], step=2, version=2))
     return mid
 
@@ -59,7 +59,7 @@ def test_inspect_counts_outcomes_and_summarizes_versions(tmp_path: Path) -> None
     assert info["by_reason"]["quarantined:stale"] == 1
     assert info["by_reason"]["quarantined:length_mismatch"] == 1
     assert info["by_reason"]["quarantined:not_a_trajectory (no id)"] == 1
-    assert info["stop_reason"]["gates"] == ["ess_ratio_min"]
+    assert info["stop_reason"]["rules"] == ["ess_ratio_min"]
     v = {e["version"]: e for e in info["per_version"]}
     assert v[0]["trained"] == 2 and v[0]["mean_reward"] == pytest.approx(0.5) and v[0]["max_lag"] == 0
     assert v[1]["trained"] == 1 and v[1]["mean_lag"] == pytest.approx(0.5) and v[1]["max_lag"] == 1

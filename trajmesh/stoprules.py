@@ -1,18 +1,18 @@
-"""Stop gates (survey §11.4): predeclared bounds checked after every learner step.
+"""Stop rules (survey §11.4): predeclared bounds checked after every learner step.
 
 ::
 
     learner step metrics ─┐
-    batch_health(trajs) ──┼──▶ check_gates(metrics, cfg, step) ──▶ [GateBreach, ...]
+    batch_health(trajs) ──┼──▶ check_stop_rules(metrics, cfg, step) ──▶ [RuleBreach, ...]
     consistency probe ────┘                                             │ any?
                                                   stop_reason.json + metrics.jsonl {"kind": "stop"}
                                                   final checkpoint, learner run() returns (exit 0)
 
 "The stop condition is part of the scientific method": continuing after an entropy collapse or a
-verifier exploit makes later curves harder to interpret. Each gate reads one named metric:
+verifier exploit makes later curves harder to interpret. Each rule reads one named metric:
 
 ==========================================  ===========================================================  =====
-gate (config key)                           metric                                                       kind
+rule (config key)                           metric                                                       kind
 ==========================================  ===========================================================  =====
 entropy_min                                 trajmesh_learner_entropy_nats                                min
 kl_max                                      trajmesh_learner_kl_k3                                       max
@@ -22,7 +22,7 @@ truncation_ratio_max                        trajmesh_learner_truncated_ratio    
 engine_consistency_max_abs_logprob_diff_max trajmesh_learner_engine_consistency_max_abs_logprob_diff     max
 ==========================================  ===========================================================  =====
 
-A gate whose metric is absent from a step (e.g. no version-matched tokens for the consistency probe,
+A rule whose metric is absent from a step (e.g. no version-matched tokens for the consistency probe,
 no graded trajectory carrying the verifier components) is not evaluated at that step.
 
 Verifier disagreement, defined: a graded trajectory disagrees when ``reward > 0`` differs from "every
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from trajmesh.config import StopGatesConfig
+from trajmesh.config import StopRulesConfig
 from trajmesh.contract import Trajectory
 
 TRUNCATED_RATIO = "trajmesh_learner_truncated_ratio"
@@ -52,27 +52,27 @@ VERIFIER_DISAGREEMENT_RATIO = "trajmesh_learner_verifier_disagreement_ratio"
 
 
 @dataclass(frozen=True)
-class Gate:
+class StopRule:
     name: str
-    """Config key of the bound in StopGatesConfig."""
+    """Config key of the bound in StopRulesConfig."""
     metric: str
     kind: Literal["min", "max"]
 
 
-GATES: tuple[Gate, ...] = (
-    Gate("entropy_min", "trajmesh_learner_entropy_nats", "min"),
-    Gate("kl_max", "trajmesh_learner_kl_k3", "max"),
-    Gate("ess_ratio_min", "trajmesh_learner_effective_sample_size_ratio", "min"),
-    Gate("verifier_disagreement_max", VERIFIER_DISAGREEMENT_RATIO, "max"),
-    Gate("truncation_ratio_max", TRUNCATED_RATIO, "max"),
-    Gate("engine_consistency_max_abs_logprob_diff_max",
-         "trajmesh_learner_engine_consistency_max_abs_logprob_diff", "max"),
+RULES: tuple[StopRule, ...] = (
+    StopRule("entropy_min", "trajmesh_learner_entropy_nats", "min"),
+    StopRule("kl_max", "trajmesh_learner_kl_k3", "max"),
+    StopRule("ess_ratio_min", "trajmesh_learner_effective_sample_size_ratio", "min"),
+    StopRule("verifier_disagreement_max", VERIFIER_DISAGREEMENT_RATIO, "max"),
+    StopRule("truncation_ratio_max", TRUNCATED_RATIO, "max"),
+    StopRule("engine_consistency_max_abs_logprob_diff_max",
+             "trajmesh_learner_engine_consistency_max_abs_logprob_diff", "max"),
 )
 
 
 @dataclass(frozen=True)
-class GateBreach:
-    gate: str
+class RuleBreach:
+    rule: str
     metric: str
     value: float
     bound: float
@@ -81,7 +81,7 @@ class GateBreach:
     @property
     def message(self) -> str:
         rel = "<" if self.kind == "min" else ">"
-        return f"{self.gate}: {self.metric} = {self.value:.6g} {rel} bound {self.bound:.6g}"
+        return f"{self.rule}: {self.metric} = {self.value:.6g} {rel} bound {self.bound:.6g}"
 
 
 def batch_health(trajs: Iterable[Trajectory], components: Iterable[str]) -> dict[str, float]:
@@ -111,29 +111,29 @@ def batch_health(trajs: Iterable[Trajectory], components: Iterable[str]) -> dict
     return out
 
 
-def check_gates(metrics: Mapping[str, Any], cfg: StopGatesConfig, step: int) -> list[GateBreach]:
-    """Breached gates for one step's metrics; `step` is 1 for the first step. A non-finite value of
-    a gated metric is a breach (NaN entropy or KL is no reason to keep training)."""
+def check_stop_rules(metrics: Mapping[str, Any], cfg: StopRulesConfig, step: int) -> list[RuleBreach]:
+    """Broken rules for one step's metrics; `step` is 1 for the first step. A non-finite value of
+    a ruled metric is a breach (NaN entropy or KL is no reason to keep training)."""
     if step < cfg.start_after_steps:
         return []
-    out: list[GateBreach] = []
-    for gate in GATES:
-        bound = getattr(cfg, gate.name)
-        value = metrics.get(gate.metric)
+    out: list[RuleBreach] = []
+    for rule in RULES:
+        bound = getattr(cfg, rule.name)
+        value = metrics.get(rule.metric)
         if bound is None or not isinstance(value, (int, float)):
             continue
         v = float(value)
-        bad = not math.isfinite(v) or (v < bound if gate.kind == "min" else v > bound)
+        bad = not math.isfinite(v) or (v < bound if rule.kind == "min" else v > bound)
         if bad:
-            out.append(GateBreach(gate.name, gate.metric, v, float(bound), gate.kind))
+            out.append(RuleBreach(rule.name, rule.metric, v, float(bound), rule.kind))
     return out
 
 
-def stop_record(breaches: list[GateBreach], *, step: int, version: int) -> dict[str, Any]:
+def stop_record(breaches: list[RuleBreach], *, step: int, version: int) -> dict[str, Any]:
     """The JSON written to stop_reason.json and (with kind "stop") to metrics.jsonl."""
     return {
-        "reason": "stop_gate",
-        "gates": [b.gate for b in breaches],
+        "reason": "stop_rule",
+        "rules": [b.rule for b in breaches],
         "messages": [b.message for b in breaches],
         "breaches": [asdict(b) for b in breaches],
         "step": step,
@@ -155,8 +155,14 @@ def write_stop_reason(run_dir: str | Path, record: Mapping[str, Any]) -> Path:
 
 
 def read_stop_reason(run_dir: str | Path) -> dict[str, Any] | None:
+    """RUN_DIR/stop_reason.json, or None. A run written before the stop rules were named so has
+    ``gates`` (and reason ``stop_gate``): read as ``rules`` (``stop_rule``)."""
     path = Path(run_dir) / "stop_reason.json"
     if not path.exists():
         return None
     data: dict[str, Any] = json.loads(path.read_text())
+    if "gates" in data and "rules" not in data:
+        data["rules"] = data.pop("gates")
+    if data.get("reason") == "stop_gate":
+        data["reason"] = "stop_rule"
     return data

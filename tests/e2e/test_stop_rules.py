@@ -1,4 +1,4 @@
-"""Stop gates (survey §11.4) and the engine-consistency probe (§8.5).
+"""Stop rules (survey §11.4) and the engine-consistency probe (§8.5).
 
 Unit level: every gate is forced by a metric past its bound; verifier disagreement and truncation
 are computed from real trajectories; the probe's version-matched difference is hand-checked and is ~0
@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from trajmesh.config import StopGatesConfig, load_config
+from trajmesh.config import StopRulesConfig, load_config
 from trajmesh.contract import Trajectory
 from trajmesh.learner import consistency
-from trajmesh.stopgates import (
-    GATES,
+from trajmesh.stoprules import (
+    RULES,
     TRUNCATED_RATIO,
     VERIFIER_DISAGREEMENT_RATIO,
     batch_health,
-    check_gates,
+    check_stop_rules,
     read_stop_reason,
     stop_record,
     write_stop_reason,
@@ -53,30 +53,40 @@ def _build_traj(tid: str, *, reward: float, components: dict[str, float], termin
     return t
 
 
-@pytest.mark.parametrize("gate", [g.name for g in GATES])
-def test_each_gate_breaches_past_its_bound_only(gate: str) -> None:
-    bound, bad, good = _BOUNDS[gate]
-    metric = next(g.metric for g in GATES if g.name == gate)
-    cfg = StopGatesConfig(**{gate: bound})
-    breaches = check_gates({metric: bad}, cfg, step=1)
-    assert [b.gate for b in breaches] == [gate]
-    assert breaches[0].value == bad and breaches[0].bound == bound and gate in breaches[0].message
-    assert check_gates({metric: good}, cfg, step=1) == []
-    assert check_gates({metric: math.nan}, cfg, step=1)[0].gate == gate, "NaN is a breach"
-    assert check_gates({}, cfg, step=1) == [], "an absent metric is not evaluated"
-    assert check_gates({metric: bad}, StopGatesConfig(), step=1) == [], "gates are off by default"
-    assert check_gates({metric: bad}, StopGatesConfig(**{gate: bound, "start_after_steps": 5}), step=4) == []
+@pytest.mark.parametrize("rule", [r.name for r in RULES])
+def test_each_rule_breaches_past_its_bound_only(rule: str) -> None:
+    bound, bad, good = _BOUNDS[rule]
+    metric = next(r.metric for r in RULES if r.name == rule)
+    cfg = StopRulesConfig(**{rule: bound})
+    breaches = check_stop_rules({metric: bad}, cfg, step=1)
+    assert [b.rule for b in breaches] == [rule]
+    assert breaches[0].value == bad and breaches[0].bound == bound and rule in breaches[0].message
+    assert check_stop_rules({metric: good}, cfg, step=1) == []
+    assert check_stop_rules({metric: math.nan}, cfg, step=1)[0].rule == rule, "NaN is a breach"
+    assert check_stop_rules({}, cfg, step=1) == [], "an absent metric is not evaluated"
+    assert check_stop_rules({metric: bad}, StopRulesConfig(), step=1) == [], "rules are off by default"
+    assert check_stop_rules({metric: bad}, StopRulesConfig(**{rule: bound, "start_after_steps": 5}), step=4) == []
+
+
+def test_the_former_stop_gates_key_and_files_still_read(tmp_path: Path) -> None:
+    """`learner.stop_gates` (the rules' former name) configures the rules, with a warning; a run's
+    stop_reason.json written under that name reads as one of the rules'."""
+    with pytest.warns(FutureWarning, match="learner.stop_rules"):
+        cfg = load_config(None, {"learner.stop_gates.kl_max": 0.5})
+    assert cfg.learner.stop_rules.kl_max == 0.5
+    (tmp_path / "stop_reason.json").write_text(json.dumps({"reason": "stop_gate", "gates": ["kl_max"], "step": 3}))
+    assert read_stop_reason(tmp_path) == {"reason": "stop_rule", "rules": ["kl_max"], "step": 3}
 
 
 def test_several_gates_breach_together_and_the_record_names_them(tmp_path: Path) -> None:
-    cfg = StopGatesConfig(entropy_min=0.5, kl_max=0.1)
-    breaches = check_gates({"trajmesh_learner_entropy_nats": 0.1, "trajmesh_learner_kl_k3": 1.0}, cfg, step=3)
+    cfg = StopRulesConfig(entropy_min=0.5, kl_max=0.1)
+    breaches = check_stop_rules({"trajmesh_learner_entropy_nats": 0.1, "trajmesh_learner_kl_k3": 1.0}, cfg, step=3)
     record = stop_record(breaches, step=3, version=3)
     write_stop_reason(tmp_path, record)
     got = read_stop_reason(tmp_path)
-    assert got is not None and got["gates"] == ["entropy_min", "kl_max"] and got["step"] == 3
+    assert got is not None and got["rules"] == ["entropy_min", "kl_max"] and got["step"] == 3
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["kind"] == "stop" and last["gates"] == ["entropy_min", "kl_max"]
+    assert last["kind"] == "stop" and last["rules"] == ["entropy_min", "kl_max"]
 
 
 def test_batch_health_truncation_and_verifier_disagreement() -> None:
@@ -149,7 +159,7 @@ def test_an_impossible_ess_bound_stops_the_learner_cleanly_after_one_step(tmp_pa
         "tasks.group_size": 4, "tasks.heldout_size": 20, "tasks.train_size": 300, "tasks.sampling.max_new_tokens": 6,
         "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": 50,
-        "learner.stop_gates.ess_ratio_min": 1.01,  # ESS / N ≤ 1 always: the gate must fire at step 1
+        "learner.stop_rules.ess_ratio_min": 1.01,  # ESS / N ≤ 1 always: the gate must fire at step 1
     })
     Path(cfg.run_dir).mkdir(parents=True)
     _write_manifest(cfg)
@@ -171,10 +181,10 @@ def test_an_impossible_ess_bound_stops_the_learner_cleanly_after_one_step(tmp_pa
             mesh.stop_services()
             mesh.stop_infra()
     reason = read_stop_reason(run)
-    assert reason is not None and reason["gates"] == ["ess_ratio_min"] and reason["step"] == 1
+    assert reason is not None and reason["rules"] == ["ess_ratio_min"] and reason["step"] == 1
     records = read_metrics(run)
     assert [r["version"] for r in records if r.get("kind") == "learner_step"] == [1]
-    assert [r["gates"] for r in records if r.get("kind") == "stop"] == [["ess_ratio_min"]]
+    assert [r["rules"] for r in records if r.get("kind") == "stop"] == [["ess_ratio_min"]]
     assert (run / "checkpoints" / "latest").exists()
-    assert "stop gate breached" in (run / "logs" / "learner-0.log").read_text()
-    assert inspect_run(run)["stop_reason"]["gates"] == ["ess_ratio_min"]
+    assert "stop rule breached" in (run / "logs" / "learner-0.log").read_text()
+    assert inspect_run(run)["stop_reason"]["rules"] == ["ess_ratio_min"]
