@@ -1,7 +1,7 @@
 """An HTTP server that answers as SGLang 0.4.10.post2 or 0.5.23 does, from the recorded responses in
 tests/fixtures/sglang/<version>/ (written from the upstream source; the README there names the
-file each behaviour follows). No model: every request generates ``reply`` tokens (cut at the
-capped ``max_new_tokens``), each with log-prob -0.5.
+file each behaviour follows). No model: every request generates ``reply`` tokens, each with
+log-prob -0.5, until a finish check ends it (or the reply runs out: ``length`` at what it gave).
 
 It checks what the real server checks, in its order, for each sample of a batch: the sampling
 fields against the version's ``SamplingParams`` (HTTP 500 for any other), the context length in the
@@ -10,12 +10,26 @@ tokenizer manager (HTTP 400), then, once the sample is "sent to the scheduler" (
 whole batch with its error while the samples sent before it stay scheduled. ``max_new_tokens`` is
 capped at ``max_req_len - 1 - prompt``. A request that arrives while paused is parked until
 ``/continue_generation``.
+
+Lengths (the server's default flags: no ``--allow-auto-truncate``, no speculative decoding): the
+tokenizer manager refuses prompt + ``max_new_tokens`` >= context (0.4.10.post2) or > context
+(0.5.23) with HTTP 400 — it never caps there; the scheduler's silent cap only shortens a request
+the tokenizer manager let through, by 1 token (0.4.10) or up to 2 (0.5.23) with a large KV pool.
+
+Finish checks after each token, in the version's order (0.4.10.post2 ``Req.check_finished``: length,
+then token stops, then stop strings; 0.5.23 ``Req.update_finish_state``: stop strings, token stops,
+length): token stops are ``stop_token_ids`` and the model's ``eos_ids``, **both skipped under
+``ignore_eos``**; stop strings (``stop``, matched on ``decode`` of the output, which must then be
+given) apply with or without ``ignore_eos``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +50,8 @@ class SGLangFixtureServer:
     """``async with SGLangFixtureServer("0.4.10.post2") as srv: srv.url``."""
 
     def __init__(self, version: str, *, context_length: int = 64, max_total_num_tokens: int = 100_000,
-                 reply: list[int] | None = None, port: int = 0) -> None:
+                 reply: list[int] | None = None, eos_ids: Iterable[int] = (),
+                 decode: Callable[[list[int]], str] | None = None, port: int = 0) -> None:
         assert version in VERSIONS, version
         self.port = port
         self.version = version
@@ -50,6 +65,10 @@ class SGLangFixtureServer:
                                 max_req_input_len=self.max_req_input_len)
         self.fields = set(fixture(version, "sampling_params")["fields"])
         self.reply = list(reply) if reply is not None else [5, 9, 11, 13]
+        self.eos_ids = {int(t) for t in eos_ids}
+        """The model's end ids (tokenizer EOS, config ``eos_token_id``): a token stop unless ``ignore_eos``."""
+        self.decode = decode
+        """The tokenizer's decode, for stop strings; None: a request with ``stop`` is refused (HTTP 500)."""
         self.weight_version = "default"
         self.scheduled: list[dict[str, Any]] = []
         """Every sample the "scheduler" received: {rid, prompt_len, max_new_tokens, sampling}."""
@@ -146,21 +165,49 @@ class SGLangFixtureServer:
         n, max_new = len(prompt), sampling.get("max_new_tokens", 128)
         if n >= self.context_length:
             return 400, f"The input ({n} tokens) is longer than the model's context length ({self.context_length} tokens)."
+        # 0.4.10.post2 tokenizer_manager.py:586-598 (>=); 0.5.23 tokenizer_manager.py:1353-1377 (>, and
+        # num_reserved_tokens = 0 without eagle): HTTP 400 — the truncation branch needs --allow-auto-truncate
         over = (max_new + n > self.context_length) if self.new else (max_new + n >= self.context_length)
         if max_new is not None and over:
-            return 400, f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens."
+            return 400, (f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                         f"tokens. You requested a total of {max_new + n} tokens: {n} tokens from the input messages "
+                         f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                         f"messages or the completion to fit within the limit.")
+        if sampling.get("stop") and self.decode is None:
+            return 500, "the fixture was given no decode: it cannot match stop strings"
+        return None
+
+    def _finish(self, out: list[int], sampling: dict[str, Any], max_new: int) -> dict[str, Any] | None:
+        """The finish check after ``out[-1]`` was appended, in the version's order; None: go on."""
+        last = out[-1]
+        token_stop = (not sampling.get("ignore_eos", False)
+                      and (last in set(sampling.get("stop_token_ids") or []) or last in self.eos_ids))
+        stop_strs = sampling.get("stop") or []
+        stop_strs = [stop_strs] if isinstance(stop_strs, str) else list(stop_strs)
+        text = self.decode(out) if stop_strs and self.decode is not None else ""
+        matched_str = next((s for s in stop_strs if s and s in text), None)
+        checks = [("length", len(out) >= max_new), ("token", token_stop), ("str", matched_str is not None)]
+        if self.new:  # 0.5.23 schedule_batch.py:2026-2038: strings, then tokens, then length
+            checks = [checks[2], checks[1], checks[0]]
+        for kind, hit in checks:  # 0.4.10.post2 schedule_batch.py:690-738: length, tokens, strings
+            if hit:
+                return ({"type": "length", "length": max_new} if kind == "length"
+                        else {"type": "stop", "matched": last if kind == "token" else matched_str})
         return None
 
     def _answer(self, rid: str, prompt: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         max_new = min(int(sampling.get("max_new_tokens", 128)), self.max_req_len - len(prompt) - 1)
-        stops = set(sampling.get("stop_token_ids") or [])
         out: list[int] = []
-        for t in self.reply[:max_new]:
-            out.append(t)
-            if t in stops:
+        finish: dict[str, Any] | None = None
+        for t in self.reply:
+            if len(out) >= max_new:
                 break
-        finish = ({"type": "stop", "matched": out[-1]} if out and out[-1] in stops
-                  else {"type": "length", "length": len(out)})
+            out.append(t)
+            finish = self._finish(out, sampling, max_new)
+            if finish is not None:
+                break
+        if finish is None:  # the reply ran out (or max_new_tokens 0)
+            finish = {"type": "length", "length": len(out)}
         template = fixture(self.version, "generate")
         meta = {**template["meta_info"], "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt),
                 "output_token_logprobs": [[-0.5, t, None] for t in out], "completion_tokens": len(out)}
@@ -200,6 +247,26 @@ class SGLangFixtureServer:
                 return web.Response(status=500, text=message)
             return web.json_response({"error": {"message": message}}, status=400)  # _create_error_response
         return web.json_response(answers if batch else answers[0])
+
+
+@contextlib.contextmanager
+def serve_in_thread(version: str, **kwargs: Any) -> Iterator[SGLangFixtureServer]:
+    """The fixture on its own event loop in a daemon thread, for synchronous tests that call it
+    from their own loops (the conformance suite's ``sglang-fixture-*`` engines)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=f"sglang-fixture-{version}", daemon=True)
+    thread.start()
+    srv = SGLangFixtureServer(version, **kwargs)
+    try:
+        asyncio.run_coroutine_threadsafe(srv.__aenter__(), loop).result(30)
+        try:
+            yield srv
+        finally:
+            asyncio.run_coroutine_threadsafe(srv.__aexit__(None, None, None), loop).result(30)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,10 +6,17 @@ here: a tiny Qwen2 chat model (1,024 positions; ``make test``) and the demo's Ll
 tests/e2e/test_e2e_vllm.py), both fp32 with tied heads, started together once per module. Where the torch engine and vLLM differ,
 the torch engine follows vLLM. With ``TRAJMESH_SGLANG_URL`` set (and
 ``TRAJMESH_SGLANG_MODEL``, the HF directory that server was launched with) the same tests run
-against that SGLang server (marker ``gpu``; ``make gpu-check`` starts one). Launch SGLang with
+against that SGLang server (marker ``gpu``; ``make gpu-check`` starts one; it has not run yet: no
+machine of this project has had a GPU with SGLang). Launch SGLang with
 ``--enable-deterministic-inference`` for the ``sampling_seed`` test. Behaviours that no HTTP call can
 provoke on demand (an abort landing on the very step that sampled EOS) are checked on the torch
 engine's token loop and on the rollout's handling of SGLang's response shape.
+
+Where SGLang differs from vLLM and the torch engine (lengths: it refuses where they cap; stop ids:
+it drops them under ``ignore_eos``), a test says so per engine. Those tests (``FIXTURE_CASES``) also
+run in every ``make test`` against the SGLang fixture (``sglang-fixture-<version>``:
+tests/sglang_fixture_server.py, SGLang 0.4.10.post2 and 0.5.23 as their wheels' source reads; no
+model, a fixed reply), which is a model of SGLang, not SGLang.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ torch = pytest.importorskip("torch")
 from chatml_model import build_chatml_model  # noqa: E402
 from constrained_checks import constraint, masked_logprobs  # noqa: E402
 from logprob_checks import learner_logprobs  # noqa: E402
+from sglang_fixture_server import VERSIONS as SGLANG_FIXTURE_VERSIONS  # noqa: E402
+from sglang_fixture_server import serve_in_thread  # noqa: E402
 from vllm_server import VLLMServer, start_all  # noqa: E402
 
 from trajmesh.learner.models import (  # noqa: E402
@@ -128,10 +137,50 @@ def vllm_servers(request, tmp_path_factory) -> Any:
             server.stop()
 
 
-@pytest.fixture(scope="module", params=["torch", pytest.param("vllm-qwen", marks=pytest.mark.vllm),
-                                        pytest.param("vllm-llama", marks=[pytest.mark.vllm, pytest.mark.slow]),
-                                        pytest.param("sglang", marks=pytest.mark.gpu)])
+ENGINES = ["torch", pytest.param("vllm-qwen", marks=pytest.mark.vllm),
+           pytest.param("vllm-llama", marks=[pytest.mark.vllm, pytest.mark.slow]),
+           pytest.param("sglang", marks=pytest.mark.gpu)]
+FIXTURE_ENGINES = [f"sglang-fixture-{version}" for version in SGLANG_FIXTURE_VERSIONS]
+FIXTURE_CASES = {
+    "test_over_long_prompt_gets_400_for_the_whole_batch_and_output_is_capped",
+    "test_rollout_caps_max_new_tokens_at_the_context_length",
+    "test_stop_token_ids_and_stop_strings",
+}
+"""The tests that also run against the SGLang fixture: those whose expectation differs on SGLang and
+that need no model (the fixture answers a fixed reply; log-probs, weights and pauses need a real server)."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test runs on ``ENGINES``; the ``FIXTURE_CASES`` also on the SGLang fixture."""
+    if "engine" in metafunc.fixturenames:
+        fixtures = FIXTURE_ENGINES if metafunc.definition.originalname in FIXTURE_CASES else []
+        metafunc.parametrize("engine", ENGINES + fixtures, indirect=True, scope="module")
+
+
+FIXTURE_REPLY = "7+8-9=6 so 12+7-3=16 and 34-5+6=35"
+
+
+def _sglang_fixture(version: str, root: Path) -> Any:
+    """The SGLang fixture with the character tokenizer: a 64-token context (max_req_len 63,
+    max_req_input_len 58), the model's EOS, stop strings decoded by that tokenizer."""
+    from transformers import AutoTokenizer
+
+    build_char_tokenizer(root / "tok")
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    reply = list(tok(FIXTURE_REPLY, add_special_tokens=False)["input_ids"])
+    return tok, serve_in_thread(version, context_length=64, reply=reply, eos_ids=[int(tok.eos_token_id)],
+                                decode=tok.decode)
+
+
+@pytest.fixture(scope="module")
 def engine(request, tmp_path_factory):
+    if request.param in FIXTURE_ENGINES:
+        version = request.param.removeprefix("sglang-fixture-")
+        tok, server = _sglang_fixture(version, tmp_path_factory.mktemp("sglang-fixture"))
+        with server as srv:
+            yield {"kind": "sglang", "fixture": srv, "version": version, "url": srv.url, "tok": tok,
+                   "model": None, "other": None}
+        return
     if request.param == "sglang":
         if not (SGLANG_URL and SGLANG_MODEL):
             pytest.skip("set TRAJMESH_SGLANG_URL and TRAJMESH_SGLANG_MODEL (make gpu-check)")
@@ -176,7 +225,10 @@ def _hf_model(path: str) -> Any:
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(engine):
-    """The served model as the learner loads it (any HF causal LM for SGLang's and vLLM's), in float32."""
+    """The served model as the learner loads it (any HF causal LM for SGLang's and vLLM's), in float32;
+    the SGLang fixture has no model, only a tokenizer."""
+    if "fixture" in engine:
+        return None, engine["tok"]
     if engine["kind"] == "torch":
         return load_model(engine["model"])
     return _hf_model(engine["model"])
@@ -340,43 +392,110 @@ def test_turn_versions_across_a_weight_update_mid_generation(engine, model_and_t
 
 
 def test_over_long_prompt_gets_400_for_the_whole_batch_and_output_is_capped(engine, model_and_tokenizer):
-    """vLLM's length rules, which the torch engine follows: a prompt that leaves no room for one
-    token is HTTP 400 for the whole batch; otherwise max_new_tokens is capped at the context."""
+    """A prompt as long as the context is HTTP 400 for the whole batch on every engine. Past that
+    the engines differ. vLLM (the torch engine follows it): a prompt that leaves no room for one
+    token is 400, otherwise ``max_new_tokens`` is capped at the context. SGLang (0.4.10.post2
+    tokenizer_manager.py:586-598, 0.5.23 :1353-1377, without ``--allow-auto-truncate``) refuses
+    prompt + ``max_new_tokens`` >= context (0.4.10) / > context (0.5.23) with 400 instead of capping,
+    refuses a prompt at ``max_req_input_len`` in the scheduler (400), and caps ``max_new_tokens``
+    silently only at ``max_req_len - 1 - prompt`` (scheduler), below what its tokenizer manager lets
+    through: the rollout never relies on either cap (it asks at most the room the probe found)."""
     _, tok = model_and_tokenizer
+    sglang = engine["kind"] == "sglang"
 
     async def go():
         async with _client(engine) as client:
             ctx = await client.context_length()
+            if sglang:  # its own context length, not max_req_len as the client reports it
+                ctx = await _sglang_context_length(client)
             ok = _prompt(tok, "1+2=")
             with pytest.raises(EngineError) as too_long:
                 await client.generate([ok, [5] * ctx], [{"max_new_tokens": 2}, {"max_new_tokens": 2}])
-            capped = await client.generate([5] * (ctx - 4), {"max_new_tokens": 8, "ignore_eos": True})
-            last = await client.generate([5] * (ctx - 1), {"max_new_tokens": 3, "ignore_eos": True})
-            return ctx, too_long.value, capped, last
+            if not sglang:
+                capped = await client.generate([5] * (ctx - 4), {"max_new_tokens": 8, "ignore_eos": True})
+                last = await client.generate([5] * (ctx - 1), {"max_new_tokens": 3, "ignore_eos": True})
+                return ctx, too_long.value, {"capped": capped, "last": last}
+            caps = client.capabilities
+            n = caps.max_input_len - 1  # the longest prompt its scheduler takes
+            sp = {"ignore_eos": True}
+            out: dict[str, Any] = {"caps": caps}
+            for name, new in (("over", ctx - n + 1), ("edge", ctx - n), ("under", ctx - n - 1)):
+                try:
+                    out[name] = await client.generate([5] * n, {**sp, "max_new_tokens": new})
+                except EngineError as exc:
+                    out[name] = exc
+            try:
+                out["at_input_limit"] = await client.generate([5] * (n + 1), {**sp, "max_new_tokens": 1})
+            except EngineError as exc:
+                out["at_input_limit"] = exc
+            return ctx, too_long.value, out
 
-    ctx, too_long, capped, last = _run(go())
+    ctx, too_long, out = _run(go())
     assert ctx > 8
     assert too_long.status == 400 and "longer than the" in str(too_long)
-    assert capped.finish_reason["type"] == "length" and len(capped.output_ids) == 4
-    assert last.finish_reason["type"] == "length" and len(last.output_ids) == 1
+    if not sglang:
+        assert out["capped"].finish_reason["type"] == "length" and len(out["capped"].output_ids) == 4
+        assert out["last"].finish_reason["type"] == "length" and len(out["last"].output_ids) == 1
+        return
+    caps = out["caps"]
+    max_req_len, n = caps.max_input_len + 5, caps.max_input_len - 1
+    # n + new vs ctx: over = ctx + 1 (both refuse), edge = ctx (0.4.10 refuses: >=; 0.5.23 takes it: >),
+    # under = ctx - 1 (both take it); what is taken is capped at max_req_len - 1 - n, whatever was asked
+    edge_taken = str(caps.server_version).startswith("0.5")
+    for name, taken in (("over", False), ("edge", edge_taken), ("under", True)):
+        res = out[name]
+        if taken:
+            assert not isinstance(res, EngineError), (name, res)
+            assert res.finish_reason["type"] == "length" and len(res.output_ids) == max_req_len - 1 - n, name
+        else:
+            assert isinstance(res, EngineError) and res.status == 400, (name, res)
+            assert "Requested token count exceeds the model's maximum context length" in str(res), name
+    assert isinstance(out["at_input_limit"], EngineError) and out["at_input_limit"].status == 400
+    assert "exceeds the maximum allowed length" in str(out["at_input_limit"])
+
+
+async def _sglang_context_length(client: Any) -> int:
+    """SGLang's own context length: ``context_length`` of its server info when launched with
+    ``--context-length``, else ``max_req_len + 1`` where the KV pool is larger than that; skips a
+    server whose pool bounds ``max_req_len`` (its context is not reported) or that truncates
+    (``--allow-auto-truncate``: 0.5.23 then caps instead of refusing)."""
+    info = await client.server_info()
+    if info.get("allow_auto_truncate"):
+        pytest.skip("the server runs with --allow-auto-truncate; these are the default flags' rules")
+    if info.get("context_length"):
+        return int(info["context_length"])
+    max_req_len = int(info["max_req_input_len"]) + 5
+    if max_req_len + 1 >= int(info.get("max_total_num_tokens") or 0):
+        pytest.skip("the KV pool bounds max_req_len; launch SGLang with --context-length")
+    return max_req_len + 1
 
 
 def test_rollout_caps_max_new_tokens_at_the_context_length(engine):
+    """The rollout's turn near the end of the context: capped at the room left, never an HTTP 400.
+    The room: ``context - 1 - prompt`` (torch, vLLM: the model's context); on SGLang the probed
+    ``max_req_len - 1 - prompt`` (``context_length()`` reports ``max_req_len``), and no room at all
+    for a prompt at ``max_req_input_len = max_req_len - 5``, which its scheduler refuses."""
     async def go():
         async with _client(engine) as client:
             ctx = await client.context_length()
+            caps = getattr(client, "capabilities", None)
             sampler = TurnSampler(client, TorchEngineConfig(), stop_ids=set(), pause=PauseClock(), context_len=ctx,
                                   loaded_version=lambda: 0)
             params = trajectory_pb2.SamplingParams(temperature=1.0, max_new_tokens=100)
-            # Unseeded sampling may draw EOS within the 4 tokens left (a few % per sample): a few
+            if engine["kind"] == "sglang":
+                near, full = caps.max_input_len - 1, caps.max_input_len
+            else:
+                near, full = ctx - 5, ctx - 1
+            # Unseeded sampling may draw EOS within the few tokens left (a few % per sample): a few
             # samples, every one capped, at least one reaching the cap.
-            near_end = [await sampler.sample([5] * (ctx - 5), params) for _ in range(4)]
-            no_room = await sampler.sample([5] * (ctx - 1), params)
-            return near_end, no_room
+            near_end = [await sampler.sample([5] * near, params) for _ in range(4)]
+            no_room = await sampler.sample([5] * full, params)
+            return ctx - 1 - near, near_end, no_room
 
-    near_end, no_room = _run(go())
-    assert all(len(t.ids) <= 4 for t in near_end), [len(t.ids) for t in near_end]  # not 100, no 400
-    assert any(t.finish == "length" and len(t.ids) == 4 for t in near_end)  # ctx - 1 - (ctx - 5)
+    room, near_end, no_room = _run(go())
+    assert room == (5 if engine["kind"] == "sglang" else 4)  # SGLang: max_req_len - 1 - (max_req_len - 6)
+    assert all(len(t.ids) <= room for t in near_end), [len(t.ids) for t in near_end]  # not 100, no 400
+    assert any(t.finish == "length" and len(t.ids) == room for t in near_end)
     assert no_room.ids == [] and no_room.finish == "length"
 
 
@@ -386,8 +505,11 @@ def _greedy(client: Any, prompt: list[int], n: int, **extra: Any):
 
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_stop_token_ids_and_stop_strings(engine, model_and_tokenizer, ignore_eos):
-    """stop_token_ids end a request with or without ignore_eos (vLLM and the torch engine; the
-    rollout always sends the model's end ids as stop_token_ids)."""
+    """Stop strings end a request with or without ignore_eos on every engine. stop_token_ids end it
+    with or without ignore_eos on vLLM and the torch engine, but only without it on SGLang: both
+    versions skip every token stop (``stop_token_ids`` and EOS) under ``ignore_eos`` (0.4.10.post2
+    schedule_batch.py:703, 0.5.23 :1857). The rollout sends the model's end ids as stop_token_ids and
+    never ``ignore_eos``, so it stops on them everywhere."""
     _, tok = model_and_tokenizer
     prompt = _prompt(tok, "12+7-3=")
 
@@ -405,8 +527,11 @@ def test_stop_token_ids_and_stop_strings(engine, model_and_tokenizer, ignore_eos
     if not ignore_eos and eos & set(free.output_ids[:4]):
         pytest.skip("the greedy continuation reaches EOS before the stop token")  # a model fact, fixed per seed
     first = free.output_ids.index(stop_id)
-    assert by_id.output_ids == free.output_ids[: first + 1]
-    assert by_id.finish_reason == {"type": "stop", "matched": stop_id}
+    if engine["kind"] == "sglang" and ignore_eos:  # the stop id is ignored: as if it were not sent
+        assert by_id.output_ids == free.output_ids and by_id.finish_reason["type"] == "length"
+    else:
+        assert by_id.output_ids == free.output_ids[: first + 1]
+        assert by_id.finish_reason == {"type": "stop", "matched": stop_id}
     assert by_text.finish_reason["type"] == "stop" and by_text.finish_reason["matched"] == stop_text
     assert by_text.output_ids == free.output_ids[: len(by_text.output_ids)] and len(by_text.output_ids) <= 4
     assert stop_text in tok.decode(by_text.output_ids)

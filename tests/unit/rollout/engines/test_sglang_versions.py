@@ -239,3 +239,96 @@ def test_probe_of_the_torch_engine(tmp_path):
     assert caps.sampling_seed and caps.reports_weight_version and caps.pause_modes == ("abort",)
     assert caps.context_len == 128 and caps.fits(10, 100) and not caps.fits(10, 118)
     assert load == EngineLoad(running_reqs=0, waiting_reqs=0, tokens=None)
+
+
+def _letters(ids: list[int]) -> str:
+    """A decode for the fixture's stop strings: token t is the letter ``chr(ord("a") + t - 20)``."""
+    return "".join(chr(ord("a") + t - 20) for t in ids)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_token_stops_are_skipped_under_ignore_eos_and_stop_strings_are_not(version: str):
+    """Both versions skip every token stop — ``stop_token_ids`` and the model's EOS — under
+    ``ignore_eos`` (0.4.10.post2 schedule_batch.py:703, 0.5.23 :1857), and match stop strings either
+    way (outside that guard). The fixture used to stop on ``stop_token_ids`` whatever ``ignore_eos``."""
+    reply = [20, 21, EOS, 22, 23, 24]
+
+    async def main() -> dict[str, GenerateResult]:
+        async with SGLangFixtureServer(version, reply=reply, eos_ids=[EOS], decode=_letters) as srv, \
+                EngineClient(srv.url) as client:
+            cases = {"stop_id": {"stop_token_ids": [21]}, "stop_id_ignored": {"stop_token_ids": [21], "ignore_eos": True},
+                     "eos": {}, "eos_ignored": {"ignore_eos": True},
+                     "string_ignoring_eos": {"stop": [_letters([22, 23])], "ignore_eos": True}}
+            return {name: await client.generate([3, 4, 5], {"max_new_tokens": 6, **sp}) for name, sp in cases.items()}
+
+    out = _run(main())
+    assert (out["stop_id"].output_ids, out["stop_id"].finish_reason) == ([20, 21], {"type": "stop", "matched": 21})
+    assert (out["eos"].output_ids, out["eos"].finish_reason) == ([20, 21, EOS], {"type": "stop", "matched": EOS})
+    for name in ("stop_id_ignored", "eos_ignored"):
+        assert (out[name].output_ids, out[name].finish_reason) == (reply, {"type": "length", "length": 6}), name
+    res = out["string_ignoring_eos"]
+    assert (res.output_ids, res.finish_reason) == ([20, 21, EOS, 22, 23], {"type": "stop", "matched": "cd"})
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_stop_on_the_last_allowed_token_finishes_by_the_versions_order(version: str):
+    """0.4.10.post2's ``check_finished`` tests the length before the token stops
+    (schedule_batch.py:690, :703): a stop id sampled as the last allowed token finishes as
+    ``length``; 0.5.23's ``update_finish_state`` tests stops first (:2026-2038): ``stop``. Either
+    way the token is in the output, and the rollout ends the turn on it (its last token is a stop)."""
+    async def main() -> GenerateResult:
+        async with SGLangFixtureServer(version, reply=[20, 21, 22]) as srv, EngineClient(srv.url) as client:
+            return await client.generate([3, 4, 5], {"max_new_tokens": 2, "stop_token_ids": [21]})
+
+    res = _run(main())
+    assert res.output_ids == [20, 21]
+    assert res.finish_reason == ({"type": "stop", "matched": 21} if version == "0.5.23" else {"type": "length", "length": 2})
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_prompt_and_max_new_tokens_past_the_context_is_refused_not_capped(version: str):
+    """The tokenizer manager refuses prompt + ``max_new_tokens`` >= context (0.4.10.post2
+    tokenizer_manager.py:586-598) or > context (0.5.23 :1353-1377; it truncates only with
+    ``--allow-auto-truncate``) with HTTP 400; what it lets through the scheduler caps silently at
+    ``max_req_len - 1 - prompt`` (0.4.10.post2 scheduler.py:1179-1185, 0.5.23 :2693-2736). Context
+    64, a large pool: max_req_len 63; a 50-token prompt gets at most 12 tokens."""
+    async def main() -> dict[int, Any]:
+        async with SGLangFixtureServer(version, reply=list(range(20, 40))) as srv, EngineClient(srv.url) as client:
+            out: dict[int, Any] = {}
+            for new in (15, 14, 13):  # prompt + new = 65, 64, 63
+                try:
+                    out[new] = await client.generate(list(range(3, 53)), {"max_new_tokens": new})
+                except EngineError as exc:
+                    out[new] = exc
+            return out
+
+    out = _run(main())
+    refused = [new for new, res in out.items() if isinstance(res, EngineError)]
+    assert refused == ([15] if version == "0.5.23" else [15, 14])
+    for new in refused:
+        assert out[new].status == 400
+        assert "Requested token count exceeds the model's maximum context length of 64 tokens" in str(out[new])
+        assert f"a total of {50 + new} tokens" in str(out[new])
+    for new, res in out.items():
+        if new not in refused:
+            assert len(res.output_ids) == 12 and res.finish_reason == {"type": "length", "length": 12}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rollout_turn_stops_on_eos_as_it_never_sends_ignore_eos(version: str):
+    """The rollout sends the model's end ids as ``stop_token_ids`` and never ``ignore_eos``, so
+    SGLang's skipping of token stops under ``ignore_eos`` never reaches a turn: it ends on EOS."""
+    async def main() -> tuple[Any, list[dict[str, Any]]]:
+        async with SGLangFixtureServer(version, reply=[20, 21, EOS, 22]) as srv:
+            engine = CoalescingEngine(EngineClient(srv.url))
+            try:
+                sampler = _build_sampler(engine, context_len=await engine.context_length())
+                turn = await sampler.sample([3, 4, 5], PARAMS, seed=None)
+            finally:
+                await engine.close()
+            return turn, srv.generation_requests()
+
+    turn, sent = _run(main())
+    assert turn.ids == [20, 21, EOS] and turn.finish == "stop"
+    assert [s["sampling"].get("ignore_eos", False) for s in sent] == [False]
+    assert sent[0]["sampling"]["stop_token_ids"] == [EOS]
