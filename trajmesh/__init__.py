@@ -12,7 +12,7 @@ This folder is the core every service shares, torch-free (docs/ARCHITECTURE.md):
     stoprules.py    stop rules: predeclared bounds checked after every learner step
     tasks.py        task sources' sampler                    tokenizer.py a torch-free tokenizer view
     tool_calls.py   tool calls in the model's native format
-    sandbox.py      untrusted code in its own root, namespaces and limits ─ cgroups.py its cgroups
+    sandbox/        untrusted code in its own root, namespaces and limits, and its cgroups
     weights/        published weights on the shared volume (layout, the delta codec)
     run/            the `trajmesh` command line and a local run (the top layer: services never import it)
 

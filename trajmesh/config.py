@@ -325,7 +325,7 @@ class SimulatedLatency(_Strict):
 
 
 class SandboxConfig(_Strict):
-    """Untrusted-code sandbox of the environment and grader services (trajmesh/sandbox.py,
+    """Untrusted-code sandbox of the environment and grader services (trajmesh/sandbox/,
     docs/SECURITY.md "Sandbox")."""
 
     allow_without_cgroup: bool = False

@@ -87,12 +87,12 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
         inject_while_held,
     )
 
-    from trajmesh import cgroups
     from trajmesh.config import RunConfig
     from trajmesh.infra import nats_server_binary, redis_server_binary
     from trajmesh.run.launcher import accounting
     from trajmesh.run.run_end import drain
     from trajmesh.run.train import read_metrics
+    from trajmesh.sandbox import cgroups
 
     # The shipped demo policy (it solves some chain_sum problems, so a worse one scores measurably
     # lower); greedy on CHART_HELDOUT problems, a drop of more than 0.3 confirmed once stops the run.

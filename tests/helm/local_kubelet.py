@@ -23,7 +23,7 @@ volume mounts, declared ports, readiness probes) and
   the way the kubelet does it (fsGroup: group-owned, group-writable, setgid directories; emptyDirs
   0777; policy OnRootMismatch) and its private root is owned by that user; and, as a kubelet gives
   every pod a cgroup, such a pod's processes start in a cgroup of their own delegated to that user
-  (`trajmesh.cgroups.delegate`, in whichever mode this host has: v2 or v1), so the sandbox in the
+  (`trajmesh.sandbox.cgroups.delegate`, in whichever mode this host has: v2 or v1), so the sandbox in the
   environment and grader pods makes one cgroup per call under it; it is removed when the pod
   stops. Not root: every process runs as this user (``users_emulated`` is False and says why).
 
@@ -69,7 +69,7 @@ class RunAs:
 def _delegate_cgroup(pod_name: str, run_as: RunAs) -> Any:
     """A cgroup for the pod's processes, delegated to its user; None where this host has none
     (the sandbox's preflight then says so, as on a node without a delegated cgroup)."""
-    from trajmesh import cgroups
+    from trajmesh.sandbox import cgroups
 
     try:
         return cgroups.delegate(run_as.uid, run_as.gid, f"trajmesh-pod-{pod_name}")
@@ -96,7 +96,7 @@ class Pod:
     """containerPort -> host port."""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     cgroup: Any = None
-    """The pod's delegated cgroup (`trajmesh.cgroups.CgroupMode`), None when it has none."""
+    """The pod's delegated cgroup (`trajmesh.sandbox.cgroups.CgroupMode`), None when it has none."""
 
     def container_ports(self) -> list[dict[str, Any]]:
         return [p for c in self.spec["containers"] for p in c.get("ports", []) or []]
@@ -433,7 +433,7 @@ class LocalKubelet:
                     p.wait()
             codes.append(p.returncode)
         if pod.cgroup is not None:
-            from trajmesh import cgroups
+            from trajmesh.sandbox import cgroups
 
             cgroups.undelegate(pod.cgroup)
             pod.cgroup = None

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from repo_paths import REPO
 
-PACKAGES = ["trajmesh", "trajmesh/run", "trajmesh/weights", "learner", "envs", "graders", "rollout",
+PACKAGES = ["trajmesh", "trajmesh/run", "trajmesh/sandbox", "trajmesh/weights", "learner", "envs", "graders", "rollout",
             "rollout/engines", "rollout/agents", "services", "services/store"]
 FILE = re.compile(r"(?<![\w/.])((?:[\w.-]+/)*[\w-]+\.py)\b")
 

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 from mesh_checks import setup_then_stop
 
-from trajmesh import cgroups, sandbox
+from trajmesh import sandbox
 from trajmesh.config import load_config
+from trajmesh.sandbox import cgroups
 from trajmesh.services.environment import EnvironmentService
 
 

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from mesh_checks import setup_then_stop
 
-from trajmesh import cgroups, sandbox, tasks
+from trajmesh import sandbox, tasks
 from trajmesh.config import load_config
 from trajmesh.infra import NatsServer, RedisServer
+from trajmesh.sandbox import cgroups
 from trajmesh.services.grader import GraderService, sandboxed_sources
 
 

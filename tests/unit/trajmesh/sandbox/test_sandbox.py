@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from repo_paths import REPO
 
-from trajmesh import cgroups, sandbox
+from trajmesh import sandbox
+from trajmesh.sandbox import cgroups
 
 pytestmark = [pytest.mark.skipif(not sandbox.available(), reason="sandbox unavailable on this kernel (see sandbox.unavailable_reason())"),
               pytest.mark.timeout(120)]

@@ -23,7 +23,8 @@ import pytest
 from repo_paths import REPO
 from test_sandbox_escapes import _attack_with, _rootless_python
 
-from trajmesh import cgroups, sandbox
+from trajmesh import sandbox
+from trajmesh.sandbox import cgroups
 
 
 def _host_mode() -> cgroups.CgroupMode:

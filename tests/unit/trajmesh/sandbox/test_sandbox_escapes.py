@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from repo_paths import REPO
 
-from trajmesh import cgroups, sandbox
+from trajmesh import sandbox
+from trajmesh.sandbox import cgroups
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -300,7 +301,7 @@ def test_no_new_privileges_no_capabilities_and_seccomp(mode: str) -> None:
     ("import os, signal\nos.kill(1, signal.SIGKILL)", "signal"),
 ])
 def test_resource_abuse_is_contained_rootless(code: str, subclass: str) -> None:
-    # tests/unit/trajmesh/test_sandbox.py runs the same classes as root, in-process, with a host-uid leftover check.
+    # tests/unit/trajmesh/sandbox/test_sandbox.py runs the same classes as root, in-process, with a host-uid leftover check.
     if os.geteuid() == 0 and (shutil.which("setpriv") is None or _rootless_python() is None):
         pytest.skip("no setpriv or no interpreter uid 65534 can start")
     # cpu_time gets a long deadline: on a loaded machine one CPU-second can take several wall seconds.
@@ -313,7 +314,7 @@ def test_resource_abuse_is_contained_rootless(code: str, subclass: str) -> None:
         # The call's cgroup limit, set just below the per-process rlimit backstop, usually fires
         # first; under load the backstop can win the race (RLIMIT_NPROC counts every process of
         # the uid on the host; RLIMIT_CPU fires between two reads of the cgroup's usage): both
-        # contain the call. That the cgroup alone contains it is tests/unit/trajmesh/test_sandbox_cgroup.py's.
+        # contain the call. That the cgroup alone contains it is tests/unit/trajmesh/sandbox/test_sandbox_cgroup.py's.
         allowed |= {{"process_limit": "pids_limit", "cpu_time": "cpu_limit"}.get(subclass, subclass)}
     assert res["status"] == sandbox.SANDBOX_ERROR and res["subclass"] in allowed, res
 

@@ -112,8 +112,8 @@ def test_a_failing_setup_is_a_result_not_an_exception(monkeypatch: pytest.Monkey
 
 
 def test_without_a_cgroup_a_service_refuses_unless_weaker_limits_are_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trajmesh import cgroups
     from trajmesh.config import RunConfig
+    from trajmesh.sandbox import cgroups
 
     found = sandbox.cgroup_mode()
     if found.kind != "none":  # the mode this host has is named in the line to log
