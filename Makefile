@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 VENV_OK := .venv/.installed
 
-.PHONY: setup setup-vllm setup-verifiers models models-gemma test test-all lint proto bench demo demo-real clean prometheus
+.PHONY: setup setup-vllm setup-verifiers setup-verifiers-mesh models models-gemma test test-all test-verifiers lint proto bench demo demo-real clean prometheus
 
 $(VENV_OK): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -48,8 +48,8 @@ $(VLLM_OK):
 setup-vllm: $(VLLM_OK)
 
 # verifiers in its own venv (verifiers 0.4 pins openai < 3; the dev extra's agent frameworks need
-# openai >= 3): the core, the `verifiers` extra and pytest, no torch. `make test` runs the verifiers
-# source's tests in it (docs/ENVIRONMENTS.md, "A verifiers taskset").
+# openai >= 3): the core, the `verifiers` extra and pytest, no torch (setup-verifiers-mesh adds it).
+# `make test` runs the verifiers source's tests in it (docs/ENVIRONMENTS.md, "A verifiers taskset").
 VERIFIERS_PY := .venv-verifiers/bin/python
 VERIFIERS_OK := .venv-verifiers/.installed
 $(VERIFIERS_OK): pyproject.toml
@@ -61,6 +61,19 @@ $(VERIFIERS_OK): pyproject.toml
 	touch $(VERIFIERS_OK)
 
 setup-verifiers: $(VERIFIERS_OK)
+
+# The verifiers mesh run (tests/slow/test_e2e_verifiers.py) trains through `trajmesh train`, so the
+# same venv also gets the learner extra, torch first (2.13.0: the CPU build, as in `make setup`; any
+# other version pulls a CUDA build). Its own stamp: `make test` needs only the light venv above.
+VERIFIERS_MESH_OK := .venv-verifiers/.installed-mesh
+$(VERIFIERS_MESH_OK): $(VERIFIERS_OK)
+	$(VERIFIERS_PY) -m pip install -q torch==2.13.0
+	$(VERIFIERS_PY) -m pip install -q -e '.[learner,verifiers]'
+	$(VERIFIERS_PY) -m pip check
+	$(VERIFIERS_PY) -c "import torch, transformers, verifiers.v1, trajmesh.learner"
+	touch $(VERIFIERS_MESH_OK)
+
+setup-verifiers-mesh: $(VERIFIERS_MESH_OK)
 
 # The Prometheus test needs Debian's `prometheus` (with promtool). As root with apt-get it is installed
 # here; otherwise that one test is skipped with the command to run (under CI=true it fails instead).
@@ -80,8 +93,17 @@ test: setup setup-vllm setup-verifiers models prometheus
 	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope
 	$(VERIFIERS_PY) -m pytest -m "not slow and not gpu" -q tests/unit/envs/test_env_verifiers.py
 
-test-all: setup setup-vllm models models-gemma prometheus
+# Everything, slow studies included; then the verifiers source's tests, its mesh run with them, in
+# .venv-verifiers (the main venv has no verifiers: they skip there).
+test-all: setup setup-vllm setup-verifiers-mesh models models-gemma prometheus
 	$(PY) -m pytest -m "" -q
+	$(VERIFIERS_TESTS)
+
+# The verifiers source's tests and its mesh run (tests/slow/test_e2e_verifiers.py: slow, a few
+# minutes on 2 cores) in .venv-verifiers with torch. Also the last step of `make test-all`.
+VERIFIERS_TESTS = $(VERIFIERS_PY) -m pytest -m "" -q tests/unit/envs/test_env_verifiers.py tests/slow/test_e2e_verifiers.py
+test-verifiers: setup-verifiers-mesh
+	$(VERIFIERS_TESTS)
 
 lint: setup
 	$(PY) -m ruff check trajmesh learner rollout envs graders services tests bench

@@ -15,8 +15,8 @@ components are archived, one per reward function; and the held-out evaluation of
 verifiers' version in the revision.
 
 verifiers 0.4 pins openai < 3, which the dev extra's agent frameworks cannot share a venv with: this
-runs where verifiers is installed (``pip install -e '.[learner,gym,verifiers]' pytest
-pytest-timeout``), skipped elsewhere.
+runs where verifiers is installed, skipped elsewhere. ``make test-verifiers`` (and ``make test-all``)
+runs it in ``.venv-verifiers`` with torch and the learner (``make setup-verifiers-mesh``).
 """
 
 from __future__ import annotations
