@@ -33,7 +33,7 @@ from torch import nn
 from trajmesh.rollout.engines.hf_model import dtype_kwarg
 from trajmesh.weights.delta import DeltaWriter
 
-__all__ = ["SAFETENSORS_NAME", "TOKENIZER_FILES", "export_policy", "sha256_file"]
+__all__ = ["SAFETENSORS_NAME", "TOKENIZER_FILES", "export_policy"]
 
 SAFETENSORS_NAME = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -157,10 +157,3 @@ def export_policy(model: nn.Module, out_dir: str | os.PathLike[str], *, dtype: t
     return digest
 
 
-def sha256_file(path: str | os.PathLike[str], block: int = 1 << 20) -> str:
-    """sha256 of a file, read in blocks."""
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            sha.update(chunk)
-    return sha.hexdigest()

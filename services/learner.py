@@ -21,7 +21,6 @@ weights as RUN_DIR/best.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -64,7 +63,7 @@ from trajmesh.learner.train_engine import (
     shutdown_distributed,
     wants_deterministic,
 )
-from trajmesh.learner.weights import TOKENIZER_FILES, export_policy, sha256_file
+from trajmesh.learner.weights import TOKENIZER_FILES, export_policy
 from trajmesh.rollout.engines.hf_model import load_causal_lm
 from trajmesh.service import FIRST_STEP_ALLOWANCE_S, STOP_NOTICE, STOP_WORK_S, Service
 from trajmesh.services.store.client import StoreClient
@@ -79,7 +78,14 @@ from trajmesh.stoprules import (
 )
 from trajmesh.v1 import services_pb2, trajectory_pb2
 from trajmesh.weights.delta import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
-from trajmesh.weights.layout import temp_dir_name, version_dir_name, version_dirs, weights_root
+from trajmesh.weights.layout import (
+    CHECKSUM_NAME,
+    checksum,
+    temp_dir_name,
+    version_dir_name,
+    version_dirs,
+    weights_root,
+)
 
 log = logging.getLogger("trajmesh.learner")
 
@@ -737,7 +743,7 @@ class LearnerService(Service):
                             delta=self.delta, version=version)
         assert sha is not None
         try:
-            (tmp / "model.safetensors.sha256").write_text(sha + "\n")
+            (tmp / CHECKSUM_NAME).write_text(sha + "\n")
             base = Path(self.cfg.model.path)  # type: ignore[arg-type]
             for name in TOKENIZER_FILES:
                 if (base / name).exists():
@@ -761,12 +767,7 @@ class LearnerService(Service):
             log.info("replayed version %d not announced: v%d was announced before the restart",
                      version, self.announced_floor)
             return
-        st = Path(path) / "model.safetensors"
-        recorded = Path(path) / "model.safetensors.sha256"
-        if recorded.exists():  # written by _save_weights while streaming the file
-            sha = recorded.read_text().strip()
-        else:
-            sha = await asyncio.to_thread(sha256_file, st) if st.exists() else hashlib.sha256().hexdigest()
+        sha = await asyncio.to_thread(checksum, path)  # recorded by _save_weights while streaming the file
         ann = trajectory_pb2.WeightsAnnouncement(version=version, path=str(Path(path).resolve()),
                                                  sha256=sha, published_unix_seconds=time.time())
         await self.bus.publish_weights(version, ann.SerializeToString())

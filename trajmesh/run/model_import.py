@@ -17,7 +17,6 @@ whose architecture transformers cannot dequantize fails with one line naming the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -25,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from trajmesh.weights.layout import sha256_file
 
 RECORD = "trajmesh_import.json"
 """The provenance file in OUT_DIR: source, sha256, licence, dtype, the converter's versions."""
@@ -105,12 +106,6 @@ def resolve_source(source: str, scratch: Path) -> GgufSource:
     return GgufSource(path=ggufs[0], package=name, version=dist.version, licence=licence, licence_files=files)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def gguf_header(path: Path) -> tuple[str, int | None]:

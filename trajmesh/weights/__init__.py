@@ -1,6 +1,6 @@
 """Weights on the shared volume, torch-free: what the learner publishes and the rollout loads.
 
-- `trajmesh.weights.layout`: where versions live on the volume (`RUN_DIR/weights/v{version:06d}-{ns}`,
+- `trajmesh.weights.layout`: where versions live on the volume (`RUN_DIR/weights/v{version:06d}-{ns}`, its checksum,
   written under a hidden temp name and renamed in), the only place those names are spelled.
 - `trajmesh.weights.delta`: ``weights.sync: delta``, the codec (per version only the tensors whose
   bytes changed, a full anchor now and then), the learner's writer, the pruning rule and the
