@@ -106,6 +106,8 @@ class EvaluatorService(RolloutService):
         self.pending: trajectory_pb2.WeightsAnnouncement | None = None
         """The newest announcement not loaded because no evaluation of it was due."""
         self.redis: Any = None
+        self.record: RunRecord | None = None
+        """The store's record over `redis`: whether the learner has ended the run."""
 
     async def setup(self) -> None:
         """The rollout's engine, sampler and weight watch, without its task consumer or environments."""
@@ -118,6 +120,7 @@ class EvaluatorService(RolloutService):
             os.nice(cfg.eval.evaluator_nice)
         self.bus = await security.connect_bus(cfg, "evaluator", name=self.worker_id)
         self.redis = security.redis_client(cfg)
+        self.record = RunRecord(self.redis, cfg.infra.namespace)
         self.format = EpisodeFormat.load(cfg.model.path)
         self.tokenizer, self.chat, self.stop_ids = self.format.tokenizer, self.format.chat, self.format.stop_ids
         self.version = 0
@@ -202,7 +205,8 @@ class EvaluatorService(RolloutService):
 
     async def _finished_at(self, version: int) -> bool:
         """The learner has finished (run_finished) and `version` is the newest it announced."""
-        if not await RunRecord(self.redis, self.cfg.infra.namespace).finished():
+        assert self.record is not None, "_finished_at() before setup()"
+        if not await self.record.finished():
             return False
         latest = await self._live_bus().latest_weights()
         return latest is None or trajectory_pb2.WeightsAnnouncement.FromString(latest).version == version

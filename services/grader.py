@@ -96,6 +96,8 @@ class GraderService(Service):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.redis: Redis | None = None
+        self.record: RunRecord | None = None
+        """The store's record over `redis`: the task records the grader reads references from."""
         self.bus: busmod.Bus | None = None
         self.consumer: busmod.Consumer | None = None
         self.tokenizer: Any = None
@@ -111,6 +113,7 @@ class GraderService(Service):
         if sandboxed:  # refuse to start (SandboxUnavailable) rather than grade model code under weaker limits
             log.info("%s (for %s)", sandbox.preflight(cfg.sandbox.allow_without_cgroup), ", ".join(sandboxed))
         self.redis = security.redis_client(cfg)
+        self.record = RunRecord(self.redis, cfg.infra.namespace)
         self.bus = await security.connect_bus(cfg, "grader", name=self.worker_id)
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=busmod.GRADER_ACK_WAIT_S)
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -186,8 +189,8 @@ class GraderService(Service):
         if task is not None:
             self.task_cache.move_to_end(task_id)
             return task
-        assert self.redis is not None, "_task() before setup()"
-        found = await RunRecord(self.redis, self.cfg.infra.namespace).task(task_id)
+        assert self.record is not None, "_task() before setup()"
+        found = await self.record.task(task_id)
         if found is None:
             return None
         task = self.task_cache[task_id] = found

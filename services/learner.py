@@ -197,6 +197,8 @@ class LearnerService(Service):
         """Leader: the followers were told to stop (sent once)."""
         # What setup() opens, None until then (the leader's connections; followers open none).
         self.redis: Any = None
+        self.record: RunRecord | None = None
+        """The store's run-level record (the run's end, the data cursor), over `redis` (the leader's)."""
         self.gate: AsyncStalenessGate | None = None
         self.bus: Any = None
         self.store: StoreClient | None = None
@@ -228,8 +230,8 @@ class LearnerService(Service):
         return self.engine
 
     def _record(self) -> RunRecord:
-        """The store's run-level record (the run's end, the data cursor), over this learner's Redis."""
-        return RunRecord(self.redis, self.cfg.infra.namespace)
+        assert self.record is not None, "used before setup()"
+        return self.record
 
     def _gate(self) -> AsyncStalenessGate:
         assert self.gate is not None, "used before setup()"
@@ -279,6 +281,7 @@ class LearnerService(Service):
         asyncio.get_running_loop().set_default_executor(worker_executor())
         if self.leader:
             self.redis = security.redis_client(cfg)
+            self.record = RunRecord(self.redis, cfg.infra.namespace)
             self.gate = AsyncStalenessGate.from_config(self.redis, cfg)
             self.bus = await security.connect_bus(cfg, "learner", name=self.worker_id)
             self.store = StoreClient(cfg, self._rpc)
