@@ -49,6 +49,7 @@ from trajmesh.learner.models import (  # noqa: E402
     load_model,
 )
 from trajmesh.rollout.engines import TorchEngineConfig  # noqa: E402
+from trajmesh.rollout.engines.base import wait_healthy  # noqa: E402
 from trajmesh.rollout.engines.engine_client import (  # noqa: E402
     EngineClient,
     EngineError,
@@ -58,6 +59,7 @@ from trajmesh.rollout.engines.engine_client import (  # noqa: E402
 from trajmesh.rollout.engines.generation import PauseClock, TurnSampler  # noqa: E402
 from trajmesh.rollout.engines.hf_model import dtype_kwarg  # noqa: E402
 from trajmesh.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
+from trajmesh.service import StartFailed  # noqa: E402
 from trajmesh.v1 import trajectory_pb2  # noqa: E402
 
 SGLANG_URL = os.environ.get("TRAJMESH_SGLANG_URL")
@@ -76,13 +78,13 @@ def _run(coro: Any) -> Any:
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
-    deadline = time.monotonic() + STARTUP_S
+    """The rollout's own wait (rollout/engines/base.py): False if the server exits or times out."""
     async with EngineClient(url) as client:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if await client.health():
-                return True
-            await asyncio.sleep(0.1)
-    return False
+        try:
+            await wait_healthy(client, STARTUP_S, proc=proc, what="torch engine", poll_s=0.1)
+        except StartFailed:
+            return False
+    return True
 
 
 def _torch_engine(root: Path) -> dict[str, Any]:

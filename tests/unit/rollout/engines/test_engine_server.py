@@ -14,7 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trajmesh.learner.models import build_char_tokenizer, build_tiny_model, encode_prompt, load_model  # noqa: E402
+from trajmesh.rollout.engines.base import wait_healthy  # noqa: E402
 from trajmesh.rollout.engines.engine_client import CoalescingEngine, EngineClient, EngineError  # noqa: E402
+from trajmesh.service import StartFailed  # noqa: E402
 
 
 def _free_port() -> int:
@@ -57,15 +59,13 @@ def engine(tmp_path_factory):
     )
     url = f"http://127.0.0.1:{port}"
 
-    async def _wait_healthy() -> bool:
+    async def _wait_healthy() -> bool:  # the rollout's own wait (rollout/engines/base.py)
         async with EngineClient(url) as client:
-            for _ in range(300):
-                if proc.poll() is not None:
-                    return False
-                if await client.health():
-                    return True
-                await asyncio.sleep(0.1)
-        return False
+            try:
+                await wait_healthy(client, 30.0, proc=proc, what="torch engine", poll_s=0.1)
+            except StartFailed:
+                return False
+        return True
 
     try:
         assert asyncio.run(_wait_healthy()), (root / "server.log").read_text()
