@@ -37,6 +37,7 @@ from trajmesh.infra import NatsServer
 from trajmesh.run.launcher import Mesh, start_mesh
 from trajmesh.services.store.client import StoreClient
 from trajmesh.v1 import services_pb2, trajectory_pb2
+from trajmesh.weights import announce
 
 TOKENS = 4096
 
@@ -132,8 +133,7 @@ async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-un
                            {t.trajectory_id: t.group_id for t in resp.trajectories})
         version += 1
         # What a learner does after a step: announce the version (the synthetic engine loads nothing).
-        ann = trajectory_pb2.WeightsAnnouncement(version=version, path="synthetic", sha256="")
-        await bus.publish_weights(version, ann.SerializeToString())
+        await announce.publish(bus, announce.Announcement(version=version, path="synthetic"))
         await gate.set_version(version)
     elapsed = time.perf_counter() - (t0 or start)
     cpu1 = _cpu_snapshot(pids or {})

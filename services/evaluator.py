@@ -45,6 +45,7 @@ from trajmesh.service import supervise
 from trajmesh.services.rollout import RolloutService
 from trajmesh.services.store.record import RunRecord
 from trajmesh.v1 import trajectory_pb2
+from trajmesh.weights import announce
 
 log = logging.getLogger("trajmesh.evaluator")
 
@@ -130,8 +131,7 @@ class EvaluatorService(RolloutService):
         self.sampler = TurnSampler(engine, cfg.rollout.engine, stop_ids=self.stop_ids, pause=self.pause,
                                    context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
-        latest = await self.bus.latest_weights()
-        if latest is not None and trajectory_pb2.WeightsAnnouncement.FromString(latest).version > 0 \
+        if await announce.latest_version(self.bus) > 0 \
                 and (await self.bus.stream_info(busmod.STREAM_EVAL)).state.messages > 0:
             self.last_evaluated = -1  # a run under way, evaluated before: its base model is done
         # Otherwise (a fresh run, even one whose learner announced versions before this process was
@@ -208,8 +208,8 @@ class EvaluatorService(RolloutService):
         assert self.record is not None, "_finished_at() before setup()"
         if not await self.record.finished():
             return False
-        latest = await self._live_bus().latest_weights()
-        return latest is None or trajectory_pb2.WeightsAnnouncement.FromString(latest).version == version
+        latest = await announce.latest(self._live_bus())
+        return latest is None or latest.version == version
 
     # ------------------------------------------------------------------ one evaluation
     async def evaluate(self, version: int, phase: str) -> dict[str, Any]:

@@ -76,7 +76,8 @@ from trajmesh.stoprules import (
     stop_record,
     write_stop_reason,
 )
-from trajmesh.v1 import services_pb2, trajectory_pb2
+from trajmesh.v1 import services_pb2
+from trajmesh.weights import announce
 from trajmesh.weights.delta import DeltaWriter, WeightSyncError, is_delta_dir, prunable, reconstruct
 from trajmesh.weights.layout import (
     CHECKSUM_NAME,
@@ -118,11 +119,11 @@ WEIGHTS_GRACE_S = 120.0
 
 
 async def honour_anchor_request(bus: Any, delta: DeltaWriter, seen: int) -> int:
-    """A rollout asked for a full anchor since revision `seen` (`Bus.request_anchor`): the next
+    """A rollout asked for a full anchor since revision `seen` (`announce.request_anchor`): the next
     version `delta` writes is one. Returns the revision now seen. A NATS error leaves it for the
     next version (the request stays in the KV)."""
     try:
-        revision = await bus.anchor_request_revision()
+        revision = await announce.anchor_request_revision(bus)
     except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
         log.warning("could not read anchor requests (%r); checked again at the next version", exc)
         return seen
@@ -308,11 +309,9 @@ class LearnerService(Service):
             # idempotently, so they stay true across a learner restart; the batches trained since
             # the checkpoint are replayed from disk (run()), bringing the version back to where
             # it was. (StalenessGate.rebase_after_recovery is for a Redis that lost its data.)
-            latest = await self.bus.latest_weights()
-            if latest is not None:
-                self.announced_floor = trajectory_pb2.WeightsAnnouncement.FromString(latest).version
+            self.announced_floor = await announce.latest_version(self.bus)
             await self._publish_weights()
-        elif await self.bus.latest_weights() is None:
+        elif await announce.latest(self.bus) is None:
             await self._announce(self.version, cfg.model.path)
         await self._gate().set_version(self.version)
         await self._record().reopen()  # a resumed run with a larger budget admits again
@@ -771,9 +770,7 @@ class LearnerService(Service):
                      version, self.announced_floor)
             return
         sha = await asyncio.to_thread(checksum, path)  # recorded by _save_weights while streaming the file
-        ann = trajectory_pb2.WeightsAnnouncement(version=version, path=str(Path(path).resolve()),
-                                                 sha256=sha, published_unix_seconds=time.time())
-        await self.bus.publish_weights(version, ann.SerializeToString())
+        await announce.publish(self.bus, announce.announcement(version, path, sha))
 
     def _checkpoint(self, gate: dict[str, int] | None = None, cursor: int = 0) -> None:
         """Model, optimizer, scheduler and RNG (engine), plus version, entropy controller, gate

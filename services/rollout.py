@@ -54,6 +54,7 @@ from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine
 from trajmesh.rollout.engines.teacher import Teacher, scorable
 from trajmesh.service import Service, supervise
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
+from trajmesh.weights import announce
 from trajmesh.weights.delta import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
 
 log = logging.getLogger("trajmesh.rollout")
@@ -252,8 +253,8 @@ class RolloutService(Service):
 
         async def watch() -> None:
             """Consumes the KV watch; replaces the pending announcement; unblocks load()."""
-            async for raw in self._live_bus().watch_weights(include_current=True):
-                newest.offer(trajectory_pb2.WeightsAnnouncement.FromString(raw))
+            async for ann in announce.watch(self._live_bus(), include_current=True):
+                newest.offer(ann)
 
         async def load() -> None:
             """Waits for an announcement; loads the newest one pending."""
@@ -277,7 +278,7 @@ class RolloutService(Service):
             WEIGHT_UPDATE_FAILURES.inc()
             log.error("could not rebuild weights v%d: %s; asking for a full anchor", ann.version, exc)
             try:  # the learner's next version is then a full file, not a delta on the broken chain
-                await self._live_bus().request_anchor(self.worker_id, int(ann.version))
+                await announce.request_anchor(self._live_bus(), self.worker_id, int(ann.version))
                 ANCHOR_REQUESTS_SENT.inc()
             except (nats.errors.Error, asyncio.TimeoutError) as req_exc:
                 log.warning("anchor request failed (%r); the next periodic anchor heals it", req_exc)

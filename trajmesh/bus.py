@@ -7,6 +7,7 @@
                                                                                        │
    rollout ◀── KV trajmesh_weights["latest"] + WEIGHTS (limits, last N) ◀── learner ◀──┘
    evaluator ◀── (same KV watch) ;  evaluator ── EVAL (limits, every record) ──▶ learner, readers
+   (what the weights KV and stream carry, and how they are read: trajmesh/weights/announce.py)
 
    any message above the server's max_payload: bytes ─▶ object store `trajmesh_blobs`,
    the stream carries an empty message with header `Trajmesh-Blob: <name>`.
@@ -38,7 +39,6 @@ unprefixed constants below; the :class:`Bus` applies the namespace.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import ssl
@@ -61,8 +61,6 @@ from prometheus_client import Counter
 __all__ = [
     "BLOB_HEADER",
     "KV_WEIGHTS",
-    "KV_ANCHOR_REQUEST_KEY",
-    "KV_WEIGHTS_KEY",
     "OBJ_BLOBS",
     "STREAM_EVAL",
     "STREAM_TASKS",
@@ -102,12 +100,9 @@ SUBJECT_EVAL = "trajmesh.eval"
 EVAL_HISTORY = 100_000
 """Eval records the EVAL stream keeps (a record per evaluated version: a run's whole history)."""
 
-# Weight announcements for late joiners: KV bucket and its single key.
+# Weight announcements for late joiners, and anchor requests: the KV bucket.
 KV_WEIGHTS = "trajmesh_weights"
-KV_WEIGHTS_KEY = "latest"
-KV_ANCHOR_REQUEST_KEY = "anchor_request"
-"""A rollout that could rebuild no version from the current anchor (``weights.sync: delta``) asks
-for a full anchor here; each request is a new revision of the key (`Bus.request_anchor`)."""
+"""Its keys and what is written under them: `trajmesh.weights.announce`."""
 # Object store for payloads above the server's max_payload.
 OBJ_BLOBS = "trajmesh_blobs"
 
@@ -133,14 +128,8 @@ DEFAULT_MAX_DELIVERIES = 8
 GRADER_ACK_WAIT_S = 30.0
 """The grader's TRAJ_RAW ack wait: a dead grader's messages come back after it (the store's
 straggler hold is sized by it)."""
-# How often a weights watch also reads the current announcement (Bus.watch_weights).
-WEIGHTS_POLL_S = 2.0
 # Seconds an ack of a blob message may take to be confirmed before its blob is deleted.
 _BLOB_ACK_TIMEOUT_S = 5.0
-WEIGHTS_PUBLISH_RETRY_S = 120.0
-"""How long a weights announcement is retried while NATS is unreachable (restarting) before it
-fails; a JetStream restart with recovery takes seconds to tens of seconds."""
-
 PUBLISH_RETRY_S = 60.0
 """How long a deduplicated publish (one with a msg id) is retried by its service before it fails:
 NATS restarting, or the process paused past the request's deadline (the stream ack came while it
@@ -150,10 +139,6 @@ PUBLISH_RETRIES = Counter(
     "trajmesh_bus_publish_retried_failures_total",
     "Failed publish attempts retried (a NATS error or timeout; the msg id stores the message once)",
     ["subject"],
-)
-WEIGHTS_PUBLISH_FAILURES = Counter(
-    "trajmesh_bus_weights_publish_failures_total",
-    "Failed weights announcement attempts (NATS unreachable or timed out), each retried until its deadline",
 )
 POISON_MESSAGES = Counter(
     "trajmesh_bus_poison_messages_total",
@@ -465,7 +450,7 @@ class Bus:
                 discard=api.DiscardPolicy.NEW if work_queue else api.DiscardPolicy.OLD,
             )
             await self._create_or_update_stream(config)
-        await self._ensure_kv()
+        await self.weights_kv()
         await self._ensure_object_store(blob_ttl_s)
 
     async def _create_or_update_stream(self, config: api.StreamConfig) -> None:
@@ -476,7 +461,8 @@ class Bus:
                 raise
             await self.js.update_stream(config)
 
-    async def _ensure_kv(self) -> KeyValue:
+    async def weights_kv(self) -> KeyValue:
+        """The weights KV bucket (created if missing); what goes in it: `trajmesh.weights.announce`."""
         if self._kv is None:
             bucket = self.layout.bucket(KV_WEIGHTS)
             try:
@@ -620,140 +606,6 @@ class Bus:
         sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream_name)
         return Consumer(sub, js=self.js, stream=stream_name, durable=durable, blobs=self._blobs,
                         max_deliveries=deliveries, on_poison=on_poison)
-
-    # -- weights --------------------------------------------------------------------------
-    async def publish_weights(self, version: int, announcement: bytes, *,
-                              retry_s: float = WEIGHTS_PUBLISH_RETRY_S) -> None:
-        """Announce policy ``version``: ``announcement`` is the caller's serialized message
-        (version, path, sha256). Written to KV ``latest`` first, so anyone who hears the stream
-        message and reads the KV sees it, then published on WEIGHTS (deduped per version).
-
-        A NATS error or timeout (NATS restarting) is retried with backoff for up to ``retry_s``
-        seconds, then raised: both writes are idempotent (the KV value is the same, the stream
-        dedupes on the version's message id), and a learner that exits here has already trained
-        the step it announces (issue 16)."""
-        deadline = time.monotonic() + retry_s
-        delay = 0.2
-        while True:
-            try:
-                kv = await self._ensure_kv()
-                await kv.put(KV_WEIGHTS_KEY, announcement)
-                await self.publish(
-                    SUBJECT_WEIGHTS,
-                    announcement,
-                    msg_id=f"weights-v{version}",
-                    headers={WEIGHTS_VERSION_HEADER: str(version)},
-                )
-                return
-            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as err:
-                if time.monotonic() + delay > deadline:
-                    raise
-                WEIGHTS_PUBLISH_FAILURES.inc()
-                _log.warning("announcing weights v%d failed (%s); retrying in %.1f s", version, err, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    async def request_anchor(self, worker: str, version: int) -> int:
-        """Asks the learner to make its next version a full anchor (``weights.sync: delta``): a
-        rollout whose rebuild of `version` failed from its anchor too. Returns the request's KV
-        revision; the learner honours each revision once (`anchor_request_revision`)."""
-        kv = await self._ensure_kv()
-        body = json.dumps({"worker": worker, "version": int(version), "unix_seconds": time.time()})
-        return int(await kv.put(KV_ANCHOR_REQUEST_KEY, body.encode()))
-
-    async def anchor_request_revision(self) -> int:
-        """The KV revision of the latest anchor request (0: none was made)."""
-        kv = await self._ensure_kv()
-        try:
-            entry = await kv.get(KV_ANCHOR_REQUEST_KEY)
-        except nats.js.errors.KeyNotFoundError:
-            return 0
-        return int(entry.revision or 0)
-
-    async def latest_weights(self) -> bytes | None:
-        """The latest announcement from the KV bucket, None if no version was published yet."""
-        kv = await self._ensure_kv()
-        try:
-            entry = await kv.get(KV_WEIGHTS_KEY)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return bytes(entry.value) if entry.value is not None else None
-
-    async def watch_weights(
-        self, *, include_current: bool = True, caught_up: asyncio.Event | None = None,
-        poll_s: float = WEIGHTS_POLL_S,
-    ) -> AsyncGenerator[bytes, None]:
-        """Yield each new announcement as it is written (KV watch on ``latest``).
-
-        With ``include_current`` the latest existing announcement (if any) comes first. The
-        ``caught_up`` event is set once the existing value has been delivered (or skipped): every
-        announcement written after that is yielded, each once, in revision order (an older one
-        arriving late is skipped). Stops the watcher when the iterator is closed.
-
-        The watch alone does not survive a NATS restart reliably: its server-side consumer is
-        ephemeral and in memory, and nats-py re-creates it only after two missed idle heartbeats
-        (≥ 10 s), retrying each 10 s while JetStream recovers; a rollout meanwhile kept sampling
-        with old weights while the learner moved on, and its tasks, admitted at the newer
-        version, were trained stale (issue 16). So the current value is also read every ``poll_s``
-        seconds from the start (failures while NATS is down are ignored) and yielded when its
-        revision is newer than the last one yielded (before the existing value was delivered, only
-        with ``include_current``).
-        """
-        kv = await self._ensure_kv()
-        # (revision, value, from the poll) in arrival order; None: the watch delivered the existing value.
-        found: asyncio.Queue[tuple[int, bytes, bool] | None | BaseException] = asyncio.Queue()
-        watcher = await kv.watch(KV_WEIGHTS_KEY)
-
-        async def watch() -> None:
-            try:
-                async for entry in watcher:
-                    if entry is None:  # the watcher sends None once the existing value was delivered
-                        await found.put(None)
-                        continue
-                    if entry.operation in ("DEL", "PURGE") or entry.value is None:
-                        continue
-                    await found.put((int(entry.revision or 0), bytes(entry.value), False))
-            except Exception as exc:  # noqa: BLE001 - raised to the generator's consumer
-                await found.put(exc)
-
-        async def poll() -> None:
-            while True:
-                await asyncio.sleep(poll_s)
-                try:
-                    entry = await kv.get(KV_WEIGHTS_KEY)
-                except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError):
-                    continue  # NATS down or the key deleted: a later poll (or the watch) sees it
-                if entry.value is not None:
-                    await found.put((int(entry.revision or 0), bytes(entry.value), True))
-
-        # The poll runs from the start, not only once the watch has delivered the existing value: a
-        # rollout once never got that marker nor any update from its watch (no error either) and
-        # sampled with its first weights for minutes while the learner published v1, v2, ...
-        tasks = [asyncio.ensure_future(watch()), asyncio.ensure_future(poll())]
-        last, seen_current = 0, False
-        try:
-            while True:
-                item = await found.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    if not seen_current:
-                        seen_current = True
-                        if caught_up is not None:
-                            caught_up.set()
-                    continue
-                revision, value, polled = item
-                if polled and not seen_current and not include_current:
-                    continue  # maybe the existing value, maybe newer: the watch orders those
-                if revision <= last:
-                    continue  # already yielded (the watch and the poll both saw it), or older
-                last = revision
-                if seen_current or include_current:
-                    yield value
-        finally:
-            for t in tasks:
-                t.cancel()
-            await watcher.stop()
 
     # -- held-out evaluation --------------------------------------------------------------
     async def publish_eval(self, version: int, record: bytes) -> api.PubAck:

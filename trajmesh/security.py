@@ -147,7 +147,8 @@ def nats_permissions(role: Role, namespace: str = "", store_replicas: int = 1) -
     partitions (see the matrix in docs/SECURITY.md).
 
     store: publishes TASKS; consumes TRAJ_GRADED; reads the backlog of every work queue.
-    rollout: consumes TASKS; publishes TRAJ_RAW; reads and watches the weights KV.
+    rollout: consumes TASKS; publishes TRAJ_RAW; reads and watches the weights KV; writes its
+      ``anchor_request`` key (``weights.sync: delta``).
     grader: consumes TRAJ_RAW; publishes TRAJ_GRADED.
     learner: the only writer of weights (KV ``latest`` + WEIGHTS stream); reads the EVAL records.
     evaluator: reads and watches the weights KV; publishes EVAL (it never touches the training streams).
@@ -155,6 +156,7 @@ def nats_permissions(role: Role, namespace: str = "", store_replicas: int = 1) -
     admin: everything (the launcher/operator provisions streams and inspects the run).
     """
     from trajmesh import bus as busmod
+    from trajmesh.weights import announce
 
     if role == "admin":
         return Permissions(publish=(">",), subscribe=(">",))
@@ -179,14 +181,14 @@ def nats_permissions(role: Role, namespace: str = "", store_replicas: int = 1) -
             pub += _read_stream(stream)
     elif role == "rollout":
         pub = [lay.subject(busmod.SUBJECT_TRAJ_RAW), *_consume(tasks, "rollout"), *blobs,
-               *_read_stream(kv_stream), *_watch_stream(kv_stream)]
+               *_read_stream(kv_stream), *_watch_stream(kv_stream), f"$KV.{kv_bucket}.{announce.ANCHOR_REQUEST_KEY}"]
     elif role == "grader":
         pub = [*(lay.subject(busmod.graded_subject(k, n)) for k in range(n)), *_consume(raw, "grader"), *blobs]
     elif role == "evaluator":
         pub = [lay.subject(busmod.SUBJECT_EVAL), f"$JS.API.STREAM.INFO.{eval_stream}",
                *_read_stream(kv_stream), *_watch_stream(kv_stream)]
     else:  # learner
-        pub = [lay.subject(busmod.SUBJECT_WEIGHTS), f"$KV.{kv_bucket}.{busmod.KV_WEIGHTS_KEY}",
+        pub = [lay.subject(busmod.SUBJECT_WEIGHTS), f"$KV.{kv_bucket}.{announce.LATEST_KEY}",
                *_read_stream(kv_stream), f"$JS.API.STREAM.INFO.{lay.stream(busmod.STREAM_WEIGHTS)}",
                *_read_stream(eval_stream), *_watch_stream(eval_stream)]
     return Permissions(publish=tuple(dict.fromkeys(pub)), subscribe=(f"{inbox_prefix(role, namespace)}.>",))

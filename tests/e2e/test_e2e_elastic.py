@@ -38,7 +38,7 @@ from trajmesh.run.launcher import accounting, start_mesh
 from trajmesh.run.run_end import drain, end_run
 from trajmesh.services.store.repo import base_task_id
 from trajmesh.tasks import load_split, profile_key, write_profile
-from trajmesh.v1 import trajectory_pb2
+from trajmesh.weights import announce
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -106,10 +106,9 @@ def _check_truncated_responses_masked(cfg: RunConfig, rows: list[dict]) -> None:
 async def _latest_version(cfg: RunConfig) -> int:
     bus = await security.connect_bus(cfg, "admin", name="test-elastic")  # the run's admin credentials
     try:
-        raw = await bus.latest_weights()
+        return await announce.latest_version(bus)
     finally:
         await bus.close()
-    return 0 if raw is None else int(trajectory_pb2.WeightsAnnouncement.FromString(raw).version)
 
 
 def _metric(port: int, name: str) -> float:

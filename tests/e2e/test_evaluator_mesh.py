@@ -37,7 +37,7 @@ from trajmesh.run.launcher import SERVICE_ORDER, accounting, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.run.train import read_metrics, wait_final_eval
 from trajmesh.services.store.archive import read_archive
-from trajmesh.v1 import trajectory_pb2
+from trajmesh.weights import announce
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -93,9 +93,7 @@ def _worse_policy(model_dir: str, out: Path) -> Path:
 async def _announce(cfg: RunConfig, path: Path, version: int) -> None:
     bus = await security.connect_bus(cfg, "admin", name="test-injector")
     try:
-        ann = trajectory_pb2.WeightsAnnouncement(version=version, path=str(path.resolve()), sha256="",
-                                                 published_unix_seconds=time.time())
-        await bus.publish_weights(version, ann.SerializeToString())
+        await announce.publish(bus, announce.announcement(version, path, ""))
     finally:
         await bus.close()
 

@@ -5,7 +5,9 @@
 - `trajmesh.weights.delta`: ``weights.sync: delta``, the codec (per version only the tensors whose
   bytes changed, a full anchor now and then), the learner's writer, the pruning rule and the
   rollout's reconstruction of the full checkpoint on its own disk (`LocalWeights`).
+- `trajmesh.weights.announce`: which version is where: the learner's announcement (KV ``latest``, then
+  the WEIGHTS stream), the rollouts' watch with its poll, and the delta rollouts' anchor requests.
 
 The learner (learner/weights.py, services/learner.py) writes through it and the rollout
-(services/rollout.py) reads through it; it imports nothing of theirs (torch stays out).
+(services/rollout.py) reads through it; it imports none of their code, only the bus for NATS (torch stays out).
 """

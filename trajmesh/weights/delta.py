@@ -389,7 +389,7 @@ class DeltaWriter:
 
     def anchor_next(self) -> None:
         """The next version written is a full anchor (on demand: a rollout could rebuild no version
-        from the current anchor, `bus.Bus.request_anchor`); the count to the next periodic one
+        from the current anchor, `announce.request_anchor`); the count to the next periodic one
         restarts from it."""
         self._anchor_next = True
 

@@ -1157,6 +1157,7 @@ def test_chart_nats_conf_enforces_users_on_a_real_server(tmp_path: Path, monkeyp
     from trajmesh import security
     from trajmesh.config import load_config
     from trajmesh.infra import NatsServer
+    from trajmesh.weights import announce
 
     ns = "live_ns"
     values = json.loads(json.dumps(_values("cpu-only")))
@@ -1220,8 +1221,9 @@ def test_chart_nats_conf_enforces_users_on_a_real_server(tmp_path: Path, monkeyp
             login(role)
             buses[role] = await security.connect_bus(cfg, role, name=f"chart-{role}")  # binds: streams exist
         try:
-            await buses["learner"].publish_weights(1, b"w1")
-            assert await buses["rollout"].latest_weights() == b"w1"
+            w1 = announce.announcement(1, tmp_path, "")
+            await announce.publish(buses["learner"], w1)
+            assert await announce.latest(buses["rollout"]) == w1
             await buses["store"].publish(busmod.SUBJECT_TASKS, b"task", msg_id="t1")
             tasks = await buses["rollout"].pull_subscribe(busmod.STREAM_TASKS, "rollout")
             [msg] = await tasks.fetch(1, timeout=5)
@@ -1236,7 +1238,7 @@ def test_chart_nats_conf_enforces_users_on_a_real_server(tmp_path: Path, monkeyp
             [msg] = await graded.fetch(1, timeout=5)
             assert await graded.resolve(msg) == b"traj"
             await msg.ack()
-            assert await buses["evaluator"].latest_weights() == b"w1"  # the evaluator watches weights
+            assert await announce.latest(buses["evaluator"]) == w1  # the evaluator watches weights
             await buses["evaluator"].publish_eval(1, b'{"version": 1}')
             records = buses["learner"].eval_records()
             assert await asyncio.wait_for(records.__anext__(), 5) == b'{"version": 1}'

@@ -25,6 +25,7 @@ from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.config import RunConfig, TlsConfig, load_config
 from trajmesh.infra import NatsServer, RedisServer
+from trajmesh.weights import announce
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,12 +199,16 @@ def test_every_allowed_path_works_without_a_violation(mesh: _Mesh, monkeypatch: 
     async def go() -> None:
         store, rollout, grader, learner = [await as_role(r) for r in ("store", "rollout", "grader", "learner")]
         try:
-            await learner.publish_weights(1, b"weights-v1")
-            assert await learner.latest_weights() == b"weights-v1"
-            assert await rollout.latest_weights() == b"weights-v1"
-            watch = rollout.watch_weights(include_current=True)
-            assert await asyncio.wait_for(watch.__anext__(), 5) == b"weights-v1"
+            v1 = announce.announcement(1, tmp_path, "ab" * 32)
+            await announce.publish(learner, v1)
+            assert await announce.latest(learner) == v1
+            assert await announce.latest(rollout) == v1
+            watch = announce.watch(rollout, include_current=True)
+            assert await asyncio.wait_for(watch.__anext__(), 5) == v1
             await watch.aclose()
+            # A rollout whose delta rebuild failed asks the learner for a full anchor.
+            revision = await announce.request_anchor(rollout, "rollout-0", 1)
+            assert revision > 0 and await announce.anchor_request_revision(learner) == revision
 
             await store.publish(busmod.SUBJECT_TASKS, b"task-1", msg_id="task-1")
             tasks = await rollout.pull_subscribe(busmod.STREAM_TASKS, "rollout")

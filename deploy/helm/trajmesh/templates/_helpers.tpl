@@ -489,7 +489,8 @@ Returns JSON {role: {"publish": [...], "subscribe": [...]}}.
 {{- $rollout := concat (list (printf "%strajmesh.traj.raw" $subj))
       (include "trajmesh.js.consume" (dict "stream" $tasks "durable" "rollout") | fromJsonArray)
       $blobs $kvRead
-      (include "trajmesh.js.watchStream" $kvStream | fromJsonArray) -}}
+      (include "trajmesh.js.watchStream" $kvStream | fromJsonArray)
+      (list (printf "$KV.%s.anchor_request" $kvBucket)) -}}
 {{- $grader := concat $gradedSubjects
       (include "trajmesh.js.consume" (dict "stream" $raw "durable" "grader") | fromJsonArray)
       $blobs -}}

@@ -24,10 +24,12 @@ from typing import Any
 import pytest
 from store_checks import admit_and_take, store_config
 
+from trajmesh import bus as busmod
 from trajmesh.infra import NatsServer, RedisServer
 from trajmesh.services.store.archive import final_outcomes, read_archive
 from trajmesh.services.store.service import TrajectoryStore
 from trajmesh.v1 import trajectory_pb2
+from trajmesh.weights import announce
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -43,17 +45,20 @@ class _Killed(BaseException):
 
 def _watch_announcements(learner: Any, seen: list[trajectory_pb2.WeightsAnnouncement],
                          kill_after: int | None = None) -> None:
-    """Record the learner's announcements; with `kill_after`, the process dies right after it
-    announced that version."""
-    publish: Callable[..., Awaitable[None]] = learner.bus.publish_weights
+    """Record the learner's announcements (its messages on WEIGHTS); with `kill_after`, the process
+    dies right after it announced that version."""
+    publish: Callable[..., Awaitable[Any]] = learner.bus.publish
 
-    async def publish_weights(version: int, announcement: bytes, **kw: Any) -> None:
-        await publish(version, announcement, **kw)
-        seen.append(trajectory_pb2.WeightsAnnouncement.FromString(announcement))
-        if kill_after is not None and version >= kill_after:
-            raise _Killed
+    async def publish_watched(subject: str, data: bytes, **kw: Any) -> Any:
+        ack = await publish(subject, data, **kw)
+        if subject == busmod.SUBJECT_WEIGHTS:
+            ann = trajectory_pb2.WeightsAnnouncement.FromString(data)
+            seen.append(ann)
+            if kill_after is not None and ann.version >= kill_after:
+                raise _Killed
+        return ack
 
-    learner.bus.publish_weights = publish_weights
+    learner.bus.publish = publish_watched
 
 
 def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
@@ -78,7 +83,8 @@ def test_work_sampled_with_a_version_the_replay_reaches_is_trained(
         await learner.store.close()  # the kill: its connections go, nothing else runs
         await learner.bus.close()
         await learner.redis.aclose()
-        announced = trajectory_pb2.WeightsAnnouncement.FromString(await store.w.bus.latest_weights())
+        announced = await announce.latest(store.w.bus)
+        assert announced is not None
         # 2. A rollout samples with the announced weights; the store keeps the group for the learner.
         tb = await admit_and_take(store, "tb", [0.0, 1.0], sampled_with=announced.version)
         held = [store.state.holds(f"{tb}-{i}") for i in range(G)]

@@ -27,6 +27,7 @@ from trajmesh.config import load_config
 from trajmesh.learner.weights import export_policy
 from trajmesh.services.rollout import RolloutService
 from trajmesh.v1 import trajectory_pb2
+from trajmesh.weights import announce
 from trajmesh.weights.delta import (
     DELTA_NAME,
     ENCODINGS,
@@ -427,7 +428,7 @@ def test_a_rollout_that_cannot_rebuild_asks_for_an_anchor_and_the_next_version_i
         learner_bus = await busmod.connect(nats_server.url, name="learner")
         anchors = []
         try:
-            assert await learner_bus.anchor_request_revision() == 0
+            assert await announce.anchor_request_revision(learner_bus) == 0
             seen = await learner_mod.honour_anchor_request(learner_bus, writer, 0)
             assert seen == 0
             first = _write(model, writer, out, 1)  # the first version: an anchor (no base)

@@ -1,6 +1,6 @@
 """The weights watch survives a NATS restart (issue 16).
 
-A rollout follows the learner's weights through `Bus.watch_weights`. nats-py's KV watch runs on an
+A rollout follows the learner's weights through `announce.watch`. nats-py's KV watch runs on an
 ephemeral, in-memory consumer that a NATS restart destroys; nats-py re-creates it only after two
 missed idle heartbeats (≥ 10 s, retried every 10 s while JetStream recovers). Meanwhile a rollout
 kept sampling tasks admitted at the new version with old weights, and the learner quarantined
@@ -13,6 +13,7 @@ import asyncio
 
 from trajmesh import bus as busmod
 from trajmesh.infra import NatsServer
+from trajmesh.weights import announce
 
 WATCH_ALONE_RECOVERY_S = 10.0
 """The earliest nats-py's own watch re-creates its consumer after a restart (2 × 5 s heartbeat)."""
@@ -23,17 +24,17 @@ def test_weights_watch_sees_announcements_made_after_a_nats_restart(nats_server:
         rollout = await busmod.connect(nats_server.url, name="rollout")
         await rollout.ensure_streams()
         learner = await busmod.connect(nats_server.url, name="learner")
-        await learner.publish_weights(1, b"v1")
-        watch = rollout.watch_weights(include_current=True, poll_s=0.3)
-        assert await asyncio.wait_for(anext(watch), 10) == b"v1"
+        await announce.publish(learner, _ann(1))
+        watch = announce.watch(rollout, include_current=True, poll_s=0.3)
+        assert await asyncio.wait_for(anext(watch), 10) == _ann(1)
 
         nats_server.kill()
         nats_server.restart()
-        await learner.publish_weights(2, b"v2")  # retried until NATS is back (see the next test)
+        await announce.publish(learner, _ann(2))  # retried until NATS is back (see the next test)
         # Well within the time the nats-py watch alone takes to come back.
-        assert await asyncio.wait_for(anext(watch), WATCH_ALONE_RECOVERY_S - 1) == b"v2"
-        await learner.publish_weights(3, b"v3")
-        assert await asyncio.wait_for(anext(watch), 10) == b"v3"  # each once, in order: no v2 again
+        assert await asyncio.wait_for(anext(watch), WATCH_ALONE_RECOVERY_S - 1) == _ann(2)
+        await announce.publish(learner, _ann(3))
+        assert await asyncio.wait_for(anext(watch), 10) == _ann(3)  # each once, in order: no v2 again
         await watch.aclose()
         await learner.close()
         await rollout.close()
@@ -41,8 +42,12 @@ def test_weights_watch_sees_announcements_made_after_a_nats_restart(nats_server:
     asyncio.run(asyncio.wait_for(body(), 120))
 
 
+def _ann(version: int) -> announce.Announcement:
+    return announce.Announcement(version=version, path=f"/weights/v{version}")
+
+
 def _retries() -> float:
-    return busmod.WEIGHTS_PUBLISH_FAILURES._value.get()
+    return announce.PUBLISH_FAILURES._value.get()
 
 
 def test_weights_announcement_is_retried_while_nats_is_down(nats_server: NatsServer) -> None:
@@ -51,10 +56,10 @@ def test_weights_announcement_is_retried_while_nats_is_down(nats_server: NatsSer
     async def body() -> None:
         learner = await busmod.connect(nats_server.url, name="learner")
         await learner.ensure_streams()
-        await learner.publish_weights(1, b"v1")
+        await announce.publish(learner, _ann(1))
         nats_server.kill()
         before = _retries()
-        publish = asyncio.ensure_future(learner.publish_weights(2, b"v2"))
+        publish = asyncio.ensure_future(announce.publish(learner, _ann(2)))
         while _retries() == before:  # the event: a failed attempt while NATS is down
             assert not publish.done(), publish.exception()
             await asyncio.sleep(0.05)
@@ -62,11 +67,11 @@ def test_weights_announcement_is_retried_while_nats_is_down(nats_server: NatsSer
         nats_server.restart()
         await asyncio.wait_for(publish, 60)
         reader = await busmod.connect(nats_server.url, name="reader")
-        assert await reader.latest_weights() == b"v2"
+        assert await announce.latest(reader) == _ann(2)
         # Without retries the same call fails while NATS is down.
         nats_server.kill()
         try:
-            await learner.publish_weights(3, b"v3", retry_s=0)
+            await announce.publish(learner, _ann(3), retry_s=0)
             raise AssertionError("publish with NATS down did not fail")
         except (busmod.nats.errors.Error, busmod.nats.js.errors.Error, asyncio.TimeoutError):
             pass
