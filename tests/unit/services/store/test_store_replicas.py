@@ -3,7 +3,8 @@
 Each replica is a real `TrajectoryStore` serving gRPC; groups are admitted through the shared gate
 and taken in through each replica's own partition subject. The learner's `StoreClient` gathers a
 batch across both: the oldest groups across replicas, none while a replica waits for a due group,
-and its Report reaches the replica that handed each trajectory out.
+and its Report reaches the replica that handed each trajectory out; a replica that stops answering
+is skipped after `skip_after_s`, and its Report waits for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from prometheus_client import REGISTRY
 from store_checks import graded, store_config, take
 
 from trajmesh import bus as busmod
@@ -135,3 +137,115 @@ def test_a_replica_waiting_for_a_due_group_holds_the_gather(
     out = asyncio.run(main())
     assert out["held"] == 0 and all(out["ready_while_held"]), out
     assert sorted(out["ids"]) == sorted(out["due"] + out["young"][0]), out  # the due group first
+
+
+class _Pausable:
+    """A TCP proxy in front of one replica's gRPC port. While paused it forwards nothing (what
+    the learner sees of a SIGSTOPped replica: connections stay open, calls get no answer)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.open = asyncio.Event()
+        self.open.set()
+        self.server: asyncio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self.target.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self.open.wait()
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def _trained_count(store: TrajectoryStore, tid: str) -> int:
+    """`trained` rows of `tid` in the replica's archive."""
+    store.w.archive.flush()
+    rows = 0
+    for path in store.w.archive.directory.glob(f"part-store{store.replica}-*.parquet"):
+        t = pq.read_table(path, columns=["trajectory_id", "outcome"]).to_pydict()
+        rows += sum(1 for i, o in zip(t["trajectory_id"], t["outcome"], strict=True) if i == tid and o == "trained")
+    return rows
+
+
+def _unreachable_s(replica: int) -> float:
+    return REGISTRY.get_sample_value("trajmesh_learner_store_replica_unreachable_seconds",
+                                     {"replica": str(replica)}) or 0.0
+
+
+def _skipped(replica: int) -> float:
+    return REGISTRY.get_sample_value("trajmesh_learner_store_replica_skipped_steps_total",
+                                     {"replica": str(replica)}) or 0.0
+
+
+def test_an_unanswering_replica_is_skipped_its_report_owed_until_it_answers(
+        tmp_path: Path, nats_server: NatsServer, redis_server: RedisServer, tiny_model_dir: str) -> None:
+    """Replica 1 stops answering (its connections held open, as a SIGSTOPped process's): its part
+    of a Report is owed; once it has not answered for `skip_after_s` the learner gathers without
+    it, and a batch short of `learner.batch_groups` comes after the timeout; when it answers
+    again the owed Report reaches it first (archived as trained there, once), and it is gathered
+    from again."""
+    cfg = _config(tmp_path, nats_server, redis_server, tiny_model_dir)
+
+    async def main() -> dict[str, Any]:
+        proxy = _Pausable(cfg.store_endpoints[1])
+        await proxy.start()
+        through = cfg.model_copy(update={"infra": cfg.infra.model_copy(
+            update={"store_addresses": [cfg.store_endpoints[0], proxy.address]})})
+        async with _replicas(cfg) as (stores, _):
+            client = StoreClient(through, lambda call, request: call(request, timeout=30.0))
+            # The run's skip time is the straggler hold (≥ the grader's 30 s ack wait); 1 s here.
+            client.skip_after_s = 1.0
+            try:
+                a = await _admit(stores, 1)  # at v0, replica 1
+                await stores[0].w.gate.set_version(1)
+                b, c = await _admit(stores, 0), await _admit(stores, 0)  # at v1, replica 0
+                first = await client.next_batch(1, timeout_s=5.0)
+                group_of = {t.trajectory_id: t.group_id for t in first.trajectories}
+                proxy.open.clear()  # replica 1 stops answering
+                skipped_before = _skipped(1)
+                await client.report(services_pb2.ReportRequest(learner_version=1, trained_ids=list(group_of)),
+                                    group_of)
+                owed = len(client.owed[1])
+                short = await client.next_batch(2, timeout_s=3.0)
+                out = {"a": a, "b": b, "c": c, "first": sorted(group_of), "owed": owed,
+                       "short": [t.trajectory_id for t in short.trajectories],
+                       "skipped": _skipped(1) - skipped_before, "unreachable_s": _unreachable_s(1), "a_held": [stores[1].state.holds(t) for t in a],
+                       "trained_while_stopped": [_trained_rows(s) for s in stores]}
+                await client.report(services_pb2.ReportRequest(learner_version=2, trained_ids=out["short"]),
+                                    {t.trajectory_id: t.group_id for t in short.trajectories})
+                d, e = await _admit(stores, 1), await _admit(stores, 0)
+                proxy.open.set()  # it answers again
+                again = await client.next_batch(3, timeout_s=10.0)
+                out.update(again=[t.trajectory_id for t in again.trajectories], owed_after=len(client.owed[1]),
+                           d=d, e=e, trained=[_trained_rows(s) for s in stores],
+                           a_rows=sum(_trained_count(stores[1], t) for t in a), unreachable_after=_unreachable_s(1))
+                return out
+            finally:
+                await client.close()
+                await proxy.close()
+
+    out = asyncio.run(main())
+    assert out["first"] == sorted(out["a"] + out["b"]), out  # oldest across replicas
+    assert out["owed"] == 1 and all(out["a_held"]), out  # replica 1's part waits, a stays handed out
+    assert out["short"] == out["c"] and out["skipped"] == 1, out  # gathered without replica 1: one group
+    assert out["unreachable_s"] >= 1.0 and out["unreachable_after"] == 0.0, out
+    assert out["trained_while_stopped"] == [set(out["b"]), set()], out
+    assert sorted(out["again"]) == sorted(out["d"] + out["e"]) and out["owed_after"] == 0, out
+    assert out["trained"] == [set(out["b"] + out["c"]), set(out["a"])], out  # the owed Report
+    assert out["a_rows"] == len(out["a"]), out  # once
