@@ -8,7 +8,9 @@ without a code block is the final answer (``<answer>...</answer>``), which the m
 tool use itself earns nothing. Budgets come from the task (`tool`): calls per episode, per-call
 timeout and output bytes. Resource limits (timeout, memory, output) come back as an error
 observation; containment violations (network, writes outside /tmp, secrets, signals, fork bombs,
-orphans) end the episode as SANDBOX_ERROR.
+orphans) end the episode as SANDBOX_ERROR. A sandbox that could not be set up (subclass `setup`:
+no user namespaces, no free uid, a full disk) ends it as INFRA_FAILURE: the policy did nothing
+wrong, so training drops the episode and held-out evaluation counts it apart from the answers.
 
 Tasks are generated here from a seed (`make_tasks`): integer / fraction problems whose answers
 `math-verify` can check.
@@ -52,8 +54,9 @@ class MathToolSource(ToolSourceConfig):
     """Tool output returned to the policy per call."""
 
 
-CONTAINMENT = ("network", "fs_write", "secret_access", "signal", "process_limit", "orphan_process", "setup")
-"""Sandbox subclasses that end the episode (the rest are returned to the policy as tool errors)."""
+CONTAINMENT = ("network", "fs_write", "secret_access", "signal", "process_limit", "orphan_process")
+"""Sandbox subclasses that end the episode as SANDBOX_ERROR (`setup` ends it as INFRA_FAILURE; the
+rest are returned to the policy as tool errors)."""
 INSTRUCTION = "Run python with <code>...</code>; reply <answer>x</answer>.\n"
 TOOLS: dict[str, dict[str, Any]] = {
     "python": {"description": "Run a Python program in a sandbox; returns what it prints (stdout, or the error).",
@@ -99,6 +102,9 @@ class MathToolEnv(SingleToolEnv):
             "tool_call": {"name": "python", "request": code, "response": obs, "status": status,
                           "latency_s": latency, "sandbox_error": res.subclass, "native": native},
         }
+        if res.subclass == "setup":
+            info.update(terminal_reason="INFRA_FAILURE", sandbox_error=res.subclass)
+            return StepResult(obs, True, h, info=info)
         if res.subclass in CONTAINMENT:
             info.update(terminal_reason="SANDBOX_ERROR", sandbox_error=res.subclass)
             return StepResult(obs, True, h, info=info)

@@ -213,6 +213,8 @@ class CodeTestsGrader:
         nonce = secrets.token_hex(16)
         job = {"nonce": nonce, "tests": tests, "program": program, "budget_s": self.limits.wall_s * 0.8}
         res = sandbox.run_code(HARNESS, stdin=repr(job), limits=self.limits)
+        if res.subclass == "setup":  # the sandbox, not the program: raised, so never a wrong answer
+            raise sandbox.SandboxUnavailable(f"sandbox setup failed: {res.stderr[-300:]}")
         verdict = read_verdict(res.stdout, nonce, len(tests)) if res.status == sandbox.OK else None
         passed = verdict or 0
         ratio = passed / max(1, len(tests))

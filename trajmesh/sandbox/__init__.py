@@ -45,6 +45,8 @@ class. Needs only unprivileged user namespaces (root is not required).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import fcntl
 import functools
 import json
@@ -57,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,11 +394,30 @@ def _classify(rep: dict, violations: list[str], stderr: str, killed_for: str, li
     return ""
 
 
+_INJECTED_SETUP_FAILURE: contextvars.ContextVar[str] = contextvars.ContextVar("trajmesh_sandbox_injected", default="")
+"""Why every `run_code` in this context fails its setup ("" : none); set by `injected_setup_failure`."""
+
+
+@contextlib.contextmanager
+def injected_setup_failure(why: str) -> Iterator[None]:
+    """Fault injection (tests): every `run_code` in this context, threads started from it through
+    `asyncio.to_thread` included, returns a `setup` failure saying `why` without running anything,
+    as a sandbox that cannot be set up does (services/environment.py,
+    `environment.inject_sandbox_failure`)."""
+    token = _INJECTED_SETUP_FAILURE.set(why)
+    try:
+        yield
+    finally:
+        _INJECTED_SETUP_FAILURE.reset(token)
+
+
 def run_code(code: str, *, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
     """Run `code` as `python main.py` in a fresh sandbox. Never raises: whatever the code does and
     whatever fails on this side (no free uid, a missing tool, a kernel refusal) is a result."""
     limits = limits or SandboxLimits()
     start = time.monotonic()
+    if _INJECTED_SETUP_FAILURE.get():
+        return SandboxResult(SANDBOX_ERROR, "setup", stderr=f"sandbox setup failed: injected: {_INJECTED_SETUP_FAILURE.get()}")
     try:
         return _run(code, stdin, limits, start)
     except Exception as exc:  # noqa: BLE001 - the promise above: a SANDBOX_ERROR, never an exception

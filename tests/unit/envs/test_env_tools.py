@@ -131,3 +131,17 @@ def test_math_grader_counts_native_python_calls_as_tool_calls() -> None:
             + "<tool_call>{bad</tool_call><answer>3</answer>")
     g = make_grader("math").grade(Sample(text), {"answer": "3"})
     assert g.components["tool_calls"] == 2.0 and g.reward == 1.0  # one native python call + one <code>
+
+
+def test_math_tool_sandbox_setup_failure_ends_the_episode_as_infra_failure() -> None:
+    """A sandbox that cannot be set up is infrastructure, not the policy's doing: INFRA_FAILURE
+    (dropped from training, counted apart in evaluation), not SANDBOX_ERROR; the service's
+    `inject_sandbox_failure` knob fails the setup the same way (`sandbox.injected_setup_failure`)."""
+    task = math_tasks(0, 1, tool={"max_tool_calls": 1, "call_timeout_s": 3.0})[0]
+    env = MathToolEnv()
+    env.reset(task, 0)
+    with sandbox.injected_setup_failure("test"):
+        step = env.step("<code>print(6*7)</code>")
+    info = step.info or {}
+    assert step.done and info["terminal_reason"] == "INFRA_FAILURE" and info["sandbox_error"] == "setup"
+    assert "injected: test" in step.observation and info["tool_call"]["status"] == "sandbox_violation"

@@ -110,3 +110,14 @@ def test_expected_exceptions_are_seen_by_the_tests() -> None:
                                    "assert root(9) == 3"]}}
     program = "def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return int(x ** 0.5)\n"
     assert make_grader("code").grade(Sample(f"```python\n{program}```"), task).reward == 1.0
+
+
+def test_a_sandbox_that_cannot_be_set_up_is_a_grader_failure_not_a_wrong_answer() -> None:
+    """The sandbox failing its own setup raises through `grade_sample` (the gold probe fails the
+    same way), which the grader service records as INFRA_FAILURE; never reward 0."""
+    from trajmesh.graders import grade_sample
+
+    task = {**TASK, "answer": f"```python\n{HONEST['plain']}```"}
+    with sandbox.injected_setup_failure("test"), pytest.raises(sandbox.SandboxUnavailable, match="injected: test"):
+        grade_sample(make_grader("code"), Sample(f"```python\n{WRONG}```"), task)
+    assert grade_sample(make_grader("code"), Sample(f"```python\n{WRONG}```"), task).reward == 0.0
