@@ -6,6 +6,9 @@
     search.py          search answers                       workplace.py the workplace's end state
     gym.py             a Gymnasium environment's own reward  verifiers.py a verifiers rubric
     external_agent.py  what a user's own agent returned, graded by the grader it delegates to
+    judge.py           a judge model's verdict (config `judge`, not a task's kind: the grader
+                       service asks it for the sources `judge.sources` names); judge_groups.py
+                       parks a pairwise group's members in Redis until the group is whole
 
 Which kinds exist is the plug-in registry's business (`trajmesh.plugins`: each task source names its
 graders; `STANDALONE_GRADERS` the rest); grader modules are imported on first use. Imports: the core

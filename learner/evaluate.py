@@ -6,13 +6,19 @@ every stop id), the same environment classes (`envs/`, in-process: tools and the
 budgets and terminal reasons. Each episode is scored by its source's grader (`graders/`):
 reasoning-gym ``score_answer``, math-verify, search normalized exact match, workplace final state.
 The policy is a hook (`Policy`): the model sampled in-process with ``sample_batch``
-(rollout/engines/torch_sampler.py, ``ModelPolicy``) in `trajmesh train`, the run's inference engine in
-the evaluator service (services/evaluator.py), a scripted one in tests.
+(rollout/engines/torch_sampler.py, ``ModelPolicy``) in `trajmesh train` with ``eval.in_mesh: false``
+(evaluation in the launcher's process, before any service is up), a scripted one in tests. This
+in-process loop is not the mesh's: the evaluator service (services/evaluator.py) plays its
+episodes through the environment service and has them graded by the grader service, as training
+does, and hands `source_figures` its own pass runner.
 
 Above the episodes sits what both callers share: the held-out split of every source
-(`heldout_tasks`), one source's greedy and sampled figures (`evaluate_source`), the pooled record
-and its selection score (`heldout_result`), the best-score tracker and regression stop
-(`HeldoutTracker`) and the best-checkpoint snapshot (`keep_best`). The module imports without
+(`heldout_tasks`), one pass's figures from its episodes' outcomes (`pass_figures`: an episode that
+ended INFRA_FAILURE — environment or engine error, a sandbox that could not be set up, a grader
+crash — is counted in ``infra_failures`` and left out of accuracy and pass@k, never scored as a
+wrong answer), one source's greedy and sampled figures (`source_figures`, `evaluate_source`), the
+pooled record and its selection score (`heldout_result`), the best-score tracker and regression
+stop (`HeldoutTracker`) and the best-checkpoint snapshot (`keep_best`). The module imports without
 torch (the launcher and `trajmesh inspect` read it).
 
 Log-probabilities of ``sample_batch``: for a sampled row (temperature T > 0) the recorded value is
@@ -28,6 +34,7 @@ import os
 import shutil
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +45,55 @@ if TYPE_CHECKING:
 
 PolicyFactory = Callable[[int], Policy]
 """A policy for one evaluation pass, given the pass's sampling seed."""
+PassRunner = Callable[[float, int, int], dict[str, Any]]
+"""One evaluation pass of a source: (temperature, samples per task, seed) -> its `pass_figures`."""
+INFRA_FAILURE = "INFRA_FAILURE"
+"""The terminal reason of an episode the infrastructure failed (never graded, never scored)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One held-out episode as the figures count it."""
+
+    task_id: str
+    """The held-out task's id."""
+    reward: float | None
+    """The grader's reward; None: an infra failure (not graded, not in accuracy or pass@k)."""
+    tokens: int
+    """Sampled tokens of the episode (every turn)."""
+    terminal_reason: str
+    """A `TerminalReason` name."""
+
+
+def pass_figures(outcomes: list[Outcome], task_ids: list[str], samples: int) -> dict[str, Any]:
+    """One pass's figures: accuracy (mean reward over the graded episodes = pass@1 for 0/1
+    rewards; None when none was graded), unbiased pass@k per k over the tasks with at least k graded
+    samples (a sample is correct when its reward is ≥ 1), the infra failures left out of both, the
+    terminal reasons of every episode and the mean sampled tokens."""
+    ids = list(dict.fromkeys(task_ids))
+    graded = [o for o in outcomes if o.reward is not None]
+    n = {t: 0 for t in ids}
+    correct = {t: 0 for t in ids}
+    for o in graded:
+        n[o.task_id] += 1
+        correct[o.task_id] += int(float(o.reward or 0.0) >= 1.0)
+    reasons: dict[str, int] = {}
+    for o in outcomes:
+        reasons[o.terminal_reason] = reasons.get(o.terminal_reason, 0) + 1
+    at_k: dict[int, float | None] = {}
+    for k in pass_at_ks(samples):
+        rows = [pass_at_k(n[t], correct[t], k) for t in ids if n[t] >= k]
+        at_k[k] = sum(rows) / len(rows) if rows else None
+    return {
+        "accuracy": sum(float(o.reward or 0.0) for o in graded) / len(graded) if graded else None,
+        "pass_at_k": at_k,
+        "n_tasks": len(ids),
+        "samples": samples,
+        "graded": len(graded),
+        "infra_failures": len(outcomes) - len(graded),
+        "mean_response_tokens": sum(o.tokens for o in outcomes) / max(1, len(outcomes)),
+        "terminal_reasons": dict(sorted(reasons.items())),
+    }
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -89,11 +145,10 @@ def play_heldout(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any]]
 def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any]], *, temperature: float,
                    top_p: float = 1.0, samples: int = 1, max_new_tokens: int = 8, max_turns: int = 1,
                    seed: int = 0) -> dict[str, Any]:
-    """Accuracy (mean reward over all episodes = pass@1 for 0/1 rewards) and unbiased pass@k.
+    """`pass_figures` of `tasks` played in-process (an episode ended INFRA_FAILURE is not graded).
 
-    ``temperature=0`` is greedy (``samples`` is then forced to 1). A problem's sample counts as
-    correct for pass@k when its reward is ≥ 1. Also returns the graders' and environments'
-    revisions that ran, and the terminal reasons.
+    ``temperature=0`` is greedy (``samples`` is then forced to 1). Also returns the graders' and
+    environments' revisions that ran.
     """
     from trajmesh.rollout.engines.torch_sampler import GREEDY_EPS
 
@@ -102,26 +157,13 @@ def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any
     params = fmt.sampling(temperature, top_p, max_new_tokens)
     episodes = play_heldout(policy, fmt, tasks, params, max_turns=max_turns, samples=samples, seed=seed)
     graders: dict[str, Any] = {}
-    correct: dict[str, int] = {t["task_id"]: 0 for t in tasks}
-    total, tokens = 0.0, 0
-    reasons: dict[str, int] = {}
-    for ep in episodes:
-        reward = float(grade_episode(ep, fmt, graders).reward)
-        total += reward
-        tokens += sum(len(ids) for ids in ep.turn_ids)
-        correct[ep.task["task_id"]] += int(reward >= 1.0)
-        reasons[ep.terminal_reason] = reasons.get(ep.terminal_reason, 0) + 1
-    n = max(1, len(episodes))
+    outcomes = [Outcome(ep.task["task_id"],
+                        None if ep.terminal_reason == INFRA_FAILURE else float(grade_episode(ep, fmt, graders).reward),
+                        sum(len(ids) for ids in ep.turn_ids), ep.terminal_reason) for ep in episodes]
     return {
-        "accuracy": total / n,
-        "pass_at_k": {k: sum(pass_at_k(samples, c, k) for c in correct.values()) / max(1, len(correct))
-                      for k in pass_at_ks(samples)},
-        "n_tasks": len(correct),
-        "samples": samples,
+        **pass_figures(outcomes, [t["task_id"] for t in tasks], samples),
         "temperature": temperature,
         "top_p": top_p,
-        "mean_response_tokens": tokens / n,
-        "terminal_reasons": dict(sorted(reasons.items())),
         "grader_revisions": {k: g.revision for k, g in sorted(graders.items())},
         "environment_revisions": dict(sorted({str(e.task.get("environment") or "single_answer"): e.env.revision
                                               for e in episodes}.items())),
@@ -171,24 +213,34 @@ def eval_budgets(cfg: RunConfig) -> tuple[int, int]:
 
 def evaluate_source(make_policy: PolicyFactory, fmt: EpisodeFormat, tasks: list[dict[str, Any]], cfg: RunConfig,
                     samples: int, noise_seeds: int = 0) -> dict[str, Any]:
-    """Greedy and sampled figures of one source (plus `noise_seeds` one-sample sampled accuracies);
-    `make_policy(seed)` gives the policy of each pass, `fmt` the rollout's `EpisodeFormat`."""
+    """`source_figures` of one source played in-process: `make_policy(seed)` gives the policy of
+    each pass, `fmt` the rollout's `EpisodeFormat`."""
     max_new_tokens, max_turns = eval_budgets(cfg)
 
     def run(temperature: float, n: int, seed: int) -> dict[str, Any]:
         return evaluate_tasks(make_policy(seed), fmt, tasks, temperature=temperature, top_p=cfg.eval.top_p,
                               samples=n, max_new_tokens=max_new_tokens, max_turns=max_turns, seed=seed)
 
+    return source_figures(run, cfg, samples, noise_seeds)
+
+
+def source_figures(run: PassRunner, cfg: RunConfig, samples: int, noise_seeds: int = 0) -> dict[str, Any]:
+    """Greedy and sampled figures of one source (plus `noise_seeds` one-sample sampled accuracies),
+    each pass played by `run` (in-process, or through the services: services/evaluator.py). The
+    infra failures of each pass are reported beside its accuracy (`greedy_infra_failures`,
+    `sampled_infra_failures`); an accuracy is None when every episode of its pass failed so."""
     greedy = run(0.0, 1, cfg.seed)
     sampled = run(cfg.eval.temperature, samples, cfg.seed + 1)
-    out: dict[str, Any] = {"greedy_accuracy": float(greedy["accuracy"]), "sampled_accuracy": float(sampled["accuracy"]),
+    out: dict[str, Any] = {"greedy_accuracy": greedy["accuracy"], "sampled_accuracy": sampled["accuracy"],
                            "n_tasks": sampled["n_tasks"], "samples": sampled["samples"],
+                           "greedy_infra_failures": greedy["infra_failures"],
+                           "sampled_infra_failures": sampled["infra_failures"],
                            "terminal_reasons": sampled["terminal_reasons"],
                            "mean_response_tokens": sampled["mean_response_tokens"]}
     for k, v in sampled["pass_at_k"].items():
-        out[f"sampled_pass_at_{k}"] = float(v)
+        out[f"sampled_pass_at_{k}"] = v
     if noise_seeds:
-        out["sampled_accuracy_seeds"] = [float(run(cfg.eval.temperature, 1, cfg.seed + 100 + i)["accuracy"])
+        out["sampled_accuracy_seeds"] = [run(cfg.eval.temperature, 1, cfg.seed + 100 + i)["accuracy"]
                                          for i in range(noise_seeds)]
     return out
 
@@ -200,24 +252,31 @@ def pooled(per_source: dict[str, dict[str, Any]], key: str) -> float | None:
     return sum(v * w for v, w in rows) / n if n else None
 
 
-def heldout_score(result: dict[str, Any], metric: str) -> float:
-    """The selection score of an evaluation: the mean over sources of `<metric>_accuracy`."""
-    per = result["heldout"]
-    return sum(float(r[f"{metric}_accuracy"]) for r in per.values()) / len(per)
+def heldout_score(result: dict[str, Any], metric: str) -> float | None:
+    """The selection score of an evaluation: the mean over sources of `<metric>_accuracy`, over the
+    sources that have one (None: no source graded a single episode, every one an infra failure)."""
+    accs = [float(r[f"{metric}_accuracy"]) for r in result["heldout"].values() if r.get(f"{metric}_accuracy") is not None]
+    return sum(accs) / len(accs) if accs else None
 
 
 def heldout_result(per: dict[str, dict[str, Any]], metric: str, noise_seeds: int = 0) -> dict[str, Any]:
     """One evaluation's record from its per-source figures (`heldout.<source>`): the pooled headline
-    keys, the seed noise with `noise_seeds`, and the selection `score` by `metric`."""
+    keys, the infra failures, the seed noise with `noise_seeds`, and the selection `score` by
+    `metric` (absent when no source has a figure for it)."""
     out: dict[str, Any] = {"heldout": per}
     for key in ("greedy_accuracy", "sampled_accuracy", *(k for k in next(iter(per.values())) if "pass_at" in k)):
         out[key] = pooled(per, key)
+    for key in ("greedy_infra_failures", "sampled_infra_failures"):
+        out[key] = sum(int(r.get(key, 0)) for r in per.values())
     if noise_seeds:
-        n = sum(r["n_tasks"] for r in per.values())
-        accs = [sum(r["sampled_accuracy_seeds"][i] * r["n_tasks"] for r in per.values()) / n for i in range(noise_seeds)]
+        accs = [a for a in (pooled({name: {"seed": r["sampled_accuracy_seeds"][i], "n_tasks": r["n_tasks"]}
+                                       for name, r in per.items()}, "seed") for i in range(noise_seeds))
+                if a is not None]
         out["sampled_accuracy_seeds"] = accs
         out["sampled_accuracy_seed_std"] = statistics.stdev(accs) if len(accs) > 1 else 0.0
-    out["score"] = heldout_score(out, metric)
+    score = heldout_score(out, metric)
+    if score is not None:  # absent: no source graded an episode (nothing to compare or stop on)
+        out["score"] = score
     return out
 
 

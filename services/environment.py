@@ -7,6 +7,8 @@
     rollout ── Close(session) ──────────────▶ forget
 
 Sessions idle longer than `SESSION_TTL_S` are dropped (a rollout that died never closes).
+The evaluator plays its held-out episodes here too (tasks with `evaluation` set), so a sandboxed
+tool runs in this pod's sandbox whether the episode trains or evaluates.
 Steps run in a worker thread (a sandboxed code run blocks for up to its deadline), so one slow
 or abusive session never stalls the others.
 """
@@ -14,6 +16,8 @@ or abusive session never stalls the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -95,6 +99,8 @@ class EnvironmentService(Service):
         self.grpc_port = grpc_port
         self.sessions: dict[str, tuple[Environment, float]] = {}
         self.kinds: dict[str, str] = {}
+        self.evaluation: set[str] = set()
+        """Sessions of held-out evaluation episodes (the task's `evaluation` flag)."""
         self._last_expire = 0.0
         self.server: grpc.aio.Server | None = None
 
@@ -122,6 +128,7 @@ class EnvironmentService(Service):
         """Forgets a session (idempotent)."""
         self.sessions.pop(session_id, None)
         self.kinds.pop(session_id, None)
+        self.evaluation.discard(session_id)
         SESSIONS.set(len(self.sessions))
 
     def expire(self, every_s: float = 1.0) -> None:
@@ -133,6 +140,14 @@ class EnvironmentService(Service):
         self._last_expire = now
         for sid in [s for s, (_, t) in self.sessions.items() if now - t > SESSION_TTL_S]:
             self.close_session(sid)
+
+
+def injected_failure(session_id: str, rate: float) -> bool:
+    """Whether `environment.inject_reset_failure_rate` (tests) fails this session's Reset: a
+    fraction `rate` of sessions, chosen by a hash of the id (the same one on every replica)."""
+    if rate <= 0:
+        return False
+    return int(hashlib.sha256(session_id.encode()).hexdigest()[:8], 16) < rate * 0x1_0000_0000
 
 
 async def _call(env: Environment, fn: Any, *args: Any) -> Any:
@@ -152,6 +167,9 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         task = {"prompt": request.task.prompt, "answer": request.task.answer,
                 "metadata": json.loads(request.task.metadata_json or "{}")}
         kind = request.task.environment or "single_answer"
+        if injected_failure(request.session_id, self.svc.cfg.environment.inject_reset_failure_rate):
+            CALLS.labels("reset", "injected_failure").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "environment.inject_reset_failure_rate")
         try:
             env = make_environment(kind)
         except ValueError as exc:
@@ -160,6 +178,8 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         obs, h = await _call(env, env.reset, task, int(request.seed))
         self.svc.sessions[request.session_id] = (env, time.monotonic())
         self.svc.kinds[request.session_id] = kind
+        if request.task.evaluation:
+            self.svc.evaluation.add(request.session_id)
         SESSIONS.set(len(self.svc.sessions))
         CALLS.labels("reset", "ok").inc()
         return services_pb2.ResetResponse(observation=obs, state_hash=h, environment_revision=env.revision)
@@ -178,7 +198,8 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         if lat.median_s > 0:  # a long-tailed slow environment, seeded by session (deterministic)
             rng = random.Random(request.session_id)
             await asyncio.sleep(lat.median_s * math.exp(lat.sigma * rng.gauss(0.0, 1.0)))
-        res = await _call(env, env.step, request.action)
+        with self._injected_faults(request.session_id):
+            res = await _call(env, env.step, request.action)
         if res.done:  # the episode is over: the session closes itself (Close stays idempotent)
             self.svc.close_session(request.session_id)
         STEP_SECONDS.labels(kind).observe(time.perf_counter() - start)
@@ -186,6 +207,13 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         CALLS.labels("step", "ok").inc()
         return services_pb2.StepResponse(observation=res.observation, done=res.done, state_hash=res.state_hash,
                                          reward=res.reward, info_json=json.dumps(res.info or {}))
+
+    def _injected_faults(self, session_id: str) -> contextlib.AbstractContextManager[None]:
+        """`environment.inject_sandbox_failure` (tests): an evaluation session's tool runs fail
+        their sandbox setup."""
+        if self.svc.cfg.environment.inject_sandbox_failure == "evaluation" and session_id in self.svc.evaluation:
+            return sandbox.injected_setup_failure("environment.inject_sandbox_failure: evaluation")
+        return contextlib.nullcontext()
 
     async def Close(self, request: Any, context: Any) -> services_pb2.CloseResponse:  # noqa: N802
         self.svc.close_session(request.session_id)

@@ -10,19 +10,30 @@
        ▲            │ (run_finished in Redis, set by the learner when it stops for good, and the
        │            │  newest announced version loaded: after)
        │            ▼
-       │     per source: evaluate_source (learner/evaluate.py) in a worker thread: the held-out
-       │     split played by play_episodes (rollout/agents/episode.py) through EnginePolicy → TurnSampler
-       │     → the engine; greedy and sampled with pass@k, scored by the source's own grader
+       │     per source and pass (greedy, sampled, noise seeds; source_figures, learner/evaluate.py):
+       │     each held-out task a Task with `evaluation` set ── run_episode (the rollout's own loop):
+       │        environment service Reset/Step over gRPC (tools and sandbox run in its pod) and
+       │        the engine through TurnSampler ──▶ Trajectory
+       │     ── GradeRequest (NATS request/reply trajmesh.grade.eval) ──▶ grader service
+       │        (services/grader.py grade_evaluation: its graders, its sandbox) ──▶ graded Trajectory
+       │     ── pass_figures: accuracy and pass@k over the graded episodes; INFRA_FAILURE ones
+       │        (environment or engine error, sandbox setup failure, grader crash or silence)
+       │        counted apart as `*_infra_failures`, never scored as wrong answers
        │            ▼
        └── one record per evaluated version ──▶ EVAL (NATS; the learner's tracker reads it)
                                              ──▶ RUN_DIR/metrics.jsonl {"kind": "eval", ...}
                                              ──▶ gauges trajmesh_evaluator_heldout_*{source}
 
-The evaluator is the rollout's machinery (`RolloutService`: the same weight watch, engine factory
-and turn sampler, the same `EpisodeFormat`) without its task loop: it never pulls TASKS, never
-publishes trajectories, never touches the gate, so eval traffic never enters the store's
-accounting and never trains. The held-out split of each source is drawn as `trajmesh train` draws
-it (`heldout_tasks`: `trajmesh.tasks.load_split`, disjoint from training).
+The evaluator is the rollout's machinery (`RolloutService`: the same weight watch, engine factory,
+turn sampler, `EpisodeFormat` and episode loop `run_episode`) without its task loop: it never pulls
+TASKS, never publishes to TRAJ_RAW, never touches the gate or the store, so eval traffic never
+enters the store's accounting and never trains. What is its own: which versions to evaluate, greedy
+vs sampled passes, their seeds, and the record. The held-out split of each source is drawn as
+`trajmesh train` draws it (`heldout_tasks`: `trajmesh.tasks.load_split`, disjoint from training).
+
+Sources whose episodes the rollout does not play through the environment service either (a
+source plug-in's own runner, `rollout_episodes`: external agents, verifiers) are played here
+in-process by `evaluate_source` through `EnginePolicy`, with the source's own held-out player.
 """
 
 from __future__ import annotations
@@ -35,16 +46,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 from prometheus_client import Counter, Gauge, Histogram
 
 from trajmesh import bus as busmod
 from trajmesh import security
-from trajmesh.learner.evaluate import HeldoutTracker, evaluate_source, heldout_result, heldout_tasks
+from trajmesh.contract import Trajectory
+from trajmesh.learner.evaluate import (
+    INFRA_FAILURE,
+    HeldoutTracker,
+    Outcome,
+    PassRunner,
+    eval_budgets,
+    evaluate_source,
+    heldout_result,
+    heldout_tasks,
+    pass_figures,
+    source_figures,
+)
 from trajmesh.rollout.engines.generation import TurnSampler, sampling_seed
 from trajmesh.service import supervise
 from trajmesh.services.rollout import RolloutService
 from trajmesh.services.store.record import RunRecord
-from trajmesh.v1 import trajectory_pb2
+from trajmesh.v1 import services_pb2_grpc, trajectory_pb2
 from trajmesh.weights import announce
 
 log = logging.getLogger("trajmesh.evaluator")
@@ -59,8 +83,24 @@ EVALUATED_VERSION = Gauge("trajmesh_evaluator_evaluated_version", "Policy versio
 EVALUATIONS = Counter("trajmesh_evaluator_versions_evaluated_total", "Evaluations published, by phase", ["phase"])
 EVAL_SECONDS = Histogram("trajmesh_evaluator_evaluation_seconds", "Wall time of one evaluation (every source)",
                          buckets=(5, 10, 30, 60, 120, 300, 600, 1200, 3600))
+EPISODES = Counter("trajmesh_evaluator_heldout_trajectories_total",
+                   "Held-out episodes played through the environment and grader services, by result "
+                   "(graded; infra_failure: excluded from accuracy)", ["result"])
+GRADE_FAILURES = Counter("trajmesh_evaluator_grade_request_failures_total",
+                         "Grading requests no grader answered within GRADE_RETRY_S (the episode is an infra failure)")
 for _phase in ("before", "during", "after"):
     EVALUATIONS.labels(phase=_phase)
+for _result in ("graded", "infra_failure"):
+    EPISODES.labels(result=_result)
+
+EPISODES_IN_FLIGHT = 64
+"""Held-out episodes played at once (each holds an environment session and its engine requests;
+the engine batches their turns as it batches the rollout's)."""
+GRADE_TIMEOUT_S = 120.0
+"""How long one grading request waits for its reply (a sandboxed grader runs code)."""
+GRADE_RETRY_S = 60.0
+"""How long a grading request is retried while no grader answers (one restarting) before the
+episode counts as an infra failure."""
 
 FINISH_POLL_S = 2.0
 """How often the eval loop reads `run_finished` while no new version arrives (Redis has no event
@@ -111,7 +151,7 @@ class EvaluatorService(RolloutService):
         """The store's record over `redis`: whether the learner has ended the run."""
 
     async def setup(self) -> None:
-        """The rollout's engine, sampler and weight watch, without its task consumer or environments."""
+        """The rollout's engine, sampler, weight watch and environment stubs, without its task consumer."""
         from trajmesh.rollout.agents.episode import EpisodeFormat
         from trajmesh.rollout.engines.generation import PauseClock
 
@@ -131,6 +171,9 @@ class EvaluatorService(RolloutService):
         self.sampler = TurnSampler(engine, cfg.rollout.engine, stop_ids=self.stop_ids, pause=self.pause,
                                    context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
+        # The environment service, as the rollout reaches it (held-out episodes are played there).
+        self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
+        self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
         if await announce.latest_version(self.bus) > 0 \
                 and (await self.bus.stream_info(busmod.STREAM_EVAL)).state.messages > 0:
             self.last_evaluated = -1  # a run under way, evaluated before: its base model is done
@@ -227,7 +270,11 @@ class EvaluatorService(RolloutService):
 
         per = {}
         for name, tasks in self.held.items():
-            per[name] = await asyncio.to_thread(evaluate_source, make_policy, self.format, tasks, cfg, samples, noise)
+            if self._plays_itself(tasks):  # a plug-in's own runner: not through the environment service
+                per[name] = await asyncio.to_thread(evaluate_source, make_policy, self.format, tasks, cfg, samples, noise)
+            else:
+                run = self._mesh_pass(version, name, tasks, loop)
+                per[name] = await asyncio.to_thread(source_figures, run, cfg, samples, noise)
         result = heldout_result(per, cfg.eval.selection_metric, noise)
         seconds = time.monotonic() - start
         record = {"kind": "eval", "phase": phase, "version": version, "rl_seconds": self._rl_seconds(version),
@@ -239,8 +286,88 @@ class EvaluatorService(RolloutService):
         EVAL_SECONDS.observe(seconds)
         self.last_evaluated = version
         self.final_done = phase == "after"
-        log.info("v%d (%s): score %.4f in %.0fs", version, phase, result["score"], seconds)
+        log.info("v%d (%s): score %s in %.0fs (infra failures: %d greedy, %d sampled)", version, phase,
+                 result.get("score", "-"), seconds, result["greedy_infra_failures"], result["sampled_infra_failures"])
         return record
+
+    # ------------------------------------------------------------------ episodes through the services
+    def _plays_itself(self, tasks: list[dict[str, Any]]) -> bool:
+        """Whether a source's environments run their own episodes in the rollout (a plug-in's
+        `rollout_episodes`, e.g. verifiers, external agents) rather than through the environment
+        service: they are evaluated in-process by their own held-out player."""
+        return any(str(t.get("environment") or "single_answer") in self.episode_runners for t in tasks)
+
+    def _mesh_pass(self, version: int, source: str, tasks: list[dict[str, Any]],
+                   loop: asyncio.AbstractEventLoop) -> PassRunner:
+        """`source_figures`' pass runner (called in its worker thread): `play_pass` on this loop."""
+        def run(temperature: float, samples: int, seed: int) -> dict[str, Any]:
+            coro = self.play_pass(version, source, tasks, temperature, samples, seed)
+            return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+        return run
+
+    async def play_pass(self, version: int, source: str, tasks: list[dict[str, Any]], temperature: float,
+                        samples: int, seed: int) -> dict[str, Any]:
+        """One pass over `tasks` through the services: `samples` episodes per task (sample k resets
+        with `seed + k`, as the rollout's sample k of a task), each played by `run_episode` and
+        graded by the grader service; at most EPISODES_IN_FLIGHT at once. Its `pass_figures`."""
+        max_new_tokens, max_turns = eval_budgets(self.cfg)
+        sampling = trajectory_pb2.SamplingParams(temperature=temperature, top_p=self.cfg.eval.top_p,
+                                                 max_new_tokens=max_new_tokens, max_turns=max_turns)
+        prefix = f"eval-v{version}-{source}-s{seed}-n{samples}-t{temperature:g}"
+        slots = asyncio.Semaphore(EPISODES_IN_FLIGHT)
+
+        async def one(task: trajectory_pb2.Task, held_id: str, index: int) -> Outcome:
+            async with slots:
+                return await self.episode_outcome(task, held_id, index)
+
+        protos = [(self._eval_task(t, f"{prefix}-{t['task_id']}", version, samples, seed, sampling), t["task_id"])
+                  for t in tasks]
+        outcomes = await asyncio.gather(*(one(pb, held_id, k) for pb, held_id in protos for k in range(samples)))
+        return pass_figures(list(outcomes), [t["task_id"] for t in tasks], samples)
+
+    @staticmethod
+    def _eval_task(t: dict[str, Any], task_id: str, version: int, samples: int, seed: int,
+                   sampling: trajectory_pb2.SamplingParams) -> trajectory_pb2.Task:
+        """A held-out task as the rollout receives a training one, with `evaluation` set (never
+        admitted: no store record, no gate; the environment service and grader see the flag)."""
+        return trajectory_pb2.Task(
+            task_id=task_id, group_id=task_id, source=str(t.get("source") or ""), seed=seed, group_size=samples,
+            sampling=sampling, environment=str(t.get("environment") or "single_answer"), prompt=t["prompt"],
+            answer=t["answer"], metadata_json=json.dumps(t.get("metadata") or {}, default=str),
+            admitted_at_version=version, evaluation=True)
+
+    async def episode_outcome(self, task: trajectory_pb2.Task, held_id: str, index: int) -> Outcome:
+        """Sample `index` of `task` played through the environment service (`run_episode`) and
+        graded by the grader service; an episode either of them could not serve is an infra failure."""
+        traj = await self.run_episode(task, index)
+        if traj.terminal_reason != trajectory_pb2.INFRA_FAILURE:
+            traj = await self._graded(task, traj)
+        reason = trajectory_pb2.TerminalReason.Name(traj.terminal_reason)
+        reward = float(traj.pb.reward) if reason != INFRA_FAILURE and traj.pb.graded else None
+        EPISODES.labels(result="graded" if reward is not None else "infra_failure").inc()
+        return Outcome(held_id, reward, int(traj.loss_mask_T.sum()), reason if reward is not None else INFRA_FAILURE)
+
+    async def _graded(self, task: trajectory_pb2.Task, traj: Trajectory) -> Trajectory:
+        """The grader service's grade of `traj` (NATS request/reply; services/grader.py
+        `grade_evaluation`), retried while no grader answers for GRADE_RETRY_S; past it `traj`
+        ends INFRA_FAILURE."""
+        request = trajectory_pb2.GradeRequest(task=task, trajectory=traj.to_bytes()).SerializeToString()
+        deadline = time.monotonic() + GRADE_RETRY_S
+        delay = 0.5
+        while True:
+            try:
+                reply = await self._live_bus().request(busmod.SUBJECT_EVAL_GRADE, request, GRADE_TIMEOUT_S)
+                return Trajectory.from_bytes(reply)
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    GRADE_FAILURES.inc()
+                    log.warning("no grader graded %s for %.0fs (%r): an infra failure", traj.trajectory_id,
+                                GRADE_RETRY_S, exc)
+                    traj.fail_infra(trajectory_pb2.INFRA_GRADER, f"no grader answered for {GRADE_RETRY_S:.0f}s")
+                    return traj
+                await asyncio.sleep(delay)  # backoff while no grader answers (one restarting)
+                delay = min(delay * 2, 5.0)
 
     def _rl_seconds(self, version: int) -> float:
         """RL seconds at the newest learner step up to `version` (the learner's metrics.jsonl
@@ -279,11 +406,14 @@ class EvaluatorService(RolloutService):
 
     def _export(self, record: dict[str, Any]) -> None:
         for name, r in record["heldout"].items():
-            HELDOUT_ACCURACY.labels(source=name, mode="greedy").set(r["greedy_accuracy"])
-            HELDOUT_ACCURACY.labels(source=name, mode="sampled").set(r["sampled_accuracy"])
+            for mode in ("greedy", "sampled"):  # None: every episode of the pass an infra failure
+                if r[f"{mode}_accuracy"] is not None:
+                    HELDOUT_ACCURACY.labels(source=name, mode=mode).set(r[f"{mode}_accuracy"])
+        EVALUATED_VERSION.set(int(record["version"]))
+        EVALUATIONS.labels(phase=record["phase"]).inc()
+        if "score" not in record:
+            return
         score = float(record["score"])
         self.tracker.observe(int(record["version"]), score)
         HELDOUT_SCORE.set(score)
         SCORE_BELOW_BEST.set(max(0.0, float((self.tracker.best or {}).get("score", score)) - score))
-        EVALUATED_VERSION.set(int(record["version"]))
-        EVALUATIONS.labels(phase=record["phase"]).inc()

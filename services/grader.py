@@ -4,16 +4,27 @@
 
     TRAJ_RAW ──▶ grade_loop ── decode sampled tokens ── task record (Redis) ── grader ──▶ TRAJ_GRADED
                     │ undecodable bytes / unknown task: forwarded ungraded; the store quarantines them
+    evaluator ── GradeRequest (NATS request/reply, trajmesh.grade.eval, queue `grader`) ──▶ grade_evaluation
+       ▲            the task travels in the request (no Redis record), same grading code ──┐
+       └──────────────────────── graded Trajectory (reply; never stored) ◀─────────────────┘
 
 A scorer that raises on the model's answer scores it 0 with a ``parse_error`` component; one that
 raises on the task's gold answer too is broken: INFRA_FAILURE (graders/base.py `grade_sample`).
 
 Each message is published to TRAJ_GRADED (msg_id = trajectory id, so a redelivery is stored
 once) before it is acked on TRAJ_RAW: a crash between the two only causes a deduplicated resend.
+
+A source named in ``judge.sources`` is scored by the judge (graders/judge.py) instead of its grader:
+a judge engine asked over HTTP; a fetch's messages are graded concurrently so the requests overlap.
+No verdict (a timeout, a failed request, an unreadable answer) ends the trajectory INFRA_FAILURE
+(``judge_error: <reason>``), never reward 0. Pairwise (``judge.mode``), a member is parked in Redis
+and acked without a publish until its group is whole; the grader whose member completes it judges
+the group and publishes every member, then acks (graders/judge_groups.py: what a crash mid-group does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -26,7 +37,9 @@ from redis.asyncio import Redis
 from trajmesh import bus as busmod
 from trajmesh import plugins, sandbox, security, tasks
 from trajmesh.contract import ContractError, Trajectory
-from trajmesh.graders import PARSE_ERROR, Grader, Sample, grade_sample, grader_kind, make_grader
+from trajmesh.graders import PARSE_ERROR, Grade, Grader, Sample, grade_sample, grader_kind, make_grader
+from trajmesh.graders.judge import JUDGE_ERRORS, JudgeError, JudgeGrader
+from trajmesh.graders.judge_groups import ALREADY_PUBLISHED, LATE, WAIT, JudgeGroups
 from trajmesh.service import Service
 from trajmesh.services.store.record import RunRecord
 from trajmesh.tokenizer import load_tokenizer
@@ -104,6 +117,10 @@ class GraderService(Service):
         """The policy's tokenizer (decodes responses for the verifiers); None until setup()."""
         self.graders: dict[str, Grader] = {}
         self.task_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.judge: JudgeGrader | None = None
+        """The judge grader of `judge.sources` (graders/judge.py); None without a judge."""
+        self.judge_groups: JudgeGroups | None = None
+        """Pairwise judging's parked group members (graders/judge_groups.py); None unless pairwise."""
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -117,11 +134,18 @@ class GraderService(Service):
         self.bus = await security.connect_bus(cfg, "grader", name=self.worker_id)
         self.consumer = await self.bus.pull_subscribe(busmod.STREAM_TRAJ_RAW, "grader", ack_wait_s=busmod.GRADER_ACK_WAIT_S)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        await self.bus.serve(busmod.SUBJECT_EVAL_GRADE, "grader", self.grade_evaluation)
+        if cfg.judge.sources:
+            self.judge = JudgeGrader(cfg.judge)
+            if cfg.judge.mode == "pairwise":
+                self.judge_groups = JudgeGroups(self.redis, cfg.infra.namespace)
 
     async def run(self) -> None:
         await self.grade_loop()
 
     async def stop(self) -> None:
+        if self.judge is not None:
+            await self.judge.close()
         if self.bus is not None:
             await self.bus.close()
         if self.redis is not None:
@@ -129,44 +153,86 @@ class GraderService(Service):
 
     async def grade_loop(self) -> None:
         """Consumes TRAJ_RAW (pull, shared durable `grader`); waits for messages; never drops one.
-        Publishes each on its store partition's TRAJ_GRADED subject (what is not a trajectory: partition 0's)."""
+        Publishes each on its store partition's TRAJ_GRADED subject (what is not a trajectory: partition 0's).
+        A pairwise-judged member waits parked in Redis (acked, nothing published) until its group is
+        whole; the member that completes it publishes the whole group."""
         bus, consumer = self.bus, self.consumer
         assert bus is not None and consumer is not None, "grade_loop() before setup()"
         partitions = self.cfg.store.replicas  # each graded trajectory goes to its group's store
-        while True:
-            for msg in await consumer.fetch(batch=16, timeout=1.0):
-                data = await consumer.resolve(msg)
-                out, msg_id, group_id = await self._grade(data)
-                await bus.publish(busmod.graded_subject(busmod.partition_of(group_id, partitions), partitions),
-                                  out, msg_id=msg_id,
-                                  retry_s=busmod.PUBLISH_RETRY_S if msg_id else 0.0)
-                await msg.ack()
 
-    async def _grade(self, data: bytes) -> tuple[bytes, str | None, str]:
-        """(What to publish on TRAJ_GRADED, its message id, its group id: "" when not a trajectory)."""
+        async def handle(msg: Any) -> None:
+            data = await consumer.resolve(msg)
+            group = await self._judge_group_member(data) if self.judge_groups is not None else None
+            outs, judged = group if group is not None else ([await self._grade(data)], [])
+            for out, msg_id, group_id in outs:
+                await bus.publish(busmod.graded_subject(busmod.partition_of(group_id, partitions), partitions),
+                                  out, msg_id=msg_id, retry_s=busmod.PUBLISH_RETRY_S if msg_id else 0.0)
+            if judged:  # a whole pairwise group published: its parked members go (after, never before)
+                assert self.judge_groups is not None
+                await self.judge_groups.finish(outs[0][2], judged)
+            await msg.ack()
+
+        while True:  # a fetch's messages are graded concurrently: a judge's requests overlap
+            async with asyncio.TaskGroup() as tg:
+                for msg in await consumer.fetch(batch=16, timeout=1.0):
+                    tg.create_task(handle(msg))
+
+    async def grade_evaluation(self, data: bytes) -> bytes:
+        """Answers one of the evaluator's grading requests (a held-out episode played through the
+        environment service) with the graded trajectory: `_grade` with the request's task in place
+        of a store record, so held-out episodes are graded by this process's graders and sandbox.
+        Never published, never stored. A request that cannot be graded at all is answered with its
+        trajectory ended INFRA_FAILURE."""
+        req = trajectory_pb2.GradeRequest.FromString(data)
+        task = {"task_id": req.task.task_id, "source": req.task.source, "prompt": req.task.prompt,
+                "answer": req.task.answer, "metadata": json.loads(req.task.metadata_json or "{}")}
+        try:
+            out, _, _ = await self._grade(req.trajectory, task)
+            return out
+        except Exception as exc:  # noqa: BLE001 - answered as an infra failure, counted
+            log.warning("evaluation grading of %s failed: %r", req.task.task_id, exc)
+            GRADED.labels(result="evaluation_error").inc()
+            traj = Trajectory.from_bytes(req.trajectory)
+            traj.fail_infra(trajectory_pb2.INFRA_GRADER, f"evaluation grading failed: {exc!r}")
+            return traj.to_bytes()
+
+    async def _grade(self, data: bytes, task: dict[str, Any] | None = None) -> tuple[bytes, str | None, str]:
+        """(What to publish on TRAJ_GRADED, its message id, its group id: "" when not a trajectory).
+        `task`: the task record (an evaluation request's); None: the store's, read from Redis."""
         try:
             traj = Trajectory.from_bytes(data)
         except ContractError:
             GRADED.labels(result="not_a_trajectory").inc()
             return data, None, ""
-        task = await self._task(traj.task_id) if traj.task_id else None
+        if task is None:
+            task = await self._task(traj.task_id) if traj.task_id else None
         if task is None or traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
             GRADED.labels(result="forwarded_ungraded").inc()
             return data, f"graded-{traj.trajectory_id}", traj.group_id
+        if traj.past_deadline(time.time()):  # the sample's one deadline covers grading too
+            return self._past_deadline(traj, "before grading")
         start = time.perf_counter()
         kind = grader_kind(task)
         try:
-            grader = self.graders.get(kind) or self.graders.setdefault(kind, make_grader(kind))
-            grade = grade_sample(grader, self._sample(traj), task)  # the scorer raising on the answer: parse_error
+            if self.judge is not None and self.judge.judges(str(task.get("source", traj.pb.task_source))):
+                kind = "judge"
+                grade: Grade = await self.judge.grade(self._sample(traj), task)
+            else:
+                grader = self.graders.get(kind) or self.graders.setdefault(kind, make_grader(kind))
+                grade = grade_sample(grader, self._sample(traj), task)  # the scorer raising on the answer: parse_error
+        except JudgeError as exc:  # no verdict (timeout, engine down, unreadable): infrastructure, never reward 0
+            return self._judge_failed(traj, exc)
         except Exception as exc:  # a verifier crash (it raises on the gold answer too) is infrastructure
             log.warning("verifier failed on %s: %s", traj.trajectory_id, exc)
             GRADED.labels(result="verifier_error").inc()
             VERIFIER_ERRORS.labels(kind, type(exc).__name__).inc()
-            traj.finish(trajectory_pb2.INFRA_FAILURE, truncated=traj.truncated)
+            traj.fail_infra(trajectory_pb2.INFRA_GRADER)
             traj.pb.verifier_output = f"verifier error: {exc}"
             return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
         elapsed = time.perf_counter() - start
         VERIFY_SECONDS.observe(elapsed)
+        if traj.past_deadline(time.time()):
+            return self._past_deadline(traj, "while grading")
         traj.set_reward(grade.reward, components=grade.components, grader_revision=grade.revision,
                         verifier_output=grade.verifier_output)
         traj.pb.timing.grading_seconds = elapsed
@@ -179,6 +245,70 @@ class GraderService(Service):
         if grade.audit:
             traj.pb.verifier_output += " audit=" + json.dumps(grade.audit, sort_keys=True)
         GRADED.labels(result=PARSE_ERROR if PARSE_ERROR in grade.components else "graded").inc()
+        return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
+
+    @staticmethod
+    def _judge_failed(traj: Trajectory, exc: JudgeError) -> tuple[bytes, str | None, str]:
+        """A trajectory the judge could not score: INFRA_FAILURE (cause INFRA_GRADER), a
+        ``judge_error: <reason>`` verifier output, counted by reason; never a reward."""
+        log.warning("judge could not score %s: %s", traj.trajectory_id, exc)
+        GRADED.labels(result="judge_error").inc()
+        JUDGE_ERRORS.labels(exc.reason).inc()
+        traj.fail_infra(trajectory_pb2.INFRA_GRADER, exc.verifier_output())
+        return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
+
+    async def _judge_group_member(self, data: bytes) -> tuple[list[tuple[bytes, str | None, str]], list[str]] | None:
+        """Pairwise judging (graders/judge_groups.py): None when `data` is not a member of a judged
+        source's group (`_grade` grades it alone); else (what to publish, the member ids to mark
+        done after): nothing while the group is incomplete or this member was published already;
+        every member once this one completes the group (or held its claim before a crash)."""
+        assert self.judge is not None and self.judge_groups is not None
+        try:
+            traj = Trajectory.from_bytes(data)
+        except ContractError:
+            return None
+        task = await self._task(traj.task_id) if traj.task_id else None
+        if task is None or not self.judge.judges(str(task.get("source", traj.pb.task_source))):
+            return None
+        state = await self.judge_groups.add(traj.group_id, traj.trajectory_id, data, int(task["group_size"]))
+        if state in (WAIT, ALREADY_PUBLISHED):
+            return [], []
+        if state == LATE:  # a refill of a group judged before it came: no partners left
+            return [self._judge_failed(traj, JudgeError("no_pair", "its group was judged before it came"))], []
+        members = await self.judge_groups.members(traj.group_id)
+        return await self._judge_group(members, task), sorted(members)
+
+    async def _judge_group(self, members: dict[str, bytes], task: dict[str, Any]) -> list[tuple[bytes, str | None, str]]:
+        """Every member of a whole group, the gradable ones judged pairwise in the order of their
+        ids (the same order on a redelivery); infra failures forwarded as they came."""
+        trajs = [Trajectory.from_bytes(members[tid]) for tid in sorted(members)]
+        judged = [t for t in trajs if t.terminal_reason != trajectory_pb2.INFRA_FAILURE]
+        start = time.perf_counter()
+        try:
+            grades = await self.judge.grade_group([self._sample(t) for t in judged], task) if self.judge else []
+        except JudgeError as exc:  # one comparison failed: the group's rewards are relative, so all fail
+            failed = {t.trajectory_id: self._judge_failed(t, exc) for t in judged}
+            return [failed.get(t.trajectory_id) or (t.to_bytes(), f"graded-{t.trajectory_id}", t.group_id)
+                    for t in trajs]
+        elapsed = time.perf_counter() - start
+        VERIFIER_SECONDS.labels("judge").observe(elapsed)
+        for t, grade in zip(judged, grades, strict=True):
+            t.set_reward(grade.reward, components=grade.components, grader_revision=grade.revision,
+                         verifier_output=grade.verifier_output)
+            t.pb.timing.grading_seconds = elapsed
+            TERMINAL.labels(trajectory_pb2.TerminalReason.Name(t.terminal_reason)).inc()
+            for name, value in grade.components.items():
+                RAW_COMPONENT.labels("judge", name).inc(value)
+            GRADED.labels(result="graded").inc()
+        return [(t.to_bytes(), f"graded-{t.trajectory_id}", t.group_id) for t in trajs]
+
+    @staticmethod
+    def _past_deadline(traj: Trajectory, when: str) -> tuple[bytes, str | None, str]:
+        """A sample whose deadline (`rollout.sample_deadline_s`) passed `when`: INFRA_FAILURE with
+        cause INFRA_DEADLINE, forwarded ungraded (the store refills its group)."""
+        log.warning("sample %s past its deadline %s: INFRA_FAILURE", traj.trajectory_id, when)
+        GRADED.labels(result="past_deadline").inc()
+        traj.fail_infra(trajectory_pb2.INFRA_DEADLINE, f"sample deadline passed {when}")
         return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
 
     async def _task(self, task_id: str, cache_size: int = 4096) -> dict[str, Any] | None:

@@ -459,6 +459,8 @@ class LearnerService(Service):
         metric = self.cfg.eval.selection_metric
         async for raw in self.bus.eval_records():
             record = json.loads(raw)
+            if "score" not in record:  # every held-out episode an infra failure: nothing to compare
+                continue
             version, score = int(record["version"]), float(record["score"])
             if version in seen:
                 continue

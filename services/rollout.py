@@ -15,7 +15,9 @@ process when `rollout.engine.url` is unset); one client speaks the shared subset
 Every sampled token records its behavior log-prob and the version of the weights that produced it;
 a trajectory interrupted by a weight update continues under the new version (per-token versions).
 Trajectory ids are derived from the task id, so a redelivered task re-creates the same ids and the
-store deduplicates them.
+store deduplicates them. Each sample runs under one deadline (`run_sample`, `rollout.sample_deadline_s`);
+a refill the store asks for (an infra-failed member's replacement) is a task of one sample whose
+index starts at `Task.first_sample` (G + k).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ ENV_WAIT_SECONDS = Counter("trajmesh_rollout_environment_wait_seconds_total",
 BUS_FAILURES = Counter("trajmesh_rollout_bus_failures_total",
                        "NATS operations of a task that failed or timed out (publishes are retried), by operation",
                        ["operation"])
+SAMPLE_DEADLINES = Counter("trajmesh_rollout_sample_deadline_failures_total",
+                           "Samples cut at their deadline (rollout.sample_deadline_s): INFRA_FAILURE, cause deadline")
 TASKS_GIVEN_UP = Counter("trajmesh_rollout_tasks_given_up_total",
                          "Tasks left unacked for redelivery because their trajectories could not be published")
 PUBLISH_RETRY_S = 60.0
@@ -352,7 +356,8 @@ class RolloutService(Service):
             heartbeat = asyncio.ensure_future(self._heartbeat(msg))
             try:
                 await self._wait_for_version(int(task.admitted_at_version))
-                trajs = await asyncio.gather(*(self.run_episode(task, i) for i in range(task.group_size)))
+                first = int(task.first_sample)  # 0, or G + k for a refill (one sample)
+                trajs = await asyncio.gather(*(self.run_sample(task, first + i) for i in range(task.group_size)))
                 if self.teachers:
                     await self._score_with_teachers(trajs)
                 published = await self._publish_all(task, trajs)
@@ -431,6 +436,30 @@ class RolloutService(Service):
             (BUSY_SECONDS if self.inflight else IDLE_SECONDS).inc(1.0)
 
     # ------------------------------------------------------------------ the agent loop
+    async def run_sample(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
+        """One sample under its one deadline (`rollout.sample_deadline_s`, stamped on it for the
+        grader, which ends it the same way past it): an episode still running then is cut and the
+        sample ends INFRA_FAILURE with cause INFRA_DEADLINE (no tokens kept; the store refills its
+        group). A refill (`task.refill_of`) names the member it replaces in its retry_lineage."""
+        budget_s = self.cfg.rollout.sample_deadline_s
+        deadline = time.time() + budget_s if budget_s > 0 else 0.0
+        clock = asyncio.timeout(budget_s if budget_s > 0 else None)
+        try:
+            async with clock:
+                traj = await self.run_episode(task, index)
+        except TimeoutError:
+            if not clock.expired():
+                raise  # not the deadline's
+            SAMPLE_DEADLINES.inc()
+            log.warning("sample %s-%d past its %.0fs deadline: INFRA_FAILURE", task.task_id, index, budget_s)
+            traj = Trajectory.new(task, trajectory_id=f"{task.task_id}-{index}", rollout_worker=self.worker_id,
+                                  created_unix_seconds=deadline - budget_s)
+            traj.fail_infra(trajectory_pb2.INFRA_DEADLINE, f"sample deadline {budget_s:.0f}s passed in the rollout")
+        traj.pb.timing.deadline_unix_seconds = deadline
+        if task.refill_of:
+            traj.pb.retry_lineage.append(task.refill_of)
+        return traj
+
     async def run_episode(self, task: trajectory_pb2.Task, index: int) -> Trajectory:
         runner = self.episode_runners.get(task.environment)
         if runner is not None:  # the source runs this environment's episodes itself
@@ -443,7 +472,7 @@ class RolloutService(Service):
         sp = task.sampling
         reset = await self._reset(task, tid, task.seed + index)
         if reset is None:  # every environment replica failed: excluded as INFRA_FAILURE
-            traj.finish(trajectory_pb2.INFRA_FAILURE)
+            traj.fail_infra(trajectory_pb2.INFRA_ENVIRONMENT, "no environment replica answered a Reset")
             return traj
         env, reset = reset
         traj.pb.initial_state_hash = reset.state_hash
@@ -453,6 +482,7 @@ class RolloutService(Service):
         context = self._prompt_ids(reset.observation, json.loads(task.metadata_json or "{}").get("tools"))
         traj.append_prompt(context, turn_index=0)
         reason = trajectory_pb2.MAX_TURNS
+        cause = trajectory_pb2.INFRA_CAUSE_UNSPECIFIED  # what failed, when it ends INFRA_FAILURE
         env_seconds = 0.0
         closed = False  # a Step that ends the episode closes the session on the environment's side
         try:
@@ -490,11 +520,11 @@ class RolloutService(Service):
         except grpc.aio.AioRpcError as exc:  # environment pod gone, deadline: excluded, never rewarded
             ENV_FAILURES.labels(exc.code().name.lower()).inc()
             log.warning("environment failure on %s: %s", tid, exc.code().name)
-            reason = trajectory_pb2.INFRA_FAILURE
+            reason, cause = trajectory_pb2.INFRA_FAILURE, trajectory_pb2.INFRA_ENVIRONMENT
         except EngineFailed as exc:  # one sample the engine could not serve: this trajectory only
             ENGINE_FAILURES.labels(exc.reason).inc()
             log.warning("engine failure on %s: %s", tid, exc)
-            reason = trajectory_pb2.INFRA_FAILURE
+            reason, cause = trajectory_pb2.INFRA_FAILURE, trajectory_pb2.INFRA_ENGINE
         finally:
             try:
                 if not closed:
@@ -502,6 +532,8 @@ class RolloutService(Service):
             except grpc.aio.AioRpcError:
                 ENV_FAILURES.labels("close").inc()
         traj.finish(reason, truncated=True if reason == trajectory_pb2.STALE else None)
+        if cause != trajectory_pb2.INFRA_CAUSE_UNSPECIFIED:
+            traj.fail_infra(cause)
         traj.pb.timing.rollout_seconds = time.perf_counter() - start
         traj.pb.timing.environment_seconds = env_seconds
         EPISODE_SECONDS.observe(time.perf_counter() - start)

@@ -53,6 +53,7 @@ import nats
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -68,6 +69,7 @@ __all__ = [
     "STREAM_TRAJ_RAW",
     "STREAM_WEIGHTS",
     "SUBJECT_EVAL",
+    "SUBJECT_EVAL_GRADE",
     "SUBJECT_TASKS",
     "SUBJECT_TRAJ_GRADED",
     "SUBJECT_TRAJ_RAW",
@@ -97,6 +99,9 @@ SUBJECT_WEIGHTS = "trajmesh.weights"
 # Held-out evaluation records (one JSON record per evaluated version, services/evaluator.py).
 STREAM_EVAL = "EVAL"
 SUBJECT_EVAL = "trajmesh.eval"
+# Held-out episodes graded on request (core NATS request/reply, no stream: nothing is stored, the
+# store never sees them): the evaluator asks, one grader replica (queue group `grader`) answers.
+SUBJECT_EVAL_GRADE = "trajmesh.grade.eval"
 EVAL_HISTORY = 100_000
 """Eval records the EVAL stream keeps (a record per evaluated version: a run's whole history)."""
 
@@ -624,6 +629,20 @@ class Bus:
                 yield bytes(msg.data)
         finally:
             await sub.unsubscribe()
+
+    async def request(self, subject: str, data: bytes, timeout_s: float) -> bytes:
+        """Core NATS request/reply on an (unprefixed) subject: the first reply's payload. Raises
+        nats.errors.NoRespondersError (no subscriber) or nats.errors.TimeoutError."""
+        msg = await self.nc.request(self.layout.subject(subject), data, timeout=timeout_s)
+        return bytes(msg.data)
+
+    async def serve(self, subject: str, queue: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Subscription:
+        """Answers requests on an (unprefixed) subject with `handler(payload)`, one member of queue
+        group `queue` per request; returns the subscription (unsubscribe to stop)."""
+        async def reply(msg: Msg) -> None:
+            await msg.respond(await handler(bytes(msg.data)))
+
+        return await self.nc.subscribe(self.layout.subject(subject), queue=queue, cb=reply)
 
     # -- introspection --------------------------------------------------------------------
     async def stream_info(self, stream: str) -> api.StreamInfo:

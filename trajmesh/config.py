@@ -312,6 +312,12 @@ class RolloutConfig(_Strict):
     exists yet, so waiting loses nothing; failing at once ends every new task and lets the store
     admit the next as fast as they fail. A Step that fails mid-episode is not retried (the
     session lived on the replica that is gone)."""
+    sample_deadline_s: float = Field(3600.0, ge=0)
+    """One deadline per sample, from the moment its rollout starts it: environment set-up, the
+    agent's run and grading must all end within it (stamped on the trajectory as
+    `timing.deadline_unix_seconds`; the rollout cuts the episode, the grader refuses to score past
+    it). Its expiry ends the sample INFRA_FAILURE with cause INFRA_DEADLINE, and the store refills
+    its group (`store.infra_refills_per_group`). 0: no deadline."""
     agent_endpoint: AgentEndpointConfig = Field(default_factory=lambda: AgentEndpointConfig())
     """The OpenAI/Anthropic-compatible endpoint external agents call (served when a task source is
     ``external_agent``)."""
@@ -341,6 +347,15 @@ class EnvironmentServiceConfig(_Strict):
     simulated_step_latency: SimulatedLatency = Field(default_factory=lambda: SimulatedLatency())
     """A long-tailed delay added to every Step, drawn per session deterministically: models slow
     tools or remote environments (bench/bench_async.py)."""
+    inject_sandbox_failure: Literal["never", "evaluation"] = "never"
+    """Fault injection for tests: "evaluation" fails the sandbox setup of every tool run in a
+    held-out evaluation episode (a task with `evaluation` set), as a pod without the sandbox's
+    security context would; training episodes are untouched. Never set it in a real run."""
+    inject_reset_failure_rate: float = Field(0.0, ge=0, le=1)
+    """Fault injection for tests: this fraction of sessions (chosen by a hash of the session id, the
+    same on every replica) has its Reset fail with UNAVAILABLE, as an environment that cannot set
+    the episode up; once `rollout.environment_wait_s` has passed the rollout ends that sample
+    INFRA_FAILURE (cause INFRA_ENVIRONMENT). Never set it in a real run."""
 
 
 class ServiceConfig(_Strict):
@@ -686,7 +701,14 @@ class StoreConfig(_Strict):
     learner is held for a due straggler (a group that after this step could only be trained stale):
     time for the redelivered work to be done again — a restarted service's start, a queue ahead of
     it on a busy machine. Past it the learner goes on and the straggler's members that come back
-    too stale are cut (`filtered:stale_on_arrival`)."""
+    too stale are cut (`filtered:stale_on_arrival`). With `replicas` > 1 the learner waits as long
+    for a replica that does not answer, then gathers without it (docs/ARCHITECTURE.md "Store replicas")."""
+    infra_refills_per_group: int = Field(2, ge=0)
+    """At most this many members of one group are refilled: a member that ends INFRA_FAILURE (its
+    engine, environment, agent, teacher or grader failed, or its deadline passed) is replaced by a
+    new sample of the same task, admitted through the gate as one more trajectory, so the group
+    trains on G (docs/RELIABILITY.md "Infra failures refill the sample"). Past the cap — a dead
+    dependency failing every sample — the group ends with the members it has, as with 0 (off)."""
 
 
 class TeacherConfig(_Strict):
@@ -742,6 +764,74 @@ class DistillConfig(_Strict):
     def teacher_for(self, source: str) -> TeacherConfig | None:
         """The teacher of a task source, or None."""
         return next((t for t in self.teachers if t.source == source), None)
+
+
+DEFAULT_JUDGE_RUBRIC = (
+    "You are grading an answer to a task.\n\nTask:\n{prompt}\n\nAnswer:\n{response}\n\n"
+    "Rate the answer from 0 (wrong, empty or off-topic) to {max_score} (correct and complete). "
+    "Reply with one line: Score: <integer>\n")
+DEFAULT_JUDGE_PAIRWISE_RUBRIC = (
+    "You are comparing two answers to a task.\n\nTask:\n{prompt}\n\nAnswer A:\n{response_a}\n\n"
+    "Answer B:\n{response_b}\n\nWhich answer is better? Reply with one line: Winner: A or Winner: B\n")
+
+
+class JudgeConfig(_Strict):
+    """A judge grader (GenRM / LLM-as-judge; graders/judge.py): the task sources named in `sources`
+    are scored by asking an engine instead of their program grader. The judge's answer is parsed
+    into a score; a judge that times out, fails or answers unparseably ends the trajectory
+    INFRA_FAILURE (counted by reason), never reward 0."""
+
+    sources: list[str] = Field(default_factory=list)
+    """Task source names (`tasks.sources[].name`) the judge scores (empty: no judge)."""
+    mode: Literal["pointwise", "pairwise"] = "pointwise"
+    """pointwise: each trajectory gets ``score / max_score`` from `rubric`. pairwise: a group's n
+    members are compared in a circle, member i as answer A against member i+1 mod n as answer B
+    (n calls, not n(n-1)/2): each member is shown once first and once second, so a judge that
+    always prefers one position gives every member the same reward. A member's reward is its
+    share of its two comparisons won (0, 0.5 or 1)."""
+    type: Literal["torch", "sglang", "vllm"] = "sglang"
+    """The judge engine's API: torch and sglang speak SGLang's native ``/generate`` (text in, text
+    out); vllm its OpenAI-compatible ``/v1/completions``."""
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs of the running judge engines (requests go round-robin). Required when `sources` is set."""
+    model_path: str | None = None
+    """The judge model's HF directory (not read by the grader): its model.safetensors hash is the
+    default `revision`."""
+    name: str = ""
+    """The judge's name in the manifest and on every trajectory it scores ("": the last part of
+    `model_path`, else ``judge``)."""
+    revision: str = ""
+    """The judge model's revision ("": the first 16 hex digits of model.safetensors' sha256 in
+    `model_path`). Give one (an HF commit) for a judge whose weights this machine cannot read."""
+    rubric: str = DEFAULT_JUDGE_RUBRIC
+    """Pointwise prompt; ``{prompt}``, ``{response}`` and ``{max_score}`` are filled in. The verdict is
+    the last ``Score: <number>`` of the answer."""
+    pairwise_rubric: str = DEFAULT_JUDGE_PAIRWISE_RUBRIC
+    """Pairwise prompt; ``{prompt}``, ``{response_a}`` and ``{response_b}`` are filled in. The verdict is
+    the last ``Winner: A`` or ``Winner: B`` of the answer."""
+    max_score: int = Field(10, ge=1)
+    """The top of the pointwise scale (reward = score / max_score; a score outside [0, max_score]
+    is unparseable)."""
+    max_new_tokens: int = Field(16, gt=0)
+    """Tokens the judge may write per verdict."""
+    temperature: float = Field(0.0, ge=0)
+    """The judge's sampling temperature (0: greedy, so a redelivered trajectory is judged alike)."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall time one judge request may take; past it the request fails (reason ``timeout``)."""
+    attempts: int = Field(2, ge=1)
+    """Tries per judge request before the trajectory ends INFRA_FAILURE (a timeout or a failed
+    request is retried; an unparseable verdict is not)."""
+
+    @model_validator(mode="after")
+    def _served(self) -> JudgeConfig:
+        if self.sources and not self.urls:
+            raise ValueError("judge.sources needs judge.urls (the judge engines' base URLs)")
+        if self.sources and not self.revision and not self.model_path:
+            raise ValueError("judge: give revision or model_path (its hash is the revision)")
+        if self.timeout_s * self.attempts >= 30.0:  # trajmesh.bus.GRADER_ACK_WAIT_S
+            raise ValueError(f"judge.timeout_s x judge.attempts ({self.timeout_s * self.attempts:g} s) must stay "
+                             "under the grader's 30 s ack wait, or a slow judge's trajectories are redelivered")
+        return self
 
 
 class DemoModelConfig(_Strict):
@@ -868,6 +958,8 @@ class RunConfig(_Strict):
     """How published weights reach the engines: full checkpoints or deltas."""
     distill: DistillConfig = Field(default_factory=DistillConfig)
     """On-policy distillation: teachers scoring the student's samples (off: no teachers)."""
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    """A judge grader (LLM-as-judge) for the sources it names (off: no sources)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -901,6 +993,8 @@ class RunConfig(_Strict):
             raise ValueError(f"distill.teachers: no task source named {unknown} (sources: {names})")
         if len(taught) != len(set(taught)):
             raise ValueError(f"distill.teachers: one teacher per task source, got {taught}")
+        if unknown := sorted(set(self.judge.sources) - set(names)):
+            raise ValueError(f"judge.sources: no task source named {unknown} (sources: {names})")
         addrs = self.infra.store_addresses
         if addrs and len(addrs) != self.store.replicas:
             raise ValueError(f"infra.store_addresses has {len(addrs)} addresses for store.replicas "

@@ -36,6 +36,7 @@ from trajmesh.v1 import trajectory_pb2
 
 ActionType = trajectory_pb2.ActionType
 TerminalReason = trajectory_pb2.TerminalReason
+InfraCause = trajectory_pb2.InfraCause
 ToolCallStatus = trajectory_pb2.ToolCallStatus
 
 # Spans of these types hold tokens the policy sampled (loss mask 1); the others hold mask-0 tokens.
@@ -218,6 +219,12 @@ class Trajectory:
         return self.pb.truncated
 
     @property
+    def infra_cause(self) -> trajectory_pb2.InfraCause:
+        """Which infrastructure failed it (INFRA_CAUSE_UNSPECIFIED unless it ended INFRA_FAILURE
+        through `fail_infra`; a record written before the field ended INFRA_FAILURE reads so too)."""
+        return self.pb.infra_cause
+
+    @property
     def num_turns(self) -> int:
         """1 + the largest span turn_index (0 for a trajectory without spans)."""
         return 1 + max((s.turn_index for s in self.pb.spans), default=-1)
@@ -359,6 +366,24 @@ class Trajectory:
         """Set why the episode ended; `truncated` defaults to MAX_TOKENS / MAX_TURNS."""
         self.pb.terminal_reason = terminal_reason
         self.pb.truncated = terminal_reason in TRUNCATING_REASONS if truncated is None else truncated
+
+    def fail_infra(self, cause: trajectory_pb2.InfraCause, detail: str = "") -> None:
+        """End it as an infrastructure failure (terminal_reason INFRA_FAILURE) caused by `cause`:
+        the one way the engine, environment, agent, teacher, grader and deadline paths mark one.
+        Never rewarded or trained; the store refills its group (docs/RELIABILITY.md). `detail`
+        goes to verifier_output. Truncation is left as it was."""
+        if cause == trajectory_pb2.INFRA_CAUSE_UNSPECIFIED:
+            raise ContractError("fail_infra: name the infrastructure that failed")
+        self.pb.terminal_reason = trajectory_pb2.INFRA_FAILURE
+        self.pb.infra_cause = cause
+        if detail:
+            self.pb.verifier_output = detail
+
+    def past_deadline(self, now: float) -> bool:
+        """Whether `now` (unix seconds) is past the sample's deadline (`timing.deadline_unix_seconds`;
+        none set: never)."""
+        deadline = self.pb.timing.deadline_unix_seconds
+        return deadline > 0 and now > deadline
 
     def set_reward(
         self,

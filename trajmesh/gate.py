@@ -110,6 +110,29 @@ end
 return 1
 """
 
+# KEYS: running, unpublished hash, admitted count, the group's refills hash, refills count, run
+# finished flag. ARGV: failed member id, refill sample index, refill message id, refill task bytes,
+# cap. Returns {status, refills of the group after}: status 1 admitted, 0 already refilled (a
+# redelivery of the failed member), -1 the run is finished, -2 the group is at its cap.
+# A refill is admitted in the failed member's place: the failed one leaves `running` (as a
+# rejected member would at its group's finish) and the refill enters it, in one step, so capacity
+# is unchanged and the slot cannot go to another group meanwhile (with eta 0 and a full gate that
+# would leave the group waiting for capacity only its own completion can free). `admitted` counts
+# the refill: the accounting's left side grows by one trajectory with its own final outcome.
+_REFILL = """
+local prior = redis.call('HGET', KEYS[4], ARGV[1])
+if prior then return {0, redis.call('HLEN', KEYS[4])} end
+if redis.call('EXISTS', KEYS[6]) == 1 then return {-1, redis.call('HLEN', KEYS[4])} end
+if redis.call('HLEN', KEYS[4]) >= tonumber(ARGV[5]) then return {-2, redis.call('HLEN', KEYS[4])} end
+local running = tonumber(redis.call('GET', KEYS[1]) or '0')
+redis.call('SET', KEYS[1], math.max(running - 1, 0) + 1)
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+redis.call('INCRBY', KEYS[3], 1)
+redis.call('INCRBY', KEYS[5], 1)
+return {1, redis.call('HLEN', KEYS[4])}
+"""
+
 # KEYS: version. ARGV: new version. Monotone: a lower version is ignored. Returns the version.
 _SET_VERSION = """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -291,6 +314,7 @@ class AsyncStalenessGate(_Gate):
         super().__init__(redis_client, **spec)
         self._try_admit_recorded = redis_client.register_script(_TRY_ADMIT_RECORDED)
         self._finish_group = redis_client.register_script(_FINISH_GROUP)
+        self._refill = redis_client.register_script(_REFILL)
 
     async def try_admit(self, n: int) -> bool:
         """See :meth:`StalenessGate.try_admit`."""
@@ -315,6 +339,20 @@ class AsyncStalenessGate(_Gate):
             keys=[*s.keys, tasks_key, unpublished_key, admitted_key, pending_key],
             args=[*s.admit_args(n), task_id, record, data, group_id, int(version)])
         return bool(int(admitted))
+
+    async def refill(self, *, failed_id: str, index: int, msg_id: str, data: bytes, cap: int,
+                     unpublished_key: str, admitted_key: str, refills_key: str, refills_total_key: str,
+                     finished_key: str) -> tuple[int, int]:
+        """Admit one refill of a group in the place of its infra-failed member `failed_id` (see
+        `_REFILL`): its sample `index` in hash `refills_key`, its task bytes in `unpublished_key`
+        under `msg_id`, one more in `admitted_key` and `refills_total_key`; `running` unchanged.
+        Idempotent per `failed_id`; refused once the run is finished (`finished_key` exists) or
+        the group has `cap` refills. Returns (1 admitted | 0 already | -1 finished | -2 cap, the
+        group's refills after)."""
+        status, refills = await self._refill(
+            keys=[self._spec.running_key, unpublished_key, admitted_key, refills_key, refills_total_key, finished_key],
+            args=[failed_id, int(index), msg_id, data, int(cap)])
+        return int(status), int(refills)
 
     async def finish_group(self, group_id: str, *, accepted: int, rejected: int, done_key: str,
                            accepted_by_group_key: str | None = None) -> bool:

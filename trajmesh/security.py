@@ -149,9 +149,11 @@ def nats_permissions(role: Role, namespace: str = "", store_replicas: int = 1) -
     store: publishes TASKS; consumes TRAJ_GRADED; reads the backlog of every work queue.
     rollout: consumes TASKS; publishes TRAJ_RAW; reads and watches the weights KV; writes its
       ``anchor_request`` key (``weights.sync: delta``).
-    grader: consumes TRAJ_RAW; publishes TRAJ_GRADED.
+    grader: consumes TRAJ_RAW; publishes TRAJ_GRADED; answers the evaluator's grading requests
+      (subscribes to ``trajmesh.grade.eval``, replies on the evaluator's inboxes).
     learner: the only writer of weights (KV ``latest`` + WEIGHTS stream); reads the EVAL records.
-    evaluator: reads and watches the weights KV; publishes EVAL (it never touches the training streams).
+    evaluator: reads and watches the weights KV; publishes EVAL; asks the graders to grade its
+      episodes (``trajmesh.grade.eval``; it never touches the training streams).
     store, rollout, grader: read/write the blob object store (large messages travel through it).
     admin: everything (the launcher/operator provisions streams and inspects the run).
     """
@@ -183,15 +185,19 @@ def nats_permissions(role: Role, namespace: str = "", store_replicas: int = 1) -
         pub = [lay.subject(busmod.SUBJECT_TRAJ_RAW), *_consume(tasks, "rollout"), *blobs,
                *_read_stream(kv_stream), *_watch_stream(kv_stream), f"$KV.{kv_bucket}.{announce.ANCHOR_REQUEST_KEY}"]
     elif role == "grader":
-        pub = [*(lay.subject(busmod.graded_subject(k, n)) for k in range(n)), *_consume(raw, "grader"), *blobs]
+        pub = [*(lay.subject(busmod.graded_subject(k, n)) for k in range(n)), *_consume(raw, "grader"), *blobs,
+               f"{inbox_prefix('evaluator', namespace)}.>"]
     elif role == "evaluator":
         pub = [lay.subject(busmod.SUBJECT_EVAL), f"$JS.API.STREAM.INFO.{eval_stream}",
-               *_read_stream(kv_stream), *_watch_stream(kv_stream)]
+               *_read_stream(kv_stream), *_watch_stream(kv_stream), lay.subject(busmod.SUBJECT_EVAL_GRADE)]
     else:  # learner
         pub = [lay.subject(busmod.SUBJECT_WEIGHTS), f"$KV.{kv_bucket}.{announce.LATEST_KEY}",
                *_read_stream(kv_stream), f"$JS.API.STREAM.INFO.{lay.stream(busmod.STREAM_WEIGHTS)}",
                *_read_stream(eval_stream), *_watch_stream(eval_stream)]
-    return Permissions(publish=tuple(dict.fromkeys(pub)), subscribe=(f"{inbox_prefix(role, namespace)}.>",))
+    sub = [f"{inbox_prefix(role, namespace)}.>"]
+    if role == "grader":
+        sub.append(lay.subject(busmod.SUBJECT_EVAL_GRADE))
+    return Permissions(publish=tuple(dict.fromkeys(pub)), subscribe=tuple(sub))
 
 
 def nats_authorization(namespace: str = "", users: Mapping[Role, str] | None = None, store_replicas: int = 1) -> str:

@@ -85,7 +85,7 @@ async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int)
         traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=rollout.worker_id,
                               created_unix_seconds=time.time())
         traj.append_prompt(rollout.tokenizer.encode(task.prompt))
-        traj.finish(trajectory_pb2.INFRA_FAILURE)
+        traj.fail_infra(trajectory_pb2.INFRA_AGENT)
         return traj
     if outcome.segments > 1:
         AGENT_SEGMENTED.inc()

@@ -120,6 +120,8 @@ class AgentRunner:
         outcome.segments = len(session.segments())
         for traj in trajs:
             traj.finish(outcome.terminal_reason, truncated=outcome.terminal_reason == trajectory_pb2.WALL_TIMEOUT)
+            if outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE:
+                traj.fail_infra(trajectory_pb2.INFRA_AGENT)
             if outcome.terminal_reason == trajectory_pb2.EOS:
                 traj.pb.final_answer = outcome.answer  # what the grader scores
             if session.environment is not None:  # the hosted environment's states; the last one is graded

@@ -136,7 +136,7 @@ class Teacher:
     def _fail(self, traj: Trajectory, reason: str) -> None:
         TEACHER_FAILURES.labels(self.identity, reason).inc()
         log.warning("teacher %s could not score %s (%s): INFRA_FAILURE", self.identity, traj.trajectory_id, reason)
-        traj.pb.terminal_reason = trajectory_pb2.INFRA_FAILURE
+        traj.fail_infra(trajectory_pb2.INFRA_TEACHER)
 
     async def _score(self, seq: list[int]) -> list[float]:
         pending = _Pending(seq, asyncio.get_running_loop().create_future())

@@ -49,6 +49,7 @@ SCHEMA = pa.schema(
         ("teacher", pa.string()),
         ("reward_components", pa.map_(pa.string(), pa.float64())),
         ("grader_revision", pa.string()),
+        ("verifier_output", pa.string()),
         ("roc_tool_error_score", pa.float64()),
         ("roc_format_score", pa.float64()),
         ("payload_sha256", pa.string()),
@@ -114,7 +115,9 @@ _LIST_COLUMNS: dict[str, Any] = {
 ``teacher_logprobs`` / ``teacher``: on-policy distillation's teacher log-prob of each token and the
 teacher's ``name@revision`` (empty / empty string: no teacher scored it).
 ``reward_components`` (a map column beside these): the grader's raw reward components, by name (a
-rubric's functions, ``correct`` / ``format_eos``, a game's ``step_<k>``), with ``grader_revision``.
+rubric's functions, ``correct`` / ``format_eos``, a game's ``step_<k>``), with ``grader_revision``
+and ``verifier_output`` (the grader's raw output: a judge's JSON verdict with its raw answer,
+graders/judge.py; ``judge_error: …`` on an INFRA_FAILURE the judge caused).
 ``roc_tool_error_score`` / ``roc_format_score``: the two scores GRPO-RoC selected a member of its
 group by (services/store/roc.py; null where RoC did not decide), on its ``accepted`` or
 ``filtered`` row, whose reason says the decision. Parts written before a column existed read it as null."""

@@ -16,6 +16,22 @@ from trajmesh.contract import ContractError, Trajectory
 from trajmesh.v1 import trajectory_pb2
 
 OUTCOME_VALID = "valid"
+INFRA_REASON_UNKNOWN = "infra_failure"
+"""The failed_infra reason of a trajectory that names no cause (a record written before `infra_cause`)."""
+
+
+def infra_reason(traj: Trajectory) -> str:
+    """The failed_infra reason of a trajectory that ended INFRA_FAILURE: ``infra_<cause>`` from its
+    typed cause (``infra_environment``, ``infra_deadline``, ...), `INFRA_REASON_UNKNOWN` without one."""
+    cause = int(traj.infra_cause)
+    if cause == trajectory_pb2.INFRA_CAUSE_UNSPECIFIED or cause not in trajectory_pb2.InfraCause.values():
+        return INFRA_REASON_UNKNOWN
+    return trajectory_pb2.InfraCause.Name(cause).lower()
+
+
+INFRA_REASONS = (INFRA_REASON_UNKNOWN, *(name.lower() for name in trajectory_pb2.InfraCause.keys()
+                                         if name != "INFRA_CAUSE_UNSPECIFIED"))
+"""Every failed_infra reason `judge` gives."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +74,7 @@ def judge_parsed(traj: Trajectory | None, task: dict[str, Any] | None, *, vocab_
     if violations:
         return Verdict(traj, "quarantined", reason, True)
     if traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
-        return Verdict(traj, "failed_infra", "infra_failure", True)
+        return Verdict(traj, "failed_infra", infra_reason(traj), True)
     if not traj.graded or not math.isfinite(traj.reward):
         return Verdict(traj, "quarantined", "not_graded", True)
     return Verdict(traj, OUTCOME_VALID, "", True)

@@ -49,6 +49,18 @@ class RedisKeys:
         """Set of member ids that passed intake and wait, unacked, for the group to complete."""
         return self._k(f"group:{group_id}:valid")
 
+    def group_refills(self, group_id: str) -> str:
+        """Hash infra-failed member id → the sample index of the refill admitted in its place
+        (G + k for the group's k-th; the refill's trajectory id is task id + "-" + index). Its size
+        is the group's refills: the group completes at G + that many members. Goes when the group
+        is settled."""
+        return self._k(f"group:{group_id}:refills")
+
+    @property
+    def refills_admitted(self) -> str:
+        """Integer: refills admitted over the run (each also counted in `admitted_trajectories`)."""
+        return self._k("refills_admitted")
+
     @property
     def open_groups(self) -> str:
         """Set of group ids whose membership sets (`received`, `valid`) still exist: a restarted

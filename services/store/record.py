@@ -65,5 +65,9 @@ class SyncRunRecord:
         """Trajectories admitted (tasks × G): the left side of the accounting."""
         return int(self.redis.get(self.keys.admitted_trajectories) or 0)
 
+    def refills_admitted(self) -> int:
+        """Refills admitted (new samples in the place of infra-failed members; in the admitted count)."""
+        return int(self.redis.get(self.keys.refills_admitted) or 0)
+
     def mark_finished(self, reason: str) -> None:
         self.redis.set(self.keys.run_finished, reason)

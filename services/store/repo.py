@@ -70,6 +70,8 @@ class Lookup:
     group_pending: bool = True
     """Whether its group is still pending (never handed to the learner). False: a learner may
     have trained it already and not yet reported it (a store restarted in between)."""
+    refills: int = 0
+    """Refills admitted for its group so far (the group completes at G + that many members)."""
 
 
 @dataclass(frozen=True)
@@ -163,14 +165,15 @@ class StoreRepo:
             pipe.sismember(self.keys.final_trajectories, tid)
             pipe.zscore(self.keys.pending_groups, group_ids[k] if group_ids is not None else "")
             pipe.getbit(self.keys.settled_tasks, task_cursor(task_id) or 0)
+            pipe.hlen(self.keys.group_refills(group_ids[k] if group_ids is not None else ""))
         version_raw, *found = await pipe.execute()
         out = []
         for k, (task_id, tid) in enumerate(items):
-            raw, final, pending, bit = found[4 * k: 4 * k + 4]
+            raw, final, pending, bit, refills = found[5 * k: 5 * k + 5]
             # A settled task makes its own G sample ids final; any other id claiming it never was.
             cursor = task_cursor(task_id) if member_task_id(tid) == task_id else None
             out.append(Lookup(json.loads(raw) if raw is not None else None, _final(final, cursor, bit),
-                              group_pending=group_ids is None or pending is not None))
+                              group_pending=group_ids is None or pending is not None, refills=int(refills or 0)))
         return int(version_raw or 0), out
 
     async def record_members(self, members: list[Membership]) -> list[tuple[int, int]]:
@@ -196,6 +199,16 @@ class StoreRepo:
             out.append((int(results[k]), int(results[k + 1])))
             k += 2
         return out
+
+    async def refill(self, group_id: str, failed_id: str, index: int, msg_id: str, data: bytes,
+                     cap: int) -> tuple[int, int]:
+        """Admit a refill of `group_id` in the place of its infra-failed member `failed_id`, as one
+        atomic gate step (`AsyncStalenessGate.refill`): (status, the group's refills after)."""
+        return await self.gate.refill(
+            failed_id=failed_id, index=index, msg_id=msg_id, data=data, cap=cap,
+            unpublished_key=self.keys.unpublished_tasks, admitted_key=self.keys.admitted_trajectories,
+            refills_key=self.keys.group_refills(group_id), refills_total_key=self.keys.refills_admitted,
+            finished_key=self.keys.run_finished)
 
     async def leave_group(self, group_id: str, trajectory_ids: list[str]) -> None:
         """Members a selection dropped (GRPO-RoC) count valid no more: a group rebuilt after a
@@ -269,6 +282,9 @@ class StoreRepo:
         if settled:
             pipe.srem(self.keys.groups_done, *settled)
             pipe.hdel(self.keys.groups_accepted, *settled)
+            # Only a settled group's refills go: the end of a run reads an unsettled one's
+            # (`unfinished_members`) after its membership sets are cleaned up.
+            pipe.delete(*(self.keys.group_refills(gid) for gid in settled))
         for task_id, (cursor, members) in trimmed.items():
             pipe.setbit(self.keys.settled_tasks, cursor, 1)
             pipe.hdel(self.keys.tasks, task_id)
@@ -324,15 +340,18 @@ class StoreRepo:
         return [gid for gid in (_text(g) for g in await self.r.smembers(self.keys.open_groups)) if self.owns(gid)]
 
     async def unfinished_members(self) -> list[OpenMember]:
-        """Every admitted trajectory id (task id + index, G per task) of this partition's groups
-        without a final outcome."""
+        """Every admitted trajectory id (task id + index: G per task, and each refill's
+        `group_refills` index) of this partition's groups without a final outcome."""
         tasks = await self.r.hgetall(self.keys.tasks)
+        owned = [(task_id, rec) for task_id, rec in ((_text(k), json.loads(raw)) for k, raw in tasks.items())
+                 if self.owns(str(rec["group_id"]))]
+        pipe = self.r.pipeline(transaction=False)
+        for _, rec in owned:
+            pipe.hvals(self.keys.group_refills(str(rec["group_id"])))
         candidates: list[OpenMember] = []
-        for task_id_raw, raw in tasks.items():
-            task_id, rec = _text(task_id_raw), json.loads(raw)
-            if not self.owns(str(rec["group_id"])):
-                continue
-            for tid in member_ids(task_id, int(rec["group_size"])):
+        for (task_id, rec), refills in zip(owned, await pipe.execute() if owned else [], strict=True):
+            tids = member_ids(task_id, int(rec["group_size"])) + [f"{task_id}-{int(i)}" for i in refills]
+            for tid in tids:
                 candidates.append(OpenMember(tid, task_id, str(rec["group_id"]), str(rec.get("source", ""))))
         finals = await self.finals([c.trajectory_id for c in candidates])
         return [c for c, final in zip(candidates, finals, strict=True) if not final]

@@ -59,7 +59,7 @@ from trajmesh.gate import AsyncStalenessGate
 from trajmesh.service import STOP_WORK_S, Service, supervise
 from trajmesh.services.store import roc as roc_mod
 from trajmesh.services.store.archive import ArchiveWriter
-from trajmesh.services.store.intake import OUTCOME_VALID, judge_parsed, parse
+from trajmesh.services.store.intake import INFRA_REASONS, OUTCOME_VALID, judge_parsed, parse
 from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.repo import Membership, StoreRepo, base_task_id, task_id_at
 from trajmesh.services.store.state import (
@@ -131,6 +131,12 @@ HELD = Gauge("trajmesh_store_held_trajectories",
              "handed_out: given to the learner, not reported)", ["state"])
 STRAGGLERS_GIVEN_UP = Gauge("trajmesh_store_stragglers_given_up_groups",
                             "Due groups (admitted at <= learner version - eta) the learner stopped waiting for")
+INFRA_REFILLS = Counter("trajmesh_store_infra_refill_trajectories_total",
+                        "Refills admitted: a new sample of a task in the place of a member that ended "
+                        "INFRA_FAILURE, by the failed one's cause (store.infra_refills_per_group)", ["cause"])
+INFRA_REFILLS_REFUSED = Counter("trajmesh_store_infra_failures_not_refilled_total",
+                                "Infra-failed members not refilled, by why (cap: the group had "
+                                "store.infra_refills_per_group; run_finished; old_task_record)", ["reason"])
 STALE_ON_ARRIVAL = ("filtered", "stale_on_arrival")
 """Final outcome of a member that reached the store already staler than η at the learner's current
 version (it could only be quarantined as stale): cut, never handed out, its group completes
@@ -143,9 +149,14 @@ POISON = "poison"
 QUEUES = ((busmod.STREAM_TASKS, "rollout"), (busmod.STREAM_TRAJ_RAW, "grader"), (busmod.STREAM_TRAJ_GRADED, "store"))
 """(stream, durable consumer) pairs whose backlog the store exports."""
 for _outcome, _reason in (("filtered", "zero_variance"), ("filtered", "group_too_small"),
-                          ("quarantined", "stale"), ("quarantined", POISON), STALE_ON_ARRIVAL, STALE_CUT_SHORT, ("failed_infra", "infra_failure"),
+                          ("quarantined", "stale"), ("quarantined", POISON), STALE_ON_ARRIVAL, STALE_CUT_SHORT,
                           ("in_flight_at_stop", "held_at_stop"), ("in_flight_at_stop", "not_returned")):
     OUTCOMES.labels(outcome=_outcome, reason=_reason)  # exported at 0 so rates exist before the first one
+for _reason in INFRA_REASONS:
+    OUTCOMES.labels(outcome="failed_infra", reason=_reason)
+    INFRA_REFILLS.labels(cause=_reason)
+for _reason in ("cap", "run_finished", "old_task_record"):
+    INFRA_REFILLS_REFUSED.labels(reason=_reason)
 for _stream, _ in QUEUES:
     for _g in (QUEUE_PENDING, QUEUE_ACK_PENDING, QUEUE_AGE):
         _g.labels(stream=_stream)
@@ -402,30 +413,12 @@ class TrajectoryStore(Service):
         if self.sampler.maybe_reprofile(version):
             REPROFILES.inc()
         task = self.sampler.task_at(cursor)
-        pb = trajectory_pb2.Task(
-            task_id=task_id_at(task.task_id, cursor),
-            group_id=f"g{cursor}-{task.task_id}",
-            source=task.source,
-            revision=task.revision,
-            seed=self.cfg.seed * 1_000_003 + cursor,
-            group_size=self.cfg.admitted_group_size,
-            environment=task.environment,
-            prompt=task.prompt,
-            answer=task.answer,
-            metadata_json=json.dumps(task.metadata, default=str),
-            admitted_at_version=version,
-            manifest_id=self.manifest_id,
-        )
-        s = self.cfg.tasks.sampling
-        pb.sampling.CopyFrom(
-            trajectory_pb2.SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                max_new_tokens=s.max_new_tokens, max_turns=s.max_turns,
-            )
-        )
-        record = {"group_id": pb.group_id, "group_size": pb.group_size, "source": pb.source,
-                  "answer": pb.answer, "prompt": pb.prompt, "metadata": task.metadata, "cursor": cursor,
+        task_id = task_id_at(task.task_id, cursor)
+        record = {"group_id": f"g{cursor}-{task.task_id}", "group_size": self.cfg.admitted_group_size,
+                  "source": task.source, "revision": task.revision, "environment": task.environment,
+                  "answer": task.answer, "prompt": task.prompt, "metadata": task.metadata, "cursor": cursor,
                   "admitted_at_version": version}
+        pb = self._task_message(task_id, record)
         data = pb.SerializeToString()
         if not await self.w.repo.try_admit(pb.task_id, record, data, pb.group_size):
             log.info("gate capacity taken meanwhile: sampler position %d skipped", cursor)
@@ -439,6 +432,51 @@ class TrajectoryStore(Service):
             SOURCE_ADMITTED_SHARE.labels(source=name).set(share)
         MIXTURE_DRIFT.set(self.mixture.drift())
         return True
+
+    def _task_message(self, task_id: str, record: dict[str, Any], *, group_size: int = 0, first_sample: int = 0,
+                      refill_of: str = "") -> trajectory_pb2.Task:
+        """The TASKS message of an admitted task, from its record: the whole group (`group_size`
+        0: the record's G), or a refill (one sample at index `first_sample`, replacing `refill_of`).
+        Seed and sampling follow from the cursor and the config, so a refill samples the same task
+        the same way, as a new sample."""
+        s = self.cfg.tasks.sampling
+        return trajectory_pb2.Task(
+            task_id=task_id, group_id=str(record["group_id"]), source=str(record["source"]),
+            revision=str(record.get("revision", "")), seed=self.cfg.seed * 1_000_003 + int(record["cursor"]),
+            group_size=group_size or int(record["group_size"]), environment=str(record.get("environment", "")),
+            prompt=str(record["prompt"]), answer=str(record["answer"]),
+            metadata_json=json.dumps(record.get("metadata", {}), default=str),
+            admitted_at_version=int(record["admitted_at_version"]), manifest_id=self.manifest_id,
+            sampling=trajectory_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                                   max_new_tokens=s.max_new_tokens, max_turns=s.max_turns),
+            first_sample=first_sample, refill_of=refill_of)
+
+    async def _refill(self, traj: Trajectory, reason: str, task: dict[str, Any], refills: int) -> int:
+        """`traj` ended INFRA_FAILURE (`reason`: infra_<cause>): admit and publish one new sample of
+        its task in its place, unless its group has `store.infra_refills_per_group` already or the
+        run is finished (then the group ends with what it has). Idempotent for a redelivered
+        member. Returns the group's refills after (`refills`: before)."""
+        cap = self.cfg.store.infra_refills_per_group
+        if cap == 0:  # refills off (the gate step below says whether a group reached its cap)
+            INFRA_REFILLS_REFUSED.labels(reason="cap").inc()
+            return refills
+        if "environment" not in task or "cursor" not in task:  # a record from before refills
+            INFRA_REFILLS_REFUSED.labels(reason="old_task_record").inc()
+            return refills
+        index = int(task["group_size"]) + refills
+        msg_id = f"{traj.task_id}-refill{index}"
+        pb = self._task_message(traj.task_id, task, group_size=1, first_sample=index, refill_of=traj.trajectory_id)
+        data = pb.SerializeToString()
+        status, after = await self.w.repo.refill(traj.group_id, traj.trajectory_id, index, msg_id, data, cap)
+        if status == 1:
+            await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=msg_id, retry_s=busmod.PUBLISH_RETRY_S)
+            await self.w.repo.published(msg_id)
+            INFRA_REFILLS.labels(cause=reason).inc()
+            TRAJ_ADMITTED.inc()
+            log.info("refilled %s (%s) with sample %d of its task", traj.trajectory_id, reason, index)
+        elif status < 0:
+            INFRA_REFILLS_REFUSED.labels(reason="run_finished" if status == -1 else "cap").inc()
+        return after
 
     async def _republish_unpublished(self) -> None:
         for task_id, data in (await self.w.repo.unpublished()).items():
@@ -521,7 +559,8 @@ class TrajectoryStore(Service):
             if not verdict.member:  # unknown task, or not one of its G samples: must not touch a group
                 self._finalize(traj, outcome, reason, it.msg, mark=False)
                 continue
-            assert task is not None
+            assert task is not None and rec is not None
+            task["refills"] = rec.refills  # the group's refills so far (not part of the stored record)
             if outcome == OUTCOME_VALID and traj.terminal_reason == trajectory_pb2.STALE:
                 outcome, reason = STALE_CUT_SHORT
             elif (outcome == OUTCOME_VALID and rec is not None and rec.group_pending
@@ -538,6 +577,15 @@ class TrajectoryStore(Service):
             await self._take_members(members)
 
     async def _take_members(self, members: list[tuple[_Incoming, Trajectory, str, str, dict[str, Any]]]) -> None:
+        # Each infra-failed member's refill is admitted before its membership is recorded, so its
+        # group can never complete without waiting for the refill (a crash in between redelivers
+        # the member, and the refill's admission is idempotent per failed id).
+        refills: dict[str, int] = {}
+        for _, traj, outcome, reason, task in members:
+            gid = traj.group_id
+            refills[gid] = max(refills.get(gid, 0), int(task.get("refills", 0)))
+            if outcome == "failed_infra":
+                refills[gid] = await self._refill(traj, reason, task, refills[gid])
         counts = await self.w.repo.record_members(
             [Membership(traj.group_id, it.tid, outcome == OUTCOME_VALID) for it, traj, outcome, _, _ in members])
         for (it, traj, outcome, reason, task), (received, valid) in zip(members, counts, strict=True):
@@ -547,7 +595,8 @@ class TrajectoryStore(Service):
             group = self.state.take_member(
                 traj, it.msg, valid=outcome == OUTCOME_VALID, expected=int(task["group_size"]),
                 order=int(task.get("cursor", 1 << 62)), source=str(task.get("source", "")),
-                received=received, valid_count=valid, admitted_version=int(task.get("admitted_at_version", 0)))
+                received=received, valid_count=valid, admitted_version=int(task.get("admitted_at_version", 0)),
+                refills=refills[traj.group_id])
             if group is not None:
                 await self._complete(group)
 
@@ -713,6 +762,7 @@ class TrajectoryStore(Service):
             sequence_starts=list(pb.sequence_starts), step_rewards=list(pb.step_rewards),
             teacher_logprobs=list(pb.teacher_logprobs), teacher=pb.teacher,
             reward_components=dict(pb.raw_reward_components), grader_revision=pb.grader_revision,
+            verifier_output=pb.verifier_output,
             roc_tool_error_score=roc_scores.tool_error if roc_scores else None,
             roc_format_score=roc_scores.format if roc_scores else None,
         )

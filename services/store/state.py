@@ -26,6 +26,16 @@ archived, then (at the next `take_commit`) marked final in Redis and acked. Reco
 - **the end of a finished run** (`end_of_run`): whatever is still held ends as a recorded final
   outcome (`filtered:unused_at_end_of_run` or `in_flight_at_stop:held_at_stop`), never a gap.
 
+**Infra failures refill the sample, not the group.** A member that ends INFRA_FAILURE (its engine,
+environment, agent, teacher or grader failed, or its deadline passed: `Trajectory.infra_cause`) is
+FINAL on arrival as `failed_infra:infra_<cause>`, like any invalid member; but first the store
+admits a refill in its place (`StoreRepo.refill`, one gate step: a new trajectory of the same task,
+id task id + "-" + (G + k), counted in `admitted`, the failed one's slot handed over so capacity is
+unchanged) and publishes it on TASKS. The group then completes at G + refills members received
+(`Group.refills`), so it trains on G valid samples, not G − 1. At most
+`store.infra_refills_per_group` per group, none once the run is finished: past that the group ends
+with the members it has, by the rule above (`filter_reason`).
+
 READY groups are served oldest admission first (`Group.order`, the sampler cursor), so groups
 rebuilt after a restart or recycled from a dead learner never fall behind younger ones. And a
 group admitted at learner version a may be trained at versions ≤ a + η only: when the learner is
@@ -147,6 +157,9 @@ class Group:
     group_id: str
     expected: int
     """G: members admitted for this group's task."""
+    refills: int = 0
+    """Members admitted since, each in the place of an infra-failed one: the group is complete
+    when G + refills have come back."""
     order: int = 1 << 62
     """Admission order (sampler cursor); READY groups are served lowest first."""
     admitted_version: int = 0
@@ -405,19 +418,21 @@ class StoreState:
             self.owed.discard(tid)
 
     def take_member(self, traj: Trajectory, msg: Any, *, valid: bool, expected: int, order: int, source: str,
-                    received: int, valid_count: int, admitted_version: int = 0) -> Group | None:
+                    received: int, valid_count: int, admitted_version: int = 0, refills: int = 0) -> Group | None:
         """A member whose membership is recorded in Redis (`received`/`valid_count`: the group's
-        counts right after it). A valid one becomes RECEIVED (an invalid one was finalized by the
-        caller). Returns the group when it is now complete: all G came back and every valid
-        member is here (after a store restart the valid members arrive again by redelivery)."""
+        counts right after it; `refills`: the group's refills admitted so far, never fewer than
+        before). A valid one becomes RECEIVED (an invalid one was finalized by the caller). Returns
+        the group when it is now complete: all G + refills came back and every valid member is
+        here (after a store restart the valid members arrive again by redelivery)."""
         gid = traj.group_id
         group = self.assembling.get(gid)
         if group is None:
             group = self.assembling[gid] = Group(gid, expected, order=order, admitted_version=admitted_version,
                                                  source=source)
+        group.refills = max(group.refills, refills)
         if valid:
             self._apply(Event.TAKE, [TrajectoryRecord(traj, group, msg)])
-        if received >= group.expected and len(group.members) >= valid_count:
+        if received >= group.expected + group.refills and len(group.members) >= valid_count:
             del self.assembling[gid]
             return group
         return None

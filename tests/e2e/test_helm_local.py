@@ -213,3 +213,89 @@ def test_chart_runs_as_local_processes(tmp_path: Path, monkeypatch: pytest.Monke
             assert st["NoNewPrivs"] == "1", (component, st)
     written = [p for p in learner_run.rglob("*") if p.is_file()]  # the learner wrote the shared claim as 10001
     assert written and {p.stat().st_uid for p in written} == {10001}
+
+
+def _port(pod: Any, name: str) -> int:
+    """The host port of a pod's named container port."""
+    return int(next(pod.ports[int(p["containerPort"])] for p in pod.container_ports() if p.get("name") == name))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # 104-128 s on the 2-core dev machine (make test-all); the mesh twin runs in make test
+@pytest.mark.timeout(900)
+def test_chart_evaluates_math_tool_through_the_environment_pod(tmp_path: Path) -> None:
+    """The chart's evaluator pod evaluates a math_tool source through the environment and grader
+    pods (tests/e2e/test_evaluator_sandbox.py as the chart's workloads, its NATS users included): with
+    `environment.inject_sandbox_failure: evaluation` every tool run of a held-out episode fails its
+    sandbox setup in the environment pod, and each shows in the evaluator pod's records as an infra
+    failure, not as a wrong answer; training episodes run the environment pod's real sandbox."""
+    import shutil
+    import time
+
+    from test_evaluator_sandbox import HELDOUT, SAMPLES, SOURCE, _build_tool_model, _metric
+
+    from trajmesh.config import RunConfig
+    from trajmesh.infra import nats_server_binary, redis_server_binary
+    from trajmesh.run.run_end import drain
+    from trajmesh.run.train import read_metrics
+    from trajmesh.services.store.archive import read_archive
+
+    values = _merged(_values("cpu-only"), {
+        "model": {"source": "pvc://trajmesh-models/tool"},
+        "rollout": {"replicaCount": 1, "concurrentTasks": 2}, "environment": {"replicaCount": 1},
+        "grader": {"replicaCount": 1}, "evaluator": {"enabled": True},
+        "trajmesh": {"config": {
+            "gate": {"eta": 1},
+            "eval": {"every_versions": 100, "samples": SAMPLES, "samples_during": 1, "noise_seeds": 0,
+                     "temperature": 0.25, "evaluator_nice": 0},
+            "tasks": {"sources": [SOURCE], "group_size": 2, "train_size": 20, "heldout_size": HELDOUT,
+                      "sampling": {"max_new_tokens": 56, "max_turns": 2, "temperature": 0.25}},
+            "store": {"drop_zero_variance_groups": False},
+            "environment": {"inject_sandbox_failure": "evaluation"},
+            "sandbox": {"allow_without_cgroup": True},
+            "learner": {"batch_groups": 2, "max_steps": 2, "checkpoint_every": 2}}},
+    })
+    kubelet = _load_kubelet().LocalKubelet(_objects_of(values), tmp_path, NAMESPACE,
+                                           {"nats": nats_server_binary(), "redis-server": redis_server_binary()})
+    kubelet.setup()
+    model = _build_tool_model(tmp_path / "model")
+    shutil.copytree(model, tmp_path / "pvc" / "trajmesh-models" / "tool")
+    learner_run = tmp_path / "pvc" / "trajmesh-shared" / "run"
+    try:
+        for component in ("nats", "redis"):
+            kubelet.start(kubelet.pod(component))
+        provision = kubelet.pod("provision")
+        assert kubelet.run_to_completion(provision) == 0, kubelet.tail(provision)
+        for component in ("environment", "store", "grader", "rollout", "evaluator", "learner"):
+            kubelet.start(kubelet.pod(component), wait_ready_s=300, may_finish=component == "learner")
+        learner, evaluator, store = kubelet.pod("learner"), kubelet.pod("evaluator"), kubelet.pod("store")
+        cfg = RunConfig.model_validate(yaml.safe_load(
+            (tmp_path / "pods" / store.name / "volumes" / "runtime" / "config.yaml").read_text()))
+        assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
+        deadline = time.monotonic() + 300  # its record of the last version (it sees run_finished)
+        while not [r for r in read_metrics(learner_run) if r.get("phase") == "after"]:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in evaluator.procs), \
+                kubelet.tail(evaluator)
+            time.sleep(0.5)
+        injected = _metric(_port(kubelet.pod("environment"), "metrics"), "trajmesh_environment_sandbox_violations_total",
+                           {"environment": "math_tool", "subclass": "setup"})
+        played = {r: _metric(_port(evaluator, "metrics"), "trajmesh_evaluator_heldout_trajectories_total",
+                             {"result": r}) for r in ("graded", "infra_failure")}
+        drain(cfg)
+        for component in ("rollout", "evaluator", "grader", "environment"):
+            kubelet.stop(kubelet.pod(component))
+        assert kubelet.stop(store, grace_s=120) == [0], kubelet.tail(store)
+    finally:
+        kubelet.stop_all()
+    evals = [m for m in read_metrics(learner_run) if m.get("kind") == "eval"]
+    assert evals and evals[0]["phase"] == "before" and evals[-1]["phase"] == "after", evals
+    figures = [r["heldout"]["math_tool"] for r in evals]
+    infra = sum(f["greedy_infra_failures"] + f["sampled_infra_failures"] for f in figures)
+    assert infra > 0 and injected == infra == played["infra_failure"], (injected, played, figures)
+    assert played["graded"] + played["infra_failure"] == len(evals) * HELDOUT * (1 + SAMPLES), (played, len(evals))
+    for f in figures:
+        for mode, n in (("greedy", HELDOUT), ("sampled", HELDOUT * SAMPLES)):
+            assert f[f"{mode}_accuracy"] is None if f[f"{mode}_infra_failures"] == n else f[f"{mode}_accuracy"] >= 0, f
+    archive = read_archive(Path(cfg.run_dir) / "archive").to_pylist()  # the store pod's run dir
+    assert [r for r in archive if r["outcome"] == "accepted"], "nothing trained"
+    assert not [r for r in archive if r.get("terminal_reason") == "INFRA_FAILURE"], "training episodes were injected"

@@ -37,6 +37,17 @@ has no answer for `grade_sample` to fall back on). The probes
 reach the grader, not a verifiers rubric: the rubric runs inside the harness's episode, so a
 verifiers task's empty action is scored as an episode without a rubric outcome.
 
+A **judged** source (named in ``judge.sources``: its reward is a judge model's verdict,
+graders/judge.py) is probed through the judge itself, as the grader service asks it: ``empty``,
+``garbage`` and ``prompt_echo`` answers, each of which must not score high (above
+`JUDGE_HIGH`), and the gold answer where the task has one (a gold answer the judge scores low is
+a problem, not a refusal; no gold answer is no refusal either: a judge is for sources without a
+program verifier). Pointwise, a probe's reward is its score; pairwise, the probe is judged against
+the gold answer in both orders (`circular_pairs` of two) and must not win both. A source is
+**refused** when a probe scores high on any task. A probe the judge could not score (a timeout,
+an unreadable verdict) is reported (``raises``), not refused: the grader service would end such a
+trajectory INFRA_FAILURE, never reward it.
+
 `trajmesh envs --audit [CONFIG]` prints the table (every built-in reasoning-gym family without a
 config); `trajmesh train` audits its sources first (`tasks.verifier_audit`), writes
 RUN_DIR/verifier_audit.json and refuses to start on a refused source unless told to warn.
@@ -44,6 +55,7 @@ RUN_DIR/verifier_audit.json and refuses to start on a refused source unless told
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +73,10 @@ ACTION_PROBES = ("empty", "garbage")
 """The probes of an environment-reward source: one-turn episodes whose action should earn nothing."""
 MAX_PLAY_STEPS = 64
 """Actions of a scripted play at most (a play still going then is graded as it stands)."""
+JUDGE_PROBES = ("empty", "garbage", "prompt_echo")
+"""The probes of a judged source: answers that answer nothing, none of which may score high."""
+JUDGE_HIGH = 0.5
+"""A judged probe scoring above this (of 1) is scored high: the source is refused."""
 
 
 @dataclass
@@ -85,11 +101,12 @@ class SourceAudit:
         """Why a run refuses this source (empty: it may train)."""
         if self.error:
             return [f"no tasks: {self.error}"]
+        refusing = JUDGE_PROBES if self.reward_from == "judge" else REFUSING_PROBES
         why = [f"accepts {probe} on {n}/{self.tasks}" for probe, n in self.accepted.items()
-               if n and probe in REFUSING_PROBES]
+               if n and probe in refusing]
         if self.reward_from == "environment":
             why += [f"grader raises on {probe}: {exc}" for probe, exc in self.raised.items()]
-        elif self.gold_missing:
+        elif self.gold_missing and self.reward_from != "judge":
             why.append(f"no gold answer on {self.gold_missing}/{self.tasks}")
         return why
 
@@ -186,8 +203,55 @@ def audit_source(src: Any, n_tasks: int = 8) -> SourceAudit:
     return out
 
 
-def audit_sources(sources: list[Any], n_tasks: int = 8) -> list[SourceAudit]:
-    return [audit_source(src, n_tasks) for src in sources]
+def audit_judged_source(src: Any, judge: Any, n_tasks: int = 8) -> SourceAudit:
+    """Grade `n_tasks` of a judged source's held-out split through the judge (`judge`: the run's
+    `trajmesh.config.JudgeConfig`): the gold answer where there is one and every `JUDGE_PROBES` probe."""
+    try:
+        _, tasks = load_split(src, 1, n_tasks)
+    except Exception as exc:  # noqa: BLE001 - a generator that cannot run is the finding
+        return SourceAudit(src.name, "judge", error=f"{type(exc).__name__}: {exc}"[:200])
+    return asyncio.run(_audit_judged(src.name, judge, tasks))
+
+
+async def _audit_judged(name: str, judge: Any, tasks: list[TaskSpec]) -> SourceAudit:
+    from trajmesh.graders.judge import JudgeError, JudgeGrader
+
+    out = SourceAudit(name, "judge", tasks=len(tasks), accepted=dict.fromkeys(JUDGE_PROBES, 0))
+    grader = JudgeGrader(judge)
+
+    async def reward(spec: TaskSpec, text: str) -> float:
+        task, sample = _task(spec), Sample(text, [text], ended_with_eos=True)
+        if judge.mode == "pointwise":
+            return (await grader.grade(sample, task)).reward
+        gold = Sample(spec.answer, [spec.answer], ended_with_eos=True)
+        return (await grader.grade_group([gold, sample], task))[1].reward  # the probe against gold, both orders
+
+    try:
+        for spec in tasks:
+            has_gold = spec.answer.strip() not in ("", "None")
+            out.gold_missing += int(not has_gold)
+            if has_gold and judge.mode == "pointwise":
+                try:
+                    out.gold_rejected += int(await reward(spec, spec.answer) <= JUDGE_HIGH)
+                except JudgeError as exc:
+                    out.raised.setdefault("gold", str(exc)[:200])
+            for probe in JUDGE_PROBES:
+                if judge.mode == "pairwise" and not has_gold:
+                    continue  # nothing to hold the probe against
+                try:
+                    out.accepted[probe] += int(await reward(spec, _probe_text(probe, spec)) > JUDGE_HIGH)
+                except JudgeError as exc:
+                    out.raised.setdefault(probe, str(exc)[:200])
+    finally:
+        await grader.close()
+    return out
+
+
+def audit_sources(sources: list[Any], n_tasks: int = 8, judge: Any = None) -> list[SourceAudit]:
+    """Every source audited: through the judge those `judge.sources` names, by their grader the rest."""
+    judged = set(judge.sources) if judge is not None else set()
+    return [audit_judged_source(src, judge, n_tasks) if src.name in judged else audit_source(src, n_tasks)
+            for src in sources]
 
 
 class VerifierAuditRefused(ValueError):
@@ -203,7 +267,7 @@ def audit_run(cfg: Any, run_dir: Any) -> list[SourceAudit]:
     mode = cfg.tasks.verifier_audit
     if mode == "off":
         return []
-    audits = audit_sources(list(cfg.tasks.sources), cfg.tasks.verifier_audit_tasks)
+    audits = audit_sources(list(cfg.tasks.sources), cfg.tasks.verifier_audit_tasks, cfg.judge)
     (Path(run_dir) / "verifier_audit.json").write_text(json.dumps(
         {"mode": mode, "sources": [a.as_dict() for a in audits]}, indent=2, sort_keys=True) + "\n")
     refused = [a for a in audits if a.refused]
@@ -231,6 +295,8 @@ def _verdict(a: SourceAudit) -> str:
     if a.refused:
         return "refused: " + "; ".join(a.refused)
     notes = []
+    if a.reward_from == "judge":
+        notes.append("judged: probed through the judge")
     if a.reward_from == "environment":
         notes.append(f"environment reward, scripted play on {a.played}/{a.tasks}" if a.played
                      else "environment reward, no scripted play")
@@ -246,7 +312,7 @@ def format_table(audits: list[SourceAudit]) -> str:
     head = f"{'source':32} {'tasks':>5} {'no gold':>7} {'gold<1':>6} " + " ".join(f"{p:>11}" for p in PROBES)
     lines = [head + "  raises  verdict"]
     for a in audits:
-        gold = (a.gold_missing, a.gold_rejected) if a.reward_from == "reference" else ("-", "-")
+        gold = (a.gold_missing, a.gold_rejected) if a.reward_from in ("reference", "judge") else ("-", "-")
         lines.append(f"{a.source:32} {a.tasks:5d} {gold[0]:>7} {gold[1]:>6} "
                      + " ".join(f"{a.accepted.get(p, '-'):>11}" for p in PROBES)
                      + f"  {','.join(sorted(a.raised)) or '-':6}  {_verdict(a)}")

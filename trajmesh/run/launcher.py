@@ -389,7 +389,8 @@ def accounting(cfg: RunConfig) -> dict[str, Any]:
 
     assert cfg.infra.redis_url
     r = security.redis_sync_client(cfg)
-    admitted = SyncRunRecord(r, cfg.infra.namespace).admitted_trajectories()
+    record = SyncRunRecord(r, cfg.infra.namespace)
+    admitted, refills = record.admitted_trajectories(), record.refills_admitted()
     r.close()
     table = read_archive(Path(cfg.run_dir) / "archive")
     finals = final_outcomes(table)
@@ -401,7 +402,8 @@ def accounting(cfg: RunConfig) -> dict[str, Any]:
         key = f"{row['outcome']}:{row['reason'] or '-'}"
         reasons[key] = reasons.get(key, 0) + 1
     unparseable = sum(1 for row in table.to_pylist() if not row["trajectory_id"])
-    return {"admitted": admitted, "outcomes": counts, "by_reason": reasons, "unparseable_quarantined": unparseable}
+    return {"admitted": admitted, "outcomes": counts, "by_reason": reasons, "unparseable_quarantined": unparseable,
+            "infra_refills": refills}
 
 
 def _reachable(url: str, default_port: int) -> bool:

@@ -139,13 +139,13 @@ def _progress(cfg: RunConfig, steps: list[dict[str, Any]], evals: list[dict[str,
         t.add_column(col)
     last = steps[-1] if steps else {}
     ev = evals[-1] if evals else {}
-    by_source = " ".join(f"{name} {r['greedy_accuracy']:.2f}/{r['sampled_accuracy']:.2f}"
+    by_source = " ".join(f"{name} {_figure(r['greedy_accuracy'], 2)}/{_figure(r['sampled_accuracy'], 2)}"
                          for name, r in ev.get("heldout", {}).items())
     trained = sum(s.get("trajectories_trained", 0) for s in steps)
     elapsed = time.monotonic() - started
     t.add_row(
         str(last.get("step", "-")), str(last.get("version", "-")), f"{last.get('reward_mean', float('nan')):.3f}",
-        f"{ev.get('greedy_accuracy', float('nan')):.3f}", f"{ev.get('sampled_accuracy', float('nan')):.3f}",
+        _figure(ev.get('greedy_accuracy'), 3), _figure(ev.get('sampled_accuracy'), 3),
         by_source or "-", str(last.get("max_token_lag", "-")),
         f"{last.get('trajmesh_learner_effective_sample_size_ratio', float('nan')):.3f}",
         f"{trained / max(elapsed, 1e-9):.1f}", f"{elapsed:.0f}s",
@@ -168,7 +168,7 @@ def progress_line(steps: list[dict[str, Any]], evals: list[dict[str, Any]], star
     elapsed=120s`` (held-out per source greedy/sampled, ``-`` until known)."""
     last = steps[-1] if steps else {}
     ev = evals[-1] if evals else {}
-    heldout = ",".join(f"{name}:{r['greedy_accuracy']:.2f}/{r['sampled_accuracy']:.2f}"
+    heldout = ",".join(f"{name}:{_figure(r['greedy_accuracy'], 2)}/{_figure(r['sampled_accuracy'], 2)}"
                        for name, r in ev.get("heldout", {}).items())
     elapsed = time.monotonic() - started
     trained = sum(s.get("trajectories_trained", 0) for s in steps)
@@ -223,9 +223,18 @@ def latest_weights_dir(run_dir: Path) -> Path | None:
     return run_dir / ".eval-weights"
 
 
+def _figure(value: float | None, digits: int) -> str:
+    """A held-out accuracy for the live table and progress line ("-": none, every episode of the
+    pass an infra failure)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def _record_eval(run_dir: Path, tracker: HeldoutTracker, record: dict[str, Any], weights: Path | None) -> bool:
     """Appends an eval record, keeps the weights if they are the new best; True when the held-out
     regression stop is confirmed."""
+    if "score" not in record:  # every held-out episode an infra failure: nothing to compare
+        write_metric(run_dir, record)
+        return False
     improved, stop = tracker.observe(int(record["version"]), float(record["score"]))
     if improved and tracker.best is not None:
         path = keep_best(run_dir, weights) if weights is not None and record["version"] > 0 else weights
@@ -420,7 +429,7 @@ def _write_manifest(cfg: RunConfig, held: dict[str, list[dict[str, Any]]] | None
         algorithm={"eta": cfg.effective_eta, "mode": cfg.mode, "learner": cfg.learner.model_dump(mode="json"),
                    "group_size": cfg.tasks.group_size, "sampling": cfg.tasks.sampling.model_dump(mode="json"),
                    "resample_on_correct": cfg.store.resample_on_correct.model_dump(mode="json"),
-                   "distill": _distill_record(cfg)},
+                   "distill": _distill_record(cfg), "judge": _judge_record(cfg)},
         framework_versions=_framework_versions(cfg),
         dirty_tree=tree_is_dirty(),
         truncation_policy=truncation_policy(cfg),
@@ -440,6 +449,17 @@ def _distill_record(cfg: RunConfig) -> dict[str, Any]:
     for entry, t in zip(record["teachers"], cfg.distill.teachers, strict=True):
         entry["identity"] = teacher_identity(t)
     return record
+
+
+def _judge_record(cfg: RunConfig) -> dict[str, Any]:
+    """The manifest's judge entry: its config (model path, engine URLs, rubric...) and the
+    ``name@revision`` pin of the judge model (the one every trajectory it scores carries in
+    ``grader_revision``); empty without a judge."""
+    from trajmesh.graders.judge import judge_identity
+
+    if not cfg.judge.sources:
+        return {}
+    return {**cfg.judge.model_dump(mode="json"), "identity": judge_identity(cfg.judge)}
 
 
 def _framework_versions(cfg: RunConfig) -> dict[str, str]:
@@ -519,6 +539,7 @@ def _summarize(cfg: RunConfig, held: dict[str, list[dict[str, Any]]], acct: dict
         "trajectories_filtered": outcomes.get("filtered", 0),
         "trajectories_quarantined": outcomes.get("quarantined", 0),
         "trajectories_failed_infra": outcomes.get("failed_infra", 0),
+        "trajectories_refilled_after_infra_failure": acct.get("infra_refills", 0),
         "trajectories_in_flight_at_stop": outcomes.get("in_flight_at_stop", 0),
         "trajectories_without_outcome": outcomes.get("accepted", 0),
         "trajectories_by_outcome_reason": acct["by_reason"],

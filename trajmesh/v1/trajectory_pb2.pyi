@@ -20,6 +20,16 @@ class TerminalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAFETY: _ClassVar[TerminalReason]
     STALE: _ClassVar[TerminalReason]
 
+class InfraCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INFRA_CAUSE_UNSPECIFIED: _ClassVar[InfraCause]
+    INFRA_ENGINE: _ClassVar[InfraCause]
+    INFRA_ENVIRONMENT: _ClassVar[InfraCause]
+    INFRA_GRADER: _ClassVar[InfraCause]
+    INFRA_AGENT: _ClassVar[InfraCause]
+    INFRA_TEACHER: _ClassVar[InfraCause]
+    INFRA_DEADLINE: _ClassVar[InfraCause]
+
 class ActionType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ACTION_TYPE_UNSPECIFIED: _ClassVar[ActionType]
@@ -47,6 +57,13 @@ SANDBOX_ERROR: TerminalReason
 INFRA_FAILURE: TerminalReason
 SAFETY: TerminalReason
 STALE: TerminalReason
+INFRA_CAUSE_UNSPECIFIED: InfraCause
+INFRA_ENGINE: InfraCause
+INFRA_ENVIRONMENT: InfraCause
+INFRA_GRADER: InfraCause
+INFRA_AGENT: InfraCause
+INFRA_TEACHER: InfraCause
+INFRA_DEADLINE: InfraCause
 ACTION_TYPE_UNSPECIFIED: ActionType
 PROMPT: ActionType
 TEXT: ActionType
@@ -93,21 +110,23 @@ class ToolCall(_message.Message):
     def __init__(self, span_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., request: _Optional[str] = ..., response_sha256: _Optional[str] = ..., latency_seconds: _Optional[float] = ..., status: _Optional[_Union[ToolCallStatus, str]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("created_unix_seconds", "rollout_seconds", "environment_seconds", "grading_seconds", "queued_seconds")
+    __slots__ = ("created_unix_seconds", "rollout_seconds", "environment_seconds", "grading_seconds", "queued_seconds", "deadline_unix_seconds")
     CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRADING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     created_unix_seconds: float
     rollout_seconds: float
     environment_seconds: float
     grading_seconds: float
     queued_seconds: float
-    def __init__(self, created_unix_seconds: _Optional[float] = ..., rollout_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., grading_seconds: _Optional[float] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
+    deadline_unix_seconds: float
+    def __init__(self, created_unix_seconds: _Optional[float] = ..., rollout_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., grading_seconds: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., deadline_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "task_id", "group_id", "task_source", "task_revision", "environment_revision", "reset_seed", "initial_state_hash", "spans", "token_ids", "loss_mask", "behavior_logprobs", "behavior_versions", "tool_calls", "raw_reward_components", "verifier_output", "grader_revision", "reward", "graded", "terminal_reason", "truncated", "timing", "retry_lineage", "manifest_id", "prompt_length", "rollout_worker", "state_hashes", "final_answer", "sequence_starts", "step_rewards", "teacher_logprobs", "teacher")
+    __slots__ = ("trajectory_id", "task_id", "group_id", "task_source", "task_revision", "environment_revision", "reset_seed", "initial_state_hash", "spans", "token_ids", "loss_mask", "behavior_logprobs", "behavior_versions", "tool_calls", "raw_reward_components", "verifier_output", "grader_revision", "reward", "graded", "terminal_reason", "truncated", "timing", "retry_lineage", "manifest_id", "prompt_length", "rollout_worker", "state_hashes", "final_answer", "sequence_starts", "step_rewards", "teacher_logprobs", "teacher", "infra_cause")
     class RawRewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +166,7 @@ class Trajectory(_message.Message):
     STEP_REWARDS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
+    INFRA_CAUSE_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     task_id: str
     group_id: str
@@ -179,7 +199,8 @@ class Trajectory(_message.Message):
     step_rewards: _containers.RepeatedScalarFieldContainer[float]
     teacher_logprobs: _containers.RepeatedScalarFieldContainer[float]
     teacher: str
-    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_source: _Optional[str] = ..., task_revision: _Optional[str] = ..., environment_revision: _Optional[str] = ..., reset_seed: _Optional[int] = ..., initial_state_hash: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., behavior_versions: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., raw_reward_components: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., grader_revision: _Optional[str] = ..., reward: _Optional[float] = ..., graded: _Optional[bool] = ..., terminal_reason: _Optional[_Union[TerminalReason, str]] = ..., truncated: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., retry_lineage: _Optional[_Iterable[str]] = ..., manifest_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., rollout_worker: _Optional[str] = ..., state_hashes: _Optional[_Iterable[str]] = ..., final_answer: _Optional[str] = ..., sequence_starts: _Optional[_Iterable[int]] = ..., step_rewards: _Optional[_Iterable[float]] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., teacher: _Optional[str] = ...) -> None: ...
+    infra_cause: InfraCause
+    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_source: _Optional[str] = ..., task_revision: _Optional[str] = ..., environment_revision: _Optional[str] = ..., reset_seed: _Optional[int] = ..., initial_state_hash: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., behavior_versions: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., raw_reward_components: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., grader_revision: _Optional[str] = ..., reward: _Optional[float] = ..., graded: _Optional[bool] = ..., terminal_reason: _Optional[_Union[TerminalReason, str]] = ..., truncated: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., retry_lineage: _Optional[_Iterable[str]] = ..., manifest_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., rollout_worker: _Optional[str] = ..., state_hashes: _Optional[_Iterable[str]] = ..., final_answer: _Optional[str] = ..., sequence_starts: _Optional[_Iterable[int]] = ..., step_rewards: _Optional[_Iterable[float]] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., teacher: _Optional[str] = ..., infra_cause: _Optional[_Union[InfraCause, str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "max_turns")
@@ -198,7 +219,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_turns: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "group_id", "source", "revision", "seed", "group_size", "sampling", "environment", "prompt", "answer", "metadata_json", "admitted_at_version", "manifest_id", "prompt_token_ids")
+    __slots__ = ("task_id", "group_id", "source", "revision", "seed", "group_size", "sampling", "environment", "prompt", "answer", "metadata_json", "admitted_at_version", "manifest_id", "prompt_token_ids", "evaluation", "first_sample", "refill_of")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +234,9 @@ class Task(_message.Message):
     ADMITTED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    REFILL_OF_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     group_id: str
     source: str
@@ -227,7 +251,18 @@ class Task(_message.Message):
     admitted_at_version: int
     manifest_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., seed: _Optional[int] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., environment: _Optional[str] = ..., prompt: _Optional[str] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., admitted_at_version: _Optional[int] = ..., manifest_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    evaluation: bool
+    first_sample: int
+    refill_of: str
+    def __init__(self, task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., seed: _Optional[int] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., environment: _Optional[str] = ..., prompt: _Optional[str] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., admitted_at_version: _Optional[int] = ..., manifest_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., evaluation: _Optional[bool] = ..., first_sample: _Optional[int] = ..., refill_of: _Optional[str] = ...) -> None: ...
+
+class GradeRequest(_message.Message):
+    __slots__ = ("task", "trajectory")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    task: Task
+    trajectory: bytes
+    def __init__(self, task: _Optional[_Union[Task, _Mapping]] = ..., trajectory: _Optional[bytes] = ...) -> None: ...
 
 class RunManifest(_message.Message):
     __slots__ = ("manifest_id", "code_commit", "config_sha256", "model_revision", "tokenizer_revision", "chat_template_sha256", "environment_revisions", "grader_revisions", "algorithm_json", "created_unix_seconds", "framework_versions", "dirty_tree", "truncation_policy_json", "evaluation_protocol_json")

@@ -223,3 +223,31 @@ def test_workplace_tool_calls_verified_by_final_state(codec: TextTokenizer) -> N
     assert right["environment_revisions"] == {"workplace": "workplace-v1"}
     assert any("<result>" in s for s in policy.seen)  # tool results came back as observations
     assert right["terminal_reasons"] == {"EOS": 4}  # each ended with <done/> + EOS
+
+
+def test_infra_failures_are_counted_apart_from_accuracy_and_pass_at_k() -> None:
+    """An episode the infrastructure failed (reward None) is neither right nor wrong: accuracy and
+    pass@k are over the graded samples only, and a pass with none graded has no accuracy."""
+    from trajmesh.learner.evaluate import Outcome, heldout_result, pass_figures
+
+    outcomes = [Outcome("a", 1.0, 3, "EOS"), Outcome("a", None, 2, "INFRA_FAILURE"), Outcome("a", 0.0, 4, "EOS"),
+                Outcome("b", None, 1, "INFRA_FAILURE"), Outcome("b", None, 0, "INFRA_FAILURE"),
+                Outcome("b", 1.0, 2, "ENV_DONE")]
+    fig = pass_figures(outcomes, ["a", "b"], 3)
+    # graded: a -> [1, 0], b -> [1]; by hand: accuracy 2/3, pass@1 mean(1/2, 1) = 3/4,
+    # pass@2 over a alone (b has 1 graded sample) = 1 - C(1,2)/C(2,2) = 1, pass@3 over no task
+    assert fig["accuracy"] == pytest.approx(2 / 3)
+    assert fig["pass_at_k"] == {1: pytest.approx(0.75), 2: pytest.approx(1.0), 3: None}
+    assert (fig["graded"], fig["infra_failures"], fig["n_tasks"]) == (3, 3, 2)
+    assert fig["terminal_reasons"] == {"ENV_DONE": 1, "EOS": 2, "INFRA_FAILURE": 3}
+    assert fig["mean_response_tokens"] == pytest.approx(12 / 6)
+    none = pass_figures([Outcome("a", None, 0, "INFRA_FAILURE")], ["a"], 1)
+    assert none["accuracy"] is None and none["infra_failures"] == 1
+    per = {"s": {"greedy_accuracy": None, "sampled_accuracy": None, "n_tasks": 1, "greedy_infra_failures": 1,
+                 "sampled_infra_failures": 1}}
+    record = heldout_result(per, "greedy")
+    assert "score" not in record and record["greedy_infra_failures"] == 1  # nothing to compare or stop on
+    per["t"] = {"greedy_accuracy": 0.5, "sampled_accuracy": 0.25, "n_tasks": 3, "greedy_infra_failures": 0,
+                "sampled_infra_failures": 2}
+    record = heldout_result(per, "greedy")
+    assert record["score"] == 0.5 and record["sampled_infra_failures"] == 3  # the source with a figure

@@ -493,19 +493,21 @@ Returns JSON {role: {"publish": [...], "subscribe": [...]}}.
       (list (printf "$KV.%s.anchor_request" $kvBucket)) -}}
 {{- $grader := concat $gradedSubjects
       (include "trajmesh.js.consume" (dict "stream" $raw "durable" "grader") | fromJsonArray)
-      $blobs -}}
+      $blobs (list (printf "_INBOX_%sevaluator.>" $pre)) -}}
 {{- $evalStream := printf "%sEVAL" $pre -}}
 {{- $learner := concat (list (printf "%strajmesh.weights" $subj) (printf "$KV.%s.latest" $kvBucket))
       $kvRead (list (printf "$JS.API.STREAM.INFO.%sWEIGHTS" $pre))
       (include "trajmesh.js.readStream" $evalStream | fromJsonArray)
       (include "trajmesh.js.watchStream" $evalStream | fromJsonArray) -}}
 {{- $evaluator := concat (list (printf "%strajmesh.eval" $subj) (printf "$JS.API.STREAM.INFO.%s" $evalStream))
-      $kvRead (include "trajmesh.js.watchStream" $kvStream | fromJsonArray) -}}
+      $kvRead (include "trajmesh.js.watchStream" $kvStream | fromJsonArray)
+      (list (printf "%strajmesh.grade.eval" $subj)) -}}
 {{- $pub := dict "admin" (list ">") "store" $store "rollout" $rollout "grader" $grader "learner" $learner
       "evaluator" $evaluator -}}
 {{- $out := dict -}}
 {{- range $role := include "trajmesh.natsRoles" . | fromJsonArray -}}
 {{- $sub := ternary (list ">") (list (printf "_INBOX_%s%s.>" $pre $role)) (eq $role "admin") -}}
+{{- if eq $role "grader" }}{{ $sub = append $sub (printf "%strajmesh.grade.eval" $subj) }}{{ end -}}
 {{- $_ := set $out $role (dict "publish" (uniq (get $pub $role)) "subscribe" $sub) -}}
 {{- end -}}
 {{- $out | toJson -}}

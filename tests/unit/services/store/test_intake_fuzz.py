@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trajmesh.contract import VIOLATION_NAMES, Trajectory
-from trajmesh.services.store.intake import OUTCOME_VALID, judge
+from trajmesh.services.store.intake import INFRA_REASONS, OUTCOME_VALID, judge
 from trajmesh.v1 import trajectory_pb2
 
 VOCAB = 50
 TASK = {"group_id": "g1", "group_size": 4}
-INTAKE_REASONS = {"not_a_trajectory", "unknown_task_id", "group_mismatch", "infra_failure", "not_graded"}
+INTAKE_REASONS = {"not_a_trajectory", "unknown_task_id", "group_mismatch", "not_graded", *INFRA_REASONS}
 FAST = int(os.environ.get("TRAJMESH_FUZZ_EXAMPLES", "150"))
 
 

@@ -1,7 +1,8 @@
 """A property-based state-machine test of the store's bookkeeping (`StoreState`), pure and fast.
 
 Hypothesis drives the store through any order of: the gate admitting a group, a member arriving
-(first delivery or a JetStream redelivery; valid or invalid; a duplicate of a final id), the
+(first delivery or a JetStream redelivery; valid, invalid, or an infrastructure failure, which the
+store refills with one more member of its group; a duplicate of a final id), the
 learner taking a batch, reporting it, dying (with or without having checkpointed its last step),
 the store crashing and a new one recovering from what Redis says was held, the clock running past
 a wait, a commit; the run ends after the last step (`teardown`). The test plays the store
@@ -46,7 +47,9 @@ STRAGGLER_WAIT_S = 10.0
 RECOVERY_WAIT_S = 20.0
 MAX_RESTARTS = 2
 """Store crashes and learner restarts per run, each (more only reset the progress of a run)."""
-FINAL_OUTCOMES = {"trained", "quarantined", "filtered", UNUSED_AT_END[0], HELD_AT_STOP[0]}
+FINAL_OUTCOMES = {"trained", "quarantined", "filtered", "failed_infra", UNUSED_AT_END[0], HELD_AT_STOP[0]}
+REFILL_CAP = 1
+"""Refills per group (store.infra_refills_per_group)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Content:
     """What rollout and the grader made of one member: the same on every delivery of its message."""
     valid: bool
     reward: float
+    infra: bool = False
+    """An infrastructure failure (invalid): the store admits a refill in its place."""
 
 
 @dataclass
@@ -96,6 +101,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.valid: dict[str, set[str]] = {}
         self.final_marks: set[str] = set()
         self.pending_groups: set[str] = set()
+        self.refills: dict[str, dict[str, str]] = {}
+        """Group id → infra-failed id → the refill admitted in its place (`group:<id>:refills`)."""
         # JetStream
         self.published: set[str] = set()
         self.unacked: dict[str, int] = {}
@@ -135,17 +142,23 @@ class StoreMachine(RuleBasedStateMachine):
         if c.valid:
             self.valid.setdefault(gid, set()).add(tid)
         else:
-            self._row(tid, "quarantined")
+            refills = self.refills.setdefault(gid, {})
+            if c.infra and tid not in refills and len(refills) < REFILL_CAP:  # idempotent per failed id
+                refills[tid] = refill = f"{gid}-{G + len(refills)}"
+                self.content[refill] = Content(True, 0.5)
+            self._row(tid, "failed_infra" if c.infra else "quarantined")
             self.state.finalize(tid, handle)
         order, version = self.groups[gid]
         group = self.state.take_member(
             _traj(tid, gid, c.reward), handle, valid=c.valid, expected=G, order=order, source="s",
-            received=len(self.received[gid]), valid_count=len(self.valid.get(gid, ())), admitted_version=version)
+            received=len(self.received[gid]), valid_count=len(self.valid.get(gid, ())), admitted_version=version,
+            refills=len(self.refills.get(gid, {})))
         if c.valid:
             self.members.setdefault(gid, set()).add(tid)
         if group is None:
             return
         assert group.group_id == gid and {t.trajectory_id for t in group.members} == self.members.get(gid, set())
+        assert len(self.received[gid]) == G + len(self.refills.get(gid, {})), "completed before its refills came back"
         if filter_reason([t.reward for t in group.members], drop_zero_variance=True):
             for f in self.state.filter_group(group, "zero_variance"):
                 self._row(f.trajectory_id, f.outcome)
@@ -212,15 +225,17 @@ class StoreMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: len(self.groups) < MAX_GROUPS)
     @rule(valid=st.lists(st.sampled_from([True, True, True, False]), min_size=G, max_size=G),
-          rewards=st.sampled_from([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
-    def admit(self, valid: list[bool], rewards: list[float]) -> None:
+          rewards=st.sampled_from([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+          infra=st.sampled_from([None, None, 0, 1]))
+    def admit(self, valid: list[bool], rewards: list[float], infra: int | None) -> None:
         """The gate admits a task's group at the learner's version; its members' contents are fixed
-        (valid or not; rewards, all equal in a zero-variance group that the filter drops)."""
+        (valid or not; rewards, all equal in a zero-variance group that the filter drops; member
+        `infra` an infrastructure failure)."""
         gid = f"g{len(self.groups)}"
         self.groups[gid] = (len(self.groups), self.learner.version)
         self.pending_groups.add(gid)
-        for tid, v, r in zip(member_ids(gid, G), valid, rewards, strict=True):
-            self.content[tid] = Content(v, r)
+        for k, (tid, v, r) in enumerate(zip(member_ids(gid, G), valid, rewards, strict=True)):
+            self.content[tid] = Content(False, r, infra=True) if k == infra else Content(v, r)
 
     @precondition(lambda self: (set(self.content) - self.published or self.unacked))
     @rule(data=st.data())

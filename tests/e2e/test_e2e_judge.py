@@ -1,0 +1,291 @@
+"""The judge grader through the real mesh (NATS, Redis, every service a process): a torch engine
+serving a judge model scores chain_sum trajectories instead of the program grader (graders/judge.py).
+
+The judge is the mesh tests' demo model after a short SFT on ``<prompt><response>\\nScore:`` →
+``1`` / ``0`` (the response right or not); it judges badly (near chance), and sampling it at T = 1
+gives varied verdicts, some unreadable. The point is the mechanics:
+
+- every trajectory ends as exactly one final outcome (`check_archive`), and every judged one
+  carries the judge's revision and its raw answer in the archive; its reward is the digit the judge
+  wrote (read here from the raw answer by hand), never the program grader's;
+- a verdict the judge wrote but that does not read as a score ends INFRA_FAILURE with a
+  ``judge_error: unparseable`` verifier output, never reward 0;
+- a judge that stalls (a socket that never answers) ends every judged trajectory INFRA_FAILURE
+  with ``judge_error: timeout``, counted in ``trajmesh_grader_judge_errors_total{reason="timeout"}``,
+  while a second, program-graded source trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, write_manifest
+
+from trajmesh.config import RunConfig, load_config
+from trajmesh.infra import die_with_parent, free_port
+from trajmesh.run.launcher import accounting, start_mesh
+from trajmesh.run.run_end import end_run
+from trajmesh.tasks import load_split
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+RUBRIC = "{prompt}{response}\nScore:"
+PAIRWISE_RUBRIC = "{prompt}{response_a}|{response_b}\nWinner:"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def judge_model_dir(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The demo model after 60 SFT steps on right (→ 1) and wrong (→ 0) chain_sum answers, and on
+    pairs of a right and a wrong one (→ the right one's letter, lower case: the demo tokenizer has
+    no capitals, and the verdict is read case-blind)."""
+    from trajmesh.learner.models import sft
+
+    cfg = load_config(None, {})
+    train, _ = load_split(cfg.tasks.sources[0], 300, 1)
+    rng = random.Random(0)
+    data = []
+    for t in train:
+        right = rng.random() < 0.5
+        wrong = str(int(t.answer) + rng.choice([-3, -1, 1, 2, 10]))
+        data.append({"prompt": RUBRIC.replace("{prompt}", t.prompt).replace("{response}", t.answer if right else wrong),
+                     "answer": "1" if right else "0"})
+        a, b = (t.answer, wrong) if right else (wrong, t.answer)
+        data.append({"prompt": PAIRWISE_RUBRIC.replace("{prompt}", t.prompt).replace("{response_a}", a)
+                     .replace("{response_b}", b), "answer": "a" if right else "b"})  # the demo charset has no capitals
+    out = tmp_path_factory.mktemp("judge-model") / "judge"
+    sft(tiny_model_dir, data, steps=60, batch_size=32, lr=1e-2, out_dir=out, warmup_steps=10)
+    return str(out)
+
+
+def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    from trajmesh.rollout.engines.base import wait_healthy
+    from trajmesh.rollout.engines.engine_client import EngineClient
+
+    async def go() -> None:
+        async with EngineClient(url) as client:
+            await wait_healthy(client, timeout_s, proc=proc, what=f"judge engine at {url}")
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def judge_engine(judge_model_dir: str, tmp_path: Path) -> Iterator[str]:
+    """A torch engine server serving the judge model (stopped by pid)."""
+    port = free_port()
+    with open(tmp_path / "judge-engine.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model",
+                                 judge_model_dir, "--port", str(port), "--host", "127.0.0.1", "--version", "0",
+                                 "--threads", "1"], stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent(signal.SIGKILL))  # no orphan if the test dies
+    try:
+        _wait_health(f"http://127.0.0.1:{port}", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def stalling_judge() -> Iterator[str]:
+    """An address that accepts connections and never answers (a hung judge)."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def _config(run_dir: Path, model_dir: str, judge: dict[str, Any], sources: list[dict[str, Any]],
+            graders: int = 1) -> RunConfig:
+    return load_config(None, {
+        "run_dir": str(run_dir), "model.path": model_dir, "gate.eta": 1,
+        "tasks.sources": sources, "tasks.group_size": 4, "tasks.heldout_size": 4, "tasks.train_size": 200,
+        "tasks.sampling.max_new_tokens": 6,
+        "rollout.replicas": 1, "rollout.concurrent_tasks": 4, "grader.replicas": graders,
+        "store.drop_zero_variance_groups": False,
+        "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
+        "learner.checkpoint_every": STEPS, "judge": judge,
+    })
+
+
+def _run(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]], str]:
+    """Manifest, mesh, the learner to its budget, the grader's /metrics, the end of the run, and
+    the checks of every healthy run (`check_archive`, `check_gate_reconciles`, `check_no_stale`)."""
+    Path(cfg.run_dir).mkdir(parents=True)
+    write_manifest(cfg)
+    mesh = start_mesh(cfg)
+    try:
+        cfg = mesh.cfg
+        learner = next(p for p in mesh.procs if p.name == "learner")
+        assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
+        grader = next(p for p in mesh.procs if p.name == "grader")
+        with urllib.request.urlopen(f"http://127.0.0.1:{grader.metrics_port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert end_run(mesh) == 0
+        acct = accounting(cfg)
+        rows = check_archive(cfg, acct, cfg.effective_eta)
+        check_gate_reconciles(cfg, rows)
+    finally:
+        mesh.stop_services()
+        mesh.stop_infra()
+    check_no_stale(acct, cfg.run_dir)
+    return cfg, acct, rows, metrics
+
+
+def _counter(metrics: str, name: str, **labels: str) -> float:
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(want + " "))
+
+
+def test_judge_scores_a_source_through_the_mesh(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str,
+                                                judge_engine: str) -> None:
+    judge = {"sources": ["chain_sum"], "type": "torch", "urls": [judge_engine], "model_path": judge_model_dir,
+             "name": "sft-judge", "rubric": RUBRIC, "max_score": 1, "max_new_tokens": 3, "temperature": 1.0,
+             "timeout_s": 10.0, "attempts": 2}
+    cfg, acct, rows, metrics = _run(_config(tmp_path / "run", tiny_model_dir, judge, [{"type": "reasoning_gym"}]))
+
+    manifest = json.loads((Path(cfg.run_dir) / "manifest.json").read_text())
+    pinned = json.loads(manifest["algorithm_json"])["judge"]
+    identity = f"sft-judge@{_sha16(Path(judge_model_dir) / 'model.safetensors')}"
+    assert pinned["model_path"] == judge_model_dir and pinned["urls"] == [judge_engine]
+    assert pinned["identity"] == identity
+    revision = f"judge-pointwise:{identity}"
+
+    accepted = [r for r in rows if r["outcome"] == "accepted"]
+    failed = [r for r in rows if r["outcome"] == "failed_infra"]
+    assert accepted
+    for r in accepted:  # every judged trajectory: the judge's revision, its raw answer, its digit as reward
+        assert r["grader_revision"] == revision, r["grader_revision"]
+        verdict = json.loads(r["verifier_output"])
+        assert verdict["judge"] == revision.split(":", 1)[1] and verdict["mode"] == "pointwise"
+        digit = verdict["raw"].strip()  # the rubric ends in "Score:", so the answer is the number
+        assert digit in ("0", "1"), verdict["raw"]
+        assert r["reward"] == float(digit) and dict(r["reward_components"]) == {"judge_score": float(digit)}
+    for r in failed:  # nothing failed but unreadable verdicts: the engine answered every request
+        assert r["verifier_output"].startswith("judge_error: unparseable"), r["verifier_output"]
+        raw = json.loads(r["verifier_output"].split(" raw=", 1)[1]) if " raw=" in r["verifier_output"] else ""
+        assert raw.strip() not in ("0", "1"), raw
+        assert r["terminal_reason"] == "INFRA_FAILURE" and r["reason"] == "infra_grader", r
+    rewards = {r["reward"] for r in accepted}
+    assert rewards == {0.0, 1.0}, rewards  # a T = 1 judge gives both verdicts
+    assert _counter(metrics, "trajmesh_grader_judge_requests_total", result="ok") >= len(accepted) + len(failed)
+    assert _counter(metrics, "trajmesh_grader_judge_errors_total", reason="unparseable") == len(failed)
+    print(f"judged: {len(accepted)} scored (mean {sum(r['reward'] for r in accepted) / len(accepted):.2f}), "
+          f"{len(failed)} unreadable verdicts; outcomes {acct['outcomes']}")
+
+
+def test_a_stalled_judge_ends_its_trajectories_as_infra_failures(tmp_path: Path, tiny_model_dir: str,
+                                                                 stalling_judge: str) -> None:
+    judge = {"sources": ["judged"], "type": "sglang", "urls": [stalling_judge], "revision": "stalled",
+             "timeout_s": 0.5, "attempts": 2}
+    sources = [{"type": "reasoning_gym"}, {"type": "reasoning_gym", "name": "judged", "weight": 0.5}]
+    cfg, acct, rows, metrics = _run(_config(tmp_path / "run", tiny_model_dir, judge, sources))
+
+    judged = [r for r in rows if r["task_source"] == "judged" and r["outcome"] in ("accepted", "failed_infra")]
+    assert judged, acct
+    for r in judged:  # not one reward from a judge that never answered
+        assert r["outcome"] == "failed_infra" and r["terminal_reason"] == "INFRA_FAILURE", r
+        assert r["verifier_output"].startswith("judge_error: timeout"), r["verifier_output"]
+        assert r["reason"] == "infra_grader", r
+    source_of = {r["trajectory_id"]: r["task_source"] for r in rows if r["outcome"] == "accepted"}
+    trained = [source_of[r["trajectory_id"]] for r in rows if r["outcome"] == "trained"]
+    assert trained and set(trained) == {"chain_sum"}, set(trained)  # the program-graded source trains on
+    assert _counter(metrics, "trajmesh_grader_judge_errors_total", reason="timeout") == len(judged)
+    assert _counter(metrics, "trajmesh_grader_judge_requests_total", result="timeout") == 2 * len(judged)
+
+
+def test_pairwise_judge_compares_each_group_in_a_circle(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str,
+                                                        judge_engine: str) -> None:
+    """Two graders share TRAJ_RAW, so a group's members reach both: they are parked in Redis until
+    the group is whole (graders/judge_groups.py), then judged in G calls."""
+    judge = {"sources": ["chain_sum"], "mode": "pairwise", "type": "torch", "urls": [judge_engine],
+             "model_path": judge_model_dir, "name": "sft-judge", "pairwise_rubric": PAIRWISE_RUBRIC,
+             "max_new_tokens": 3, "temperature": 1.0, "timeout_s": 10.0, "attempts": 2}
+    cfg, acct, rows, _ = _run(_config(tmp_path / "run", tiny_model_dir, judge, [{"type": "reasoning_gym"}], graders=2))
+
+    accepted = [r for r in rows if r["outcome"] == "accepted"]
+    failed = [r for r in rows if r["outcome"] == "failed_infra"]
+    assert accepted
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for r in accepted:
+        assert r["grader_revision"].startswith("judge-pairwise:sft-judge@"), r["grader_revision"]
+        by_group.setdefault(r["group_id"], []).append(r)
+    for gid, members in by_group.items():
+        verdicts = [json.loads(r["verifier_output"]) for r in members]
+        n = verdicts[0]["members"]
+        assert n == 4 == len(members), (gid, n, len(members))  # G = 4, all judged together
+        assert sorted(v["member"] for v in verdicts) == list(range(n))
+        calls = {(c["a"], c["b"]): c for v in verdicts for c in v["comparisons"]}
+        assert sorted(calls) == [(0, 1), (1, 2), (2, 3), (3, 0)]  # n calls in a circle, not n(n-1)/2
+        for r, v in zip(members, verdicts, strict=True):  # the reward: comparisons won, read by hand
+            mine = [c for c in calls.values() if v["member"] in (c["a"], c["b"])]
+            won = sum((c["raw"].strip().upper() == "A") == (c["a"] == v["member"]) for c in mine)
+            assert all(c["raw"].strip().upper() in ("A", "B") for c in mine), mine
+            assert r["reward"] == won / 2, (r["reward"], mine)
+        assert sum(r["reward"] for r in members) == n / 2  # one winner per comparison
+    for r in failed:  # a group with an unreadable verdict fails whole; a refill of it comes too late to pair
+        assert r["verifier_output"].startswith(("judge_error: unparseable", "judge_error: no_pair")), r
+    print(f"pairwise: {len(by_group)} groups judged, {len(failed)} failed; outcomes {acct['outcomes']}")
+
+
+def test_verifier_audit_probes_the_judge(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str,
+                                         judge_engine: str) -> None:
+    """The run-start audit asks the judge itself: a judge at chance (T = 1 over 0 / 1) scores empty,
+    garbage or echoed answers high on some of 8 tasks and the run is refused; the same verdicts on
+    a 0-10 scale never score high (1/10), so the source passes, with its gold answers reported as
+    scored low (a problem, not a refusal)."""
+    from trajmesh.run.audit import VerifierAuditRefused, audit_run
+
+    judge = {"sources": ["chain_sum"], "type": "torch", "urls": [judge_engine], "model_path": judge_model_dir,
+             "rubric": RUBRIC, "max_score": 1, "max_new_tokens": 3, "temperature": 1.0}
+    cfg = _config(tmp_path / "a", tiny_model_dir, judge, [{"type": "reasoning_gym"}])
+    (tmp_path / "a").mkdir()
+    with pytest.raises(VerifierAuditRefused, match="chain_sum"):
+        audit_run(cfg, tmp_path / "a")
+    (record,) = json.loads((tmp_path / "a" / "verifier_audit.json").read_text())["sources"]
+    assert record["reward_from"] == "judge" and record["tasks"] == 8, record
+    assert sum(record["accepted"].values()) > 0 and record["refused"], record
+
+    cfg = _config(tmp_path / "b", tiny_model_dir, {**judge, "max_score": 10}, [{"type": "reasoning_gym"}])
+    (tmp_path / "b").mkdir()
+    (audit,) = audit_run(cfg, tmp_path / "b")
+    assert audit.reward_from == "judge" and not audit.refused, audit.as_dict()
+    assert audit.accepted == {"empty": 0, "garbage": 0, "prompt_echo": 0}
+    assert audit.gold_rejected > 0 and audit.problems, audit.as_dict()
+
+
+def _sha16(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
