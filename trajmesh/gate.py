@@ -31,17 +31,26 @@ if TYPE_CHECKING:
 
     from trajmesh.config import RunConfig
 
-__all__ = ["AsyncStalenessGate", "GateCounters", "StalenessGate"]
+__all__ = ["CAPACITY_LUA", "AsyncStalenessGate", "GateCounters", "GateSpec", "StalenessGate", "gate_prefix",
+           "run_key"]
+
+def run_key(namespace: str, name: str) -> str:
+    """A run's Redis key `name`, in its namespace: the one spelling of every key's prefix (the
+    gate's counters here, the store's record in services/store/keys.py)."""
+    return f"{namespace}:trajmesh:{name}" if namespace else f"trajmesh:{name}"
+
 
 def gate_prefix(namespace: str = "") -> str:
     """Prefix of the gate's counters in Redis (``<prefix>:version``, ``:accepted``, ``:running``),
     namespaced like every key of a run."""
-    return f"{namespace}:trajmesh:gate" if namespace else "trajmesh:gate"
+    return run_key(namespace, "gate")
 
 
-# The capacity both admission scripts compute. KEYS[1..3]: version, accepted, running. ARGV[1..4]:
-# n, eta, batch_size, max_concurrent (-1 = no cap). capacity = (eta + v + 1)·B − (accepted + running).
-_CAPACITY = """
+# The capacity every admission script computes (this module's and the store's, which admit with their
+# own records in the same step: services/store/admission.py). KEYS[1..3]: version, accepted, running.
+# ARGV[1..4]: n, eta, batch_size, max_concurrent (-1 = no cap). Leaves `cap` and `n` set:
+# capacity = (eta + v + 1)·B − (accepted + running).
+CAPACITY_LUA = """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local running = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -51,8 +60,8 @@ local max_concurrent = tonumber(ARGV[4])
 if max_concurrent >= 0 then cap = math.min(cap, max_concurrent - running) end
 """
 
-# KEYS and ARGV as _CAPACITY. Returns {admitted (0/1), capacity before admitting}.
-_TRY_ADMIT = _CAPACITY + """
+# KEYS and ARGV as CAPACITY_LUA. Returns {admitted (0/1), capacity before admitting}.
+_TRY_ADMIT = CAPACITY_LUA + """
 if cap >= n then
   redis.call('INCRBY', KEYS[3], n)
   return {1, cap}
@@ -70,68 +79,6 @@ if ARGV[2] == '1' then redis.call('INCRBY', KEYS[1], n) end
 return redis.call('GET', KEYS[2])
 """
 
-# KEYS: version, accepted, running, tasks hash, unpublished hash, admitted count, pending zset.
-# ARGV: n, eta, batch_size, max_concurrent, task id, task record, task bytes, group id,
-# admission version (the score of the group in the pending set).
-# try_admit plus the admission's record in one step: a store killed between admitting and
-# recording can no longer leave `running` counting a task nobody will ever finish. Idempotent per
-# task id: a client that retries the call after a timeout (the script ran, the reply was lost)
-# gets {1, -1} and counts nothing twice. Seen with the store SIGSTOPped 12 s: on resume its
-# pending call timed out, the retry admitted the same task again, and `admitted` and `running`
-# kept 4 trajectories that no group would ever finish (exact accounting broken).
-_TRY_ADMIT_RECORDED = """
-if redis.call('HEXISTS', KEYS[4], ARGV[5]) == 1 then return {1, -1} end
-""" + _CAPACITY + """
-if cap < n then return {0, cap} end
-redis.call('INCRBY', KEYS[3], n)
-redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
-redis.call('HSET', KEYS[5], ARGV[5], ARGV[7])
-redis.call('INCRBY', KEYS[6], n)
-redis.call('ZADD', KEYS[7], ARGV[9], ARGV[8])
-return {1, cap}
-"""
-
-# KEYS: accepted, running, set of finished groups[, hash group id -> n accepted]. ARGV: group id,
-# n accepted, n not accepted. finish() for a whole group, at most once per group id, atomically with
-# marking it finished: a store killed in between can neither skip it (capacity leaked) nor repeat it
-# (counted twice). The optional hash records how many of a group's members the gate counted as
-# accepted (the end of a run reconciles the archive with it after a store crash). The caller drops
-# both entries once the group is settled (every member final, so none can rebuild it).
-_FINISH_GROUP = """
-if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
-local a = tonumber(ARGV[2])
-local n = a + tonumber(ARGV[3])
-local running = tonumber(redis.call('GET', KEYS[2]) or '0')
-redis.call('SET', KEYS[2], math.max(running - n, 0))
-if a > 0 then
-  redis.call('INCRBY', KEYS[1], a)
-  if #KEYS >= 4 then redis.call('HSET', KEYS[4], ARGV[1], a) end
-end
-return 1
-"""
-
-# KEYS: running, unpublished hash, admitted count, the group's refills hash, refills count, run
-# finished flag. ARGV: failed member id, refill sample index, refill message id, refill task bytes,
-# cap. Returns {status, refills of the group after}: status 1 admitted, 0 already refilled (a
-# redelivery of the failed member), -1 the run is finished, -2 the group is at its cap.
-# A refill is admitted in the failed member's place: the failed one leaves `running` (as a
-# rejected member would at its group's finish) and the refill enters it, in one step, so capacity
-# is unchanged and the slot cannot go to another group meanwhile (with eta 0 and a full gate that
-# would leave the group waiting for capacity only its own completion can free). `admitted` counts
-# the refill: the accounting's left side grows by one trajectory with its own final outcome.
-_REFILL = """
-local prior = redis.call('HGET', KEYS[4], ARGV[1])
-if prior then return {0, redis.call('HLEN', KEYS[4])} end
-if redis.call('EXISTS', KEYS[6]) == 1 then return {-1, redis.call('HLEN', KEYS[4])} end
-if redis.call('HLEN', KEYS[4]) >= tonumber(ARGV[5]) then return {-2, redis.call('HLEN', KEYS[4])} end
-local running = tonumber(redis.call('GET', KEYS[1]) or '0')
-redis.call('SET', KEYS[1], math.max(running - 1, 0) + 1)
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
-redis.call('INCRBY', KEYS[3], 1)
-redis.call('INCRBY', KEYS[5], 1)
-return {1, redis.call('HLEN', KEYS[4])}
-"""
 
 # KEYS: version. ARGV: new version. Monotone: a lower version is ignored. Returns the version.
 _SET_VERSION = """
@@ -164,8 +111,9 @@ class GateCounters:
         return asdict(self)
 
 
-class _GateSpec:
-    """Keys, parameters and pure arithmetic shared by the sync and async gates."""
+class GateSpec:
+    """Keys, parameters and pure arithmetic shared by the sync and async gates (and the store's
+    admission scripts, which write the same counters: `_Gate.spec`)."""
 
     def __init__(self, *, key_prefix: str, eta: int, batch_size: int, max_concurrent: int | None) -> None:
         if eta < 0:
@@ -226,7 +174,7 @@ class _Gate:
         max_concurrent: int | None = None,
     ) -> None:
         self._r = redis_client
-        self._spec = _GateSpec(
+        self._spec = GateSpec(
             key_prefix=key_prefix, eta=eta, batch_size=batch_size, max_concurrent=max_concurrent
         )
         self._try_admit = redis_client.register_script(_TRY_ADMIT)
@@ -240,6 +188,12 @@ class _Gate:
         batch in trajectories, and `gate.max_concurrent`."""
         return cls(redis_client, key_prefix=gate_prefix(cfg.infra.namespace), eta=cfg.effective_eta,
                    batch_size=cfg.batch_trajectories, max_concurrent=cfg.gate.max_concurrent)
+
+    @property
+    def spec(self) -> GateSpec:
+        """The counters' keys and the admission's arguments, for scripts that change them together
+        with records of their own (services/store/admission.py)."""
+        return self._spec
 
     @property
     def eta(self) -> int:
@@ -305,16 +259,10 @@ class StalenessGate(_Gate):
 
 
 class AsyncStalenessGate(_Gate):
-    """The same gate over ``redis.asyncio.Redis``, for asyncio services (the store), with the
-    store's two group-aware scripts besides."""
+    """The same gate over ``redis.asyncio.Redis``, for asyncio services (the store). The store's
+    admissions that also write its own records are the store's (services/store/admission.py)."""
 
     _r: redis.asyncio.Redis
-
-    def __init__(self, redis_client: redis.asyncio.Redis, **spec: Any) -> None:
-        super().__init__(redis_client, **spec)
-        self._try_admit_recorded = redis_client.register_script(_TRY_ADMIT_RECORDED)
-        self._finish_group = redis_client.register_script(_FINISH_GROUP)
-        self._refill = redis_client.register_script(_REFILL)
 
     async def try_admit(self, n: int) -> bool:
         """See :meth:`StalenessGate.try_admit`."""
@@ -326,47 +274,6 @@ class AsyncStalenessGate(_Gate):
         """See :meth:`StalenessGate.finish`."""
         s = self._spec
         await self._finish(keys=[s.accepted_key, s.running_key], args=s.finish_args(n, accepted))
-
-    async def try_admit_recorded(self, n: int, *, task_id: str, record: str, data: bytes, group_id: str,
-                                 version: int, tasks_key: str, unpublished_key: str, admitted_key: str,
-                                 pending_key: str) -> bool:
-        """:meth:`try_admit`, and when admitted, in the same atomic step: the task's `record` in
-        hash `tasks_key`, its bytes in `unpublished_key` (cleared once published), `n` more in
-        the admitted count `admitted_key`, and `group_id` in sorted set `pending_key` with score
-        `version` (the learner version it was admitted at)."""
-        s = self._spec
-        admitted, _capacity = await self._try_admit_recorded(
-            keys=[*s.keys, tasks_key, unpublished_key, admitted_key, pending_key],
-            args=[*s.admit_args(n), task_id, record, data, group_id, int(version)])
-        return bool(int(admitted))
-
-    async def refill(self, *, failed_id: str, index: int, msg_id: str, data: bytes, cap: int,
-                     unpublished_key: str, admitted_key: str, refills_key: str, refills_total_key: str,
-                     finished_key: str) -> tuple[int, int]:
-        """Admit one refill of a group in the place of its infra-failed member `failed_id` (see
-        `_REFILL`): its sample `index` in hash `refills_key`, its task bytes in `unpublished_key`
-        under `msg_id`, one more in `admitted_key` and `refills_total_key`; `running` unchanged.
-        Idempotent per `failed_id`; refused once the run is finished (`finished_key` exists) or
-        the group has `cap` refills. Returns (1 admitted | 0 already | -1 finished | -2 cap, the
-        group's refills after)."""
-        status, refills = await self._refill(
-            keys=[self._spec.running_key, unpublished_key, admitted_key, refills_key, refills_total_key, finished_key],
-            args=[failed_id, int(index), msg_id, data, int(cap)])
-        return int(status), int(refills)
-
-    async def finish_group(self, group_id: str, *, accepted: int, rejected: int, done_key: str,
-                           accepted_by_group_key: str | None = None) -> bool:
-        """Release a whole group once: `accepted` trajectories move to `accepted`, `rejected` just
-        leave `running`; `group_id` joins set `done_key` (and, when `accepted` > 0, hash
-        `accepted_by_group_key` records `accepted` under it). False (nothing changed) if it was there."""
-        if accepted < 0 or rejected < 0 or accepted + rejected < 1:
-            raise ValueError(f"need accepted, rejected >= 0 and a non-empty group, got {accepted}, {rejected}")
-        s = self._spec
-        keys = [s.accepted_key, s.running_key, done_key]
-        if accepted_by_group_key is not None:
-            keys.append(accepted_by_group_key)
-        done = await self._finish_group(keys=keys, args=[group_id, accepted, rejected])
-        return bool(int(done))
 
     async def set_version(self, version: int) -> int:
         """See :meth:`StalenessGate.set_version`."""

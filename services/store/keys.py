@@ -2,13 +2,14 @@
 
 Only the store (this folder) names these keys. Other services read or write the few facts they
 need through `services/store/record.py`; the staleness gate names its own counters
-(`trajmesh.gate.gate_prefix`), and the store hands the gate the keys its admission script writes."""
+(`trajmesh.gate.gate_prefix`), and the store's transactions that change both are the store's
+(`services/store/admission.py`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trajmesh.gate import gate_prefix
+from trajmesh.gate import gate_prefix, run_key
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class RedisKeys:
     namespace: str = ""
 
     def _k(self, name: str) -> str:
-        return f"{self.namespace}:trajmesh:{name}" if self.namespace else f"trajmesh:{name}"
+        return run_key(self.namespace, name)
 
     @property
     def gate_prefix(self) -> str:

@@ -4,7 +4,7 @@ It owns every key the store writes (see `trajmesh.services.store.keys`) and the 
 MULTI replies, so the store's wiring never counts reply positions:
 
 - admission with its task record, the admitted count and the unpublished mark, and a group's
-  release, each one atomic gate script (`trajmesh.gate`);
+  release, each one atomic script over the gate and the record (`admission.py`);
 - per message: its task record and whether its id is final (one round trip for a batch);
 - per group member: membership in `received` / `valid` and both counts after it (one MULTI);
 - ids marked final, membership cleanup (with a settled group's gate records, task record and
@@ -24,6 +24,7 @@ from typing import Any
 import redis.asyncio
 
 from trajmesh.gate import AsyncStalenessGate
+from trajmesh.services.store.admission import Admission
 from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.state import member_ids, member_task_id
 
@@ -106,6 +107,7 @@ class StoreRepo:
         self.r = client
         self.keys = keys
         self.gate = gate
+        self.admission = Admission(client, keys, gate)
         self.version_key = gate.version_key
         self.owns = owns
 
@@ -119,11 +121,9 @@ class StoreRepo:
         admitted, mark it unpublished and its group pending — one atomic step (a store that dies
         before the publish republishes on start; one that dies before this step admitted nothing).
         `record` carries group_id and admitted_at_version."""
-        return await self.gate.try_admit_recorded(
+        return await self.admission.admit(
             group_size, task_id=task_id, record=json.dumps(record, default=str), data=data,
-            group_id=str(record["group_id"]), version=int(record["admitted_at_version"]),
-            tasks_key=self.keys.tasks, unpublished_key=self.keys.unpublished_tasks,
-            admitted_key=self.keys.admitted_trajectories, pending_key=self.keys.pending_groups)
+            group_id=str(record["group_id"]), version=int(record["admitted_at_version"]))
 
     async def due_groups(self, max_version: int) -> set[str]:
         """This partition's pending groups admitted at a learner version ≤ `max_version`."""
@@ -203,12 +203,9 @@ class StoreRepo:
     async def refill(self, group_id: str, failed_id: str, index: int, msg_id: str, data: bytes,
                      cap: int) -> tuple[int, int]:
         """Admit a refill of `group_id` in the place of its infra-failed member `failed_id`, as one
-        atomic gate step (`AsyncStalenessGate.refill`): (status, the group's refills after)."""
-        return await self.gate.refill(
-            failed_id=failed_id, index=index, msg_id=msg_id, data=data, cap=cap,
-            unpublished_key=self.keys.unpublished_tasks, admitted_key=self.keys.admitted_trajectories,
-            refills_key=self.keys.group_refills(group_id), refills_total_key=self.keys.refills_admitted,
-            finished_key=self.keys.run_finished)
+        atomic step (`Admission.refill`): (status, the group's refills after)."""
+        return await self.admission.refill(group_id, failed_id=failed_id, index=index, msg_id=msg_id, data=data,
+                                           cap=cap)
 
     async def leave_group(self, group_id: str, trajectory_ids: list[str]) -> None:
         """Members a selection dropped (GRPO-RoC) count valid no more: a group rebuilt after a
@@ -219,9 +216,7 @@ class StoreRepo:
     async def finish_group(self, group_id: str, *, accepted: int, rejected: int) -> bool:
         """The gate's accounting for a complete (or abandoned) group, once per group id; True the
         first time (a group rebuilt after a store restart was counted already)."""
-        return await self.gate.finish_group(group_id, accepted=accepted, rejected=rejected,
-                                            done_key=self.keys.groups_done,
-                                            accepted_by_group_key=self.keys.groups_accepted)
+        return await self.admission.finish_group(group_id, accepted=accepted, rejected=rejected)
 
     async def accepted_members(self, group_ids: list[str]) -> set[str]:
         """Of these groups, the member ids the gate counted as accepted: the valid members of each
