@@ -10,6 +10,7 @@
     train_engine.py the optimizer side (plain torch, DeepSpeed)  heap.py malloc_trim after a step
     weights.py      weights out as safetensors, streamed         checkpoint_compat.py old checkpoints
     evaluate.py     held-out evaluation through the rollout's episode layout
+    prm.py          PRIME's implicit process reward model, trained online beside the policy
     models.py       the demo model and its character tokenizer   simulated.py the benchmarks' modelled step
 
 Imports: the core, envs/, graders/ and rollout/; never services/ (the learner service wires it).

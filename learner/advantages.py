@@ -40,6 +40,9 @@ __all__ = [
     "gigpo_advantages_BT",
     "grpo_advantages",
     "per_trajectory",
+    "prime_advantages_BT",
+    "prime_process_advantages",
+    "implicit_process_rewards",
     "reinforce_pp_advantages",
     "rloo_advantages",
     "teacher_logprobs_BT",
@@ -253,6 +256,63 @@ def gigpo_advantages(
     return adv_BS, step_mask_BS
 
 
+def implicit_process_rewards(prm_logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, beta: float) -> Tensor:
+    """PRIME's implicit token reward (survey §7.4): ``r_t = β · (log πφ(y_t) − log π_ref(y_t))`` on
+    the loss-masked tokens, 0 elsewhere (no grad: a reward, not a loss)."""
+    on_BT = mask_BT > 0
+    diff_BT = (prm_logp_BT.detach() - ref_logp_BT.detach()).float()
+    return torch.where(on_BT, beta * diff_BT, torch.zeros((), dtype=diff_BT.dtype))
+
+
+def prime_process_advantages(
+    reward_BT: Tensor, mask_BT: Tensor, group_index_B: Tensor, *, gamma: float = 1.0,
+    trajectory_index_B: Tensor | None = None,
+) -> Tensor:
+    """PRIME's implicit process component (survey §7.4) → adv_BT. With ``r̄_j`` trajectory j's mean
+    token reward over its loss-masked tokens and K its group's size:
+
+        b_i       = (1/(K−1)) Σ_{j≠i in the group} r̄_j            (leave-one-out baseline)
+        A^p_{i,t} = Σ_{u≥t} γ^{u−t} (r_{i,u} − b_i)                  (over action tokens u only)
+
+    Time steps are the loss-masked tokens, as in :func:`gae_advantages`: the return skips the
+    observation and padding tokens between them. A group of one has no baseline → 0. With
+    ``trajectory_index_B`` (rows that are segments of one trajectory, see :func:`per_trajectory`) a
+    trajectory's mean runs over all its rows and its return runs on from one row into the next
+    (rows in order). A trajectory without loss-masked tokens has r̄ = 0."""
+    on_BT = mask_BT > 0
+    reward_BT = torch.where(on_BT, reward_BT.detach().float(), torch.zeros(()))
+    B = reward_BT.shape[0]
+    row_traj_B = (torch.arange(B) if trajectory_index_B is None else trajectory_index_B.cpu().long())
+    _, row_traj_B = torch.unique(row_traj_B, return_inverse=True)
+    J = int(row_traj_B.max()) + 1 if B else 0
+    sum_J = torch.zeros(J).index_add(0, row_traj_B, reward_BT.sum(-1))
+    tokens_J = torch.zeros(J).index_add(0, row_traj_B, on_BT.sum(-1).float())
+    mean_J = sum_J / tokens_J.clamp_min(1.0)
+    group_J = per_trajectory(group_index_B.cpu(), row_traj_B)
+    _, group_J = torch.unique(group_J, return_inverse=True)
+    G = int(group_J.max()) + 1 if J else 0
+    group_sum_J = torch.zeros(G).index_add(0, group_J, mean_J)[group_J]
+    group_size_J = torch.zeros(G).index_add(0, group_J, torch.ones(J))[group_J]
+    baseline_J = (group_sum_J - mean_J) / (group_size_J - 1).clamp_min(1.0)
+    delta_BT = torch.where(on_BT, reward_BT - baseline_J[row_traj_B][:, None], torch.zeros(()))
+    ret_BT = torch.zeros_like(delta_BT)
+    running_B = torch.zeros(B)
+    for t in range(delta_BT.shape[1] - 1, -1, -1):
+        running_B = torch.where(on_BT[:, t], delta_BT[:, t] + gamma * running_B, running_B)
+        ret_BT[:, t] = torch.where(on_BT[:, t], running_B, torch.zeros(()))
+    # A trajectory's later rows carry on its return: a row's token t gains γ^(action tokens from t
+    # to the row's end) × the return at the next row's first action token.
+    after_BT = on_BT.flip(-1).cumsum(-1).flip(-1).float()
+    carry_J = torch.zeros(J)
+    for r in range(B - 1, -1, -1):
+        j = int(row_traj_B[r])
+        ret_BT[r] = torch.where(on_BT[r], ret_BT[r] + torch.pow(gamma, after_BT[r]) * carry_J[j], torch.zeros(()))
+        if bool(on_BT[r].any()):
+            carry_J[j] = ret_BT[r, int(on_BT[r].nonzero()[0])]
+    single_B = (group_size_J < 2)[row_traj_B]
+    return torch.where(single_B[:, None], torch.zeros_like(ret_BT), ret_BT)
+
+
 def expand_steps_to_tokens(adv_BS: Tensor, step_index_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Give every action token the advantage of its agent step. ``step_index_BT`` is the step
     number of each token (any value, e.g. −1, where the mask is 0) → adv_BT, 0 off the mask."""
@@ -321,10 +381,26 @@ def gigpo_advantages_BT(batch: Batch, trajs: list[Trajectory], *, omega: float, 
     return expand_steps_to_tokens(adv_BS, step_BT.clamp(max=adv_BS.shape[1] - 1), batch.mask_BT)
 
 
+def prime_advantages_BT(batch: Batch, process_reward_BT: Tensor, *, gamma: float = 1.0) -> Tensor:
+    """PRIME (survey §7.4): the implicit process component (:func:`prime_process_advantages` of the
+    PRM's token rewards) plus the outcome component, RLOO on the batch's rewards, each with its own
+    leave-one-out baseline over the trajectory's group → adv_BT (0 off the loss mask)."""
+    process_BT = prime_process_advantages(process_reward_BT, batch.mask_BT, batch.group_index_B, gamma=gamma,
+                                          trajectory_index_B=batch.trajectory_index_B)
+    outcome_BT = expand_to_tokens(advantages_B(batch, "rloo", scale_by_std=False, eps=1e-6), batch.mask_BT)
+    return outcome_BT + process_BT.to(outcome_BT.device)
+
+
 def advantages_BT(batch: Batch, kind: str, *, scale_by_std: bool, eps: float,
-                  trajs: list[Trajectory] | None = None, omega: float = 1.0, gamma: float = 0.95) -> Tensor:
+                  trajs: list[Trajectory] | None = None, omega: float = 1.0, gamma: float = 0.95,
+                  process_reward_BT: Tensor | None = None, prime_gamma: float = 1.0) -> Tensor:
     """Per-token advantages of the whole batch (before any split: REINFORCE++ whitens over it).
-    ``gigpo`` needs the `trajs` the batch was built from (their turns and state hashes)."""
+    ``gigpo`` needs the `trajs` the batch was built from (their turns and state hashes); ``prime``
+    the implicit PRM's token rewards of the batch (`process_reward_BT`, learner/prm.py)."""
+    if kind == "prime":
+        if process_reward_BT is None:
+            raise ValueError("advantage prime needs the implicit PRM's token rewards")
+        return prime_advantages_BT(batch, process_reward_BT, gamma=prime_gamma)
     if kind == "gigpo":
         if trajs is None:
             raise ValueError("advantage gigpo needs the batch's trajectories")
@@ -347,6 +423,9 @@ def advantage_metrics(batch: Batch, adv_BT: Tensor, kind: str, trajs: list[Traje
     if kind != "grpo":
         grpo_BT = advantages_BT(batch, "grpo", scale_by_std=scale_by_std, eps=eps)
         out["advantage_minus_grpo_max_abs"] = float((adv_BT - grpo_BT)[mask].abs().max()) if mask.any() else 0.0
+    if kind == "prime":  # what the process component added to RLOO's outcome advantage
+        rloo_BT = advantages_BT(batch, "rloo", scale_by_std=scale_by_std, eps=eps)
+        out["advantage_minus_rloo_max_abs"] = float((adv_BT - rloo_BT)[mask].abs().max()) if mask.any() else 0.0
     if kind == "gigpo":
         members: dict[tuple[str, str], int] = {}
         for t in trajs:

@@ -20,6 +20,7 @@ __all__ = [
     "ENTROPY_ACTION_TYPES",
     "ENTROPY_BY_ACTION_TYPE_NAMES",
     "DISTILL_METRIC_NAMES",
+    "PRIME_METRIC_NAMES",
     "REFERENCE_METRIC_NAMES",
     "STEP_METRIC_NAMES",
     "effective_sample_size",
@@ -164,6 +165,14 @@ REFERENCE_METRIC_NAMES: tuple[str, ...] = tuple(
                            "reference_version"))
 """With `learner.reference.enabled`: KL(π_θ ‖ π_ref) by k1/k2/k3 at the step's first-epoch forwards,
 the KL term's value (coefficient included), and the policy version the reference holds."""
+
+PRIME_METRIC_NAMES: tuple[str, ...] = tuple(
+    _P + name for name in ("prm_loss", "prm_accuracy_ratio", "prm_positive_label_ratio", "prm_grad_norm",
+                           "prm_token_reward_mean", "prm_step_seconds", "policy_update_seconds"))
+"""With `learner.advantage.type: prime` (learner/prm.py): the implicit PRM's BCE loss and its accuracy
+on the outcome label (both on the batch before the PRM's update), the batch's rate of correct
+trajectories, the PRM update's grad norm, the mean token reward r_t, and the seconds of the PRM step
+and of the policy's update."""
 
 DISTILL_METRIC_NAMES: tuple[str, ...] = (_P + "distill_reverse_kl_nats", _P + "distill_tokens")
 """With `distill.teachers`: the student's reverse KL to its teachers, KL(π_behavior ‖ π_T), as the

@@ -44,8 +44,8 @@ from torch import Tensor
 
 from trajmesh.config import ObjectiveConfig
 
-__all__ = ["ObjectiveConfig", "behavior_weight", "decoupled_ppo_loss", "kl_penalty", "ppo_clip_loss",
-           "reference_kl_loss"]
+__all__ = ["ObjectiveConfig", "behavior_weight", "decoupled_ppo_loss", "implicit_prm_loss", "kl_penalty",
+           "ppo_clip_loss", "reference_kl_loss"]
 
 _LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here before exp (as verl) so garbage cannot overflow
 
@@ -253,3 +253,43 @@ def reference_kl_loss(
     n = on_BT.sum().clamp_min(1).to(logp_BT.dtype)
     stats = {"reference_kl": (k_BT.detach().sum() / n), "reference_kl_loss": (coef * term).detach()}
     return coef * term, stats
+
+
+def implicit_prm_loss(
+    prm_logp_BT: Tensor,
+    ref_logp_BT: Tensor,
+    mask_BT: Tensor,
+    label_J: Tensor,
+    *,
+    beta: float,
+    trajectory_index_B: Tensor | None = None,
+    global_trajectory_count: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PRIME's PRM loss (survey §7.4): binary cross-entropy on each trajectory's implicit-reward
+    logit ``ℓ_j = β · Σ_t m_t (log πφ(y_t) − log π_ref(y_t))`` (its rows' tokens summed, rows mapped
+    to 0..J−1 by ``trajectory_index_B``) against its outcome label ``y_j`` ∈ {0, 1}:
+
+        L = (1/J) Σ_j −[y_j log σ(ℓ_j) + (1 − y_j) log(1 − σ(ℓ_j))]
+
+    Not next-token cross-entropy: the gradient pushes the whole sequence's log-likelihood ratio up
+    for a correct trajectory (∂L/∂ℓ_j = (σ(ℓ_j) − y_j)/J < 0) and down for an incorrect one. J is
+    ``global_trajectory_count`` when the call sees one micro-batch of whole trajectories (the
+    micro-batch losses then sum to the batch's). Grad flows through ``prm_logp_BT`` only.
+
+    Returns ``(loss, stats)``: ``prm_loss`` (detached), ``prm_correct`` (trajectories whose
+    prediction ℓ_j > 0 matches y_j), ``prm_trajectories`` and ``prm_logit_mean``."""
+    on_BT = mask_BT > 0
+    zero = torch.zeros((), dtype=prm_logp_BT.dtype)
+    diff_BT = torch.where(on_BT, prm_logp_BT - ref_logp_BT.detach().to(prm_logp_BT.dtype), zero)
+    rows_B = (torch.arange(diff_BT.shape[0], device=diff_BT.device) if trajectory_index_B is None
+              else trajectory_index_B.to(diff_BT.device).long())
+    J = int(label_J.shape[0])
+    logit_J = beta * torch.zeros(J, dtype=diff_BT.dtype, device=diff_BT.device).index_add(0, rows_B, diff_BT.sum(-1))
+    label_J = label_J.to(device=diff_BT.device, dtype=diff_BT.dtype)
+    count = float(global_trajectory_count) if global_trajectory_count is not None else float(max(J, 1))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit_J, label_J, reduction="sum") / count
+    with torch.no_grad():
+        correct = ((logit_J > 0) == (label_J > 0.5)).sum().to(diff_BT.dtype)
+        stats = {"prm_loss": loss.detach(), "prm_correct": correct, "prm_trajectories": torch.tensor(float(J)),
+                 "prm_logit_mean": logit_J.detach().mean() if J else zero}
+    return loss, stats

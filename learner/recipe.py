@@ -7,13 +7,15 @@ I/O, no service (the learner service calls it, then runs the update and does the
     trajectories ─▶ split_stale (v − u ≤ η per token; the rest quarantined `stale`)
                     batch_health (reward, verifier agreement, truncation: every trajectory)
                  ─▶ kept: response lengths ─▶ build_batch ─▶ truncation (learner.truncation)
-                 ─▶ advantages (learner.advantage: grpo, dr_grpo, rloo, reinforce_pp, gigpo)
+                 ─▶ (prime: the implicit PRM's step on the batch → token rewards, `process_rewards`)
+                 ─▶ advantages (learner.advantage: grpo, dr_grpo, rloo, reinforce_pp, gigpo, prime)
                     + what they are (advantage_metrics) ─▶ distillation's per-token term (distill)
                  ─▶ Recipe(keep, stale, batch, adv_BT, metrics)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +41,15 @@ class Recipe:
     """The batch's health, response lengths, and what its advantages are (metrics.jsonl)."""
 
 
-def prepare(trajs: list[Trajectory], cfg: RunConfig, *, version: int, eta: int, pad_id: int) -> Recipe:
-    """The recipe of one step at learner `version` with staleness bound `eta`."""
+ProcessRewards = Callable[[Batch], tuple[Tensor, dict[str, float]]]
+"""PRIME's implicit PRM as the recipe sees it: a batch → its token rewards r_BT and the PRM step's
+metrics (learner/prm.py ``ImplicitPRM.step``; the PRM trains on the batch as it scores it)."""
+
+
+def prepare(trajs: list[Trajectory], cfg: RunConfig, *, version: int, eta: int, pad_id: int,
+            process_rewards: ProcessRewards | None = None) -> Recipe:
+    """The recipe of one step at learner `version` with staleness bound `eta`; advantage ``prime``
+    needs `process_rewards`."""
     lc = cfg.learner
     keep, stale = split_stale(trajs, version, eta)
     recipe = Recipe(keep, stale, metrics=batch_health(trajs, lc.stop_rules.verifier_components))
@@ -51,8 +60,15 @@ def prepare(trajs: list[Trajectory], cfg: RunConfig, *, version: int, eta: int, 
     batch = apply_truncation(build_batch(keep, pad_id), keep, lc.truncation.policy,
                              max_length=max_length, cache_length=cache_length)
     a = lc.advantage
+    process_BT = None
+    if a.type == "prime":
+        if process_rewards is None:
+            raise ValueError("learner.advantage prime needs the implicit PRM (process_rewards)")
+        process_BT, prm_metrics = process_rewards(batch)
+        recipe.metrics.update(prm_metrics)
     adv_BT = advantages_BT(batch, a.type, scale_by_std=a.scale_by_std, eps=a.eps, trajs=keep,
-                           omega=a.gigpo_omega, gamma=a.gigpo_gamma)
+                           omega=a.gigpo_omega, gamma=a.gigpo_gamma, process_reward_BT=process_BT,
+                           prime_gamma=lc.prime.gamma)
     recipe.metrics.update(advantage_metrics(batch, adv_BT, a.type, keep, scale_by_std=a.scale_by_std, eps=a.eps))
     if cfg.distill.teachers:
         adv_BT, distill_metrics = distill_advantages_BT(adv_BT, batch, keep, coef=cfg.distill.coef,

@@ -47,10 +47,12 @@ from trajmesh.learner.logprobs import PolicyLogprobs, policy_of
 from trajmesh.learner.metrics import (
     DISTILL_METRIC_NAMES,
     ENTROPY_BY_ACTION_TYPE_NAMES,
+    PRIME_METRIC_NAMES,
     REFERENCE_METRIC_NAMES,
 )
 from trajmesh.learner.microbatch import bind_local_cuda_device, worker_executor
 from trajmesh.learner.objective import ObjectiveConfig
+from trajmesh.learner.prm import ImplicitPRM
 from trajmesh.learner.recipe import prepare
 from trajmesh.learner.reference import ReferencePolicy
 from trajmesh.learner.shaping import MagicEntropyController
@@ -147,7 +149,7 @@ RESPONSE_LENGTH_NAMES = tuple(f"trajmesh_learner_response_length_{q}_tokens"
 """learner/step.py response_length_metrics (the overview's response-length panels)."""
 for _name in (*consistency.NAMES, TRUNCATED_RATIO, VERIFIER_DISAGREEMENT_RATIO,
               *ENTROPY_BY_ACTION_TYPE_NAMES.values(), *REFERENCE_METRIC_NAMES, *DISTILL_METRIC_NAMES,
-              *RESPONSE_LENGTH_NAMES):
+              *RESPONSE_LENGTH_NAMES, *PRIME_METRIC_NAMES):
     _gauge(_name)
 
 
@@ -207,6 +209,8 @@ class LearnerService(Service):
         self.engine: TrainEngine | None = None
         self.reference: ReferencePolicy | None = None
         """The frozen reference policy (`learner.reference.enabled`; None: off)."""
+        self.prm: ImplicitPRM | None = None
+        """PRIME's implicit PRM (`learner.advantage.type` prime; None: off)."""
         self.tracker = HeldoutTracker(self.cfg.eval.stop_regression_margin, self.cfg.eval.stop_confirmations)
         """Leader: the best held-out score and the regression count, from the EVAL records."""
         self.delta = DeltaWriter(self.cfg.weights.anchor_every) if self.cfg.weights.sync == "delta" else None
@@ -330,6 +334,8 @@ class LearnerService(Service):
             self.entropy_ctl.load_state_dict(state["entropy_controller"])
         if self.reference is not None:
             self.reference.load(self.ckpt_dir / "latest")
+        if self.prm is not None:
+            self.prm.load(self.ckpt_dir / "latest")
         return state
 
     def _build_trainer(self) -> None:
@@ -352,6 +358,12 @@ class LearnerService(Service):
         zero3 = lc.engine.type == "deepspeed" and lc.engine.zero_stage == 3
         self.reference = (ReferencePolicy(policy, lc.engine.type, zero_stage=lc.engine.zero_stage,
                                           precision=precision) if lc.reference.enabled and not zero3 else None)
+        if lc.advantage.type == "prime":  # before the policy's engine: a copy of the start, reseeded by it
+            shared = self.reference if self.reference is not None and lc.reference.reset_every == 0 else None
+            self.prm = ImplicitPRM(policy, lc.prime, engine_type=lc.engine.type, zero_stage=lc.engine.zero_stage,
+                                   precision=precision, seed=lc.seed, deterministic=wants_deterministic(
+                                       lc.deterministic, cuda=cuda), micro_batch_tokens=lc.micro_batch_tokens,
+                                   reference=shared)
         self.engine = build_train_engine(
             policy, type=lc.engine.type, lr=lc.lr,
             warmup_steps=lc.warmup_steps, weight_decay=lc.weight_decay, grad_clip=lc.grad_clip,
@@ -628,7 +640,8 @@ class LearnerService(Service):
         lc = self.cfg.learner
         leader = self.leader
         reset = self._reset_reference()
-        recipe = prepare(trajs, self.cfg, version=self.version, eta=eta, pad_id=self.pad_id)
+        recipe = prepare(trajs, self.cfg, version=self.version, eta=eta, pad_id=self.pad_id,
+                         process_rewards=self.prm.step if self.prm is not None else None)
         keep, stale = recipe.keep, recipe.stale
         for _ in stale if leader else []:
             QUARANTINED.labels(reason="stale").inc()
@@ -652,10 +665,13 @@ class LearnerService(Service):
                 metrics.update(consistency.probe(model, keep, version=self.version, pad_id=self.pad_id,
                                                  temperature=temperature,
                                                  max_trajectories=lc.consistency_probe_trajectories))
+            policy_start = time.perf_counter()
             step_metrics = self.train_batch(engine, batch, adv_BT, self.objective, self.plan,
                                             temperature=temperature, version=self.version,
                                             max_lag=max(eta, 1) + 1, entropy_coef=alpha,
                                             reference=self.reference, kl=lc.reference)
+            if self.prm is not None:  # PRIME accounts its two updates apart (the PRM's: the recipe's metrics)
+                step_metrics["trajmesh_learner_policy_update_seconds"] = time.perf_counter() - policy_start
             if self.entropy_ctl is not None and not lc.simulated_step.enabled:
                 self.entropy_ctl.update(step_metrics["trajmesh_learner_entropy_nats"])
                 step_metrics["trajmesh_learner_entropy_coef"] = alpha
@@ -791,6 +807,8 @@ class LearnerService(Service):
             "gate_counters": gate or {}, "sampler_cursor": cursor, "world_size": self.world_size})
         if self.reference is not None:  # after a reset: reference.pt (ZeRO-3: one per rank)
             self.reference.save(tmp)
+        if self.prm is not None:  # PRIME's PRM: weights and optimizer (prm/)
+            self.prm.save(tmp)
         release_free_heap()  # DeepSpeed's copies of the model and optimizer state (learner/heap.py)
         self._barrier()
         if self.leader:

@@ -376,8 +376,8 @@ class ServiceReplicas(_Strict):
 
 
 class AdvantageConfig(_Strict):
-    type: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gigpo"] = "grpo"
-    """Estimator: GRPO (group mean, optional std scaling), Dr.GRPO (no std, no length norm), RLOO (leave-one-out baseline), REINFORCE++ with a group baseline, or GiGPO (episode groups plus anchor-state step groups from the environments' state hashes; learner/advantages.py)."""
+    type: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gigpo", "prime"] = "grpo"
+    """Estimator: GRPO (group mean, optional std scaling), Dr.GRPO (no std, no length norm), RLOO (leave-one-out baseline), REINFORCE++ with a group baseline, GiGPO (episode groups plus anchor-state step groups from the environments' state hashes), or PRIME (RLOO on the outcome plus a leave-one-out process return of an online implicit PRM's token rewards, `learner.prime`; learner/advantages.py, learner/prm.py)."""
     gigpo_omega: float = Field(1.0, ge=0)
     """GiGPO: weight ω of the step-level (anchor-state) advantage added to the episode's."""
     gigpo_gamma: float = Field(0.95, ge=0, le=1)
@@ -387,6 +387,29 @@ class AdvantageConfig(_Strict):
     """GRPO only: divide by the group std (needs group_size > 1)."""
     eps: float = Field(1e-6, gt=0)
     """Added to the group std before dividing (GRPO with scale_by_std)."""
+
+
+class PrimeConfig(_Strict):
+    """PRIME's implicit process reward model (survey §7.4; learner/prm.py), trained when
+    `learner.advantage.type` is prime: a second causal LM πφ initialised from the policy's start, the
+    start kept frozen as π_ref, trained on every batch with binary cross-entropy on the sequence's
+    implicit-reward logit β·Σ_t log πφ/π_ref against the outcome label."""
+
+    beta: float = Field(0.05, gt=0)
+    """β: the token reward r_t = β·(log πφ(y_t) − log π_ref(y_t)) and the PRM's sequence logit
+    β·Σ_t(log πφ − log π_ref) over the trajectory's action tokens (the paper: 0.05)."""
+    lr: float = Field(1e-6, gt=0)
+    """The PRM's AdamW learning rate, constant (the paper: 1e-6 for a 7B model)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip of the PRM's update."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of the process return Σ_{u≥t} γ^{u−t}(r_u − baseline) over action tokens."""
+    label_threshold: float = 1.0
+    """The outcome label: a trajectory whose reward is at least this is correct (1), else 0."""
+    update: Literal["before", "after"] = "before"
+    """before: the PRM takes its step on the batch, then a second no-grad forward gives the token
+    rewards (verl's default, two forwards); after: the rewards come from the update's own forward,
+    the PRM before its step (one forward)."""
 
 
 class ObjectiveConfig(_Strict):
@@ -625,6 +648,8 @@ class LearnerConfig(_Strict):
     """What truncated trajectories are trained with (default: as graded)."""
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     """Frozen reference model, KL-to-reference term and resets (off by default)."""
+    prime: PrimeConfig = Field(default_factory=PrimeConfig)
+    """PRIME's online implicit PRM (used when advantage.type is prime)."""
     consistency_probe_trajectories: int = Field(8, ge=0)
     """Trajectories per step the engine-consistency probe re-scores (0 disables the probe)."""
     seed: int = 0
@@ -974,6 +999,12 @@ class RunConfig(_Strict):
                 "learner.advantage: GRPO std scaling needs tasks.group_size >= 2 "
                 "(set group_size >= 2 or advantage.scale_by_std: false)"
             )
+        if adv.type == "prime":
+            if self.tasks.group_size < 2:
+                raise ValueError("learner.advantage prime: its leave-one-out baselines need tasks.group_size >= 2")
+            if self.learner.world_size > 1 or self.learner.engine.zero_stage == 3:
+                raise ValueError("learner.advantage prime: the implicit PRM trains on one rank without ZeRO-3 "
+                                 "(learner.world_size 1, learner.engine.zero_stage < 3)")
         trunc = self.learner.truncation
         if trunc.policy == "dapo_soft":
             max_length, cache_length = trunc.lengths(self.tasks.sampling)
