@@ -491,14 +491,35 @@ def test_two_store_replicas_one_killed_mid_run(tmp_path: Path, tiny_model_dir: s
     assert any("store0" in n for n in parts) and any("store1" in n for n in parts), sorted(parts)
 
 
+SLOW_STEP_S = 30.0
+"""The learner's step in the slow-step scenarios: a real model's step on a CPU takes minutes
+(SmolLM2-135M: 23–126 s in `make demo-real`), the demo model's under a second."""
+SLOW_SCENARIO_STEPS = 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("scenario", list(FAULT_SCENARIOS))
+def test_fault_scenario_at_real_model_step_times(tmp_path: Path, tiny_model_dir: str, scenario: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every scenario above with the learner's step slowed to 30 s (`learner.simulated_step`: the
+    step sleeps in its worker thread; the batch, the version, the weights' export and announcement,
+    the store's report and the checkpoints stay real), so that every fault lands during a step or
+    while the mesh waits for one: the same progress bound (scaled by the measured step time), exact
+    accounting, zero stale, gate = archive, no process left."""
+    _run_scenario(tmp_path, tiny_model_dir, scenario, monkeypatch,
+                  {"learner.simulated_step.seconds_per_step": SLOW_STEP_S}, steps=SLOW_SCENARIO_STEPS)
+
+
 def _run_scenario(tmp_path: Path, tiny_model_dir: str, scenario: str, monkeypatch: pytest.MonkeyPatch,
-                  extra: dict[str, object] | None = None) -> tuple[RunConfig, list[dict[str, object]]]:
+                  extra: dict[str, object] | None = None, steps: int = SCENARIO_STEPS,
+                  ) -> tuple[RunConfig, list[dict[str, object]]]:
     over, fault = FAULT_SCENARIOS[scenario]
     over = {**over, **(extra or {})}
     mark = uuid.uuid4().hex
     monkeypatch.setenv("TRAJMESH_TEST_MARK", mark)
     cfg = _build_config(tmp_path / "run", tiny_model_dir, **{
-        "learner.max_steps": SCENARIO_STEPS, "rollout.replicas": 1, "grader.replicas": 1,
+        "learner.max_steps": steps, "rollout.replicas": 1, "grader.replicas": 1,
         "learner.keep_batches": False, **over})
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
@@ -516,10 +537,11 @@ def _run_scenario(tmp_path: Path, tiny_model_dir: str, scenario: str, monkeypatc
         ack_wait_s = max(cfg.store.intake_ack_wait_s, cfg.rollout.task_ack_wait_s)
         # the store may hold the learner for a due straggler (a group the fault delayed) that long too
         bound_s = start_s + 2 * ack_wait_s + straggler_wait_s(cfg) + 10 * 2 * s_per_step
-        supervise_until(mesh, lambda: last_step(cfg) >= min(before + 2, SCENARIO_STEPS), timeout_s=bound_s,
+        supervise_until(mesh, lambda: last_step(cfg) >= min(before + 2, steps), timeout_s=bound_s,
                          what=f"{scenario} at step {before}, {s_per_step:.2f} s/step before it")
         learner = lambda: next(p for p in mesh.procs if p.name == "learner")  # noqa: E731 - replaced on restart
-        supervise_until(mesh, lambda: learner().popen.poll() == 0, timeout_s=500)
+        # the steps left, each as slow as measured, twice over, beside the fixed allowance
+        supervise_until(mesh, lambda: learner().popen.poll() == 0, timeout_s=500 + 2 * steps * s_per_step)
         end_run(mesh)
         acct = accounting(cfg)
         rows = check_archive(cfg, acct, ETA)
