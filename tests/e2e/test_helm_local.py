@@ -299,3 +299,147 @@ def test_chart_evaluates_math_tool_through_the_environment_pod(tmp_path: Path) -
     archive = read_archive(Path(cfg.run_dir) / "archive").to_pylist()  # the store pod's run dir
     assert [r for r in archive if r["outcome"] == "accepted"], "nothing trained"
     assert not [r for r in archive if r.get("terminal_reason") == "INFRA_FAILURE"], "training episodes were injected"
+
+
+DELTA_TOL = 1e-4
+"""Behavior log-probs (the rollout pod's torch engine, fp32 on CPU) against the learner's forward
+on the same weights: two fp32 forwards of one model on one machine differ by float rounding only
+(a few 1e-6 on the demo policy here); tests/unit/rollout/engines/test_engine_conformance.py holds
+the torch engine to 1e-4 after a load too. Adjacent versions at the test's lr differ by far more."""
+
+
+def _weights_loaded(log: Path, local_weights: Path) -> dict[int, str]:
+    """Versions the rollout pod's log says its engine loaded, with the directory it loaded each
+    from (services/rollout.py: "loaded weights vN from PATH"), those under `local_weights` only."""
+    import re
+
+    text = log.read_text() if log.exists() else ""
+    found = re.findall(r"loaded weights v(\d+) from (\S+)", text)
+    return {int(v): p for v, p in found if Path(p).is_relative_to(local_weights)}
+
+
+def _recomputed(version_dir: Path, out: Path, rows: list[dict[str, Any]], temperature: float) -> list[list[float]]:
+    """The learner's log-probs (tests/logprob_checks.py) of each row's sampled tokens under the
+    full checkpoint of `version_dir` on the shared volume, rebuilt by the test from its anchor."""
+    from logprob_checks import learner_logprobs
+
+    from trajmesh.learner.models import load_model
+    from trajmesh.weights.delta import is_delta_dir, reconstruct
+
+    if is_delta_dir(version_dir):
+        reconstruct(version_dir, out)  # from the nearest anchor: not the rollout's incremental path
+        version_dir = out
+    model, _ = load_model(version_dir)
+    want = []
+    for row in rows:
+        start = row["loss_mask"].index(1)
+        want.append(learner_logprobs(model, list(row["token_ids"][:start]), list(row["token_ids"][start:]),
+                                     temperature))
+    return want
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_chart_delta_sync_engine_loads_rebuilt_versions(tmp_path: Path) -> None:
+    """The CPU chart with the delta-sync case's weights values (`weights.sync: delta`, the
+    `rollout.localWeights` emptyDir): the learner pod publishes a full anchor, then deltas; the
+    rollout pod rebuilds each version into its local-weights volume (trajmesh/weights/delta.py
+    `LocalWeights`) and its torch engine loads it from there. Checks: at least two versions past
+    v0 loaded from the mount (the rollout pod's log), none through the anchor fallback (its
+    metrics), and per version, one trajectory the learner trained that the rollout sampled wholly
+    at it has behavior log-probs equal (DELTA_TOL) to the learner's forward on that version's
+    weights, rebuilt by the test from the shared volume, and measurably unlike the previous
+    version's (so an engine left on older weights fails here)."""
+    import shutil
+    import time
+    import urllib.request
+
+    from test_evaluator_mesh import _demo_model
+
+    from trajmesh.config import RunConfig
+    from trajmesh.infra import nats_server_binary, redis_server_binary
+    from trajmesh.run.run_end import drain
+    from trajmesh.services.store.archive import read_archive
+    from trajmesh.weights.layout import version_dirs, weights_root
+
+    delta = _values("delta-sync")  # how the chart's delta-sync case turns it on
+    values = _merged(_values("cpu-only"), {
+        "model": {"source": "pvc://trajmesh-models/demo"},
+        "rollout": {"replicaCount": 1, "concurrentTasks": 2, "localWeights": delta["rollout"]["localWeights"]},
+        "environment": {"replicaCount": 1}, "grader": {"replicaCount": 1}, "evaluator": {"enabled": False},
+        "trajmesh": {"config": {
+            "weights": delta["trajmesh"]["config"]["weights"],  # sync delta, an anchor every 10 versions
+            "gate": {"eta": 1},
+            "tasks": {"group_size": 2, "train_size": 100, "heldout_size": 4, "sampling": {"max_new_tokens": 6}},
+            # lr 1e-3 from the first step: adjacent versions' log-probs differ by far more than DELTA_TOL
+            "learner": {"batch_groups": 2, "max_steps": 5, "checkpoint_every": 50, "lr": 1e-3,
+                        "warmup_steps": 0}}},
+    })
+    assert values["trajmesh"]["config"]["weights"]["sync"] == "delta"
+    kubelet = _load_kubelet().LocalKubelet(_objects_of(values), tmp_path, NAMESPACE,
+                                           {"nats": nats_server_binary(), "redis-server": redis_server_binary()})
+    kubelet.setup()
+    shutil.copytree(_demo_model(), tmp_path / "pvc" / "trajmesh-models" / "demo")
+    learner_run = tmp_path / "pvc" / "trajmesh-shared" / "run"
+    rollout = kubelet.pod("rollout")
+    local_weights = tmp_path / "pods" / rollout.name / "volumes" / "local-weights"  # the pod's emptyDir
+    rollout_log = kubelet.logs / f"{rollout.name}.rollout.log"
+    try:
+        for component in ("nats", "redis"):
+            kubelet.start(kubelet.pod(component))
+        provision = kubelet.pod("provision")
+        assert kubelet.run_to_completion(provision) == 0, kubelet.tail(provision)
+        for component in ("environment", "store", "grader", "rollout", "learner"):
+            kubelet.start(kubelet.pod(component), wait_ready_s=300, may_finish=component == "learner")
+        learner, store = kubelet.pod("learner"), kubelet.pod("store")
+        cfg = RunConfig.model_validate(yaml.safe_load(
+            (tmp_path / "pods" / store.name / "volumes" / "runtime" / "config.yaml").read_text()))
+        assert learner.procs[0].wait(timeout=600) == 0, kubelet.tail(learner)
+        deadline = time.monotonic() + 120  # the rollout pod's loads of two versions past v0
+        while len([v for v in _weights_loaded(rollout_log, local_weights) if v > 0]) < 2:
+            assert time.monotonic() < deadline and rollout.procs[0].poll() is None, kubelet.tail(rollout)
+            time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{_port(rollout, 'metrics')}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        drain(cfg)
+        for component in ("rollout", "grader", "environment"):
+            kubelet.stop(kubelet.pod(component))
+        assert kubelet.stop(store, grace_s=120) == [0], kubelet.tail(store)
+    finally:
+        kubelet.stop_all()
+    loaded = _weights_loaded(rollout_log, local_weights)
+    assert len([v for v in loaded if v > 0]) >= 2, (loaded, kubelet.tail(rollout))
+    assert "trajmesh_rollout_weight_anchor_fallback_updates_total 0.0" in metrics, "a rebuild fell back to the anchor"
+    shared = weights_root(learner_run)
+
+    def version_dir(version: int) -> Path:  # v0 is the model the chart provisions
+        found = version_dirs(shared, version)
+        return found[-1] if found else tmp_path / "pvc" / "trajmesh-models" / "demo"
+
+    assert all(Path(p).name == version_dir(v).name for v, p in loaded.items() if v > 0), loaded
+    # Per version the rollout loaded from the mount: a trained trajectory sampled wholly at it.
+    archive = read_archive(Path(cfg.run_dir) / "archive").to_pylist()  # the store pod's run dir
+    # A "trained" row carries no tokens; the same trajectory's "accepted" row does.
+    trained = {r["trajectory_id"] for r in archive if r["outcome"] == "trained"}
+    sampled = [r for r in archive if r["trajectory_id"] in trained and r["loss_mask"] is not None]
+    temperature = cfg.tasks.sampling.temperature
+    checked = []
+    for version in sorted(v for v in loaded if v > 0):
+        rows = [r for r in sampled if 1 in r["loss_mask"]
+                and {b for b, m in zip(r["behavior_versions"], r["loss_mask"], strict=True) if m} == {version}][:1]
+        if not rows:
+            continue
+        start = rows[0]["loss_mask"].index(1)
+        assert all(rows[0]["loss_mask"][start:]), "one sampled span (single-turn chain_sum)"
+        got = [float(x) for x in rows[0]["behavior_logprobs"][start:]]
+        (this,) = _recomputed(version_dir(version), tmp_path / "check" / f"v{version}", rows,
+                              temperature)
+        (before,) = _recomputed(version_dir(version - 1), tmp_path / "check" / f"v{version - 1}",
+                                rows, temperature)
+        diff = max(abs(a - b) for a, b in zip(got, this, strict=True))
+        assert diff < DELTA_TOL, (version, got, this)
+        assert max(abs(a - b) for a, b in zip(got, before, strict=True)) > 10 * DELTA_TOL, (version, got, before)
+        checked.append(version)
+    assert len(checked) >= 2, (checked, sorted(loaded))
+    # v1 is the anchor (a full file); the others were rebuilt from the local copy and the deltas.
+    assert [v for v in checked if not (version_dir(v) / "model.safetensors").exists()], checked
