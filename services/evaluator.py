@@ -68,7 +68,7 @@ from trajmesh.rollout.engines.generation import TurnSampler, sampling_seed
 from trajmesh.service import supervise
 from trajmesh.services.rollout import RolloutService
 from trajmesh.services.store.record import RunRecord
-from trajmesh.v1 import services_pb2_grpc, trajectory_pb2
+from trajmesh.v1 import trajectory_pb2
 from trajmesh.weights import announce
 
 log = logging.getLogger("trajmesh.evaluator")
@@ -171,9 +171,7 @@ class EvaluatorService(RolloutService):
         self.sampler = TurnSampler(engine, cfg.rollout.engine, stop_ids=self.stop_ids, pause=self.pause,
                                    context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
-        # The environment service, as the rollout reaches it (held-out episodes are played there).
-        self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
-        self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
+        self._connect_environments()  # as the rollout reaches them: held-out episodes are played there
         if await announce.latest_version(self.bus) > 0 \
                 and (await self.bus.stream_info(busmod.STREAM_EVAL)).state.messages > 0:
             self.last_evaluated = -1  # a run under way, evaluated before: its base model is done

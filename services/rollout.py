@@ -170,12 +170,17 @@ class RolloutService(Service):
         self.sampler = TurnSampler(engine, cfg.rollout.engine, stop_ids=self.stop_ids,
                                    pause=self.pause, context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
-        self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
-        self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
+        self._connect_environments()
         self.consumer = await bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=cfg.rollout.task_ack_wait_s)
         POLICY_VERSION.set(self.version)
         await self._start_teachers()
         await self._source_setups()
+
+    def _connect_environments(self) -> None:
+        """gRPC channels and stubs to the environment service's replicas (episodes are played there)."""
+        cfg = self.cfg
+        self.channels = [security.grpc_channel(a, cfg.infra.security.grpc_tls) for a in cfg.infra.environment_addresses]
+        self.envs = [services_pb2_grpc.EnvironmentStub(c) for c in self.channels]
 
     async def start_engine(self) -> CoalescingEngine | SyntheticEngine:
         """The engine by `rollout.engine.type` (`trajmesh.plugins.ENGINES`, factories in
