@@ -162,8 +162,8 @@ class GraderService(Service):
 
         async def handle(msg: Any) -> None:
             data = await consumer.resolve(msg)
-            group = await self._judge_group_member(data) if self.judge_groups is not None else None
-            outs, judged = group if group is not None else ([await self._grade(data)], [])
+            outs, judged = (await self._judge_group_member(data) if self.judge_groups is not None
+                            else ([await self._grade(data)], []))
             for out, msg_id, group_id in outs:
                 await bus.publish(busmod.graded_subject(busmod.partition_of(group_id, partitions), partitions),
                                   out, msg_id=msg_id, retry_s=busmod.PUBLISH_RETRY_S if msg_id else 0.0)
@@ -196,14 +196,17 @@ class GraderService(Service):
             traj.fail_infra(trajectory_pb2.INFRA_GRADER, f"evaluation grading failed: {exc!r}")
             return traj.to_bytes()
 
-    async def _grade(self, data: bytes, task: dict[str, Any] | None = None) -> tuple[bytes, str | None, str]:
+    async def _grade(self, data: bytes, task: dict[str, Any] | None = None,
+                     traj: Trajectory | None = None) -> tuple[bytes, str | None, str]:
         """(What to publish on TRAJ_GRADED, its message id, its group id: "" when not a trajectory).
-        `task`: the task record (an evaluation request's); None: the store's, read from Redis."""
-        try:
-            traj = Trajectory.from_bytes(data)
-        except ContractError:
-            GRADED.labels(result="not_a_trajectory").inc()
-            return data, None, ""
+        `task`: the task record (an evaluation request's); None: the store's, read from Redis.
+        `traj`: `data` parsed already (pairwise judging parses every message first)."""
+        if traj is None:
+            try:
+                traj = Trajectory.from_bytes(data)
+            except ContractError:
+                GRADED.labels(result="not_a_trajectory").inc()
+                return data, None, ""
         if task is None:
             task = await self._task(traj.task_id) if traj.task_id else None
         if task is None or traj.terminal_reason == trajectory_pb2.INFRA_FAILURE:
@@ -257,19 +260,19 @@ class GraderService(Service):
         traj.fail_infra(trajectory_pb2.INFRA_GRADER, exc.verifier_output())
         return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
 
-    async def _judge_group_member(self, data: bytes) -> tuple[list[tuple[bytes, str | None, str]], list[str]] | None:
-        """Pairwise judging (graders/judge_groups.py): None when `data` is not a member of a judged
-        source's group (`_grade` grades it alone); else (what to publish, the member ids to mark
-        done after): nothing while the group is incomplete or this member was published already;
+    async def _judge_group_member(self, data: bytes) -> tuple[list[tuple[bytes, str | None, str]], list[str]]:
+        """Pairwise judging (graders/judge_groups.py): (what to publish, the member ids to mark done
+        after). `data` not a member of a judged source's group: graded alone by `_grade`, parsed
+        once. A member: nothing while the group is incomplete or this member was published already;
         every member once this one completes the group (or held its claim before a crash)."""
         assert self.judge is not None and self.judge_groups is not None
         try:
             traj = Trajectory.from_bytes(data)
         except ContractError:
-            return None
+            return [await self._grade(data)], []
         task = await self._task(traj.task_id) if traj.task_id else None
         if task is None or not self.judge.judges(str(task.get("source", traj.pb.task_source))):
-            return None
+            return [await self._grade(data, task, traj)], []
         state = await self.judge_groups.add(traj.group_id, traj.trajectory_id, data, int(task["group_size"]))
         if state in (WAIT, ALREADY_PUBLISHED):
             return [], []
