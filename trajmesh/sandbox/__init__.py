@@ -145,6 +145,12 @@ CLONE_NEW_ALL = 0x10000000 | 0x20000 | 0x20000000 | 0x08000000 | 0x04000000 | 0x
 (and the clone flags its program may not use)."""
 
 
+SANDBOX_TASKS = 2
+"""Tasks of the sandbox's own in every call's process count (`SandboxLimits.max_processes`): the
+init's child that creates the namespaces (and joins the call's cgroup first) and the namespaces'
+pid 1. The init itself (the service's child, outside the namespaces and the cgroup) is not."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     wall_s: float = 10.0
@@ -156,8 +162,11 @@ class SandboxLimits:
     """Memory of the call with a cgroup (all its processes, tmpfs, shm and memfd pages included:
     `memory_limit`); also the address space of each process (RLIMIT_AS, `memory`)."""
     max_processes: int = 32
-    """Processes (tasks) of the program, itself included: with a cgroup pids.max of the call
-    (`pids_limit`); else RLIMIT_NPROC of the sandbox uid in its namespace (`process_limit`)."""
+    """Tasks (processes and threads) of the whole call at once, the sandbox's own `SANDBOX_TASKS`
+    included: the program and all its descendants get max_processes - 2. With a cgroup, pids.max of
+    the call (`pids_limit`); else RLIMIT_NPROC (soft = hard) of the program, which the kernel checks
+    against the sandbox uid's count in the call's user namespace, where those two count too
+    (`process_limit`). At least SANDBOX_TASKS + 1."""
     cpus: float = 1.0
     """CPU cores the call's processes may use at once (cgroup CPU quota; no effect without one)."""
     file_size_bytes: int = 8 << 20
@@ -170,6 +179,11 @@ class SandboxLimits:
     """stdout + stderr cap; more is `output_limit` and the program is killed."""
     open_files: int = 64
     """Open file descriptors per process (RLIMIT_NOFILE)."""
+
+    def __post_init__(self) -> None:
+        if self.max_processes <= SANDBOX_TASKS:
+            raise ValueError(f"max_processes={self.max_processes}: the call's count includes the sandbox's own "
+                             f"{SANDBOX_TASKS} tasks, so the program needs max_processes >= {SANDBOX_TASKS + 1}")
 
 
 @dataclass
@@ -260,20 +274,16 @@ def cgroup_problem() -> str:
 
 NPROC_MARGIN = 8
 """With a cgroup, RLIMIT_NPROC (the backstop) is pids.max + this. The kernel checks RLIMIT_NPROC
-before the cgroup at a fork, and it counts every task of the call's host uid, also those outside
-the cgroup (the namespace's pid 1, say); at + 1 a fork bomb was once classed `process_limit`
-instead of `pids_limit` (a clean-clone CI run), which RLIMIT_NPROC refusing first explains."""
-
-
-def _pids_max(limits: SandboxLimits) -> int:
-    return limits.max_processes + 2  # + the init's child (which joins first) and pid 1
+before the cgroup at a fork; at + 1 a fork bomb was once classed `process_limit` instead of
+`pids_limit` (a clean-clone CI run), which RLIMIT_NPROC refusing first explains."""
 
 
 def _call_cgroup(limits: SandboxLimits) -> cgroups.CallCgroup | None:
     found = cgroups.mode()
     if found.kind == "none":
         return None
-    return cgroups.CallCgroup.create(found, limits.memory_bytes, _pids_max(limits), limits.cpus)
+    # pids.max counts every task of the call: the init's child joins first, pid 1 is its child.
+    return cgroups.CallCgroup.create(found, limits.memory_bytes, limits.max_processes, limits.cpus)
 
 
 PROGRAMS = ("init_program", "boot_program")
@@ -490,7 +500,7 @@ def _init_config(limits: SandboxLimits, root: str, outer: tuple[int, int], repor
         "nr": SYSCALL_NUMBERS[machine], "deny": list(SECCOMP_DENY), "arch": AUDIT_ARCH[machine], "ns": CLONE_NEW_ALL,
         # With a cgroup its limits come first and the per-process rlimits are a backstop just above them.
         "limits": {"cpu_s": limits.cpu_s + (1 if group else 0), "memory_bytes": limits.memory_bytes,
-                   "nproc": _pids_max(limits) + NPROC_MARGIN if group else limits.max_processes,
+                   "nproc": limits.max_processes + NPROC_MARGIN if group else limits.max_processes,
                    "file_size_bytes": limits.file_size_bytes, "open_files": limits.open_files},
         "user_max": USER_NS_MAX, "hidden_proc": list(HIDDEN_PROC),
     }
