@@ -215,7 +215,8 @@ def check_no_stale(acct: dict[str, Any], run_dir: str | Path | None = None) -> N
 
 def check_gate_reconciles(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
     """The gate's counters after the run agree with the archive: nothing still running, `accepted`
-    = the trajectories of kept groups (an "accepted" row each), the version = the last step's."""
+    = the trajectories of kept groups (an "accepted" row each), `unfilled` = the places their
+    missing members left (G − k for a kept group of k), the version = the last step's."""
     r = security.redis_sync_client(cfg)
     try:
         c = StalenessGate(r, key_prefix=RedisKeys(cfg.infra.namespace).gate_prefix, eta=cfg.effective_eta,
@@ -223,9 +224,11 @@ def check_gate_reconciles(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
     finally:
         r.close()
     kept = {row["trajectory_id"] for row in rows if row["outcome"] == "accepted"}
+    kept_groups = {row["group_id"] for row in rows if row["outcome"] == "accepted"}
     trained_at = [row["learner_version"] for row in rows if row["outcome"] == "trained"]
     assert c.running == 0, f"gate still counts {c.running} running after the run finalized"
     assert c.accepted == len(kept), (c, len(kept))
+    assert c.unfilled == cfg.tasks.group_size * len(kept_groups) - len(kept), (c, len(kept_groups), len(kept))
     assert c.version == max(trained_at) + 1, (c, max(trained_at))
 
 

@@ -1,21 +1,26 @@
 """The staleness gate (docs/DESIGN.md §3; AReaL §7.3 of the survey), kept atomically in Redis.
 
-With learner version v, batch size B (trajectories per learner step), maximum lag η and the
-counters ``accepted`` and ``running`` (all counted in trajectories)::
+With learner version v, batch size B (trajectories per learner step: `learner.batch_groups` places
+of G), maximum lag η and the counters ``accepted``, ``unfilled`` and ``running`` (all counted in
+trajectories)::
 
-    capacity = (η + v + 1)·B − (accepted + running)        [and ≤ max_concurrent − running]
+    capacity = (η + v + 1)·B − (accepted + unfilled + running)        [and ≤ max_concurrent − running]
 
 The store admits a group of G trajectories only if capacity ≥ G (``running += G``). When the group
 comes back graded, ``finish`` frees it: accepted groups move to ``accepted`` (they will be
-trained), filtered or failed groups just leave ``running``. The learner advancing to v+1 opens B
-more slots. So at most (η+1)·B trajectories are ever admitted beyond what versions < v consumed,
-which bounds how stale an admitted trajectory can be at the time it is trained. (It does not
-bound every token — interruptible generation can carry a trajectory across versions — so the
-learner also checks v − u ≤ η per token at consume time.)
+trained), filtered or failed groups just leave ``running``. A kept group of k < G members (the
+rest quarantined, say) still fills one of a batch's places, G trajectories of the B a step
+consumes: the store's `finish_group` (services/store/admission.py) counts its k in ``accepted``
+(what the archive's accepted rows reconcile with) and its G − k in ``unfilled``, so every kept
+group takes G slots, as a full one does. The learner advancing to v+1 opens B more slots. So at most
+(η+1)·B trajectories' worth of places are ever admitted beyond what versions < v consumed, which
+bounds how stale an admitted trajectory can be at the time it is trained. (It does not bound
+every token — interruptible generation can carry a trajectory across versions — so the learner
+also checks v − u ≤ η per token at consume time.)
 
 Every read-modify-write is one Lua script, so many store replicas can share one gate. The
-counters live in Redis keys ``{prefix}:version``, ``{prefix}:accepted``, ``{prefix}:running``;
-with AOF on (see ``trajmesh.infra.RedisServer``) they survive a Redis restart.
+counters live in Redis keys ``{prefix}:version``, ``{prefix}:accepted``, ``{prefix}:running``,
+``{prefix}:unfilled``; with AOF on (see ``trajmesh.infra.RedisServer``) they survive a Redis restart.
 """
 
 from __future__ import annotations
@@ -41,21 +46,22 @@ def run_key(namespace: str, name: str) -> str:
 
 
 def gate_prefix(namespace: str = "") -> str:
-    """Prefix of the gate's counters in Redis (``<prefix>:version``, ``:accepted``, ``:running``),
-    namespaced like every key of a run."""
+    """Prefix of the gate's counters in Redis (``<prefix>:version``, ``:accepted``, ``:running``,
+    ``:unfilled``), namespaced like every key of a run."""
     return run_key(namespace, "gate")
 
 
 # The capacity every admission script computes (this module's and the store's, which admit with their
-# own records in the same step: services/store/admission.py). KEYS[1..3]: version, accepted, running.
-# ARGV[1..4]: n, eta, batch_size, max_concurrent (-1 = no cap). Leaves `cap` and `n` set:
-# capacity = (eta + v + 1)·B − (accepted + running).
+# own records in the same step: services/store/admission.py). KEYS[1..4]: version, accepted, running,
+# unfilled. ARGV[1..4]: n, eta, batch_size, max_concurrent (-1 = no cap). Leaves `cap` and `n` set:
+# capacity = (eta + v + 1)·B − (accepted + unfilled + running).
 CAPACITY_LUA = """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local running = tonumber(redis.call('GET', KEYS[3]) or '0')
+local unfilled = tonumber(redis.call('GET', KEYS[4]) or '0')
 local n = tonumber(ARGV[1])
-local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3]) - (accepted + running)
+local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3]) - (accepted + unfilled + running)
 local max_concurrent = tonumber(ARGV[4])
 if max_concurrent >= 0 then cap = math.min(cap, max_concurrent - running) end
 """
@@ -88,11 +94,12 @@ if new > v then redis.call('SET', KEYS[1], new) return new end
 return v
 """
 
-# KEYS: version, accepted, running. ARGV: version, accepted.
+# KEYS: version, accepted, running, unfilled. ARGV: version, accepted.
 _REBASE = """
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('SET', KEYS[3], 0)
+redis.call('SET', KEYS[4], 0)
 return 1
 """
 
@@ -104,8 +111,10 @@ class GateCounters:
     version: int
     accepted: int
     running: int
-    # (η + version + 1)·B − (accepted + running), before the max_concurrent cap.
+    # (η + version + 1)·B − (accepted + unfilled + running), before the max_concurrent cap.
     capacity: int
+    # Places of kept groups their members did not fill: G − k for each kept group of k < G.
+    unfilled: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -129,7 +138,8 @@ class GateSpec:
         self.version_key = f"{key_prefix}:version"
         self.accepted_key = f"{key_prefix}:accepted"
         self.running_key = f"{key_prefix}:running"
-        self.keys = [self.version_key, self.accepted_key, self.running_key]
+        self.unfilled_key = f"{key_prefix}:unfilled"
+        self.keys = [self.version_key, self.accepted_key, self.running_key, self.unfilled_key]
 
     def admit_args(self, n: int) -> list[int]:
         if n < 1:
@@ -149,9 +159,10 @@ class GateSpec:
         return [version, version * self.batch_size + buffered]
 
     def snapshot(self, raw: list[Any]) -> GateCounters:
-        version, accepted, running = (int(x) if x is not None else 0 for x in raw)
-        capacity = (self.eta + version + 1) * self.batch_size - (accepted + running)
-        return GateCounters(version=version, accepted=accepted, running=running, capacity=capacity)
+        version, accepted, running, unfilled = (int(x) if x is not None else 0 for x in raw)
+        capacity = (self.eta + version + 1) * self.batch_size - (accepted + unfilled + running)
+        return GateCounters(version=version, accepted=accepted, running=running, capacity=capacity,
+                            unfilled=unfilled)
 
     def effective_capacity(self, c: GateCounters) -> int:
         if self.max_concurrent is None:
@@ -248,9 +259,9 @@ class StalenessGate(_Gate):
         train and ``running`` counts work whose results may never be reported, so capacity
         would stay pinned near zero (or, if ``version`` went back, negative) and rollout would
         stall. The learner at ``version`` has consumed exactly the batches of steps < version,
-        so ``accepted = version·B`` (+ ``buffered``: trajectories the store still holds,
-        accepted but not yet trained) and ``running = 0``: in-flight tasks are unacked on
-        JetStream and come back by redelivery, to be admitted again. The version is set
+        so ``accepted = version·B`` (+ ``buffered``: the store's kept groups not yet trained, G
+        each, whatever their members), ``unfilled = 0`` and ``running = 0``: in-flight tasks are
+        unacked on JetStream and come back by redelivery, to be admitted again. The version is set
         exactly, not monotonically, because recovery may move it back. A finish() for work
         admitted before the rebase clamps ``running`` at 0 rather than going negative.
         """

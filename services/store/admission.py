@@ -8,7 +8,8 @@ or count a group twice, so each transaction below is one script over both sets o
 - `admit`: the gate's admission of a group and the task's record, its unpublished copy, the
   admitted count and the pending group, idempotent per task id;
 - `refill`: a new sample of a task in the place of an infra-failed member, capacity unchanged;
-- `finish_group`: a whole group's release in the gate, once per group id.
+- `finish_group`: a whole group's release in the gate, once per group id (a kept group short of
+  members holds its whole batch place: the gate's `unfilled`).
 
 The gate knows none of the store's keys; this module passes them in (`GateSpec` gives the gate's).
 """
@@ -20,7 +21,7 @@ import redis.asyncio
 from trajmesh.gate import CAPACITY_LUA, AsyncStalenessGate
 from trajmesh.services.store.keys import RedisKeys
 
-# KEYS: version, accepted, running, tasks hash, unpublished hash, admitted count, pending zset.
+# KEYS: version, accepted, running, unfilled, tasks hash, unpublished hash, admitted count, pending zset.
 # ARGV: n, eta, batch_size, max_concurrent, task id, task record, task bytes, group id,
 # admission version (the score of the group in the pending set).
 # try_admit plus the admission's record in one step: a store killed between admitting and
@@ -30,32 +31,35 @@ from trajmesh.services.store.keys import RedisKeys
 # pending call timed out, the retry admitted the same task again, and `admitted` and `running`
 # kept 4 trajectories that no group would ever finish (exact accounting broken).
 _TRY_ADMIT_RECORDED = """
-if redis.call('HEXISTS', KEYS[4], ARGV[5]) == 1 then return {1, -1} end
+if redis.call('HEXISTS', KEYS[5], ARGV[5]) == 1 then return {1, -1} end
 """ + CAPACITY_LUA + """
 if cap < n then return {0, cap} end
 redis.call('INCRBY', KEYS[3], n)
-redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
-redis.call('HSET', KEYS[5], ARGV[5], ARGV[7])
-redis.call('INCRBY', KEYS[6], n)
-redis.call('ZADD', KEYS[7], ARGV[9], ARGV[8])
+redis.call('HSET', KEYS[5], ARGV[5], ARGV[6])
+redis.call('HSET', KEYS[6], ARGV[5], ARGV[7])
+redis.call('INCRBY', KEYS[7], n)
+redis.call('ZADD', KEYS[8], ARGV[9], ARGV[8])
 return {1, cap}
 """
 
-# KEYS: accepted, running, set of finished groups[, hash group id -> n accepted]. ARGV: group id,
-# n accepted, n not accepted. finish() for a whole group, at most once per group id, atomically with
-# marking it finished: a store killed in between can neither skip it (capacity leaked) nor repeat it
-# (counted twice). The optional hash records how many of a group's members the gate counted as
-# accepted (the end of a run reconciles the archive with it after a store crash). The caller drops
-# both entries once the group is settled (every member final, so none can rebuild it).
+# KEYS: accepted, running, unfilled, set of finished groups, hash group id -> n accepted. ARGV: group
+# id, n accepted, n not accepted, n unfilled. finish() for a whole group, at most once per group id,
+# atomically with marking it finished: a store killed in between can neither skip it (capacity
+# leaked) nor repeat it (counted twice). The hash records how many of a group's members the gate
+# counted as accepted (the end of a run reconciles the archive with it after a store crash). The
+# caller drops both entries once the group is settled (every member final, so none can rebuild it).
+# `unfilled` holds the rest of a kept group's batch place (G − accepted) in the gate's capacity,
+# apart from `accepted`, which the archive's accepted rows reconcile with.
 _FINISH_GROUP = """
-if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
+if redis.call('SADD', KEYS[4], ARGV[1]) == 0 then return 0 end
 local a = tonumber(ARGV[2])
 local n = a + tonumber(ARGV[3])
 local running = tonumber(redis.call('GET', KEYS[2]) or '0')
 redis.call('SET', KEYS[2], math.max(running - n, 0))
 if a > 0 then
   redis.call('INCRBY', KEYS[1], a)
-  if #KEYS >= 4 then redis.call('HSET', KEYS[4], ARGV[1], a) end
+  redis.call('HSET', KEYS[5], ARGV[1], a)
+  redis.call('INCRBY', KEYS[3], tonumber(ARGV[4]))
 end
 return 1
 """
@@ -119,15 +123,20 @@ class Admission:
             args=[failed_id, int(index), msg_id, data, int(cap)])
         return int(status), int(refills)
 
-    async def finish_group(self, group_id: str, *, accepted: int, rejected: int) -> bool:
+    async def finish_group(self, group_id: str, *, accepted: int, rejected: int, place: int = 0) -> bool:
         """Release a whole group once: `accepted` trajectories move to the gate's `accepted`,
         `rejected` just leave `running`; the group joins `keys.groups_done` (and, when `accepted` >
-        0, `keys.groups_accepted` records `accepted` under it). False (nothing changed) if it was
-        done already."""
+        0, `keys.groups_accepted` records `accepted` under it). A kept group (`accepted` > 0) fills
+        one of a batch's places, `place` trajectories (tasks.group_size) of the learner's B: the
+        rest of it, `place` − `accepted`, goes to the gate's `unfilled`, so a group short of
+        members takes as many of the gate's slots as a full one (without it, each let the gate
+        admit that many trajectories more than the steps consume, and the extra groups aged into
+        more due ones than a batch takes). False (nothing changed) if it was done already."""
         if accepted < 0 or rejected < 0 or accepted + rejected < 1:
             raise ValueError(f"need accepted, rejected >= 0 and a non-empty group, got {accepted}, {rejected}")
         k = self.keys
         done = await self._finish_group(
-            keys=[self.gate.accepted_key, self.gate.running_key, k.groups_done, k.groups_accepted],
-            args=[group_id, accepted, rejected])
+            keys=[self.gate.accepted_key, self.gate.running_key, self.gate.unfilled_key, k.groups_done,
+                  k.groups_accepted],
+            args=[group_id, accepted, rejected, max(place - accepted, 0) if accepted else 0])
         return bool(int(done))

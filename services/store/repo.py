@@ -213,10 +213,11 @@ class StoreRepo:
         if trajectory_ids:
             await self.r.srem(self.keys.group_valid(group_id), *trajectory_ids)
 
-    async def finish_group(self, group_id: str, *, accepted: int, rejected: int) -> bool:
+    async def finish_group(self, group_id: str, *, accepted: int, rejected: int, place: int = 0) -> bool:
         """The gate's accounting for a complete (or abandoned) group, once per group id; True the
-        first time (a group rebuilt after a store restart was counted already)."""
-        return await self.admission.finish_group(group_id, accepted=accepted, rejected=rejected)
+        first time (a group rebuilt after a store restart was counted already). `place`: the
+        trajectories a kept group holds in the gate until trained (`Admission.finish_group`)."""
+        return await self.admission.finish_group(group_id, accepted=accepted, rejected=rejected, place=place)
 
     async def accepted_members(self, group_ids: list[str]) -> set[str]:
         """Of these groups, the member ids the gate counted as accepted: the valid members of each

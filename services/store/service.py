@@ -616,7 +616,8 @@ class TrajectoryStore(Service):
         # restart completes with the kept members alone (the dropped ones are final by then).
         await self.w.repo.leave_group(group.group_id, list(dropped))
         kept = 0 if reason else len(group.members) - len(dropped)
-        first_time = await self.w.repo.finish_group(group.group_id, accepted=kept, rejected=group.expected - kept)
+        first_time = await self.w.repo.finish_group(group.group_id, accepted=kept, rejected=group.expected - kept,
+                                                    place=self.cfg.tasks.group_size)
         if first_time:  # a group rebuilt after a store restart was counted already
             self._note_group_health(group, rewards)
             if self.sampler is not None:  # the curriculum's re-profile reads the run's own outcomes

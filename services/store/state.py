@@ -464,9 +464,10 @@ class StoreState:
         recovery pending, or a `due` group — admitted so long ago that after this step it could
         only be trained stale — still on its way, at most `straggler_wait_s`). Every `due` group
         that is READY goes in the batch, also past `want_groups` and `max_trajectories` when
-        older ones fill it: after this step it could only be trained stale. (With the gate's
-        bound and oldest-first hand-out there are at most a batch of them; after faults there
-        were more, and each extra one went stale.)"""
+        older ones fill it: after this step it could only be trained stale. (The gate bounds the
+        places admitted, not the order they are trained in: with η ≥ 2 a group ready early takes
+        a place while older ones still sample, and those can fall due together, more of them
+        than a batch; docs/RELIABILITY.md "More due groups ready than a batch holds".)"""
         if self.recovering(now) or len(self.ready) < want_groups:
             return []
         take, n = 0, 0

@@ -95,7 +95,7 @@ def _gate_bound_holds(cfg: RunConfig) -> bool:
                           batch_size=cfg.batch_trajectories).counters()
     finally:
         r.close()
-    return c.accepted + c.running <= (ETA + c.version + 1) * cfg.batch_trajectories
+    return c.accepted + c.unfilled + c.running <= (ETA + c.version + 1) * cfg.batch_trajectories
 
 
 def test_faults_lose_nothing_and_train_nothing_twice(tmp_path: Path, tiny_model_dir: str) -> None:

@@ -52,7 +52,7 @@ def test_hand_worked_admission_sequence(client: redis.Redis) -> None:
     assert gate.try_admit(3)
     assert not gate.try_admit(2)
     assert gate.try_admit(1)
-    assert gate.counters().as_dict() == {"version": 1, "accepted": 4, "running": 8, "capacity": 0}
+    assert gate.counters().as_dict() == {"version": 1, "accepted": 4, "running": 8, "capacity": 0, "unfilled": 0}
     # Version is monotone.
     assert gate.set_version(0) == 1
     assert gate.version() == 1
@@ -157,6 +157,20 @@ def test_rebase_after_recovery(client: redis.Redis) -> None:
     # Trajectories the store still buffers count as accepted.
     gate.rebase_after_recovery(3, buffered=5)
     assert gate.counters().accepted == 17
+
+
+def test_unfilled_places_take_capacity_and_a_rebase_clears_them(client: redis.Redis) -> None:
+    """`unfilled` (the places of kept groups their members did not fill, written by the store's
+    finish_group) counts in the capacity like `accepted`, in the admission script and the snapshot."""
+    gate = _build_gate(client)  # eta=1, B=4: capacity 8
+    client.set(gate.spec.unfilled_key, 3)
+    c = gate.counters()
+    assert (c.unfilled, c.capacity) == (3, 8 - 3) and gate.capacity() == 5
+    assert not gate.try_admit(6)
+    assert gate.try_admit(5)
+    assert gate.capacity() == 0
+    gate.rebase_after_recovery(0)
+    assert gate.counters().unfilled == 0 and gate.capacity() == 8
 
 
 def test_counters_survive_redis_restart(redis_server: RedisServer) -> None:

@@ -29,11 +29,19 @@ def test_admission_with_its_record_is_one_atomic_step(redis_server: RedisServer)
             assert await r.zrange(KEYS.pending_groups, 0, -1, withscores=True) == [(b"g1", 3.0)]
             assert int(await r.get(KEYS.admitted_trajectories)) == 4
             assert (await gate.counters()).running == 4
-            # A group finishes once, whatever the number of calls: 3 accepted, 1 dropped.
-            assert await adm.finish_group("g1", accepted=3, rejected=1)
-            assert not await adm.finish_group("g1", accepted=3, rejected=1)
+            # A group finishes once, whatever the number of calls: 3 accepted, 1 dropped. Kept, it
+            # fills a batch place of 4: the place its dropped member left stays taken (`unfilled`).
+            assert await adm.finish_group("g1", accepted=3, rejected=1, place=4)
+            assert not await adm.finish_group("g1", accepted=3, rejected=1, place=4)
             c = await gate.counters()
-            assert (c.accepted, c.running, c.capacity) == (3, 0, 1)
+            assert (c.accepted, c.unfilled, c.running, c.capacity) == (3, 1, 0, 0)
+            # A group none of whose members is kept takes no place: all of it is free again.
+            assert await adm.admit(4, task_id="t3", record="{}", data=b"z", group_id="g3", version=4) is False
+            await gate.set_version(4)  # capacity (0 + 4 + 1)·4 − 4 = 16
+            assert await adm.admit(4, task_id="t3", record="{}", data=b"z", group_id="g3", version=4)
+            assert await adm.finish_group("g3", accepted=0, rejected=4, place=4)
+            c = await gate.counters()
+            assert (c.accepted, c.unfilled, c.running, c.capacity) == (3, 1, 0, 16)
             with pytest.raises(ValueError):
                 await adm.finish_group("g2", accepted=0, rejected=0)
         finally:
