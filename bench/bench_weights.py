@@ -11,8 +11,8 @@ step, version by version:
 * **delta** (``weights.sync: delta``): the same export through a ``DeltaWriter`` (only the changed
   tensors, each in the smallest of its encodings, trajmesh/weights/delta.py; an anchor every
   ``--anchor-every`` versions), then a rollout's
-  ``LocalWeights.prepare`` (rebuild on local disk from its previous copy, every sha256 checked),
-  then the same engine read of the rebuilt file: publish → loaded.
+  ``LocalWeights.prepare`` (rebuild on local disk from its previous copy, the file's sha256 checked
+  as it is written), then the same engine read of the rebuilt file: publish → loaded.
 
 Printed per version: weight bytes written to the volume (full vs delta, = what each pod reads), the
 two latencies and their ratio, how many tensors each encoding carried; then the goals (delta bytes ≤ 10 % of full at lr ≤ 1e-5, delta

@@ -12,7 +12,8 @@ peak is the largest layer, never the whole model::
 
 With a `trajmesh.weights.delta.DeltaWriter` (``weights.sync: delta``) the same bytes go to it instead:
 it writes only what changed since the last version it committed (and a full anchor now and then),
-plus a manifest of per-tensor checksums; the sha256 returned is still that of the full file.
+plus a manifest; the sha256 returned is still that of the full file, hashed as the tensors go to it
+(the one hash of the checkpoint on this side, as here).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ whole by the learner), with ``weights.sync: delta``::
     delta                              weights-manifest.json   weights-delta.bin   config.json …
 
 The manifest names the version, its base (the previous version's directory), its anchor, the
-safetensors header, and per tensor the sha256 of its reconstructed bytes and, where the bytes
-changed since the base, its encoding and where the blob lies in ``weights-delta.bin``. Each blob
+safetensors header, the sha256 of the full file, and per tensor, where its bytes changed since the
+base, its encoding and where the blob lies in ``weights-delta.bin``. Each blob
 is one of (``encode_delta`` picks the smallest of those the fraction of changed elements says can
 win):
 
@@ -24,19 +24,24 @@ win):
 
 The zstd frames carry their content checksum (older directories' frames may not). An anchor
 carries the delta against its base too, so a pod one version behind never reads a full file. The
-directory's ``model.safetensors.sha256`` is the sha256 of the full file (the same bytes
-``weights.sync: full`` writes), the announcement's checksum.
+manifest's ``file_sha256`` and the directory's ``model.safetensors.sha256`` are the sha256 of the
+full file (the same bytes ``weights.sync: full`` writes), the announcement's checksum: the one hash
+each side computes, streamed on a thread of its own (the learner while it encodes, the rollout
+while it writes the rebuilt file). Manifests of format 1 also carry a sha256 per tensor, which
+nothing reads any more.
 
 On a rollout pod (`LocalWeights`)::
 
     announced dir ─▶ chain of manifests back to the copy on local disk (incremental path)
                   │  or back to the nearest anchor (anchor path: late joiner, missed versions)
                   ▼
-    per tensor: base bytes ─▶ apply each delta ─▶ sha256 == manifest? ─▶ local model.safetensors
-                                                       │ no (or a file missing or unreadable)
-                                                       ▼
-                             incremental path failed: the anchor path, counted in
-                             trajmesh_rollout_weight_anchor_fallback_updates_total
+    per tensor: base bytes ─▶ apply each delta ─▶ local model.safetensors (and the file's sha256)
+                                                       │
+    once written: file sha256 == manifest? ─▶ renamed into place
+                   │ no (or a delta frame's checksum, a file missing or unreadable)
+                   ▼
+    incremental path failed: the anchor path, counted in
+    trajmesh_rollout_weight_anchor_fallback_updates_total
 
 A directory without a manifest (the base model, ``weights.sync: full``) is loaded as it is.
 """
@@ -74,7 +79,10 @@ log = logging.getLogger("trajmesh.weights.delta")
 SAFETENSORS_NAME = "model.safetensors"
 MANIFEST_NAME = "weights-manifest.json"
 DELTA_NAME = "weights-delta.bin"
-FORMAT = "trajmesh-weights/1"
+FORMAT = "trajmesh-weights/2"
+READABLE_FORMATS = ("trajmesh-weights/1", FORMAT)
+"""Format 1 also held a sha256 per tensor (the rollout checked each one and the file's); format 2
+drops them: the file's sha256 covers the same bytes, so each side hashes the checkpoint once."""
 WEIGHT_FILES = {SAFETENSORS_NAME, MANIFEST_NAME, DELTA_NAME}
 """What a reconstruction writes itself; every other file of a version directory is copied."""
 
@@ -287,7 +295,6 @@ class DeltaWriter:
         self.threads = threads
         """Tensors encoded at once (zstd and numpy release the GIL)."""
         self._base: dict[str, np.ndarray] = {}
-        self._base_sha: dict[str, str] = {}
         self._base_name: str | None = None
         self._anchor_name: str | None = None
         self._since_anchor = 0
@@ -306,7 +313,7 @@ class DeltaWriter:
         delta = open(out / DELTA_NAME, "wb") if self._base_name is not None else None  # noqa: SIM115
         file_sha = _OrderedHash(header)
         self._open = {"out": out, "header": header, "version": version, "anchor": anchor, "full": full,
-                      "delta": delta, "delta_len": 0, "sha": file_sha, "tensors": [], "next": {}, "next_sha": {},
+                      "delta": delta, "delta_len": 0, "sha": file_sha, "tensors": [], "next": {},
                       "pool": ThreadPoolExecutor(self.threads), "encoding": deque()}
 
     def add(self, name: str, data: bytes, dtype: str) -> None:
@@ -322,18 +329,18 @@ class DeltaWriter:
         entry: dict[str, Any] = {"name": name}
         st["tensors"].append(entry)
         st["next"][name] = new
-        base_sha, level = self._base_sha.get(name, ""), self.level
+        level = self.level
 
-        def encode() -> tuple[str, str | None, bytes]:
-            """(sha256, encoding, blob); no encoding where there is no base or nothing changed."""
+        def encode() -> tuple[str | None, bytes]:
+            """(encoding, blob); no encoding where there is no base or nothing changed. No hash:
+            the file's sha256 (streamed in `add`) is the one check of these bytes."""
             if old is None:
-                return hashlib.sha256(new.data).hexdigest(), None, b""
+                return None, b""
             x = np.bitwise_xor(_elements(new, dtype), _elements(old, dtype))
             changed = int(np.count_nonzero(x))
-            if not changed:  # the base's bytes: its sha256, no delta
-                return base_sha, None, b""
-            enc, blob = _encode(x, level, changed=changed)
-            return hashlib.sha256(new.data).hexdigest(), enc, blob
+            if not changed:
+                return None, b""
+            return _encode(x, level, changed=changed)
 
         st["encoding"].append((entry, st["pool"].submit(encode)))
         if len(st["encoding"]) >= _window(self.threads):
@@ -343,8 +350,7 @@ class DeltaWriter:
         """The oldest `n` encodings under way into the delta file, in order."""
         for _ in range(min(n, len(st["encoding"]))):
             entry, future = st["encoding"].popleft()
-            sha, enc, blob = future.result()
-            entry["sha256"] = st["next_sha"][entry["name"]] = sha
+            enc, blob = future.result()
             if enc is not None:
                 entry["delta"] = {"enc": enc, "offset": st["delta_len"], "length": len(blob)}
                 st["delta"].write(blob)
@@ -380,7 +386,7 @@ class DeltaWriter:
         """The version finished is in place as directory `name`: it becomes the base."""
         st = self._open
         assert st is not None, "commit() before finish()"
-        self._base, self._base_sha, self._base_name = st["next"], st["next_sha"], name
+        self._base, self._base_name = st["next"], name
         if st["anchor"]:
             self._anchor_name, self._since_anchor, self._anchor_next = name, 0, False
         else:
@@ -402,7 +408,7 @@ class DeltaWriter:
             for key in ("full", "delta"):
                 if st[key] is not None:
                     st[key].close()
-        self._base, self._base_sha, self._base_name, self._anchor_name = {}, {}, None, None
+        self._base, self._base_name, self._anchor_name = {}, None, None
 
 
 # ---------------------------------------------------------------------------------- manifests
@@ -430,8 +436,9 @@ def _read(path: Path) -> _Version:
         manifest = json.loads((path / MANIFEST_NAME).read_text())
     except (OSError, ValueError) as exc:
         raise WeightSyncError(f"manifest {path / MANIFEST_NAME}: {exc}") from exc
-    if manifest.get("format") != FORMAT:
-        raise WeightSyncError(f"manifest {path / MANIFEST_NAME}: format {manifest.get('format')!r}, not {FORMAT}")
+    if manifest.get("format") not in READABLE_FORMATS:
+        raise WeightSyncError(f"manifest {path / MANIFEST_NAME}: format {manifest.get('format')!r}, "
+                              f"not one of {READABLE_FORMATS}")
     return _Version(path, manifest)
 
 
@@ -522,8 +529,10 @@ def reconstruct(target: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                 threads: int = 4) -> str:
     """The full checkpoint of version directory `target` as `out_dir` (written beside it, renamed
     into place): from `base` = (name, model.safetensors, version) of the copy of a version it
-    holds, and the deltas since; without one from the nearest anchor. Every tensor's sha256 is
-    checked against the manifest, and the file's against ``file_sha256``; returns the file's."""
+    holds, and the deltas since; without one from the nearest anchor. The file is hashed as it is
+    written (on a thread of its own) and renamed into place only when that sha256 is the manifest's
+    ``file_sha256`` (the one check: any wrong byte of any tensor fails it; a delta frame's own
+    checksum fails earlier, naming its tensor); returns the file's sha256."""
     target, out = Path(target), Path(out_dir)
     files = files or _Files()
     chain, base_file, base_name = _plan(target, None if base is None else (base[0], Path(base[1]), base[2]))
@@ -534,7 +543,6 @@ def reconstruct(target: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         raise WeightSyncError(f"{base_file}: its header is not version {tip.manifest['version']}'s")
     deltas = [memoryview(files.get(v.path / DELTA_NAME)) for v in chain]  # every one opened up front
     per_version = [{t["name"]: t.get("delta") for t in v.manifest["tensors"]} for v in chain]
-    expected = {t["name"]: t["sha256"] for t in tip.manifest["tensors"]}
 
     def build(tensor: tuple[str, str, int, int]) -> np.ndarray:
         name, dtype, start, end = tensor
@@ -546,9 +554,6 @@ def reconstruct(target: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                     data = apply_delta(data, d["enc"], blobs[d["offset"]:d["offset"] + d["length"]], dtype)
                 except (ValueError, zstandard.ZstdError, struct.error) as exc:
                     raise WeightSyncError(f"tensor {name}: delta in {v.path / DELTA_NAME}: {exc}") from exc
-        if hashlib.sha256(data.data).hexdigest() != expected.get(name):
-            raise WeightSyncError(f"tensor {name}: sha256 mismatch for version {tip.manifest['version']} "
-                                  f"({base_file} + the deltas of {[v.name for v in chain]})")
         return data
 
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -563,7 +568,8 @@ def reconstruct(target: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                 fh.write(data.data)
         digest = sha.hexdigest()
         if digest != tip.manifest["file_sha256"]:
-            raise WeightSyncError(f"{target}: the reconstructed file's sha256 is not the manifest's")
+            raise WeightSyncError(f"{target}: sha256 mismatch: the file rebuilt from {base_file} + the deltas "
+                                  f"of {[v.name for v in chain]} is not version {tip.manifest['version']}'s")
         for f in target.iterdir():
             if f.is_file() and f.name not in WEIGHT_FILES:
                 shutil.copy(f, tmp / f.name)

@@ -7,6 +7,7 @@ expected bytes are those of the full export (``weights.sync: full``)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import importlib.util
 import json
@@ -28,6 +29,7 @@ from trajmesh.learner.weights import export_policy
 from trajmesh.services.rollout import RolloutService
 from trajmesh.v1 import trajectory_pb2
 from trajmesh.weights import announce
+from trajmesh.weights import delta as delta_mod
 from trajmesh.weights.delta import (
     DELTA_NAME,
     ENCODINGS,
@@ -39,6 +41,7 @@ from trajmesh.weights.delta import (
     WeightSyncTimeout,
     apply_delta,
     encode_delta,
+    header_tensors,
     prunable,
     reconstruct,
 )
@@ -203,7 +206,7 @@ def _write_raw(writer: DeltaWriter, root: Path, v: int, tensors: dict[str, np.nd
 
 
 def test_an_unchanged_tensor_has_no_delta_and_a_corrupted_planes_blob_names_its_tensor(tmp_path: Path) -> None:
-    """v2 changes one tensor: only it has a (planes) delta, the other keeps v1's sha256; the
+    """v2 changes one tensor: only it has a (planes) delta, the other no entry but its name; the
     rebuild is v2's bytes. One byte of that blob flipped: the rebuild fails naming the tensor and
     the delta file (the blob's own check), not only the sha256 after it."""
     new, old = _typical_bf16_delta("adam")
@@ -214,7 +217,7 @@ def test_an_unchanged_tensor_has_no_delta_and_a_corrupted_planes_blob_names_its_
     m1, m2 = (json.loads((d / MANIFEST_NAME).read_text())["tensors"] for d in (v1, v2))
     assert [t["name"] for t in m2 if "delta" in t] == ["a"]
     assert m2[0]["delta"]["enc"] in ("xor_planes_zstd", "sparse_planes_zstd")
-    assert m2[1]["sha256"] == m1[1]["sha256"]
+    assert m2[1] == m1[1] == {"name": "b"}
     base = (v1.name, v1 / SAFETENSORS_NAME, 1)
     reconstruct(v2, tmp_path / "ok", base=base)
     header_len = (tmp_path / "ok" / SAFETENSORS_NAME).stat().st_size - new.size - same.size
@@ -293,6 +296,101 @@ def test_a_corrupted_local_copy_is_rebuilt_from_the_anchor(
     rebuilt = pod.prepare(dirs[2])
     assert _fallbacks() == before + 1
     assert (rebuilt / SAFETENSORS_NAME).read_bytes() == (root / "full" / "v2" / SAFETENSORS_NAME).read_bytes()
+
+
+def test_a_delta_that_decodes_to_wrong_bytes_is_caught_by_the_file_sha256_and_falls_back(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    """A delta blob that is a valid frame of the wrong XOR (one bit of one tensor off; its zstd
+    checksum holds): only the rebuilt file's sha256 can find it. The pod at v3 rebuilds v5 through
+    v4's delta, fails that check, and falls back to the anchor v4 (+ v5's delta), counted."""
+    root, _ = published
+    dirs = _copy(published, tmp_path / "weights")
+    pod = LocalWeights(tmp_path / "local")
+    pod.loaded(pod.prepare(dirs[3]))
+    manifest = json.loads((dirs[4] / MANIFEST_NAME).read_text())
+    entry = next(t for t in manifest["tensors"] if "delta" in t)
+    header = base64.b64decode(manifest["header"])
+    _, dtype, start, end = next(t for t in header_tensors(header) if t[0] == entry["name"])
+    v3, v4 = ((root / "full" / f"v{v}" / SAFETENSORS_NAME).read_bytes() for v in (3, 4))
+    old = np.frombuffer(v3, np.uint8, end - start, len(header) + start)
+    wrong = np.frombuffer(v4, np.uint8, end - start, len(header) + start).copy()
+    wrong[1] ^= 0x01  # the low byte's last bit of a bf16 value: a weight off by one ulp
+    enc, blob = encode_delta(wrong, old, dtype)
+    with open(dirs[4] / DELTA_NAME, "ab") as fh:
+        entry["delta"] = {"enc": enc, "offset": fh.tell(), "length": len(blob)}
+        fh.write(blob)
+    (dirs[4] / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert np.array_equal(apply_delta(old, enc, blob, dtype), wrong)  # the frame itself decodes fine
+    before = _fallbacks()
+    out = pod.prepare(dirs[5])
+    assert _fallbacks() == before + 1
+    assert (out / SAFETENSORS_NAME).read_bytes() == (root / "full" / "v5" / SAFETENSORS_NAME).read_bytes()
+    with pytest.raises(WeightSyncError, match="sha256 mismatch"):  # the incremental path alone
+        reconstruct(dirs[5], tmp_path / "direct", base=(dirs[3].name, tmp_path / "local" / dirs[3].name
+                                                       / SAFETENSORS_NAME, 3))
+
+
+def test_each_side_hashes_the_checkpoint_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner's publish of a delta version and the rollout's rebuild of it each feed sha256
+    exactly the file's bytes once (the streamed file hash), and both get the full file's sha256."""
+    fed = {"bytes": 0}
+
+    class _Counted:
+        def __init__(self, data: bytes = b"") -> None:
+            self._sha = hashlib.sha256()
+            self.update(data)
+
+        def update(self, data: bytes | memoryview) -> None:
+            fed["bytes"] += memoryview(data).nbytes
+            self._sha.update(data)
+
+        def hexdigest(self) -> str:
+            return self._sha.hexdigest()
+
+    monkeypatch.setattr(delta_mod, "hashlib", type("_hashlib", (), {"sha256": _Counted}))
+    new, old = _typical_bf16_delta("adam")
+    same = np.arange(4096, dtype=np.uint16).view(np.uint8)
+    writer = DeltaWriter(anchor_every=10)
+    v1 = _write_raw(writer, tmp_path, 1, {"a": old, "b": same})
+    fed["bytes"] = 0
+    v2 = _write_raw(writer, tmp_path, 2, {"a": new, "b": same.copy()})
+    header_len = 8 + int.from_bytes(base64.b64decode(json.loads((v2 / MANIFEST_NAME).read_text())["header"])[:8],
+                                    "little")
+    size = header_len + new.size + same.size
+    assert fed["bytes"] == size
+    fed["bytes"] = 0
+    digest = reconstruct(v2, tmp_path / "out", base=(v1.name, v1 / SAFETENSORS_NAME, 1))
+    assert fed["bytes"] == size == (tmp_path / "out" / SAFETENSORS_NAME).stat().st_size
+    assert digest == _sha(tmp_path / "out" / SAFETENSORS_NAME) == json.loads((v2 / MANIFEST_NAME).read_text())["file_sha256"]
+
+
+def test_a_format_1_volume_is_still_rebuilt_and_an_unknown_format_refused(
+        published: tuple[Path, dict[int, Path]], tmp_path: Path) -> None:
+    """Directories a learner wrote before the per-tensor sha256s went (format 1: a sha256 per
+    tensor beside the file's) rebuild as before; a manifest of a format this code does not know
+    fails naming it."""
+    root, _ = published
+    dirs = _copy(published, tmp_path / "weights")
+    for v, d in dirs.items():
+        manifest = json.loads((d / MANIFEST_NAME).read_text())
+        full = (root / "full" / f"v{v}" / SAFETENSORS_NAME).read_bytes()
+        header = base64.b64decode(manifest["header"])
+        spans = {name: (start, end) for name, _, start, end in header_tensors(header)}
+        for t in manifest["tensors"]:
+            start, end = spans[t["name"]]
+            t["sha256"] = hashlib.sha256(full[len(header) + start:len(header) + end]).hexdigest()
+        manifest["format"] = "trajmesh-weights/1"
+        (d / MANIFEST_NAME).write_text(json.dumps(manifest))
+    pod = LocalWeights(tmp_path / "local")
+    for v, d in dirs.items():
+        out = pod.prepare(d)
+        assert (out / SAFETENSORS_NAME).read_bytes() == (root / "full" / f"v{v}" / SAFETENSORS_NAME).read_bytes()
+        pod.loaded(out)
+    manifest = json.loads((dirs[VERSIONS] / MANIFEST_NAME).read_text())
+    manifest["format"] = "trajmesh-weights/99"
+    (dirs[VERSIONS] / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(WeightSyncError, match="trajmesh-weights/99"):
+        LocalWeights(tmp_path / "late").prepare(dirs[VERSIONS])
 
 
 def test_a_late_joiner_and_a_pod_that_missed_versions_catch_up(
