@@ -24,6 +24,7 @@ BENCHES = {
     "vllm_start": "bench_vllm_start.py",  # vLLM-CPU start: compile off, on with an empty / full compile cache
     "prime": "bench_prime.py",          # PRIME (implicit PRM) vs outcome-only RLOO: step time and peak memory on one batch
     "real_model": "bench_real_model.py",  # SmolLM2-135M: rollout vs raw vLLM, learner vs plain loop (goals >= 0.9), train -> step 1
+    "judge": "bench_judge.py",          # SmolLM2-135M as judge: agreement of its verdicts with a program verifier (no goal)
 }
 
 

@@ -818,10 +818,15 @@ class JudgeConfig(_Strict):
     """The judge engine's API: torch and sglang speak SGLang's native ``/generate`` (text in, text
     out); vllm its OpenAI-compatible ``/v1/completions``."""
     urls: list[str] = Field(default_factory=list)
-    """Base URLs of the running judge engines (requests go round-robin). Required when `sources` is set."""
+    """Base URLs of the running judge engines (requests go round-robin). Empty with `sources` set:
+    the local launcher starts one torch engine serving `model_path` (trajmesh/run/judge_engine.py;
+    ``type: torch`` only)."""
     model_path: str | None = None
-    """The judge model's HF directory (not read by the grader): its model.safetensors hash is the
-    default `revision`."""
+    """The judge model's HF directory: its model.safetensors hash is the default `revision`, and
+    without `urls` the model the launcher's judge engine serves."""
+    nice: int = Field(10, ge=0, le=19)
+    """Niceness of the judge engine the local launcher starts (without `urls`): on one machine it
+    yields the CPUs to the rollout and the learner, as the evaluator does (`eval.evaluator_nice`)."""
     name: str = ""
     """The judge's name in the manifest and on every trajectory it scores ("": the last part of
     `model_path`, else ``judge``)."""
@@ -849,8 +854,9 @@ class JudgeConfig(_Strict):
 
     @model_validator(mode="after")
     def _served(self) -> JudgeConfig:
-        if self.sources and not self.urls:
-            raise ValueError("judge.sources needs judge.urls (the judge engines' base URLs)")
+        if self.sources and not self.urls and not (self.model_path and self.type == "torch"):
+            raise ValueError("judge.sources needs judge.urls (the judge engines' base URLs), or judge.type torch "
+                             "and judge.model_path: the local launcher then starts the judge engine")
         if self.sources and not self.revision and not self.model_path:
             raise ValueError("judge: give revision or model_path (its hash is the revision)")
         if self.timeout_s * self.attempts >= 30.0:  # trajmesh.bus.GRADER_ACK_WAIT_S

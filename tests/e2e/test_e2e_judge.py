@@ -12,20 +12,26 @@ gives varied verdicts, some unreadable. The point is the mechanics:
   ``judge_error: unparseable`` verifier output, never reward 0;
 - a judge that stalls (a socket that never answers) ends every judged trajectory INFRA_FAILURE
   with ``judge_error: timeout``, counted in ``trajmesh_grader_judge_errors_total{reason="timeout"}``,
-  while a second, program-graded source trains on.
+  while a second, program-graded source trains on;
+- without ``judge.urls`` the launcher (and the audit, for its probes) serves the judge itself;
+- a pairwise grader SIGKILLed while judging a group loses no member.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +40,7 @@ from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, wr
 
 from trajmesh.config import RunConfig, load_config
 from trajmesh.infra import die_with_parent, free_port
-from trajmesh.run.launcher import accounting, start_mesh
+from trajmesh.run.launcher import Mesh, accounting, start_mesh
 from trajmesh.run.run_end import end_run
 from trajmesh.tasks import load_split
 
@@ -100,8 +106,6 @@ def judge_engine(judge_model_dir: str, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def stalling_judge() -> Iterator[str]:
     """An address that accepts connections and never answers (a hung judge)."""
-    import socket
-
     server = socket.create_server(("127.0.0.1", 0))
     held: list[socket.socket] = []
     stop = threading.Event()
@@ -139,14 +143,18 @@ def _config(run_dir: Path, model_dir: str, judge: dict[str, Any], sources: list[
     })
 
 
-def _run(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]], str]:
-    """Manifest, mesh, the learner to its budget, the grader's /metrics, the end of the run, and
-    the checks of every healthy run (`check_archive`, `check_gate_reconciles`, `check_no_stale`)."""
+def _run(cfg: RunConfig, during: Callable[[Mesh], None] | None = None,
+         ) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]], str]:
+    """Manifest, mesh, `during` (the mesh running), the learner to its budget, the grader's
+    /metrics, the end of the run, and the checks of every healthy run (`check_archive`,
+    `check_gate_reconciles`, `check_no_stale`)."""
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
     try:
         cfg = mesh.cfg
+        if during is not None:
+            during(mesh)
         learner = next(p for p in mesh.procs if p.name == "learner")
         assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
         grader = next(p for p in mesh.procs if p.name == "grader")
@@ -289,3 +297,183 @@ def _sha16(path: Path) -> str:
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _niceness(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_the_launcher_starts_the_judge_engine(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str) -> None:
+    """No ``judge.urls``: the mesh starts a torch engine serving ``judge.model_path`` (niced, as the
+    evaluator is), gives the graders its URL, restarts it when it dies and stops it with the run."""
+    judge = {"sources": ["chain_sum"], "type": "torch", "model_path": judge_model_dir, "name": "own-judge",
+             "rubric": RUBRIC, "max_score": 1, "max_new_tokens": 3, "temperature": 1.0, "nice": 7}
+    seen: dict[str, Any] = {}
+
+    def during(mesh: Mesh) -> None:
+        engine = mesh.judge_engine
+        assert engine is not None and engine.running and engine.popen is not None
+        assert mesh.cfg.judge.urls == [engine.url]  # what the graders read (config.resolved.yaml)
+        assert load_config(str(mesh.config_path), {}).judge.urls == [engine.url]
+        assert _niceness(engine.popen.pid) == min(19, _niceness(os.getpid()) + 7)  # judge.nice
+        first = engine.popen
+        first.kill()  # a dead judge engine comes back on its port, as NATS and Redis do
+        first.wait()
+        assert mesh.restart_dead() == [] and engine.running and engine.popen is not first
+        seen["engine"] = engine
+
+    cfg, acct, rows, metrics = _run(_config(tmp_path / "run", tiny_model_dir, judge, [{"type": "reasoning_gym"}]),
+                                    during)
+    assert not seen["engine"].running  # stopped with the run
+    assert (Path(cfg.run_dir) / "logs" / "judge-engine.log").is_file()
+    accepted = [r for r in rows if r["outcome"] == "accepted"]
+    assert accepted
+    revision = f"judge-pointwise:own-judge@{_sha16(Path(judge_model_dir) / 'model.safetensors')}"
+    for r in accepted:  # judged by the engine the launcher started: its raw digit is the reward
+        assert r["grader_revision"] == revision, r["grader_revision"]
+        digit = json.loads(r["verifier_output"])["raw"].strip()
+        assert r["reward"] == float(digit), r
+    for r in rows:
+        if r["outcome"] == "failed_infra":  # an unreadable verdict, or both tries while the engine restarted
+            assert r["verifier_output"].startswith(("judge_error: unparseable", "judge_error: unavailable")), r
+    assert _counter(metrics, "trajmesh_grader_judge_requests_total", result="ok") >= len(accepted)
+
+
+class HoldingJudge:
+    """A proxy before the judge engine: forwards every request, except that it holds the first one
+    (its sender's local port in `first_port`, `first_seen` set) until `release` is set."""
+
+    def __init__(self, target: str) -> None:
+        import http.server
+
+        self.target, self.requests = target, 0
+        lock = threading.Lock()
+        self.first_seen, self.release = threading.Event(), threading.Event()
+        self.first_port = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with lock:
+                    proxy.requests += 1
+                    first = proxy.requests == 1
+                if first:
+                    proxy.first_port = self.client_address[1]
+                    proxy.first_seen.set()
+                    proxy.release.wait(300)
+                req = urllib.request.Request(proxy.target + self.path, data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    data = resp.read()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass  # its sender was killed
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> HoldingJudge:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _pid_owning_port(pids: list[int], port: int) -> int | None:
+    """Which of `pids` holds the TCP socket bound to local `port` (/proc/net/tcp and its fds)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port:
+            inodes.add(f"socket:[{fields[9]}]")
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.slow  # a grader's 30 s redelivery on top of a mesh run: about 2 min on 2 loaded cores
+def test_a_grader_killed_mid_group_loses_no_member(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str,
+                                                  judge_engine: str) -> None:
+    """Pairwise with two graders: the grader that claimed the first whole group is SIGKILLed while
+    its judge request is in flight. Its claim stays in Redis; its message is redelivered after the
+    ack wait and the group is judged again, by the other grader or the restarted one. Every
+    trajectory still ends as exactly one final outcome (`check_archive`), and every group's members
+    are judged together, once each."""
+    killed: dict[str, Any] = {}
+    with HoldingJudge(judge_engine) as proxy:
+        judge = {"sources": ["chain_sum"], "mode": "pairwise", "type": "torch", "urls": [proxy.url],
+                 "model_path": judge_model_dir, "name": "sft-judge", "pairwise_rubric": PAIRWISE_RUBRIC,
+                 "max_new_tokens": 3, "temperature": 0.0, "timeout_s": 10.0, "attempts": 2}
+
+        def during(mesh: Mesh) -> None:
+            assert proxy.first_seen.wait(300), "no judge request"
+            graders = [p for p in mesh.procs if p.name == "grader"]
+            pid = _pid_owning_port([p.popen.pid for p in graders], proxy.first_port)
+            assert pid is not None, "no grader holds the judge request's connection"
+            victim = next(p for p in graders if p.popen.pid == pid)
+            victim.popen.send_signal(signal.SIGKILL)
+            killed["rc"], killed["label"] = victim.popen.wait(), victim.label
+            killed["restarted"] = [p.label for p in mesh.restart_dead()]  # as `trajmesh train` does
+            proxy.release.set()
+
+        cfg = _config(tmp_path / "run", tiny_model_dir, judge, [{"type": "reasoning_gym"}], graders=2)
+        cfg, acct, rows, _ = _run(cfg, during)
+    assert killed["rc"] == -signal.SIGKILL and killed["restarted"] == [killed["label"]], killed
+
+    graded = Counter(r["trajectory_id"] for r in rows if r["outcome"] in ("accepted", "failed_infra"))
+    assert graded and max(graded.values()) == 1, graded.most_common(3)  # graded once, or failed once
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["outcome"] == "accepted":
+            by_group.setdefault(r["group_id"], []).append(r)
+    assert by_group
+    for gid, members in by_group.items():  # each judged member once, with the group it was judged in
+        verdicts = [json.loads(r["verifier_output"]) for r in members]
+        assert sorted(v["member"] for v in verdicts) == list(range(4)), (gid, verdicts)
+        assert len({r["trajectory_id"] for r in members}) == 4
+    for r in rows:
+        if r["outcome"] == "failed_infra":
+            assert r["verifier_output"].startswith(("judge_error: unparseable", "judge_error: no_pair")), r
+    # the killed claimant's group was asked again: more judge requests than 4 per judged group
+    assert proxy.requests > 4 * len(by_group), (proxy.requests, len(by_group))
+    print(f"killed {killed['label']} mid-group; {len(by_group)} groups judged, {proxy.requests} judge requests; "
+          f"outcomes {acct['outcomes']}")
+
+
+def test_the_audit_starts_a_judge_engine_of_its_own(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str) -> None:
+    """No ``judge.urls``: the run-start audit serves the judge itself for its probes and stops it
+    after them. Every probe was answered: one the judge could not score was unreadable (T = 1),
+    never unavailable."""
+    from trajmesh.run.audit import audit_run
+
+    judge = {"sources": ["chain_sum"], "type": "torch", "model_path": judge_model_dir, "rubric": RUBRIC,
+             "max_score": 10, "max_new_tokens": 3, "temperature": 1.0}
+    cfg = _config(tmp_path / "a", tiny_model_dir, judge, [{"type": "reasoning_gym"}])
+    (tmp_path / "a").mkdir()
+    (audit,) = audit_run(cfg, tmp_path / "a")
+    assert audit.reward_from == "judge" and audit.tasks == 8 and not audit.error, audit.as_dict()
+    assert all(why.startswith("unparseable") for why in audit.raised.values()), audit.raised
+    assert audit.accepted == {"empty": 0, "garbage": 0, "prompt_echo": 0}
+    log_text = (tmp_path / "a" / "logs" / "judge-engine-audit.log").read_text()
+    served = re.search(r"torch engine serving .* on 127\.0\.0\.1:(\d+)", log_text)
+    assert served, log_text[-2000:]
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", int(served.group(1))), timeout=2):
+        pass  # stopped after the probes: nothing listens on its port

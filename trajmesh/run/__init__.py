@@ -8,4 +8,5 @@
     inspect.py      what a run trained on, from its files   plot.py a run's PNG
     doctor.py       checks a Kubernetes cluster for the chart
     model_import.py a GGUF file or package as a Hugging Face model directory
+    judge_engine.py the judge engine a run starts itself (judged sources without judge.urls)
 """

@@ -46,7 +46,8 @@ program verifier). Pointwise, a probe's reward is its score; pairwise, the probe
 the gold answer in both orders (`circular_pairs` of two) and must not win both. A source is
 **refused** when a probe scores high on any task. A probe the judge could not score (a timeout,
 an unreadable verdict) is reported (``raises``), not refused: the grader service would end such a
-trajectory INFRA_FAILURE, never reward it.
+trajectory INFRA_FAILURE, never reward it. Without ``judge.urls`` the audit starts a judge engine of
+its own (trajmesh/run/judge_engine.py) and stops it after the probes.
 
 `trajmesh envs --audit [CONFIG]` prints the table (every built-in reasoning-gym family without a
 config); `trajmesh train` audits its sources first (`tasks.verifier_audit`), writes
@@ -267,7 +268,14 @@ def audit_run(cfg: Any, run_dir: Any) -> list[SourceAudit]:
     mode = cfg.tasks.verifier_audit
     if mode == "off":
         return []
-    audits = audit_sources(list(cfg.tasks.sources), cfg.tasks.verifier_audit_tasks, cfg.judge)
+    from trajmesh.run.judge_engine import JudgeEngine, needs_judge_engine, with_judge_url
+
+    if needs_judge_engine(cfg):  # no judge.urls: a judge engine of its own for the probes (judge_engine.py)
+        with JudgeEngine.for_run(cfg, "judge-engine-audit.log").start() as engine:
+            judge = with_judge_url(cfg, engine.url).judge
+            audits = audit_sources(list(cfg.tasks.sources), cfg.tasks.verifier_audit_tasks, judge)
+    else:
+        audits = audit_sources(list(cfg.tasks.sources), cfg.tasks.verifier_audit_tasks, cfg.judge)
     (Path(run_dir) / "verifier_audit.json").write_text(json.dumps(
         {"mode": mode, "sources": [a.as_dict() for a in audits]}, indent=2, sort_keys=True) + "\n")
     refused = [a for a in audits if a.refused]

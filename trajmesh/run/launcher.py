@@ -6,6 +6,7 @@
       ├─ model: config path, or the embedded demo model (tiny Llama + SFT warm start, cached)
       ├─ held-out accuracy before RL (greedy and T=1)
       ├─ nats-server -js and redis-server on free loopback ports, data under RUN_DIR/infra
+      ├─ the judge engine, when judged sources give no judge.urls (judge_engine.py)
       ├─ trajmesh serve environment|store|grader|rollout|learner  (one process each replica),
       │  and the evaluator with eval.in_mesh
       ├─ watch: progress from metrics.jsonl; any service dying stops the run
@@ -37,6 +38,7 @@ from trajmesh import security
 from trajmesh.config import ConfigError, RunConfig, dump_config
 from trajmesh.infra import NatsServer, RedisServer, die_with_parent, free_port
 from trajmesh.rollout.engines import HttpEngineConfig
+from trajmesh.run.judge_engine import JudgeEngine, needs_judge_engine, with_judge_url
 from trajmesh.service import STOP_NOTICE, stop_budget_s
 
 log = logging.getLogger("trajmesh.run.launcher")
@@ -83,6 +85,8 @@ class Mesh:
     restarts: dict[tuple[str, int], int] = field(default_factory=dict)
     credentials: security.LocalCredentials | None = None
     """Generated passwords of this run (auth on); each service gets its own by environment."""
+    judge_engine: JudgeEngine | None = None
+    """The judge engine this mesh started (judged sources without ``judge.urls``), else None."""
     serve_cmd: list[str] = field(default_factory=lambda: [sys.executable, "-m", "trajmesh.run.cli", "serve"])
     """The command that serves one service, followed by: NAME --config PATH --replica N
     --metrics-port PORT [extra...] (`trajmesh serve`; a test may serve its own service)."""
@@ -177,6 +181,9 @@ class Mesh:
             if server is not None and not server.running:
                 log.warning("%s died; restarting it", type(server).__name__)
                 server.restart()
+        if self.judge_engine is not None and not self.judge_engine.running:  # same port: the graders' URL holds
+            log.warning("the judge engine died; restarting it")
+            self.judge_engine.restart()
         failed_ranks = [p for p in self.dead() if p.name == "learner" and p.popen.returncode != 0]
         for p in self.dead():
             if p.name == "learner":
@@ -241,6 +248,8 @@ class Mesh:
             kill_group(p.popen)
 
     def stop_infra(self) -> None:
+        if self.judge_engine is not None:
+            self.judge_engine.stop()
         if self.nats is not None:
             self.nats.stop()
         if self.redis is not None:
@@ -337,6 +346,9 @@ def start_mesh(cfg: RunConfig, *, services: tuple[str, ...] = SERVICE_ORDER) -> 
             mesh.redis = RedisServer(run_dir / "infra" / "redis",
                                      password=creds.redis_password if creds and sec.redis_auth else None)
             mesh.redis.start()
+        if needs_judge_engine(cfg):  # before the graders: they read its URL from the resolved config
+            mesh.judge_engine = JudgeEngine.for_run(cfg).start()
+            cfg = with_judge_url(cfg, mesh.judge_engine.url)
         env_ports = [free_port() for _ in range(cfg.environment.replicas)]
         stores = [f"127.0.0.1:{free_port()}" for _ in range(cfg.store.replicas)]
         resolved = cfg.model_copy(update={"infra": infra.model_copy(update={
@@ -445,12 +457,16 @@ def _check_reachable(cfg: RunConfig) -> None:
 
 
 def _check_model_and_packages(cfg: RunConfig) -> None:
-    """The model directory exists; the learner's packages (torch, transformers) are installed."""
+    """The model directory exists (and the judge's, when the launcher is to serve it); the learner's
+    packages (torch, transformers) are installed."""
     import importlib.util
 
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json); "
                           "point it at one, or remove model.path to build the embedded demo model")
+    if needs_judge_engine(cfg) and not (Path(cfg.judge.model_path or "") / "config.json").exists():
+        raise ConfigError(f"judge.model_path: {cfg.judge.model_path} is not a Hugging Face model directory (no "
+                          "config.json); the launcher serves it as the judge because judge.urls is empty")
     missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"the learner needs {', '.join(missing)}: run `make setup` "

@@ -106,6 +106,9 @@ def test_pairwise_rewards_by_hand() -> None:
 def test_config_refuses_a_judge_without_engine_or_revision_or_a_timeout_past_the_ack_wait() -> None:
     with pytest.raises(ValueError, match="judge.urls"):
         JudgeConfig(sources=["s"], revision="r")
+    with pytest.raises(ValueError, match="judge.urls"):  # the launcher starts only a torch engine itself
+        JudgeConfig(sources=["s"], model_path="/m", type="vllm")
+    assert JudgeConfig(sources=["s"], model_path="/m", type="torch").urls == []  # the launcher's to start
     with pytest.raises(ValueError, match="revision or model_path"):
         JudgeConfig(sources=["s"], urls=["http://x"])
     with pytest.raises(ValueError, match="ack wait"):

