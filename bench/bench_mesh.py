@@ -3,13 +3,19 @@
 (a) raw: one process publishes N messages of the size of a synthetic 4,096-token trajectory to a
     JetStream stream while a pull consumer consumes them; messages per second.
 (b) mesh: synthetic 4,096-token trajectories flow store → TASKS → rollout (synthetic engine; 1
-    process by default, --rollouts) → environment (Reset) → TRAJ_RAW → grader (1 process by
-    default, --graders; chain_sum's verifier on the random text, which fails fast) → TRAJ_GRADED →
+    process by default, --rollouts; chain_sum's stateless environment played in that process, no
+    environment RPC) → TRAJ_RAW → grader (1 process by default, --graders; chain_sum's verifier on
+    the random text, which fails fast) → TRAJ_GRADED →
     store → gRPC NextBatch; this script plays the learner (NextBatch, Report, version + 1), so the
     gate keeps admitting. Trajectories per second reaching the learner. On 2 cores one process per
     service with 16 groups of 4 in flight beat two of each (more processes only compete for CPU).
 (c) the same mesh with `store.replicas: 2` (--stores): each store owns half the groups, and the
     learner gathers each batch from both (services/store/client.py, the learner's own client).
+
+(d) `--variants base,new --rounds N`: the one-store mesh N times per variant, alternating (base,
+    new, base, new, ...), in one run: `base` with `rollout.stateless_environments_in_process` and
+    `store.pipelined_admission` off (every episode Reset/Closed over gRPC, six Redis round trips
+    per admission), `new` with both on (the defaults). Compare CPU ms per trajectory per process.
 
 Prints `mesh_vs_raw_jetstream_ratio` (one store; goal ≥ 0.3, issue #24) and
 `two_stores_vs_one_ratio` (goal ≥ 1.6). Both sides run on the same NATS server build,
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -145,10 +152,18 @@ async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-un
     return counted / elapsed, cpu_ms
 
 
-def mesh_cell(root: Path, args: argparse.Namespace, stores: int) -> tuple[float, dict[str, float]]:
-    """The mesh with `stores` store replicas: (trajectories/s reaching the learner, CPU ms per
-    trajectory by process)."""
-    cfg = load_config(None, {
+VARIANTS: dict[str, dict[str, object]] = {
+    "base": {"rollout.stateless_environments_in_process": False, "store.pipelined_admission": False},
+    "new": {},
+}
+"""--variants: config overrides of each (new: the defaults)."""
+
+
+def mesh_cell(root: Path, args: argparse.Namespace, stores: int,
+              over: dict[str, object] | None = None) -> tuple[float, dict[str, float]]:
+    """The mesh with `stores` store replicas and config overrides `over`: (trajectories/s reaching
+    the learner, CPU ms per trajectory by process)."""
+    cfg = load_config(None, {**(over or {}),
         "run_dir": str(root / "run"), "model.path": _model_dir(root / "model"), "gate.eta": 2,
         "tasks.group_size": 4, "tasks.train_size": 500, "tasks.heldout_size": 10,
         "tasks.sampling.max_new_tokens": TOKENS - 8, "rollout.engine.type": "synthetic",
@@ -176,8 +191,13 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--concurrent-tasks", type=int, default=16, help="groups in flight per rollout process")
     ap.add_argument("--batch-groups", type=int, default=8, help="groups per learner batch")
     ap.add_argument("--stores", default="1,2", help="store replicas of each mesh cell, in run order")
+    ap.add_argument("--variants", default="", help=f"compare these ({', '.join(VARIANTS)}) with one store, "
+                    "alternating, instead of --stores")
+    ap.add_argument("--rounds", type=int, default=2, help="cells per variant with --variants")
     args = ap.parse_args(argv)
     payload = _sample_bytes()
+    if args.variants:
+        return compare_variants(args, payload, args.variants.split(","))
     cells: dict[int, tuple[float, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -199,6 +219,37 @@ def main(argv: list[str] | None = None) -> float:
     print(f"mesh_vs_raw_jetstream_ratio={ratio:.3f} ({next(iter(cells))} store replica(s); goal >= 0.3)")
     if 1 in cells and 2 in cells:
         print(f"two_stores_vs_one_ratio={cells[2][0] / cells[1][0]:.3f} (goal >= 1.6)")
+    return ratio
+
+
+def compare_variants(args: argparse.Namespace, payload: bytes, variants: list[str]) -> float:
+    """`--variants`: one-store mesh cells alternating between the variants, `args.rounds` each;
+    prints every cell and each variant's median CPU ms per trajectory by process. Returns the
+    first variant's median mesh total over the last's."""
+    cells: list[tuple[str, float, dict[str, float]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        with NatsServer(root / "nats-raw") as nats:
+            raw = asyncio.run(raw_jetstream(nats.url, args.raw_messages, payload))
+        for k in range(args.rounds):
+            for name in variants:
+                rate, cpu_ms = mesh_cell(root / f"{name}{k}", args, 1, VARIANTS[name])
+                cells.append((name, rate, cpu_ms))
+                print(f"{name} round {k}: {rate:.1f} trajectories/s; CPU ms per trajectory: "
+                      + ", ".join(f"{p} {v:.2f}" for p, v in cpu_ms.items()), flush=True)
+    print(f"raw JetStream publish+consume (before the cells): {raw:.1f} msg/s")
+    totals: dict[str, float] = {}
+    for name in variants:
+        mine = [c for c in cells if c[0] == name]
+        procs = list(mine[0][2])
+        med = {p: statistics.median(c[2].get(p, 0.0) for c in mine) for p in procs}
+        totals[name] = sum(v for p, v in med.items() if p != "bench learner")
+        print(f"{name}: median of {len(mine)} cells, CPU ms per trajectory: "
+              + ", ".join(f"{p} {v:.2f}" for p, v in med.items())
+              + f"; mesh total {totals[name]:.2f}; trajectories/s "
+              + ", ".join(f"{c[1]:.1f}" for c in mine))
+    ratio = totals[variants[0]] / totals[variants[-1]]
+    print(f"mesh_cpu_{variants[0]}_over_{variants[-1]}={ratio:.3f}")
     return ratio
 
 

@@ -189,6 +189,10 @@ class SingleAnswerEnv:
     inline = True
     """reset/step are quick pure Python: the environment service runs them on its event loop
     instead of a worker thread (environments without this attribute get a thread)."""
+    stateless = True
+    """One turn, and reset/step are pure functions of (task, seed, action): no session worth a
+    round trip, so the rollout plays it in its own process (`rollout.stateless_environments_in_process`;
+    environments without this attribute go through the environment service)."""
 
     def reset(self, task: dict[str, Any], seed: int) -> tuple[str, str]:
         self.prompt = str(task["prompt"])

@@ -7,6 +7,10 @@
     rollout ── Close(session) ──────────────▶ forget
 
 Sessions idle longer than `SESSION_TTL_S` are dropped (a rollout that died never closes).
+A stateless environment (its class sets `stateless`: one turn, reset and step pure functions of
+task, seed and action, e.g. single_answer for chain_sum) has no session worth a round trip: the
+rollout plays it in its own process (`InProcessSession`, the same task fields and replies as
+here; `rollout.stateless_environments_in_process`), so this service sees no Reset or Close for it.
 The evaluator plays its held-out episodes here too (tasks with `evaluation` set), so a sandboxed
 tool runs in this pod's sandbox whether the episode trains or evaluates.
 Steps run in a worker thread (a sandboxed code run blocks for up to its deadline), so one slow
@@ -142,6 +146,49 @@ class EnvironmentService(Service):
             self.close_session(sid)
 
 
+def environment_kind(task: Any) -> str:
+    """The environment key of a `Task` (single_answer when it names none)."""
+    return str(task.environment) or "single_answer"
+
+
+def episode_task(task: Any) -> dict[str, Any]:
+    """What an environment's `reset` gets of a `Task`."""
+    return {"prompt": task.prompt, "answer": task.answer, "metadata": json.loads(task.metadata_json or "{}")}
+
+
+def step_reply(res: StepResult) -> services_pb2.StepResponse:
+    return services_pb2.StepResponse(observation=res.observation, done=res.done, state_hash=res.state_hash,
+                                     reward=res.reward, info_json=json.dumps(res.info or {}))
+
+
+def stateless(kind: str) -> bool:
+    """Whether environment `kind` declares itself stateless (False for an unknown key: the service
+    answers that one INVALID_ARGUMENT, as before)."""
+    try:
+        return bool(getattr(plugins.environment_class(kind), "stateless", False))
+    except ValueError:
+        return False
+
+
+class InProcessSession:
+    """One episode of a stateless environment played in the caller's process, with the stub's
+    Reset/Step/Close calls (a `timeout` is accepted and unused): the same `episode_task`, the same
+    replies as `_EnvServicer` gives, and no round trip."""
+
+    def __init__(self, kind: str) -> None:
+        self.env = make_environment(kind)
+
+    async def Reset(self, request: Any, timeout: float | None = None) -> services_pb2.ResetResponse:  # noqa: N802
+        obs, h = self.env.reset(episode_task(request.task), int(request.seed))
+        return services_pb2.ResetResponse(observation=obs, state_hash=h, environment_revision=self.env.revision)
+
+    async def Step(self, request: Any, timeout: float | None = None) -> services_pb2.StepResponse:  # noqa: N802
+        return step_reply(self.env.step(request.action))
+
+    async def Close(self, request: Any, timeout: float | None = None) -> services_pb2.CloseResponse:  # noqa: N802
+        return services_pb2.CloseResponse()
+
+
 def injected_failure(session_id: str, rate: float) -> bool:
     """Whether `environment.inject_reset_failure_rate` (tests) fails this session's Reset: a
     fraction `rate` of sessions, chosen by a hash of the id (the same one on every replica)."""
@@ -164,9 +211,8 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
 
     async def Reset(self, request: Any, context: Any) -> services_pb2.ResetResponse:  # noqa: N802
         self.svc.expire()
-        task = {"prompt": request.task.prompt, "answer": request.task.answer,
-                "metadata": json.loads(request.task.metadata_json or "{}")}
-        kind = request.task.environment or "single_answer"
+        task = episode_task(request.task)
+        kind = environment_kind(request.task)
         if injected_failure(request.session_id, self.svc.cfg.environment.inject_reset_failure_rate):
             CALLS.labels("reset", "injected_failure").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "environment.inject_reset_failure_rate")
@@ -205,8 +251,7 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         STEP_SECONDS.labels(kind).observe(time.perf_counter() - start)
         record_step(kind, res)
         CALLS.labels("step", "ok").inc()
-        return services_pb2.StepResponse(observation=res.observation, done=res.done, state_hash=res.state_hash,
-                                         reward=res.reward, info_json=json.dumps(res.info or {}))
+        return step_reply(res)
 
     def _injected_faults(self, session_id: str) -> contextlib.AbstractContextManager[None]:
         """`environment.inject_sandbox_failure` (tests): an evaluation session's tool runs fail

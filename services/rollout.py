@@ -5,7 +5,8 @@
     WEIGHTS KV ──▶ weights_loop ── [delta: rebuild on local disk] ── pause engine ── /update_weights_from_disk ── continue
                                         │ in-flight requests return partial output (abort)
                                         ▼                       and are resubmitted after the load
-    TASKS ──▶ task_loop ──▶ run_task (G samples) ──▶ run_episode ── env Reset/Step (gRPC, sticky)
+    TASKS ──▶ task_loop ──▶ run_task (G samples) ──▶ run_episode ── env Reset/Step (gRPC, sticky;
+                                                                    in process for a stateless one)
                  ▲ bounded by concurrent_tasks          │ engine /generate (input_ids, log-probs)
                  │                                      ▼
                ack after all G published ◀── TRAJ_RAW (msg_id = trajectory id)
@@ -55,6 +56,7 @@ from trajmesh.rollout.engines.generation import (
 from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine
 from trajmesh.rollout.engines.teacher import Teacher, scorable
 from trajmesh.service import Service, supervise
+from trajmesh.services import environment
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 from trajmesh.weights import announce
 from trajmesh.weights.delta import LocalWeights, WeightSyncError, WeightSyncTimeout, is_delta_dir
@@ -475,11 +477,16 @@ class RolloutService(Service):
         traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=self.worker_id,
                               created_unix_seconds=time.time())
         sp = task.sampling
-        reset = await self._reset(task, tid, task.seed + index)
-        if reset is None:  # every environment replica failed: excluded as INFRA_FAILURE
+        if self._in_process(task):  # a stateless environment: no session on the service to keep
+            local = environment.InProcessSession(environment.environment_kind(task))
+            started: tuple[Any, Any] | None = local, await local.Reset(
+                services_pb2.ResetRequest(session_id=tid, task=task, seed=task.seed + index))
+        else:
+            started = await self._reset(task, tid, task.seed + index)
+        if started is None:  # every environment replica failed: excluded as INFRA_FAILURE
             traj.fail_infra(trajectory_pb2.INFRA_ENVIRONMENT, "no environment replica answered a Reset")
             return traj
-        env, reset = reset
+        env, reset = started
         traj.pb.initial_state_hash = reset.state_hash
         traj.pb.environment_revision = reset.environment_revision  # the serving environment's own
         traj.pb.state_hashes.append(reset.state_hash)
@@ -560,6 +567,14 @@ class RolloutService(Service):
         """An observation's tokens after the turn `ids` the environment saw as action `kind`
         (`EpisodeFormat.observation_ids`)."""
         return self.format.observation_ids(text, trajectory_pb2.ActionType.Name(kind), ids)
+
+    def _in_process(self, task: trajectory_pb2.Task) -> bool:
+        """Whether this episode is played in this process (`rollout.stateless_environments_in_process`):
+        its environment is stateless, and no simulated latency or injected Reset failure asks for
+        the service."""
+        env_cfg = self.cfg.environment
+        return (self.cfg.rollout.stateless_environments_in_process and env_cfg.simulated_step_latency.median_s == 0
+                and env_cfg.inject_reset_failure_rate == 0 and environment.stateless(environment.environment_kind(task)))
 
     async def _reset(
         self, task: trajectory_pb2.Task, tid: str, seed: int

@@ -321,6 +321,14 @@ class RolloutConfig(_Strict):
     agent_endpoint: AgentEndpointConfig = Field(default_factory=lambda: AgentEndpointConfig())
     """The OpenAI/Anthropic-compatible endpoint external agents call (served when a task source is
     ``external_agent``)."""
+    stateless_environments_in_process: bool = True
+    """Play an episode whose environment class declares `stateless` (one turn; reset and step pure
+    functions of task, seed and action: single_answer, chain_sum, reasoning_gym) in the rollout's
+    own process, with the environment service's code and replies (`services/environment.py`
+    `InProcessSession`): no Reset/Step/Close round trips, the same trajectories. Episodes go through
+    the service all the same while `environment.simulated_step_latency` or
+    `environment.inject_reset_failure_rate` is set (they model the service). False: every episode
+    goes through the service (bench/bench_mesh.py `--variants base,new` compares both)."""
 
 
 class SimulatedLatency(_Strict):
@@ -734,6 +742,12 @@ class StoreConfig(_Strict):
     new sample of the same task, admitted through the gate as one more trajectory, so the group
     trains on G (docs/RELIABILITY.md "Infra failures refill the sample"). Past the cap — a dead
     dependency failing every sample — the group ends with the members it has, as with 0 (off)."""
+    pipelined_admission: bool = True
+    """Each admission-loop round reads the finished flag and the gate's counters, draws the sampler
+    position and clears the last published task's unpublished mark in one Redis round trip, so an
+    admitted task costs two (that round and the admission script; services/store/service.py
+    `admission_loop`). False: one round trip for each, six per task, as the store did before; kept
+    so bench/bench_mesh.py (`--variants base,new`) measures both in one run."""
 
 
 class TeacherConfig(_Strict):

@@ -4,7 +4,9 @@ It owns every key the store writes (see `trajmesh.services.store.keys`) and the 
 MULTI replies, so the store's wiring never counts reply positions:
 
 - admission with its task record, the admitted count and the unpublished mark, and a group's
-  release, each one atomic script over the gate and the record (`admission.py`);
+  release, each one atomic script over the gate and the record (`admission.py`); before each
+  admission one round trip reads the finished flag and the gate, draws the sampler position and
+  clears the last task's unpublished mark (`admission_round`);
 - per message: its task record and whether its id is final (one round trip for a batch);
 - per group member: membership in `received` / `valid` and both counts after it (one MULTI);
 - ids marked final, membership cleanup (with a settled group's gate records, task record and
@@ -23,7 +25,7 @@ from typing import Any
 
 import redis.asyncio
 
-from trajmesh.gate import AsyncStalenessGate
+from trajmesh.gate import AsyncStalenessGate, GateCounters
 from trajmesh.services.store.admission import Admission
 from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.state import member_ids, member_task_id
@@ -76,6 +78,18 @@ class Lookup:
 
 
 @dataclass(frozen=True)
+class AdmissionRound:
+    """One read before an admission (`StoreRepo.admission_round`)."""
+    finished: bool
+    """The run is finished (admit nothing more)."""
+    counters: GateCounters
+    capacity: int
+    """The gate's capacity from `counters` (`GateSpec.effective_capacity`)."""
+    cursor: int | None
+    """The sampler position drawn (None: none asked for)."""
+
+
+@dataclass(frozen=True)
 class Membership:
     group_id: str
     trajectory_id: str
@@ -124,6 +138,25 @@ class StoreRepo:
         return await self.admission.admit(
             group_size, task_id=task_id, record=json.dumps(record, default=str), data=data,
             group_id=str(record["group_id"]), version=int(record["admitted_at_version"]))
+
+    async def admission_round(self, *, draw: bool, published: Sequence[str] = ()) -> AdmissionRound:
+        """What the admission loop needs before a task, in one round trip: the unpublished marks of
+        `published` cleared (tasks on TASKS since the last round), whether the run is finished,
+        the gate's counters and, with `draw`, the next sampler position (`next_cursor`)."""
+        pipe = self.r.pipeline(transaction=False)
+        if published:
+            pipe.hdel(self.keys.unpublished_tasks, *published)
+        pipe.exists(self.keys.run_finished)
+        pipe.mget(self.gate.spec.keys)
+        if draw:
+            pipe.incr(self.keys.sampler_cursor)
+        replies = await pipe.execute()
+        if published:
+            replies = replies[1:]
+        finished, raw, *cursor = replies
+        counters = self.gate.spec.snapshot(raw)
+        return AdmissionRound(bool(finished), counters, self.gate.spec.effective_capacity(counters),
+                              int(cursor[0]) - 1 if cursor else None)
 
     async def due_groups(self, max_version: int) -> set[str]:
         """This partition's pending groups admitted at a learner version ≤ `max_version`."""

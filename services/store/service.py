@@ -232,6 +232,8 @@ class TrajectoryStore(Service):
         """When the learner was last held for due stragglers (logging only)."""
         self.ready_changed = asyncio.Event()
         self.capacity_changed = asyncio.Event()
+        self.published_tasks: list[str] = []
+        """Tasks on TASKS whose unpublished mark the admission loop's next round clears."""
         self.recent_zero_variance: deque[bool] = deque(maxlen=100)
         self.recent_distinct_ratio: deque[float] = deque(maxlen=100)
         self.partitions = self.cfg.store.replicas
@@ -319,6 +321,10 @@ class TrajectoryStore(Service):
         # At the end of a finished run everything still held ends as a recorded outcome. Otherwise
         # (a crash, a restart, Ctrl-C before --resume) held messages stay unacked and come back to
         # the next store.
+        if self.published_tasks:  # what the admission loop's next round would have cleared
+            for task_id in self.published_tasks:
+                await io.repo.published(task_id)
+            self.published_tasks = []
         if await io.repo.run_finished():
             await self.finalize_run()
         await self._commit_final()
@@ -387,10 +393,42 @@ class TrajectoryStore(Service):
         Waits on `capacity_changed`, set when a group finishes (capacity freed) or the learner
         reports a new version (B more slots). A short timeout re-reads the gate, because another
         store replica or a learner recovery may change the counters behind our back.
+
+        Each round is one Redis round trip before the admission's own script
+        (`StoreRepo.admission_round`): the finished flag, the gate's counters, the next sampler
+        position (drawn once, kept across rounds without capacity) and the clearing of the last
+        published task's unpublished mark.
         """
         g = self.cfg.admitted_group_size
+        if not self.cfg.store.pipelined_admission:
+            await self._admission_loop_unpipelined()
+            return
+        cursor: int | None = None  # a sampler position drawn and not admitted yet
         while True:
-            if await self.w.repo.run_finished():  # the learner is done: admit nothing more, let it drain
+            rnd = await self.w.repo.admission_round(draw=cursor is None, published=self.published_tasks)
+            self.published_tasks = []
+            cursor = rnd.cursor if rnd.cursor is not None else cursor
+            if rnd.finished:  # the learner is done: admit nothing more, let it drain
+                await asyncio.sleep(1.0)
+                continue
+            GATE_CAPACITY.set(rnd.counters.capacity)
+            GATE_RUNNING.set(rnd.counters.running)
+            if rnd.capacity >= g:
+                drawn, cursor = cursor, None
+                if await self._publish_next_task(rnd.counters.version, drawn):
+                    continue
+            self.capacity_changed.clear()
+            try:
+                async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow a cancel
+                    await self.capacity_changed.wait()
+            except TimeoutError:
+                pass
+
+    async def _admission_loop_unpipelined(self) -> None:
+        """`admission_loop` with `store.pipelined_admission` off: one round trip per read."""
+        g = self.cfg.admitted_group_size
+        while True:
+            if await self.w.repo.run_finished():
                 await asyncio.sleep(1.0)
                 continue
             counters = await self.w.gate.counters()
@@ -400,16 +438,20 @@ class TrajectoryStore(Service):
                 continue
             self.capacity_changed.clear()
             try:
-                async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow a cancel
+                async with asyncio.timeout(1.0):
                     await self.capacity_changed.wait()
             except TimeoutError:
                 pass
 
-    async def _publish_next_task(self, version: int) -> bool:
+    async def _publish_next_task(self, version: int, cursor: int | None = None) -> bool:
         """Draw the next task, admit and record it atomically, publish it. False when the gate had
-        no capacity left by then (another replica took it; that cursor position is skipped)."""
+        no capacity left by then (another replica took it; that cursor position is skipped).
+        `cursor`: the position the admission loop drew in its round; the loop's next round then
+        clears the task's unpublished mark (`published_tasks`). None: drawn and cleared here."""
         assert self.sampler is not None
-        cursor = await self.w.repo.next_cursor()
+        deferred = cursor is not None
+        if cursor is None:
+            cursor = await self.w.repo.next_cursor()
         if self.sampler.maybe_reprofile(version):
             REPROFILES.inc()
         task = self.sampler.task_at(cursor)
@@ -424,7 +466,10 @@ class TrajectoryStore(Service):
             log.info("gate capacity taken meanwhile: sampler position %d skipped", cursor)
             return False
         await self.w.bus.publish(busmod.SUBJECT_TASKS, data, msg_id=pb.task_id, retry_s=busmod.PUBLISH_RETRY_S)
-        await self.w.repo.published(pb.task_id)
+        if deferred:
+            self.published_tasks.append(pb.task_id)
+        else:
+            await self.w.repo.published(pb.task_id)
         TASKS_ADMITTED.labels(source=pb.source).inc()
         TRAJ_ADMITTED.inc(pb.group_size)
         self.mixture.admit(pb.source)

@@ -72,6 +72,10 @@ def _build_config(run_dir: Path, model_dir: str) -> RunConfig:
         # A distillation teacher (the model itself; coef 0: the scores leave training as it was)
         # feeds the rollout dashboard's teacher panels.
         "distill": {"teachers": [{"source": "chain_sum", "model_path": model_dir}], "coef": 0.0},
+        # chain_sum's episodes through the environment service (by default a stateless one-turn
+        # environment plays in the rollout's process): its Reset/Close calls feed the
+        # environment panels, as a tool or game source's do on a cluster.
+        "rollout.stateless_environments_in_process": False,
     })
 
 

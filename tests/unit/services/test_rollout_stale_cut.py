@@ -58,7 +58,8 @@ def _episode(new_version_after_turn_0: int) -> tuple[Any, _Env, int]:
     service._prompt_ids = lambda observation, tools=None: [1, 2, 3]  # type: ignore[method-assign]
     service._observation_ids = lambda text, kind, ids: [4]  # type: ignore[method-assign]
     service.tokenizer = SimpleNamespace(decode=lambda ids: "x")
-    task = trajectory_pb2.Task(task_id="t", group_id="g", source="chain_sum", group_size=1, environment="chain_sum")
+    # a multi-turn tool environment: its session is the service's (`_reset`, replaced above)
+    task = trajectory_pb2.Task(task_id="t", group_id="g", source="math_tool", group_size=1, environment="math_tool")
     task.sampling.max_turns = TURNS
     task.sampling.max_new_tokens = 2
     traj = asyncio.run(service.run_episode(task, 0))

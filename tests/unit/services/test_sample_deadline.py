@@ -30,7 +30,9 @@ from trajmesh.v1 import services_pb2_grpc, trajectory_pb2  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(60)]
 
-TASK = trajectory_pb2.Task(task_id="t1-c0", group_id="g0-t1", environment="single_answer", prompt="2+3=",
+# A tool environment: its Reset goes to the environment service (a stateless one is played in the
+# rollout's own process, with no set-up to wait for).
+TASK = trajectory_pb2.Task(task_id="t1-c0", group_id="g0-t1", environment="math_tool", prompt="2+3=",
                            answer="5", group_size=1, first_sample=4, refill_of="t1-c0-2")
 
 
