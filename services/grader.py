@@ -172,7 +172,10 @@ class GraderService(Service):
                 await self.judge_groups.finish(outs[0][2], judged)
             await msg.ack()
 
-        while True:  # a fetch's messages are graded concurrently: a judge's requests overlap
+        # Until `stopping`: nats-py's fetch can swallow the loop's cancellation (Python < 3.12
+        # `asyncio.wait_for`), and the loop must not fetch on then. A fetch's messages are graded
+        # concurrently: a judge's requests overlap.
+        while not self.stopping.is_set():
             async with asyncio.TaskGroup() as tg:
                 for msg in await consumer.fetch(batch=16, timeout=1.0):
                     tg.create_task(handle(msg))

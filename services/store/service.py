@@ -311,7 +311,7 @@ class TrajectoryStore(Service):
     async def run(self) -> None:
         await self._republish_unpublished()
         await supervise(self.admission_loop(), self.intake_loop(), self.flush_loop(), self.queue_loop(),
-                        self.heartbeat_loop())
+                        self.heartbeat_loop(), stopping=self.stopping)
 
     async def stop(self) -> None:
         io = self.io
@@ -535,9 +535,12 @@ class TrajectoryStore(Service):
         archived (quarantined, failed_infra, filtered, trained); group members wait unacked.
 
         Waits for messages (pull fetch with timeout); backpressure: stops fetching while the
-        ready buffer is full (the gate keeps that rare).
+        ready buffer is full (the gate keeps that rare). Returns once `stopping` is set: nats-py's
+        fetch can swallow the loop's cancellation (a fetch that completed at the same moment,
+        Python < 3.12 `asyncio.wait_for`), and the loop must not fetch on then (the store's stop
+        waited out its whole budget on such a loop in a bench run).
         """
-        while True:
+        while not self.stopping.is_set():
             if self.state.ready_count >= self.cfg.store.max_buffered_groups:
                 self.ready_changed.clear()
                 await self.ready_changed.wait()
