@@ -13,7 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 BENCHES = {
     "math": "bench_math.py",            # learner math vs one forward+backward (goal ≤ 0.03)
-    "mesh": "bench_mesh.py",            # mesh vs raw JetStream (goal ≥ 0.3); 2 stores vs 1 (≥ 1.6)
+    "mesh": "bench_mesh.py",            # mesh vs raw JetStream (goal ≥ 0.3); 2 stores vs 1 (≥ 1.6); 64k/4k CPU per 1k tokens (≤ 1.5)
     "async": "bench_async.py",          # async (η=2) vs sync wall time to the same accuracy (goal ≥ 2×)
     "learning": "bench_learning.py",    # async vs sync held-out accuracy vs wall clock, 3 seeds each, 95% CIs (~45 min)
     "verify": "bench_verify.py",        # math / sandboxed-code verifications per second

@@ -114,7 +114,7 @@ class EnvironmentService(Service):
                      if any(getattr(cls, "uses_sandbox", False) for cls in plugins.source(s.type).environments.values())]
         if sandboxed:  # refuse to start (SandboxUnavailable) rather than run model code under weaker limits
             log.info("%s (for %s)", sandbox.preflight(self.cfg.sandbox.allow_without_cgroup), ", ".join(sandboxed))
-        self.server = grpc.aio.server()
+        self.server = security.grpc_server()
         services_pb2_grpc.add_EnvironmentServicer_to_server(_EnvServicer(self), self.server)
         self.grpc_port = security.add_grpc_port(self.server, f"0.0.0.0:{self.grpc_port}", self.cfg.infra.security.grpc_tls)
         await self.server.start()

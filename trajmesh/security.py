@@ -426,19 +426,34 @@ async def provision(cfg: RunConfig) -> None:
     await bus.close()
 
 
+GRPC_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+"""Every trajmesh gRPC channel and server: no message size cap below protobuf's own 2 GiB. gRPC's
+default receive cap, 4 MiB, refused a learner batch of long trajectories (RESOURCE_EXHAUSTED: 8
+groups of 65,536-token trajectories make a 16.7 MB NextBatch; bench/bench_mesh.py), and a 7B
+run's batch of 512 trajectories of 32k tokens is about 230 MB."""
+
+
+def grpc_server() -> grpc.aio.Server:
+    """An asyncio gRPC server with `GRPC_MESSAGE_OPTIONS` (listen with `add_grpc_port`)."""
+    import grpc
+
+    return grpc.aio.server(options=GRPC_MESSAGE_OPTIONS)
+
+
 def grpc_channel(address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
-    """An asyncio gRPC channel: insecure without ``tls`` (the local default), else TLS verifying
-    the server against ``ca_file`` and presenting ``cert_file``/``key_file`` when both are set."""
+    """An asyncio gRPC channel with `GRPC_MESSAGE_OPTIONS`: insecure without ``tls`` (the local
+    default), else TLS verifying the server against ``ca_file`` and presenting
+    ``cert_file``/``key_file`` when both are set."""
     import grpc
 
     if tls is None:
-        return grpc.aio.insecure_channel(address)
+        return grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
     root = Path(tls.ca_file).read_bytes() if tls.ca_file else None
     key = Path(tls.key_file).read_bytes() if tls.key_file else None
     chain = Path(tls.cert_file).read_bytes() if tls.cert_file else None
     creds = grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
     options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-    return grpc.aio.secure_channel(address, creds, options=options)
+    return grpc.aio.secure_channel(address, creds, options=[*GRPC_MESSAGE_OPTIONS, *options])
 
 
 def add_grpc_port(server: grpc.aio.Server, address: str, tls: TlsConfig | None) -> int:

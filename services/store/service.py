@@ -276,7 +276,7 @@ class TrajectoryStore(Service):
         self.manifest_id = await repo.manifest_id()
         GATE_ETA.set(cfg.effective_eta)
         self._export_zero_series()
-        server = grpc.aio.server()
+        server = security.grpc_server()
         add_store_servicer(_StoreServicer(self), server)
         port = cfg.store_endpoints[k].rsplit(":", 1)[1]
         security.add_grpc_port(server, f"0.0.0.0:{port}", cfg.infra.security.grpc_tls)

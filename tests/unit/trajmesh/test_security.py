@@ -402,3 +402,38 @@ def test_grpc_tls_channel_and_server(cert: tuple[str, str]) -> None:
             await server.stop(grace=None)
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("tls_on", [False, True])
+def test_grpc_messages_past_the_4_mib_default_go_both_ways(cert: tuple[str, str], tls_on: bool) -> None:
+    """A learner batch of long trajectories is one NextBatch reply far above gRPC's default 4 MiB
+    receive cap (bench/bench_mesh.py: 16.7 MB for 8 groups of 65,536 tokens). Our servers and
+    channels take it, with TLS and without; gRPC's defaults fail it with RESOURCE_EXHAUSTED."""
+    import grpc
+
+    crt, key = cert
+    server_tls = TlsConfig(ca_file=None, cert_file=crt, key_file=key) if tls_on else None
+    client_tls = TlsConfig(ca_file=crt) if tls_on else None
+    big = bytes(range(256)) * (24 * 1024 * 1024 // 256)  # 24 MiB each way
+
+    async def echo(request: bytes, context: object) -> bytes:
+        return request + b"!"
+
+    async def go() -> None:
+        server = security.grpc_server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "trajmesh.test.Echo", {"Big": grpc.unary_unary_rpc_method_handler(echo)})])
+        port = security.add_grpc_port(server, "127.0.0.1:0", server_tls)
+        await server.start()
+        try:
+            async with security.grpc_channel(f"127.0.0.1:{port}", client_tls) as channel:
+                assert await channel.unary_unary("/trajmesh.test.Echo/Big")(big, timeout=60) == big + b"!"
+            if not tls_on:  # gRPC's default channel refuses the same reply
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await plain.unary_unary("/trajmesh.test.Echo/Big")(big, timeout=60)
+                    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            await server.stop(grace=None)
+
+    asyncio.run(go())
