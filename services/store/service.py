@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import nats.errors
 import nats.js.errors
 import numpy as np
 import pyarrow.parquet as pq
@@ -129,6 +130,8 @@ STALE_HANDED_OUT = Counter("trajmesh_store_stale_handed_out_trajectories_total",
 HELD = Gauge("trajmesh_store_held_trajectories",
              "Trajectories the store holds unacked, by state (received: group still assembling; ready; "
              "handed_out: given to the learner, not reported)", ["state"])
+QUEUE_POLL_FAILURES = Counter("trajmesh_store_queue_poll_failures_total",
+                              "Backlog polls (queue_loop) that NATS did not answer in time; the loop goes on")
 STRAGGLERS_GIVEN_UP = Gauge("trajmesh_store_stragglers_given_up_groups",
                             "Due groups (admitted at <= learner version - eta) the learner stopped waiting for")
 INFRA_REFILLS = Counter("trajmesh_store_infra_refill_trajectories_total",
@@ -757,23 +760,32 @@ class TrajectoryStore(Service):
         """Exports JetStream backlog (pending, ack-pending, oldest message age) of every work queue and
         the age of the oldest ready group, every `every_s` seconds. JetStream has no subscription
         for consumer state, so this one loop polls; KEDA and the consumer-lag alert read it. It also
-        ends a recovery wait that ran out while no message arrived."""
+        ends a recovery wait that ran out while no message arrived. A poll NATS does not answer
+        (its API timing out on a busy machine, a restart) is counted and tried again next round:
+        these are gauges, and one such timeout once crashed the whole store."""
         while True:
-            for stream, durable in QUEUES:
-                durable = self.durable if stream == busmod.STREAM_TRAJ_GRADED else durable
-                try:
-                    p = await self.w.bus.pending(stream, durable)
-                    QUEUE_PENDING.labels(stream=stream).set(p.num_pending)
-                    QUEUE_ACK_PENDING.labels(stream=stream).set(p.num_ack_pending)
-                except nats.js.errors.NotFoundError:
-                    pass  # the consumer's service has not started yet: its backlog stays 0
-                QUEUE_AGE.labels(stream=stream).set(await self._oldest_age(stream))
+            try:
+                await self._poll_queues()
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                QUEUE_POLL_FAILURES.inc()
+                log.warning("queue backlog poll failed (%r); next try in %.0fs", exc, every_s)
             ready = self.state.ready
             READY_AGE.set(time.time() - min(g.ready_at for g in ready) if ready else 0.0)
             for state, n in self.state.held_counts().items():
                 HELD.labels(state=state).set(n)
             self._note_recovery()
             await asyncio.sleep(every_s)
+
+    async def _poll_queues(self) -> None:
+        for stream, durable in QUEUES:
+            durable = self.durable if stream == busmod.STREAM_TRAJ_GRADED else durable
+            try:
+                p = await self.w.bus.pending(stream, durable)
+                QUEUE_PENDING.labels(stream=stream).set(p.num_pending)
+                QUEUE_ACK_PENDING.labels(stream=stream).set(p.num_ack_pending)
+            except nats.js.errors.NotFoundError:
+                pass  # the consumer's service has not started yet: its backlog stays 0
+            QUEUE_AGE.labels(stream=stream).set(await self._oldest_age(stream))
 
     async def _oldest_age(self, stream: str) -> float:
         """Seconds since the first message still stored in `stream` was published (0 when empty)."""
