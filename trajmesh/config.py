@@ -953,9 +953,9 @@ class WeightsConfig(_Strict):
     sync: Literal["full", "delta"] = "full"
     """full: every version is a full safetensors checkpoint on the shared volume, which each engine
     loads as it is. delta: per version only the tensors whose bytes changed (XOR or sparse + zstd)
-    and a manifest of per-tensor sha256s, with a full anchor every `anchor_every` versions; each
-    rollout (and the evaluator) rebuilds the full checkpoint in `local_dir`, checks every checksum
-    and points its engine there."""
+    and a manifest with the full file's sha256, with a full anchor every `anchor_every` versions;
+    each rollout (and the evaluator) rebuilds the full checkpoint in `local_dir`, checks its sha256
+    (and every delta frame's checksum) and points its engine there."""
     anchor_every: int = Field(10, ge=1)
     """delta: a full checkpoint every this many versions (and the learner's first one after a
     start); a pod that joins late or missed versions rebuilds from the newest anchor + its deltas."""
