@@ -50,7 +50,11 @@ log = logging.getLogger("trajmesh.grader")
 GRADED = Counter("trajmesh_grader_trajectories_total", "Trajectories handled by the grader", ["result"])
 VERIFY_SECONDS = Histogram("trajmesh_grader_verify_seconds", "Verifier latency per trajectory")
 RAW_COMPONENT = Counter("trajmesh_grader_raw_reward_component_total",
-                        "Sum of each raw reward component by grader", ["grader", "component"])
+                        "Sum of each raw reward component's non-negative values by grader", ["grader", "component"])
+RAW_COMPONENT_NEGATIVE = Counter(
+    "trajmesh_grader_raw_reward_component_negative_total",
+    "Sum of the magnitudes of each raw reward component's negative values by grader (a game's loss: -1)",
+    ["grader", "component"])
 VERIFIER_SECONDS = Histogram("trajmesh_grader_verifier_seconds", "Verifier latency by grader", ["grader"])
 VERIFIER_ERRORS = Counter("trajmesh_grader_verifier_errors_total", "Verifier crashes (INFRA_FAILURE)",
                           ["grader", "error"])
@@ -75,6 +79,17 @@ def init_series() -> None:
         VERIFIER_ERRORS.labels(*values)
     for values in label_series()["raw_component"]:
         RAW_COMPONENT.labels(*values)
+        RAW_COMPONENT_NEGATIVE.labels(*values)
+
+
+def count_component(grader: str, name: str, value: float) -> None:
+    """Add a graded raw component to its series: a counter only grows, so a negative value (an
+    environment's penalty, a lost game's -1) goes to ``_negative_total`` as its magnitude; the
+    component's sum is the difference of the two."""
+    if value < 0:
+        RAW_COMPONENT_NEGATIVE.labels(grader, name).inc(-value)
+    else:
+        RAW_COMPONENT.labels(grader, name).inc(value)
 
 
 init_series()
@@ -245,7 +260,7 @@ class GraderService(Service):
         VERIFIER_SECONDS.labels(kind).observe(elapsed)
         TERMINAL.labels(trajectory_pb2.TerminalReason.Name(traj.terminal_reason)).inc()
         for name, value in grade.components.items():
-            RAW_COMPONENT.labels(kind, name).inc(value)
+            count_component(kind, name, value)
         for name, value in grade.audit.items():
             AUDITS.labels(name, "agree" if value >= 1.0 else "disagree").inc()
         if grade.audit:
@@ -304,7 +319,7 @@ class GraderService(Service):
             t.pb.timing.grading_seconds = elapsed
             TERMINAL.labels(trajectory_pb2.TerminalReason.Name(t.terminal_reason)).inc()
             for name, value in grade.components.items():
-                RAW_COMPONENT.labels("judge", name).inc(value)
+                count_component("judge", name, value)
             GRADED.labels(result="graded").inc()
         return [(t.to_bytes(), f"graded-{t.trajectory_id}", t.group_id) for t in trajs]
 

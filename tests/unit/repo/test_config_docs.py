@@ -79,7 +79,7 @@ def test_config_classes_are_all_seen_by_the_check():
     assert models <= declared
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "examples").rglob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_config_loads(path: Path):
     cfg = load_config(path)
     assert cfg.run_dir
