@@ -8,32 +8,14 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from swallowing_fetch import SwallowingConsumer
+
 from trajmesh.services.store.service import TrajectoryStore
 
 
-class SwallowingIntake:
-    """A consumer whose fetch swallows the cancellation it gets while waiting, as nats-py's can."""
-
-    def __init__(self) -> None:
-        self.fetching = asyncio.Event()
-        self.swallowed = 0
-        self.fetches = 0
-
-    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Any]:
-        self.fetches += 1
-        self.fetching.set()
-        try:
-            await asyncio.sleep(timeout)
-        except asyncio.CancelledError:
-            if self.swallowed:  # only the first (the test's own end cancels the loop again)
-                raise
-            self.swallowed += 1  # swallowed: the caller sees an empty fetch
-        return []
-
-
 def test_a_swallowed_cancel_does_not_keep_the_intake_loop_running() -> None:
-    async def go() -> SwallowingIntake:
-        intake = SwallowingIntake()
+    async def go() -> SwallowingConsumer:
+        intake = SwallowingConsumer()
         store: Any = SimpleNamespace(
             stopping=asyncio.Event(), state=SimpleNamespace(ready_count=0),
             cfg=SimpleNamespace(store=SimpleNamespace(max_buffered_groups=8)),
