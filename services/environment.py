@@ -122,7 +122,10 @@ class EnvironmentService(Service):
 
     async def run(self) -> None:
         assert self.server is not None, "run() before setup()"
-        await self.server.wait_for_termination()
+        # Shielded: cancelling grpc.aio's wait_for_termination cancels the future its server's
+        # shutdown waits on, and stop()'s `server.stop` then raised CancelledError (a traceback and a
+        # non-zero exit at every stop; tests/unit/services/test_environment_service.py).
+        await asyncio.shield(self.server.wait_for_termination())
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -69,3 +69,21 @@ def test_unknown_environment_is_invalid_argument(tmp_path: Path) -> None:
         assert not svc.sessions
 
     asyncio.run(_with_service(tmp_path, body))
+
+
+def test_stop_after_run_is_cancelled_ends_cleanly(tmp_path: Path) -> None:
+    """A stop cancels run() first (trajmesh/service.py), then calls stop(). grpc.aio's
+    wait_for_termination, cancelled, cancels the future its server's shutdown waits on: stop() raised
+    CancelledError, a traceback and a non-zero exit at every environment stop."""
+    async def go() -> None:
+        cfg = load_config(None, {"run_dir": str(tmp_path / "run")})
+        svc = EnvironmentService(cfg)
+        await svc.setup()
+        run = asyncio.ensure_future(svc.run())
+        await asyncio.sleep(0)  # one turn of the loop: run() now waits on the server
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        await svc.stop()  # raised CancelledError before
+
+    asyncio.run(go())
