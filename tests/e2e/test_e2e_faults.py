@@ -71,7 +71,10 @@ def _build_config(run_dir: Path, model_dir: str, **over: object) -> RunConfig:
         "store.intake_ack_wait_s": 4.0, "rollout.task_ack_wait_s": 4.0,
         "rollout.replicas": 2, "rollout.concurrent_tasks": 2, "grader.replicas": 2,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
-        "learner.checkpoint_every": 3, "learner.keep_batches": True, **over,
+        "learner.checkpoint_every": 3, "learner.keep_batches": True,
+        # chain_sum's episodes through the environment service, which the scenarios kill and stop
+        # (a stateless one-turn environment otherwise plays in the rollout's process)
+        "rollout.stateless_environments_in_process": False, **over,
     })
 
 

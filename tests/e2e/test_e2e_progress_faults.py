@@ -96,6 +96,10 @@ def _build_config(run_dir: Path, model_dir: str, steps: int) -> RunConfig:
         "rollout.replicas": 1, "rollout.concurrent_tasks": 2, "grader.replicas": 1,
         "learner.engine.type": "torch", "learner.batch_groups": 1, "learner.max_steps": steps,
         "learner.checkpoint_every": 3, "learner.keep_batches": False,
+        # chain_sum's episodes through the environment service, which is one of the paused services
+        # (a stateless one-turn environment otherwise plays in the rollout's process, and pausing
+        # the service would then stop nothing: the run ran through its budget during that fault)
+        "rollout.stateless_environments_in_process": False,
     })
 
 
