@@ -14,6 +14,7 @@ import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.errors
@@ -375,6 +376,19 @@ def test_nats_tls_with_auth(tmp_path: Path, cert: tuple[str, str], monkeypatch: 
         server.stop()
 
 
+async def _echo_server(method: str, handler: Any, tls: TlsConfig | None) -> tuple[Any, int]:
+    """A started `security.grpc_server` answering ``/trajmesh.test.Echo/<method>`` with `handler`,
+    listening on a free loopback port (TLS with `tls`): the server and its port."""
+    import grpc
+
+    server = security.grpc_server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "trajmesh.test.Echo", {method: grpc.unary_unary_rpc_method_handler(handler)})])
+    port = security.add_grpc_port(server, "127.0.0.1:0", tls)
+    await server.start()
+    return server, port
+
+
 def test_grpc_tls_channel_and_server(cert: tuple[str, str]) -> None:
     import grpc
 
@@ -386,11 +400,7 @@ def test_grpc_tls_channel_and_server(cert: tuple[str, str]) -> None:
         return b"pong:" + request
 
     async def go() -> None:
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "trajmesh.test.Echo", {"Ping": grpc.unary_unary_rpc_method_handler(ping)})])
-        port = security.add_grpc_port(server, "127.0.0.1:0", tls)
-        await server.start()
+        server, port = await _echo_server("Ping", ping, tls)
         try:
             async with security.grpc_channel(f"127.0.0.1:{port}", client_tls) as channel:
                 call = channel.unary_unary("/trajmesh.test.Echo/Ping")
@@ -420,11 +430,7 @@ def test_grpc_messages_past_the_4_mib_default_go_both_ways(cert: tuple[str, str]
         return request + b"!"
 
     async def go() -> None:
-        server = security.grpc_server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "trajmesh.test.Echo", {"Big": grpc.unary_unary_rpc_method_handler(echo)})])
-        port = security.add_grpc_port(server, "127.0.0.1:0", server_tls)
-        await server.start()
+        server, port = await _echo_server("Big", echo, server_tls)
         try:
             async with security.grpc_channel(f"127.0.0.1:{port}", client_tls) as channel:
                 assert await channel.unary_unary("/trajmesh.test.Echo/Big")(big, timeout=60) == big + b"!"
