@@ -53,6 +53,7 @@ from trajmesh.run.run_end import drain_supervised, end_run
 from trajmesh.security import redis_sync_client
 from trajmesh.services.store.keys import RedisKeys
 from trajmesh.services.store.service import straggler_wait_s
+from trajmesh.weights.layout import version_dirs, weights_root
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -387,7 +388,7 @@ def _assert_replay_is_bitwise(cfg: RunConfig) -> None:
         resp = services_pb2.NextBatchResponse.FromString(path.read_bytes())
         replay._train_step([Trajectory(pb) for pb in resp.trajectories], cfg.effective_eta, temperature)
     assert replay.steps_done == STEPS
-    final = sorted((run_dir / "weights").glob(f"v{STEPS:06d}-*"))[-1]
+    final = version_dirs(weights_root(run_dir), STEPS)[-1]
     saved = load_file(str(final / "model.safetensors"))
     from trajmesh.learner.logprobs import policy_of  # the HF policy inside the engine's wrapper
 

@@ -45,6 +45,7 @@ from trajmesh.weights.delta import (
     prunable,
     reconstruct,
 )
+from trajmesh.weights.layout import temp_dir_name, version_dir_name
 
 FALLBACKS = "trajmesh_rollout_weight_anchor_fallback_updates_total"
 VERSIONS = 6
@@ -76,10 +77,10 @@ def _train_and_publish(root: Path, versions: int = VERSIONS, anchor_every: int =
         loss.backward()
         opt.step()
         export_policy(model, root / "full" / f"v{v}", dtype=torch.bfloat16)
-        tmp = root / "weights" / f".v{v:06d}.tmp"
+        tmp = root / "weights" / temp_dir_name(v)
         sha = export_policy(model, tmp, dtype=torch.bfloat16, delta=writer, version=v)
         assert sha == _sha(root / "full" / f"v{v}" / SAFETENSORS_NAME)
-        final = root / "weights" / f"v{v:06d}-{v}"
+        final = root / "weights" / version_dir_name(v, ns=v)
         os.replace(tmp, final)
         writer.commit(final.name)
         dirs[v] = final
@@ -199,7 +200,7 @@ def _write_raw(writer: DeltaWriter, root: Path, v: int, tensors: dict[str, np.nd
     for name, t in tensors.items():
         writer.add(name, t.tobytes(), "BF16")
     writer.finish()
-    final = root / f"v{v:06d}-0"
+    final = root / version_dir_name(v, ns=0)
     os.replace(tmp, final)
     writer.commit(final.name)
     return final
@@ -425,7 +426,7 @@ def test_retention_keeps_the_anchor_and_the_deltas_since(
     assert (out / SAFETENSORS_NAME).read_bytes() == (root / "full" / f"v{VERSIONS}" / SAFETENSORS_NAME).read_bytes()
     full = tmp_path / "full-dirs"  # weights.sync full: no manifests, the newest `keep` stay
     for v in range(1, 5):
-        (full / f"v{v:06d}-0").mkdir(parents=True)
+        (full / version_dir_name(v, ns=0)).mkdir(parents=True)
     assert [p.name for p in prunable(full, keep=2, grace_s=0)] == ["v000001-0", "v000002-0"]
 
 
@@ -473,11 +474,12 @@ def test_zero3_delta_export_gathers_each_module_and_rebuilds_the_full_export(tmp
                 with deepspeed.zero.GatheredParameters([norm], modifier_rank=0), torch.no_grad():
                     norm.add_(1e-2)
             full = export_policy(policy, tmp_path / f"full-v{v}", zero3=True)
-            sha = export_policy(policy, tmp_path / f"v{v:06d}-0", zero3=True, delta=writer, version=v)
-            writer.commit(f"v{v:06d}-0")
+            name = version_dir_name(v, ns=0)
+            sha = export_policy(policy, tmp_path / name, zero3=True, delta=writer, version=v)
+            writer.commit(name)
             assert sha == full
             assert all(p.numel() == 0 for p in policy.parameters())  # released again
-            pod.loaded(out := pod.prepare(tmp_path / f"v{v:06d}-0"))
+            pod.loaded(out := pod.prepare(tmp_path / name))
             assert _sha(out / SAFETENSORS_NAME) == full
     finally:
         if created:
@@ -488,9 +490,9 @@ def test_zero3_delta_export_gathers_each_module_and_rebuilds_the_full_export(tmp
 
 def _write(model: torch.nn.Module, writer: DeltaWriter, root: Path, v: int) -> Path:
     """One published version, as the learner writes it (temp dir, rename, commit)."""
-    tmp = root / f".v{v:06d}.tmp"
+    tmp = root / temp_dir_name(v)
     export_policy(model, tmp, dtype=torch.bfloat16, delta=writer, version=v)
-    final = root / f"v{v:06d}-{v}"
+    final = root / version_dir_name(v, ns=v)
     os.replace(tmp, final)
     writer.commit(final.name)
     return final
