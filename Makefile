@@ -49,7 +49,6 @@ setup-vllm: $(VLLM_OK)
 
 # verifiers in its own venv (verifiers 0.4 pins openai < 3; the dev extra's agent frameworks need
 # openai >= 3): the core, the `verifiers` extra and pytest, no torch (setup-verifiers-mesh adds it).
-# `make test` runs the verifiers source's tests in it (docs/ENVIRONMENTS.md, "A verifiers taskset").
 VERIFIERS_PY := .venv-verifiers/bin/python
 VERIFIERS_OK := .venv-verifiers/.installed
 $(VERIFIERS_OK): pyproject.toml
@@ -62,9 +61,10 @@ $(VERIFIERS_OK): pyproject.toml
 
 setup-verifiers: $(VERIFIERS_OK)
 
-# The verifiers mesh run (tests/slow/test_e2e_verifiers.py) trains through `trajmesh train`, so the
+# The verifiers mesh run (tests/e2e/test_e2e_verifiers.py) trains through `trajmesh train`, so the
 # same venv also gets the learner extra, torch first (2.13.0: the CPU build, as in `make setup`; any
-# other version pulls a CUDA build). Its own stamp: `make test` needs only the light venv above.
+# other version pulls a CUDA build). `make test` runs the verifiers tests and that mesh run in it
+# (docs/ENVIRONMENTS.md, "A verifiers taskset").
 VERIFIERS_MESH_OK := .venv-verifiers/.installed-mesh
 $(VERIFIERS_MESH_OK): $(VERIFIERS_OK)
 	$(VERIFIERS_PY) -m pip install -q torch==2.13.0
@@ -89,9 +89,9 @@ prometheus:
 # Two workers (pytest-xdist): the meshes (tests/e2e/, tests/slow/) run one after another on one of
 # them, the rest of the suite on both (the scopes: tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: setup setup-vllm setup-verifiers models prometheus
+test: setup setup-vllm setup-verifiers-mesh models prometheus
 	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope
-	$(VERIFIERS_PY) -m pytest -m "not slow and not gpu" -q tests/unit/envs/test_env_verifiers.py
+	$(VERIFIERS_PY) -m pytest -m "not slow and not gpu" -q $(VERIFIERS_TEST_FILES)
 
 # Everything, slow studies included; then the verifiers source's tests, its mesh run with them, in
 # .venv-verifiers (the main venv has no verifiers: they skip there).
@@ -99,9 +99,10 @@ test-all: setup setup-vllm setup-verifiers-mesh models models-gemma prometheus
 	$(PY) -m pytest -m "" -q
 	$(VERIFIERS_TESTS)
 
-# The verifiers source's tests and its mesh run (tests/slow/test_e2e_verifiers.py: slow, a few
-# minutes on 2 cores) in .venv-verifiers with torch. Also the last step of `make test-all`.
-VERIFIERS_TESTS = $(VERIFIERS_PY) -m pytest -m "" -q tests/unit/envs/test_env_verifiers.py tests/slow/test_e2e_verifiers.py
+# The verifiers source's tests and its mesh run (tests/e2e/test_e2e_verifiers.py: about 2 minutes
+# on 2 cores) in .venv-verifiers with torch: the last step of `make test` and of `make test-all`.
+VERIFIERS_TEST_FILES = tests/unit/envs/test_env_verifiers.py tests/e2e/test_e2e_verifiers.py
+VERIFIERS_TESTS = $(VERIFIERS_PY) -m pytest -m "" -q $(VERIFIERS_TEST_FILES)
 test-verifiers: setup-verifiers-mesh
 	$(VERIFIERS_TESTS)
 

@@ -1,5 +1,5 @@
 """verifiers tasksets built here over a local ``datasets.Dataset`` (no hub download), imported by
-id (``verifiers_tasksets``, this module) by tests/unit/envs/test_env_verifiers.py and tests/slow/test_e2e_verifiers.py:
+id (``verifiers_tasksets``, this module) by tests/unit/envs/test_env_verifiers.py and tests/e2e/test_e2e_verifiers.py:
 single-turn sums with verifiers' own ``@vf.reward`` functions; tasks whose ``boom`` is set have a
 reward function that raises (a rubric exception)."""
 

@@ -1,6 +1,6 @@
 """A verifiers tool taskset built here over a local ``datasets.Dataset`` (no hub download), imported by
 id (``verifiers_tool_tasksets``, this module) by tests/unit/envs/test_env_verifiers.py and
-tests/slow/test_e2e_verifiers.py: sums the model is asked to do with the ``calc_add`` tool.
+tests/e2e/test_e2e_verifiers.py: sums the model is asked to do with the ``calc_add`` tool.
 
 The tool lives in an MCP server, ``AddToolset``, that verifiers launches per rollout as
 ``python -m verifiers_tool_tasksets`` (its local subprocess runtime; hence the ``__main__`` below).

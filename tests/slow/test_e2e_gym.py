@@ -11,7 +11,7 @@ with the trajectory's turns (not through the adapter), each game's is its outcom
 each trajectory's raw reward components are in the archive (each step's reward and their return);
 and the held-out evaluation of each source (what `trajmesh train` writes to summary.json) runs
 through its own environment, with the package's version in the recorded revision. The verifiers
-adapter has its own run, in the venv that has verifiers (tests/slow/test_e2e_verifiers.py).
+adapter has its own run, in the venv that has verifiers (tests/e2e/test_e2e_verifiers.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ components are archived, one per reward function; and the held-out evaluation of
 verifiers' version in the revision.
 
 verifiers 0.4 pins openai < 3, which the dev extra's agent frameworks cannot share a venv with: this
-runs where verifiers is installed, skipped elsewhere. ``make test-verifiers`` (and ``make test-all``)
-runs it in ``.venv-verifiers`` with torch and the learner (``make setup-verifiers-mesh``).
+runs where verifiers is installed, skipped elsewhere. ``make test`` (after the main suite; also
+``make test-verifiers`` and ``make test-all``) runs it in ``.venv-verifiers`` with torch and the
+learner (``make setup-verifiers-mesh``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from trajmesh.config import load_config
 from trajmesh.rollout.engines.engine_client import ANSWER_LOG_ENV
 from trajmesh.tasks import load_split
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 pytest.importorskip("verifiers.v1")
 pytest.importorskip("datasets")
 
