@@ -8,6 +8,7 @@
     gym_env.py               Gymnasium-style text environments by import path
     verifiers_env.py         a verifiers taskset
     external_agent.py        tasks a user's own agent solves ─ external_agent_source.py their source
+    open_ended.py            open-ended prompts, no gold answer and no program verifier: the judge scores them
 
 Each source module ends with a `trajmesh.plugins.SourcePlugin` (its graders and rollout hooks named
 by "module:attr"). Imports: the core only.

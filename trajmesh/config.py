@@ -1046,6 +1046,7 @@ class RunConfig(_Strict):
             raise ValueError(f"distill.teachers: one teacher per task source, got {taught}")
         if unknown := sorted(set(self.judge.sources) - set(names)):
             raise ValueError(f"judge.sources: no task source named {unknown} (sources: {names})")
+        self._judge_only_sources_judged()
         addrs = self.infra.store_addresses
         if addrs and len(addrs) != self.store.replicas:
             raise ValueError(f"infra.store_addresses has {len(addrs)} addresses for store.replicas "
@@ -1060,6 +1061,24 @@ class RunConfig(_Strict):
                 f"oversample - 1; eta {self.effective_eta}{' (sync mode)' if self.mode == 'sync' else ''}, "
                 f"batch_groups {self.learner.batch_groups})")
         return self
+
+    def _judge_only_sources_judged(self) -> None:
+        """A source without a program verifier (its plug-in's ``reward_from: judge``, open_ended)
+        has only the judge to score it: `judge.sources` must name it, and its held-out split needs
+        the evaluator service, whose episodes the grader service judges (``eval.in_mesh: false``
+        evaluates in process, with the sources' own graders and no judge)."""
+        from trajmesh import plugins
+
+        judge_only = [src.name for src in self.tasks.sources if plugins.source(src.type).reward_from == "judge"]
+        if unjudged := [name for name in judge_only if name not in self.judge.sources]:
+            raise ValueError(
+                f"tasks.sources {unjudged}: no program verifier (no gold answer), only a judge can score it; "
+                f"name it in judge.sources (judge.sources: {self.judge.sources}) with the judge's model_path or urls")
+        if judge_only and self.eval.in_mesh is False:
+            raise ValueError(
+                f"eval.in_mesh: false evaluates in process with each source's program grader, and {judge_only} "
+                "has none: leave eval.in_mesh unset or true (the evaluator service's episodes are judged by the "
+                "grader service)")
 
     @property
     def effective_eta(self) -> int:

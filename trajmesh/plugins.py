@@ -22,9 +22,11 @@ A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the 
 * ``heldout_episodes``  optional: environment keys whose held-out episodes the source plays itself
                    (verifiers: its harness through an agent endpoint over the evaluation's policy)
                    instead of `play_episodes`' in-process loop.
-* ``reward_from``  ``reference`` (default: the grader scores the task's reference answer) or
+* ``reward_from``  ``reference`` (default: the grader scores the task's reference answer),
                    ``environment`` (the environment's own reward: games, rubrics, gym-style
-                   environments); the verifier audit (trajmesh/run/audit.py) probes each its own way.
+                   environments) or ``judge`` (no program verifier: only the judge scores it, and
+                   the config requires `judge.sources` to name it); the verifier audit
+                   (trajmesh/run/audit.py) probes each its own way.
 
 Everything that lists or dispatches on sources reads this registry: `trajmesh envs`, config
 loading, task generation (trajmesh/tasks.py), the rollout service (setup hooks and episode
@@ -60,6 +62,7 @@ BUILTIN_SOURCES = (
     "trajmesh.envs.external_agent_source",
     "trajmesh.envs.gym_env",
     "trajmesh.envs.verifiers_env",
+    "trajmesh.envs.open_ended",
 )
 """Modules whose ``PLUGIN`` is registered on first use of the registry (one line per source)."""
 
@@ -88,14 +91,17 @@ class SourcePlugin:
     """Environment key -> "module:function" ``(policy, fmt, tasks, params, *, samples, seed) ->
     [Episode]``: held-out evaluation (learner/evaluate.py) plays those tasks with it instead of
     `play_episodes`; an episode's ``final_answer`` goes to the grader."""
-    reward_from: Literal["reference", "environment"] = "reference"
+    reward_from: Literal["reference", "environment", "judge"] = "reference"
     """What the grader scores: ``reference``, the sampled answer against the task's reference answer
     (``answer``), which the verifier audit (trajmesh/run/audit.py) grades and expects to score 1;
     ``environment``, the environment's own reward (a game's outcome, per-step rewards, a rubric),
     where a task's ``answer``, if it has one, need not be an action the environment rewards (a
     SkyRL gsm8k row's ground truth ``72`` scores only as ``#### 72``): the audit probes such a source
     with actions instead (empty, garbage, and a whole play of the environment class's
-    ``scripted_action`` where it has one) and asks for no gold answer."""
+    ``scripted_action`` where it has one) and asks for no gold answer; ``judge``, no program verifier
+    at all (open_ended: prompts without a gold answer): only the judge (graders/judge.py) scores
+    it, the config refuses such a source unless `judge.sources` names it, and the audit probes it
+    through the judge."""
 
 
 _SOURCES: dict[str, SourcePlugin] = {}

@@ -14,7 +14,9 @@ gives varied verdicts, some unreadable. The point is the mechanics:
   with ``judge_error: timeout``, counted in ``trajmesh_grader_judge_errors_total{reason="timeout"}``,
   while a second, program-graded source trains on;
 - without ``judge.urls`` the launcher (and the audit, for its probes) serves the judge itself;
-- a pairwise grader SIGKILLed while judging a group loses no member.
+- a pairwise grader SIGKILLed while judging a group loses no member;
+- a source with no program verifier (open_ended) trains on the judge alone, and the audit probes
+  it through the judge though it has no gold answer.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_checks import check_archive, check_gate_reconciles, check_no_stale, write_manifest
+from mesh_checks import FINAL_OUTCOMES, check_archive, check_gate_reconciles, check_no_stale, write_manifest
 
 from trajmesh.config import RunConfig, load_config
 from trajmesh.infra import die_with_parent, free_port
@@ -291,6 +293,77 @@ def test_verifier_audit_probes_the_judge(tmp_path: Path, tiny_model_dir: str, ju
     assert audit.reward_from == "judge" and not audit.refused, audit.as_dict()
     assert audit.accepted == {"empty": 0, "garbage": 0, "prompt_echo": 0}
     assert audit.gold_rejected > 0 and audit.problems, audit.as_dict()
+
+
+WORDS = ("tea", "rain", "glass", "snow", "bread", "maps", "clocks", "wind", "boats", "trees", "birds", "stone",
+         "milk", "fire", "salt", "ink", "wool", "sand", "bells", "lamps", "roads", "seeds", "coins", "rope")
+
+
+def _open_ended_source(tmp_path: Path) -> dict[str, Any]:
+    """An open_ended source (envs/open_ended.py) over a JSONL file of 24 prompts in the demo
+    model's charset (lower case): no gold answer, no program verifier."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"say one thing about {w}."}) + "\n" for w in WORDS))
+    return {"type": "open_ended", "name": "notes", "prompts_file": str(path)}
+
+
+def test_an_open_ended_source_trains_on_the_judge_alone(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str,
+                                                        judge_engine: str) -> None:
+    """A source with no program verifier: every reward is the judge's digit, every trajectory ends
+    as exactly one final outcome (admitted = trained + filtered + quarantined + failed + in flight),
+    and none reached the source's grader kind (it refuses to score: a ``verifier error``)."""
+    from trajmesh.envs.open_ended import task_id
+
+    judge = {"sources": ["notes"], "type": "torch", "urls": [judge_engine], "model_path": judge_model_dir,
+             "name": "sft-judge", "rubric": RUBRIC, "max_score": 1, "max_new_tokens": 3, "temperature": 1.0,
+             "timeout_s": 10.0, "attempts": 2}
+    cfg, acct, rows, metrics = _run(_config(tmp_path / "run", tiny_model_dir, judge, [_open_ended_source(tmp_path)]))
+
+    outcomes = acct["outcomes"]
+    assert acct["admitted"] == sum(outcomes.get(k, 0) for k in FINAL_OUTCOMES), acct
+    assert outcomes.get("trained", 0) == STEPS * cfg.batch_trajectories, acct  # zero-variance groups kept
+    ids = {task_id("notes", f"say one thing about {w}.") for w in WORDS}
+    assert {r["task_id"].split("-c")[0] for r in rows if r["task_id"]} <= ids  # the file's prompts, nothing else
+    revision = f"judge-pointwise:sft-judge@{_sha16(Path(judge_model_dir) / 'model.safetensors')}"
+    accepted = [r for r in rows if r["outcome"] == "accepted"]
+    failed = [r for r in rows if r["outcome"] == "failed_infra"]
+    assert accepted and {r["task_source"] for r in rows if r["task_id"]} == {"notes"}
+    for r in accepted:  # the judge's digit, read by hand, is the reward
+        assert r["grader_revision"] == revision, r["grader_revision"]
+        digit = json.loads(r["verifier_output"])["raw"].strip()
+        assert r["reward"] == float(digit) and dict(r["reward_components"]) == {"judge_score": float(digit)}, r
+    for r in failed:  # an unreadable verdict; never the grader kind that refuses to score
+        assert r["verifier_output"].startswith("judge_error: unparseable"), r["verifier_output"]
+    assert _counter(metrics, "trajmesh_grader_judge_errors_total", reason="unparseable") == len(failed)
+    assert _counter(metrics, "trajmesh_grader_verifier_errors_total") == 0
+    print(f"open-ended: {len(accepted)} judged (mean {sum(r['reward'] for r in accepted) / len(accepted):.2f}), "
+          f"{len(failed)} unreadable; admitted {acct['admitted']}, outcomes {outcomes}")
+
+
+def test_the_audit_probes_an_open_ended_source_through_the_judge(tmp_path: Path, tiny_model_dir: str,
+                                                                 judge_model_dir: str, judge_engine: str) -> None:
+    """No gold answer is no refusal: the empty, garbage and prompt-echo probes go to the judge on
+    every task. At chance over 0 / 1 (T = 1) some probe scores high and the source is refused for
+    it, for nothing else; on a 0-10 scale (1/10 at most) none does and it passes."""
+    from trajmesh.run.audit import JUDGE_PROBES, VerifierAuditRefused, audit_run
+
+    judge = {"sources": ["notes"], "type": "torch", "urls": [judge_engine], "model_path": judge_model_dir,
+             "rubric": RUBRIC, "max_score": 1, "max_new_tokens": 3, "temperature": 1.0}
+    source = _open_ended_source(tmp_path)
+    cfg = _config(tmp_path / "a", tiny_model_dir, judge, [source])
+    (tmp_path / "a").mkdir()
+    with pytest.raises(VerifierAuditRefused, match="notes"):
+        audit_run(cfg, tmp_path / "a")
+    (record,) = json.loads((tmp_path / "a" / "verifier_audit.json").read_text())["sources"]
+    assert record["reward_from"] == "judge" and record["tasks"] == record["gold_missing"] == 8, record
+    assert record["refused"] and all(why.startswith("accepts ") for why in record["refused"]), record
+
+    cfg = _config(tmp_path / "b", tiny_model_dir, {**judge, "max_score": 10}, [source])
+    (tmp_path / "b").mkdir()
+    (audit,) = audit_run(cfg, tmp_path / "b")
+    assert audit.tasks == audit.gold_missing == 8 and not audit.refused and not audit.problems, audit.as_dict()
+    assert audit.accepted == dict.fromkeys(JUDGE_PROBES, 0)
+    assert set(audit.raised) <= set(JUDGE_PROBES), audit.raised  # an unreadable verdict at most, no gold probe
 
 
 def _sha16(path: Path) -> str:

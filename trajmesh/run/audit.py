@@ -42,8 +42,10 @@ graders/judge.py) is probed through the judge itself, as the grader service asks
 ``garbage`` and ``prompt_echo`` answers, each of which must not score high (above
 `JUDGE_HIGH`), and the gold answer where the task has one (a gold answer the judge scores low is
 a problem, not a refusal; no gold answer is no refusal either: a judge is for sources without a
-program verifier). Pointwise, a probe's reward is its score; pairwise, the probe is judged against
-the gold answer in both orders (`circular_pairs` of two) and must not win both. A source is
+program verifier, such as open_ended, envs/open_ended.py). Pointwise, a probe's reward is its
+score; pairwise, the probe is judged against the gold answer in both orders (`circular_pairs` of
+two) and must not win both, and a task without a gold answer is not probed (reported as a
+problem: ``unprobed``). A source is
 **refused** when a probe scores high on any task. A probe the judge could not score (a timeout,
 an unreadable verdict) is reported (``raises``), not refused: the grader service would end such a
 trajectory INFRA_FAILURE, never reward it. Without ``judge.urls`` the audit starts a judge engine of
@@ -90,18 +92,21 @@ class SourceAudit:
     gold_rejected: int = 0
     played: int = 0
     """Environment-reward sources: tasks played with the environment's ``scripted_action`` and graded."""
+    unprobed: int = 0
+    """Judged pairwise: tasks without a gold answer to hold the probes against, so not probed."""
     accepted: dict[str, int] = field(default_factory=dict)
     """Probe → tasks on which it scored above 0."""
     raised: dict[str, str] = field(default_factory=dict)
     """Probe → the first exception the scorer raised on it."""
     error: str = ""
-    """Why no task could be drawn (the source's generator failed with its defaults)."""
+    """Why the source could not be probed: no task could be drawn (its generator failed with its
+    defaults), or it has no program verifier and no judge was given."""
 
     @property
     def refused(self) -> list[str]:
         """Why a run refuses this source (empty: it may train)."""
         if self.error:
-            return [f"no tasks: {self.error}"]
+            return [self.error]
         refusing = JUDGE_PROBES if self.reward_from == "judge" else REFUSING_PROBES
         why = [f"accepts {probe} on {n}/{self.tasks}" for probe, n in self.accepted.items()
                if n and probe in refusing]
@@ -114,12 +119,16 @@ class SourceAudit:
     @property
     def problems(self) -> list[str]:
         """What is wrong with a source that is not refused for it (reported by `trajmesh train` and the table)."""
-        return [f"gold answer scores below 1 on {self.gold_rejected}/{self.tasks}"] if self.gold_rejected else []
+        out = [f"gold answer scores below 1 on {self.gold_rejected}/{self.tasks}"] if self.gold_rejected else []
+        if self.unprobed:
+            out.append(f"pairwise judge: no gold answer to hold the probes against on {self.unprobed}/{self.tasks} "
+                       "(not probed)")
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "reward_from": self.reward_from, "tasks": self.tasks,
                 "gold_missing": self.gold_missing, "gold_rejected": self.gold_rejected, "played": self.played,
-                "accepted": dict(self.accepted), "raised": dict(self.raised), "error": self.error,
+                "unprobed": self.unprobed, "accepted": dict(self.accepted), "raised": dict(self.raised), "error": self.error,
                 "refused": self.refused, "problems": self.problems}
 
 
@@ -175,10 +184,12 @@ def audit_source(src: Any, n_tasks: int = 8) -> SourceAudit:
     """Grade `n_tasks` of the source's held-out split: a reference-answer source with the gold
     answer and every probe, an environment-reward source with the action probes and a scripted play."""
     reward_from = plugins.source(src.type).reward_from
+    if reward_from == "judge":  # open_ended: nothing but a judge can probe it (`audit_judged_source`)
+        return SourceAudit(src.name, reward_from, error="no program verifier: only a judge scores it (judge.sources)")
     try:
         _, tasks = load_split(src, 1, n_tasks)
     except Exception as exc:  # noqa: BLE001 - a generator that cannot run is the finding
-        return SourceAudit(src.name, reward_from, error=f"{type(exc).__name__}: {exc}"[:200])
+        return SourceAudit(src.name, reward_from, error=f"no tasks: {type(exc).__name__}: {exc}"[:200])
     probes = PROBES if reward_from == "reference" else ACTION_PROBES
     out = SourceAudit(src.name, reward_from, tasks=len(tasks), accepted=dict.fromkeys(probes, 0))
     graders: dict[str, Any] = {}
@@ -210,7 +221,7 @@ def audit_judged_source(src: Any, judge: Any, n_tasks: int = 8) -> SourceAudit:
     try:
         _, tasks = load_split(src, 1, n_tasks)
     except Exception as exc:  # noqa: BLE001 - a generator that cannot run is the finding
-        return SourceAudit(src.name, "judge", error=f"{type(exc).__name__}: {exc}"[:200])
+        return SourceAudit(src.name, "judge", error=f"no tasks: {type(exc).__name__}: {exc}"[:200])
     return asyncio.run(_audit_judged(src.name, judge, tasks))
 
 
@@ -236,9 +247,10 @@ async def _audit_judged(name: str, judge: Any, tasks: list[TaskSpec]) -> SourceA
                     out.gold_rejected += int(await reward(spec, spec.answer) <= JUDGE_HIGH)
                 except JudgeError as exc:
                     out.raised.setdefault("gold", str(exc)[:200])
+            if judge.mode == "pairwise" and not has_gold:
+                out.unprobed += 1  # nothing to hold the probes against: reported, not passed silently
+                continue
             for probe in JUDGE_PROBES:
-                if judge.mode == "pairwise" and not has_gold:
-                    continue  # nothing to hold the probe against
                 try:
                     out.accepted[probe] += int(await reward(spec, _probe_text(probe, spec)) > JUDGE_HIGH)
                 except JudgeError as exc:
@@ -255,6 +267,18 @@ def audit_sources(sources: list[Any], n_tasks: int = 8, judge: Any = None) -> li
             for src in sources]
 
 
+def audit_config(cfg: Any, n_tasks: int) -> list[SourceAudit]:
+    """Every source of a run config audited, the judged ones through its judge: without
+    ``judge.urls`` a judge engine of its own serves the probes (trajmesh/run/judge_engine.py, its
+    log RUN_DIR/logs/judge-engine-audit.log) and is stopped after them."""
+    from trajmesh.run.judge_engine import JudgeEngine, needs_judge_engine, with_judge_url
+
+    if needs_judge_engine(cfg):
+        with JudgeEngine.for_run(cfg, "judge-engine-audit.log").start() as engine:
+            return audit_sources(list(cfg.tasks.sources), n_tasks, with_judge_url(cfg, engine.url).judge)
+    return audit_sources(list(cfg.tasks.sources), n_tasks, cfg.judge)
+
+
 class VerifierAuditRefused(ValueError):
     """A run's source failed its verifier audit (``tasks.verifier_audit: refuse``)."""
 
@@ -268,14 +292,7 @@ def audit_run(cfg: Any, run_dir: Any) -> list[SourceAudit]:
     mode = cfg.tasks.verifier_audit
     if mode == "off":
         return []
-    from trajmesh.run.judge_engine import JudgeEngine, needs_judge_engine, with_judge_url
-
-    if needs_judge_engine(cfg):  # no judge.urls: a judge engine of its own for the probes (judge_engine.py)
-        with JudgeEngine.for_run(cfg, "judge-engine-audit.log").start() as engine:
-            judge = with_judge_url(cfg, engine.url).judge
-            audits = audit_sources(list(cfg.tasks.sources), cfg.tasks.verifier_audit_tasks, judge)
-    else:
-        audits = audit_sources(list(cfg.tasks.sources), cfg.tasks.verifier_audit_tasks, cfg.judge)
+    audits = audit_config(cfg, cfg.tasks.verifier_audit_tasks)
     (Path(run_dir) / "verifier_audit.json").write_text(json.dumps(
         {"mode": mode, "sources": [a.as_dict() for a in audits]}, indent=2, sort_keys=True) + "\n")
     refused = [a for a in audits if a.refused]

@@ -67,11 +67,17 @@ def _build_service(name: str, args: argparse.Namespace) -> Any:
 
 
 def _audit(config: str, n_tasks: int) -> int:
-    """`trajmesh envs --audit [CONFIG]`: the verifier audit's table; exit 1 when a source is refused."""
+    """`trajmesh envs --audit [CONFIG]`: the verifier audit's table (a config's judged sources through
+    its judge, as `trajmesh train` audits them); exit 1 when a source is refused."""
     from trajmesh.run import audit
 
-    sources = list(load_config(config, {}).tasks.sources) if config else audit.reasoning_gym_families()
-    audits = audit.audit_sources(sources, n_tasks)
+    if config:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="trajmesh-audit-") as tmp:  # a judge engine's log, not the run dir
+            audits = audit.audit_config(load_config(config, {"run_dir": tmp}), n_tasks)
+    else:
+        audits = audit.audit_sources(audit.reasoning_gym_families(), n_tasks)
     print(audit.format_table(audits))
     return 1 if any(a.refused for a in audits) else 0
 
