@@ -114,15 +114,10 @@ def _wrong_totals(gold: int, rng: random.Random, k: int) -> list[int]:
 
 
 def _start_engine(log_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes], str]:
-    from trajmesh.infra import die_with_parent, free_port
+    from trajmesh.rollout.engines import start_engine_server
 
-    port = free_port()
-    log = open(log_dir / "judge-engine.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", str(MODEL),
-                             "--port", str(port), "--host", "127.0.0.1", "--version", "0",
-                             "--threads", str(threads)], stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=die_with_parent())
-    return proc, f"http://127.0.0.1:{port}"
+    url, proc = start_engine_server(str(MODEL), log_dir / "judge-engine.log", threads=threads)
+    return proc, url
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:

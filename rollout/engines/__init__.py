@@ -77,20 +77,38 @@ class SGLangEngineConfig(HttpEngineConfig):
     """Base URL of the running SGLang server (required: rollout never starts one)."""
 
 
-def spawn_torch_server(cfg: RunConfig, replica: int, model_path: str, version: int, log_path: Path
-                       ) -> tuple[str, subprocess.Popen[bytes]]:
-    """A torch engine server child serving `model_path` (its log at `log_path`): its URL and process.
-    No orphan engine: it stays in this process's group (the launcher kills the group) and gets
-    SIGKILL when this process dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
-    port = free_port()
+def start_engine_server(model_path: str, log_path: Path, *, port: int | None = None, version: int | str = 0,
+                        seed: int | None = None, threads: int = 1, nice: int = 0,
+                        env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+    """A torch engine server child (rollout/engines/engine_server.py) serving `model_path` on loopback at
+    `port` (a free one by default), its output appended to `log_path`: its URL and process. `nice`
+    lowers its priority; `env` replaces this process's environment. No orphan engine: it stays in this
+    process's group (the launcher kills the group) and gets SIGKILL when this process dies, even by
+    SIGKILL (PR_SET_PDEATHSIG). The rollout's engine, the launcher's judge engine and the judge
+    benchmark start it here."""
+    port = free_port() if port is None else port
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", model_path,
-           "--port", str(port), "--host", "127.0.0.1", "--version", str(version),
-           "--seed", str(cfg.seed * 101 + replica), "--threads", "1"]
+           "--port", str(port), "--host", "127.0.0.1", "--version", str(version), "--threads", str(threads)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    parent_death = die_with_parent(signal.SIGKILL)
+
+    def preexec() -> None:
+        parent_death()
+        if nice > 0:
+            os.nice(nice)
+
     with open(log_path, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy(),
-                                preexec_fn=die_with_parent(signal.SIGKILL))
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                env=os.environ.copy() if env is None else env, preexec_fn=preexec)
     return f"http://127.0.0.1:{port}", proc
+
+
+def spawn_torch_server(cfg: RunConfig, replica: int, model_path: str, version: int, log_path: Path
+                       ) -> tuple[str, subprocess.Popen[bytes]]:
+    """The rollout's torch engine server for `replica` (`start_engine_server`, seeded per replica)."""
+    return start_engine_server(model_path, log_path, version=version, seed=cfg.seed * 101 + replica)
 
 
 async def start_http(ctx: EngineContext) -> StartedEngine:

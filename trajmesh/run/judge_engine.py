@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from trajmesh.config import RunConfig
-from trajmesh.infra import die_with_parent, free_port
+from trajmesh.infra import free_port
 
 STARTUP_TIMEOUT_S = 300.0
 """How long the judge engine may take to load its model (a loaded CPU machine: tens of seconds)."""
@@ -61,20 +59,11 @@ class JudgeEngine:
     def start(self) -> JudgeEngine:
         """Starts the server and waits until it is healthy (`StartFailed` naming its log if it exits
         first or takes longer than `STARTUP_TIMEOUT_S`)."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", self.model_path,
-               "--host", "127.0.0.1", "--port", str(self.port), "--version", "judge", "--threads", "1"]
+        from trajmesh.rollout.engines import start_engine_server
+
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        parent_death = die_with_parent(signal.SIGKILL)
-        nice = self.nice
-
-        def preexec() -> None:
-            parent_death()
-            if nice > 0:
-                os.nice(nice)
-
-        with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
+        _, self.popen = start_engine_server(self.model_path, self.log_path, port=self.port, version="judge",
+                                            nice=self.nice, env=env)
         try:
             asyncio.run(self._wait_healthy())
         except BaseException:
