@@ -132,6 +132,12 @@ class GraderService(Service):
         """The policy's tokenizer (decodes responses for the verifiers); None until setup()."""
         self.graders: dict[str, Grader] = {}
         self.task_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        """Task id → the store's record of it, the most recently used last (`_task`)."""
+        self.task_reads: dict[str, asyncio.Future[dict[str, Any] | None]] = {}
+        """Task ids missing from the cache in this turn of the event loop, each with its waiters'
+        future: read together at the end of the turn (`_start_task_read`)."""
+        self.task_reading: set[asyncio.Future[None]] = set()
+        """Reads of task records under way (held so that they are not collected)."""
         self.judge: JudgeGrader | None = None
         """The judge grader of `judge.sources` (graders/judge.py); None without a judge."""
         self.judge_groups: JudgeGroups | None = None
@@ -332,22 +338,55 @@ class GraderService(Service):
         traj.fail_infra(trajectory_pb2.INFRA_DEADLINE, f"sample deadline passed {when}")
         return traj.to_bytes(), f"graded-{traj.trajectory_id}", traj.group_id
 
-    async def _task(self, task_id: str, cache_size: int = 4096) -> dict[str, Any] | None:
-        """The store's task record. A record never changes once written, and the G samples of a
-        task arrive close together, so recent ones are kept here (one Redis read per task, not per
-        trajectory). Unknown ids are not cached: the store may write the record later."""
+    async def _task(self, task_id: str) -> dict[str, Any] | None:
+        """The store's task record. A record never changes once written (the store's admission
+        script writes it once per task id; only its settled group's cleanup deletes it), and the
+        G samples of a task arrive close together, so recent ones are kept here. A fetch's
+        messages are graded concurrently: the ids missing from the cache in one turn of the event
+        loop are read together, one Redis round trip (`_read_tasks`), each id once, however many
+        samples ask for it. Unknown ids are not cached: the store may write the record later."""
         task = self.task_cache.get(task_id)
         if task is not None:
             self.task_cache.move_to_end(task_id)
             return task
+        loop = asyncio.get_running_loop()
+        reading = self.task_reads.get(task_id)
+        if reading is None:
+            reading = self.task_reads[task_id] = loop.create_future()
+            if len(self.task_reads) == 1:  # the first miss of this turn: read after the others join
+                loop.call_soon(self._start_task_read)
+        return await asyncio.shield(reading)  # a cancelled sample leaves the read to the others
+
+    def _start_task_read(self) -> None:
+        batch, self.task_reads = self.task_reads, {}
+        read = asyncio.ensure_future(self._read_tasks(batch))
+        self.task_reading.add(read)
+        read.add_done_callback(self.task_reading.discard)
+
+    async def _read_tasks(self, batch: dict[str, asyncio.Future[dict[str, Any] | None]],
+                          cache_size: int = 4096) -> None:
+        """Reads the records of `batch`'s ids in one round trip and answers each id's waiters
+        (an error reaches every one of them, as their own read's would)."""
         assert self.record is not None, "_task() before setup()"
-        found = await self.record.task(task_id)
-        if found is None:
-            return None
-        task = self.task_cache[task_id] = found
+        try:
+            found = await self.record.tasks(list(batch))
+        except asyncio.CancelledError:
+            for waiting in batch.values():
+                waiting.cancel()
+            raise
+        except Exception as exc:
+            for waiting in batch.values():
+                if not waiting.done():
+                    waiting.set_exception(exc)
+                    waiting.exception()  # retrieved: a waiter cancelled meanwhile has nobody to raise it to
+            return
+        for task_id, task in zip(batch, found, strict=True):
+            if task is not None:
+                self.task_cache[task_id] = task
+            if not batch[task_id].done():
+                batch[task_id].set_result(task)
         while len(self.task_cache) > cache_size:
             self.task_cache.popitem(last=False)
-        return task
 
     def _sample(self, traj: Trajectory) -> Sample:
         """The sampled tokens decoded, whole and per turn (spans with mask 1, grouped by turn)."""

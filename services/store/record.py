@@ -5,7 +5,7 @@ services need, behind named calls, so the key names stay in the store (keys.py).
 
     learner     mark_finished(reason) at its budget, a stop rule or a regression; reopen() when a
                 resumed run may admit again; the data cursor (checkpointed, restored at least to it)
-    grader      task(task_id): the admitted task's record (reference answer, group size)
+    grader      task(task_id), tasks(ids): the admitted tasks' records (reference answer, group size)
     evaluator   finished(): the learner has ended the run
     run/        the manifest id, the admitted count (the accounting's left side), mark_finished
                 (through `SyncRunRecord`: the launcher's and `trajmesh train`'s synchronous clients)
@@ -49,6 +49,12 @@ class RunRecord:
         """The admitted task's record (reference answer, group size...); None once settled or unknown."""
         raw = await self.redis.hget(self.keys.tasks, task_id)
         return None if raw is None else json.loads(raw)  # type: ignore[no-any-return]
+
+    async def tasks(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
+        """`task` of each id, in one round trip."""
+        if not task_ids:
+            return []
+        return [None if raw is None else json.loads(raw) for raw in await self.redis.hmget(self.keys.tasks, task_ids)]
 
 
 class SyncRunRecord:
