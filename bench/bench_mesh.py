@@ -14,9 +14,10 @@
     learner gathers each batch from both (services/store/client.py, the learner's own client).
 
 (d) `--variants base,new --rounds N`: the one-store mesh N times per variant, alternating (base,
-    new, base, new, ...), in one run: `base` with `rollout.stateless_environments_in_process` and
-    `store.pipelined_admission` off (every episode Reset/Closed over gRPC, six Redis round trips
-    per admission), `new` with both on (the defaults). Compare CPU ms per trajectory per process.
+    new, base, new, ...), in one run: `base` with `store.pipelined_intake` off (a run of graded
+    trajectories costs the store a lookup, a membership MULTI and a finish script per completed
+    group), `new` with it on (the default: one script per run). Compare CPU ms per trajectory per
+    process.
 
 (e) `--tokens 4096,65536` (the default; issue #45 item 3): one-store mesh cells of each trajectory
     length, alternating, `--rounds` each (default 1), beside raw JetStream with the same payloads.
@@ -192,7 +193,7 @@ async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-un
 
 
 VARIANTS: dict[str, dict[str, object]] = {
-    "base": {"rollout.stateless_environments_in_process": False, "store.pipelined_admission": False},
+    "base": {"store.pipelined_intake": False},
     "new": {},
 }
 """--variants: config overrides of each (new: the defaults)."""

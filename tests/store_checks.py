@@ -68,3 +68,24 @@ async def take(store: TrajectoryStore, n: int) -> None:
             traj = Trajectory.from_bytes(data)
             incoming.append(_Incoming(data, msg, traj, traj.pb.trajectory_id))
     await store._intake_run(incoming)
+
+
+HANDSHAKE = {"HELLO", "CLIENT", "AUTH", "SELECT"}
+"""What a new Redis connection sends before any command of the store's."""
+
+
+def redis_command_names(packed: Any) -> list[str]:
+    """The command names in a packed RESP request (one command or a pipeline of them)."""
+    data = packed if isinstance(packed, (bytes, bytearray, memoryview)) else b"".join(bytes(p) for p in packed)
+    data, names, i = bytes(data), [], 0
+    while i < len(data):
+        assert data[i:i + 1] == b"*", data[i:i + 20]
+        end = data.index(b"\r\n", i)
+        n, i = int(data[i + 1:end]), end + 2
+        for k in range(n):
+            end = data.index(b"\r\n", i)
+            size = int(data[i + 1:end])
+            if k == 0:
+                names.append(data[end + 2:end + 2 + size].decode().upper())
+            i = end + 2 + size + 2
+    return names

@@ -745,9 +745,16 @@ class StoreConfig(_Strict):
     pipelined_admission: bool = True
     """Each admission-loop round reads the finished flag and the gate's counters, draws the sampler
     position and clears the last published task's unpublished mark in one Redis round trip, so an
-    admitted task costs two (that round and the admission script; services/store/service.py
-    `admission_loop`). False: one round trip for each, six per task, as the store did before; kept
-    so bench/bench_mesh.py (`--variants base,new`) measures both in one run."""
+    admitted task costs two (that round and the admission script; services/store/repo.py
+    `admission_round`). False: the same round, one round trip per command (five per task); kept
+    so bench/bench_mesh.py (`--variants base,new`) can measure both in one run."""
+    pipelined_intake: bool = True
+    """Each run of graded trajectories the store takes in (a fetch, split at a repeated id) is one
+    Redis round trip: every message's lookup, its group membership and the gate's finish of the
+    groups it completes, one script (services/store/repo.py `intake_round`). False, and for a run
+    with an infra failure to refill or a poison message: a lookup, a MULTI for the memberships and
+    one finish script per completed group (a filtered one also leaves the pending set on its own
+    round trip); kept so bench/bench_mesh.py (`--variants base,new`) measures both in one run."""
 
 
 class TeacherConfig(_Strict):

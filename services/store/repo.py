@@ -9,6 +9,7 @@ MULTI replies, so the store's wiring never counts reply positions:
   clears the last task's unpublished mark (`admission_round`);
 - per message: its task record and whether its id is final (one round trip for a batch);
 - per group member: membership in `received` / `valid` and both counts after it (one MULTI);
+- or both, and the finish of the groups they complete, in one script (`intake_round`);
 - ids marked final, membership cleanup (with a settled group's gate records, task record and
   final ids: a run's Redis holds only what is in flight, plus one bit per settled task);
 - recovery: which ids a previous store held (`owed_ids`), which open groups a killed store
@@ -78,6 +79,47 @@ class Lookup:
 
 
 @dataclass(frozen=True)
+class IntakeItem:
+    """One graded trajectory for `StoreRepo.intake_round`, with what the store knows before Redis."""
+    task_id: str
+    trajectory_id: str
+    group_id: str
+    """The group it claims."""
+    valid_member: bool
+    """`intake.Prejudged.valid_member`."""
+    newest_version: int
+    oldest_sampled_version: int
+    held_after: int
+    """Valid members its group holds after it if every valid-member item of the group so far in
+    the run is recorded valid (`StoreState.take_member`'s count)."""
+    refills_known: int
+    """The group's refills the store knows of (`Group.refills`)."""
+    kept_if_complete: int
+    """Members the group keeps if it completes at this run's end (the gate's `accepted` of its
+    finish); -1: the round must not finish it (the store selects members first: GRPO-RoC)."""
+    last_of_group: bool
+    """Whether it is the run's last item of its group (the round finishes a group only there)."""
+
+
+@dataclass(frozen=True)
+class IntakeFacts:
+    """What `StoreRepo.intake_round` found and did for one item."""
+    lookup: Lookup
+    recorded: bool
+    """Its membership was recorded (it is a member of its task's group and not final)."""
+    valid: bool
+    """Recorded as a valid member."""
+    counts: tuple[int, int]
+    """Its group's (received, valid) counts right after it (0, 0 unless recorded)."""
+    finish: int
+    """Its group's finish: -2 not complete, -1 left to the store, 0 finished already, 1 finished."""
+
+
+NOT_COMPLETE, FINISH_LEFT = -2, -1
+"""`IntakeFacts.finish` codes besides a finish's own result (0 or 1)."""
+
+
+@dataclass(frozen=True)
 class AdmissionRound:
     """One read before an admission (`StoreRepo.admission_round`)."""
     finished: bool
@@ -107,6 +149,22 @@ class OpenMember:
 
 def _every_group(group_id: str) -> bool:
     return True
+
+
+class _OneByOne:
+    """A pipeline's interface over a client that sends each command on its own round trip (the
+    benchmark's base: `store.pipelined_admission` false)."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.r = client
+        self.calls: list[Any] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        method = getattr(self.r, name)
+        return lambda *args: self.calls.append((method, args))
+
+    async def execute(self) -> list[Any]:
+        return [await method(*args) for method, args in self.calls]
 
 
 class StoreRepo:
@@ -139,11 +197,13 @@ class StoreRepo:
             group_size, task_id=task_id, record=json.dumps(record, default=str), data=data,
             group_id=str(record["group_id"]), version=int(record["admitted_at_version"]))
 
-    async def admission_round(self, *, draw: bool, published: Sequence[str] = ()) -> AdmissionRound:
+    async def admission_round(self, *, draw: bool, published: Sequence[str] = (),
+                              pipelined: bool = True) -> AdmissionRound:
         """What the admission loop needs before a task, in one round trip: the unpublished marks of
         `published` cleared (tasks on TASKS since the last round), whether the run is finished,
-        the gate's counters and, with `draw`, the next sampler position (`next_cursor`)."""
-        pipe = self.r.pipeline(transaction=False)
+        the gate's counters and, with `draw`, the next sampler position (`next_cursor`).
+        `pipelined` false: the same commands, one round trip each (`store.pipelined_admission`)."""
+        pipe = self.r.pipeline(transaction=False) if pipelined else _OneByOne(self.r)
         if published:
             pipe.hdel(self.keys.unpublished_tasks, *published)
         pipe.exists(self.keys.run_finished)
@@ -208,6 +268,28 @@ class StoreRepo:
             out.append(Lookup(json.loads(raw) if raw is not None else None, _final(final, cursor, bit),
                               group_pending=group_ids is None or pending is not None, refills=int(refills or 0)))
         return int(version_raw or 0), out
+
+    async def intake_round(self, items: list[IntakeItem], *, eta: int, place: int) -> tuple[int, list[IntakeFacts]]:
+        """The learner version and, for each item, `lookup`'s facts, its membership recorded as
+        `record_members` would (valid when it is a valid member with no version past the learner's
+        and not stale on arrival: its group pending and its oldest sampled version more than `eta`
+        behind) and the finish of a group it completes (`kept_if_complete` accepted, `place` a kept
+        group's batch place) — one atomic script, one round trip (`Admission.intake`)."""
+        if not items:
+            return int(await self.r.get(self.version_key) or 0), []
+        args = []
+        for it in items:
+            cursor = task_cursor(it.task_id) if member_task_id(it.trajectory_id) == it.task_id else None
+            args.append((it.task_id, it.trajectory_id, it.group_id, -1 if cursor is None else cursor,
+                         int(it.valid_member), it.newest_version, it.oldest_sampled_version, it.held_after,
+                         it.refills_known, it.kept_if_complete, int(it.last_of_group)))
+        version, *replies = await self.admission.intake(self.version_key, args, eta=eta, place=place)
+        out = []
+        for recorded, valid, received, nvalid, raw, final, pending, refills, finish in replies:
+            task = json.loads(raw) if raw is not None else None
+            out.append(IntakeFacts(Lookup(task, bool(final), bool(pending), int(refills)), bool(recorded),
+                                   bool(valid), (int(received), int(nvalid)), int(finish)))
+        return int(version), out
 
     async def record_members(self, members: list[Membership]) -> list[tuple[int, int]]:
         """Each member's group membership, then the group's (received, valid) counts as they stand

@@ -60,9 +60,27 @@ from trajmesh.gate import AsyncStalenessGate
 from trajmesh.service import STOP_WORK_S, Service, supervise
 from trajmesh.services.store import roc as roc_mod
 from trajmesh.services.store.archive import ArchiveWriter
-from trajmesh.services.store.intake import INFRA_REASONS, OUTCOME_VALID, judge_parsed, parse
+from trajmesh.services.store.intake import (
+    INFRA_REASONS,
+    OUTCOME_VALID,
+    Prejudged,
+    judge_parsed,
+    judge_prejudged,
+    parse,
+    prejudge,
+)
 from trajmesh.services.store.keys import RedisKeys
-from trajmesh.services.store.repo import Membership, StoreRepo, base_task_id, task_id_at
+from trajmesh.services.store.repo import (
+    FINISH_LEFT,
+    NOT_COMPLETE,
+    IntakeFacts,
+    IntakeItem,
+    Lookup,
+    Membership,
+    StoreRepo,
+    base_task_id,
+    task_id_at,
+)
 from trajmesh.services.store.state import (
     ACCEPTED_BEFORE_CRASH,
     NOT_RETURNED,
@@ -184,6 +202,21 @@ def runs_without_repeats(items: list[_Incoming]) -> list[list[_Incoming]]:
             runs.append([])
         runs[-1].append(item)
     return [r for r in runs if r]
+
+
+_Member = tuple[_Incoming, Trajectory, str, str, dict[str, Any]]
+"""A group member of a run: its message, trajectory, outcome, reason and task record."""
+
+
+def _check_round(members: list[_Member], looked_up: list[_Incoming], facts: dict[int, IntakeFacts]) -> None:
+    """The intake round recorded each message's membership as the store's own verdict says:
+    members and only members recorded, valid exactly when the verdict is valid."""
+    verdicts = {id(it): outcome == OUTCOME_VALID for it, _, outcome, _, _ in members}
+    for it in looked_up:
+        f = facts[id(it)]
+        if f.recorded != (id(it) in verdicts) or f.valid != verdicts.get(id(it), False):
+            raise RuntimeError(f"intake round disagrees with the store's verdict on {it.tid}: recorded "
+                               f"{f.recorded} valid {f.valid}, verdict {verdicts.get(id(it))}")
 
 
 @dataclass
@@ -400,15 +433,15 @@ class TrajectoryStore(Service):
         Each round is one Redis round trip before the admission's own script
         (`StoreRepo.admission_round`): the finished flag, the gate's counters, the next sampler
         position (drawn once, kept across rounds without capacity) and the clearing of the last
-        published task's unpublished mark.
+        published task's unpublished mark (`store.pipelined_admission` false: the same commands, one
+        round trip each).
         """
         g = self.cfg.admitted_group_size
-        if not self.cfg.store.pipelined_admission:
-            await self._admission_loop_unpipelined()
-            return
         cursor: int | None = None  # a sampler position drawn and not admitted yet
+        pipelined = self.cfg.store.pipelined_admission
         while True:
-            rnd = await self.w.repo.admission_round(draw=cursor is None, published=self.published_tasks)
+            rnd = await self.w.repo.admission_round(draw=cursor is None, published=self.published_tasks,
+                                                    pipelined=pipelined)
             self.published_tasks = []
             cursor = rnd.cursor if rnd.cursor is not None else cursor
             if rnd.finished:  # the learner is done: admit nothing more, let it drain
@@ -423,25 +456,6 @@ class TrajectoryStore(Service):
             self.capacity_changed.clear()
             try:
                 async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow a cancel
-                    await self.capacity_changed.wait()
-            except TimeoutError:
-                pass
-
-    async def _admission_loop_unpipelined(self) -> None:
-        """`admission_loop` with `store.pipelined_admission` off: one round trip per read."""
-        g = self.cfg.admitted_group_size
-        while True:
-            if await self.w.repo.run_finished():
-                await asyncio.sleep(1.0)
-                continue
-            counters = await self.w.gate.counters()
-            GATE_CAPACITY.set(counters.capacity)
-            GATE_RUNNING.set(counters.running)
-            if await self.w.gate.capacity() >= g and await self._publish_next_task(counters.version):
-                continue
-            self.capacity_changed.clear()
-            try:
-                async with asyncio.timeout(1.0):
                     await self.capacity_changed.wait()
             except TimeoutError:
                 pass
@@ -577,7 +591,13 @@ class TrajectoryStore(Service):
 
     async def _intake_run(self, items: list[_Incoming], *, poison: bool = False) -> None:
         """Judges a run of messages without repeated ids. `poison`: they are terminated by the
-        bus (no message to ack) and end as `quarantined:poison`."""
+        bus (no message to ack) and end as `quarantined:poison`.
+
+        With `store.pipelined_intake` (and no poison, no infra failure to refill) the run's Redis
+        bookkeeping is one round trip (`StoreRepo.intake_round`: lookup, membership and the finish
+        of the groups it completes); otherwise a lookup, the membership's MULTI and one finish
+        script per completed group. Both paths judge with the same code, and the one-round path
+        checks that the script recorded what that judgement says."""
         todo = []
         for item in items:
             # redelivered while we still hold it, or before its outcome is marked final in Redis
@@ -587,12 +607,33 @@ class TrajectoryStore(Service):
                 todo.append(item)
         if not todo:
             return
+        pre = {id(it): prejudge(it.peek, vocab_size=self.vocab_size) for it in todo if it.peek is not None}
         looked_up = [it for it in todo if it.peek is not None and it.peek.task_id]
-        learner_version, found = await self.w.repo.lookup(
-            [(it.peek.task_id, it.tid) for it in looked_up if it.peek is not None],
-            [it.peek.group_id for it in looked_up if it.peek is not None])
+        one_round = (self.cfg.store.pipelined_intake and not poison
+                     and all(it.peek.terminal_reason != trajectory_pb2.INFRA_FAILURE
+                             for it in looked_up if it.peek is not None))
+        facts: dict[int, IntakeFacts] | None = None
+        if one_round:
+            learner_version, found_facts = await self.w.repo.intake_round(
+                self._intake_items(looked_up, pre), eta=self.cfg.effective_eta, place=self.cfg.tasks.group_size)
+            facts = {id(it): f for it, f in zip(looked_up, found_facts, strict=True)}
+            found = [f.lookup for f in found_facts]
+        else:
+            learner_version, found = await self.w.repo.lookup(
+                [(it.peek.task_id, it.tid) for it in looked_up if it.peek is not None],
+                [it.peek.group_id for it in looked_up if it.peek is not None])
         records = {id(it): f for it, f in zip(looked_up, found, strict=True)}
-        members: list[tuple[_Incoming, Trajectory, str, str, dict[str, Any]]] = []
+        members = self._judge_run(todo, records, pre, learner_version, poison=poison)
+        if facts is not None:
+            _check_round(members, looked_up, facts)
+        if members:
+            await self._take_members(members, facts)
+
+    def _judge_run(self, todo: list[_Incoming], records: dict[int, Lookup], pre: dict[int, Prejudged],
+                   learner_version: int, *, poison: bool) -> list[_Member]:
+        """Each message's verdict from its lookup: non-members finalized here, the members (valid
+        or not) returned in order for their membership."""
+        members: list[_Member] = []
         for it in todo:
             rec = records.get(id(it))
             task = rec.task if rec is not None else None
@@ -600,7 +641,9 @@ class TrajectoryStore(Service):
                 RETRIED.labels(source=it.peek.pb.task_source).inc()
                 self._finalize(it.peek, "duplicate", "duplicate_trajectory_id", it.msg, mark=False)
                 continue
-            verdict = judge_parsed(it.peek, task, vocab_size=self.vocab_size, learner_version=learner_version)
+            verdict = (judge_prejudged(it.peek, pre[id(it)], task, learner_version=learner_version)
+                       if it.peek is not None else judge_parsed(None, task, vocab_size=self.vocab_size,
+                                                                learner_version=learner_version))
             traj = verdict.trajectory
             outcome, reason = ("quarantined", POISON) if poison else (verdict.outcome, verdict.reason)
             if traj is None:
@@ -614,20 +657,48 @@ class TrajectoryStore(Service):
             task["refills"] = rec.refills  # the group's refills so far (not part of the stored record)
             if outcome == OUTCOME_VALID and traj.terminal_reason == trajectory_pb2.STALE:
                 outcome, reason = STALE_CUT_SHORT
-            elif (outcome == OUTCOME_VALID and rec is not None and rec.group_pending
-                  and self._too_stale(traj, learner_version)):
+            elif (outcome == OUTCOME_VALID and rec.group_pending
+                  and self._stale_at(pre[id(it)].oldest_sampled_version, learner_version)):
                 # Only while its group is pending: one handed out may have been trained already,
                 # its Report still on the way to this (restarted) store, which must record it.
                 outcome, reason = STALE_ON_ARRIVAL
                 log.warning("cut %s on arrival: sampled at v%d, learner at v%d (eta %d)", traj.trajectory_id,
-                            self._oldest_version(traj), learner_version, self.cfg.effective_eta)
+                            pre[id(it)].oldest_sampled_version, learner_version, self.cfg.effective_eta)
             if traj.truncated:
                 TRUNCATED.labels(source=traj.pb.task_source).inc()
             members.append((it, traj, outcome, reason, task))
-        if members:
-            await self._take_members(members)
+        return members
 
-    async def _take_members(self, members: list[tuple[_Incoming, Trajectory, str, str, dict[str, Any]]]) -> None:
+    def _intake_items(self, looked_up: list[_Incoming], pre: dict[int, Prejudged]) -> list[IntakeItem]:
+        """`StoreRepo.intake_round`'s items: each message with its prejudgement, and for its group
+        what `take_member` and `_complete` will count if every valid-member message of the run is
+        recorded valid (the script finishes a group only then)."""
+        last = {it.peek.group_id: k for k, it in enumerate(looked_up) if it.peek is not None}
+        joining: dict[str, list[Trajectory]] = {}
+        for it in looked_up:
+            if it.peek is not None and pre[id(it)].valid_member:
+                joining.setdefault(it.peek.group_id, []).append(it.peek)
+        held: dict[str, int] = {}
+        out = []
+        for k, it in enumerate(looked_up):
+            traj, p = it.peek, pre[id(it)]
+            assert traj is not None
+            gid = traj.group_id
+            group = self.state.assembling.get(gid)
+            had = list(group.members) if group is not None else []
+            held[gid] = held.get(gid, len(had)) + int(p.valid_member)
+            kept = -1
+            if self.roc_scores is None:  # a RoC selection is the store's, before the finish
+                after = had + joining.get(gid, [])
+                kept = 0 if self._filter_reason(after) else len(after)
+            out.append(IntakeItem(traj.task_id, it.tid, gid, p.valid_member, p.newest_version,
+                                  p.oldest_sampled_version, held[gid], group.refills if group is not None else 0,
+                                  kept, last[gid] == k))
+        return out
+
+    async def _take_members(self, members: list[_Member], facts: dict[int, IntakeFacts] | None = None) -> None:
+        """Records the members' membership (`facts`: recorded already by the run's one round) and
+        moves them into their groups; completes a group they complete."""
         # Each infra-failed member's refill is admitted before its membership is recorded, so its
         # group can never complete without waiting for the refill (a crash in between redelivers
         # the member, and the refill's admission is idempotent per failed id).
@@ -636,10 +707,17 @@ class TrajectoryStore(Service):
             gid = traj.group_id
             refills[gid] = max(refills.get(gid, 0), int(task.get("refills", 0)))
             if outcome == "failed_infra":
+                assert facts is None, "a run with an infra failure takes the separate round trips"
                 refills[gid] = await self._refill(traj, reason, task, refills[gid])
-        counts = await self.w.repo.record_members(
-            [Membership(traj.group_id, it.tid, outcome == OUTCOME_VALID) for it, traj, outcome, _, _ in members])
-        for (it, traj, outcome, reason, task), (received, valid) in zip(members, counts, strict=True):
+        if facts is None:
+            counts = await self.w.repo.record_members(
+                [Membership(traj.group_id, it.tid, outcome == OUTCOME_VALID) for it, traj, outcome, _, _ in members])
+            finishes: list[int | None] = [None] * len(members)
+        else:
+            counts = [facts[id(it)].counts for it, *_ in members]
+            finishes = [facts[id(it)].finish for it, *_ in members]
+        for (it, traj, outcome, reason, task), (received, valid), finish in zip(members, counts, finishes,
+                                                                               strict=True):
             # Only after the membership is recorded may a message be finalized (acked at commit).
             if outcome != OUTCOME_VALID:
                 self._finalize(traj, outcome, reason, it.msg)
@@ -648,14 +726,25 @@ class TrajectoryStore(Service):
                 order=int(task.get("cursor", 1 << 62)), source=str(task.get("source", "")),
                 received=received, valid_count=valid, admitted_version=int(task.get("admitted_at_version", 0)),
                 refills=refills[traj.group_id])
+            if finish is not None and finish != FINISH_LEFT and (group is not None) != (finish != NOT_COMPLETE):
+                raise RuntimeError(f"intake round: {traj.group_id} complete in Redis's count ({finish}) but "
+                                   f"not in the store's ({group is not None}), at {it.tid}")
             if group is not None:
-                await self._complete(group)
+                await self._complete(group, finished=finish if finish in (0, 1) else None)
 
-    async def _complete(self, group: Group) -> None:
-        rewards = [t.reward for t in group.members]
+    def _filter_reason(self, members: list[Trajectory]) -> str:
+        """Why a complete group of these members is dropped ('' = kept: `filter_reason`)."""
         # A group a teacher scored carries a per-token signal whatever its rewards (distillation).
-        taught = any(len(t.pb.teacher_logprobs) for t in group.members)
-        reason = filter_reason(rewards, drop_zero_variance=self.cfg.store.drop_zero_variance_groups and not taught)
+        taught = any(len(t.pb.teacher_logprobs) for t in members)
+        return filter_reason([t.reward for t in members],
+                             drop_zero_variance=self.cfg.store.drop_zero_variance_groups and not taught)
+
+    async def _complete(self, group: Group, finished: int | None = None) -> None:
+        """A complete group: filtered, or kept (GRPO-RoC may drop members) and made ready; its
+        finish in the gate first. `finished`: the run's one round did that finish already (1: the
+        first time), with the accepted count this group's members give (no RoC)."""
+        rewards = [t.reward for t in group.members]
+        reason = self._filter_reason(group.members)
         roc = self.cfg.store.resample_on_correct
         decisions: dict[str, roc_mod.Decision] = {}
         if not reason and self.roc_scores is not None:
@@ -663,12 +752,16 @@ class TrajectoryStore(Service):
                 group.group_id, group.members, self.cfg.tasks.group_size, correct_above=roc.correct_above,
                 penalty_floor=roc.penalty_floor, scored=self.roc_scores)}
         dropped = {tid: d.reason for tid, d in decisions.items() if not d.kept}
-        # Out of the group in Redis before their outcomes commit: a group rebuilt after a store
-        # restart completes with the kept members alone (the dropped ones are final by then).
-        await self.w.repo.leave_group(group.group_id, list(dropped))
         kept = 0 if reason else len(group.members) - len(dropped)
-        first_time = await self.w.repo.finish_group(group.group_id, accepted=kept, rejected=group.expected - kept,
-                                                    place=self.cfg.tasks.group_size)
+        if finished is None:
+            # Out of the group in Redis before their outcomes commit: a group rebuilt after a store
+            # restart completes with the kept members alone (the dropped ones are final by then).
+            await self.w.repo.leave_group(group.group_id, list(dropped))
+            first_time = await self.w.repo.finish_group(group.group_id, accepted=kept,
+                                                        rejected=group.expected - kept, place=self.cfg.tasks.group_size)
+        else:
+            assert not dropped, "a RoC selection is never finished by the intake round"
+            first_time = bool(finished)
         if first_time:  # a group rebuilt after a store restart was counted already
             self._note_group_health(group, rewards)
             if self.sampler is not None:  # the curriculum's re-profile reads the run's own outcomes
@@ -681,7 +774,8 @@ class TrajectoryStore(Service):
             log.info("group %s filtered: %s (rewards %s)", group.group_id, reason, rewards)
             for f in self.state.filter_group(group, reason):
                 self._archive_row(f)
-            await self.w.repo.not_pending([group.group_id])
+            if finished is None:  # the intake round took it out of the pending set with its finish
+                await self.w.repo.not_pending([group.group_id])
         else:
             for t in group.members:
                 d = decisions.get(t.trajectory_id)
@@ -907,7 +1001,10 @@ class TrajectoryStore(Service):
 
     def _too_stale(self, traj: Trajectory, learner_version: int) -> bool:
         """Whether the learner, at `learner_version` or later, could only quarantine it as stale."""
-        oldest = self._oldest_version(traj)
+        return self._stale_at(self._oldest_version(traj), learner_version)
+
+    def _stale_at(self, oldest: int, learner_version: int) -> bool:
+        """`_too_stale` of a trajectory whose oldest sampled version is `oldest` (-1: none)."""
         return oldest >= 0 and learner_version - oldest > self.cfg.effective_eta
 
     def _count_stale(self, trajs: list[Trajectory], learner_version: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import nats.errors
 import pytest
-from store_checks import store_config
+from store_checks import HANDSHAKE, redis_command_names, store_config
 
 from trajmesh import bus as busmod
 from trajmesh.infra import NatsServer, RedisServer
@@ -28,23 +28,6 @@ from trajmesh.services.store.service import TrajectoryStore
 from trajmesh.v1 import trajectory_pb2
 
 G = 4
-
-
-def _command_names(packed: Any) -> list[str]:
-    """The command names in a packed RESP request (one command or a pipeline of them)."""
-    data = packed if isinstance(packed, (bytes, bytearray, memoryview)) else b"".join(bytes(p) for p in packed)
-    data, names, i = bytes(data), [], 0
-    while i < len(data):
-        assert data[i:i + 1] == b"*", data[i:i + 20]
-        end = data.index(b"\r\n", i)
-        n, i = int(data[i + 1:end]), end + 2
-        for k in range(n):
-            end = data.index(b"\r\n", i)
-            size = int(data[i + 1:end])
-            if k == 0:
-                names.append(data[end + 2:end + 2 + size].decode().upper())
-            i = end + 2 + size + 2
-    return names
 
 
 def _count_round_trips(store: TrajectoryStore, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
@@ -56,7 +39,7 @@ def _count_round_trips(store: TrajectoryStore, monkeypatch: pytest.MonkeyPatch) 
     send = cls.send_packed_command
 
     async def recording(self: Any, command: Any, check_health: bool = True) -> None:
-        trips.append(_command_names(command))
+        trips.append(redis_command_names(command))
         await send(self, command, check_health)
 
     monkeypatch.setattr(cls, "send_packed_command", recording)
@@ -78,10 +61,6 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait([task], timeout=1.0)
-
-
-HANDSHAKE = {"HELLO", "CLIENT", "AUTH", "SELECT"}
-"""What a new connection sends before any command of the store's."""
 
 
 def test_an_admission_is_one_round_and_one_script(tmp_path: Path, nats_server: NatsServer,

@@ -11,7 +11,7 @@ import redis.asyncio
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.infra import RedisServer
 from trajmesh.services.store.keys import RedisKeys
-from trajmesh.services.store.repo import Membership, StoreRepo
+from trajmesh.services.store.repo import FINISH_LEFT, NOT_COMPLETE, IntakeItem, Membership, StoreRepo
 
 KEYS = RedisKeys("t")
 ETA, B = 1, 4
@@ -122,4 +122,55 @@ def test_pending_groups_by_admission_version(redis_server: RedisServer) -> None:
         await repo.pending_again({"g3": 3})
         assert await repo.due_groups(3) == {"g3"}
         assert await repo.due_groups(2) == set()
+    _with_repo(redis_server, body)
+
+
+def test_admission_round_one_command_per_round_trip_reads_the_same(redis_server: RedisServer) -> None:
+    """`store.pipelined_admission` false: the same round, each command on its own round trip."""
+    async def body(repo: StoreRepo, r: redis.asyncio.Redis) -> None:
+        await r.hset(KEYS.unpublished_tasks, mapping={"t0": b"x", "t1": b"y"})
+        piped = await repo.admission_round(draw=True, published=["t0"])
+        one_by_one = await repo.admission_round(draw=True, published=["t1"], pipelined=False)
+        assert (piped.finished, piped.counters, piped.capacity) == (
+            one_by_one.finished, one_by_one.counters, one_by_one.capacity)
+        assert (piped.cursor, one_by_one.cursor) == (0, 1)
+        assert await r.hlen(KEYS.unpublished_tasks) == 0
+    _with_repo(redis_server, body)
+
+
+def test_intake_round_records_valid_members_by_the_store_rule(redis_server: RedisServer) -> None:
+    """Each item in a group of its own (none completes): recorded when its task's record names
+    its group and it is not final; valid when it is a valid member, nothing it carries is newer
+    than the learner's version, and it is not stale on arrival (pending, oldest > eta behind)."""
+    async def body(repo: StoreRepo, r: redis.asyncio.Redis) -> None:
+        version = 5
+        await r.set(f"{KEYS.gate_prefix}:version", version)
+        cases = []
+        for good in (True, False):
+            for newest in (version, version + 1):
+                for oldest in (-1, version - ETA, version - ETA - 1):
+                    for pending in (True, False):
+                        cases.append((good, newest, oldest, pending))
+        items = []
+        for k, (good, newest, oldest, pending) in enumerate(cases):
+            task_id, gid = f"task{k}-c{k}", f"g{k}"
+            await r.hset(KEYS.tasks, task_id, json.dumps({"group_id": gid, "group_size": 4}))
+            if pending:
+                await r.zadd(KEYS.pending_groups, {gid: 0})
+            items.append(IntakeItem(task_id, f"{task_id}-0", gid, good, newest, oldest, int(good), 0, -1, True))
+        items.append(IntakeItem("task0-c0", "task0-c0-1", "g-other", True, 0, 0, 1, 0, -1, True))  # not its group
+        items.append(IntakeItem("nope-c99", "nope-c99-0", "g99", True, 0, 0, 1, 0, -1, True))  # unknown task
+        await r.setbit(KEYS.settled_tasks, 98, 1)
+        await r.hset(KEYS.tasks, "old-c98", json.dumps({"group_id": "g98", "group_size": 4}))
+        items.append(IntakeItem("old-c98", "old-c98-0", "g98", True, 0, 0, 1, 0, -1, True))  # settled: final
+        got_version, facts = await repo.intake_round(items, eta=ETA, place=4)
+        assert got_version == version
+        for (good, newest, oldest, pending), f in zip(cases, facts, strict=False):
+            stale = pending and oldest >= 0 and version - oldest > ETA
+            assert f.recorded and f.valid == (good and newest <= version and not stale), (good, newest, oldest, pending)
+            assert f.lookup.group_pending == pending and f.counts == (1, int(f.valid))
+            # a valid member recorded otherwise leaves its group's finish to the store
+            assert f.finish == (FINISH_LEFT if good and not f.valid else NOT_COMPLETE)
+        assert [(f.recorded, f.lookup.task is not None, f.lookup.already_final) for f in facts[-3:]] == [
+            (False, True, False), (False, False, False), (False, True, True)]
     _with_repo(redis_server, body)
