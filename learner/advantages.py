@@ -447,7 +447,7 @@ def teacher_logprobs_BT(batch: Batch, trajs: list[Trajectory]) -> tuple[Tensor, 
     for r, (i, a, e) in enumerate(rows):
         lp_T = trajs[i].teacher_logprobs_T
         if lp_T is not None:
-            teacher_BT[r, :e - a] = torch.from_numpy(lp_T[a:e])
+            teacher_BT[r, :e - a] = torch.tensor(lp_T[a:e])  # a read-only view of the block: copied
             taught_B[r] = True
     return teacher_BT, taught_B
 

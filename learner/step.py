@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -122,12 +123,14 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
     rows = [(i, a, e) for i, t in enumerate(trajs) for a, e in (t.segment_bounds() or [(0, len(t))])]
     width = max(max(e - a for _, a, e in rows), 1)
     b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    att = torch.zeros((b, width), dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.float32)
-    blogp = torch.zeros((b, width), dtype=torch.float32)
-    vers = torch.full((b, width), -1, dtype=torch.long)
-    atype = torch.full((b, width), trajectory_pb2.ACTION_TYPE_UNSPECIFIED, dtype=torch.long)
+    # Filled in numpy straight from each trajectory's block views (one copy per row and array, the
+    # dtype converted on the way), then handed to torch without another copy.
+    ids = np.full((b, width), pad_id, dtype=np.int64)
+    att = np.zeros((b, width), dtype=np.int64)
+    mask = np.zeros((b, width), dtype=np.float32)
+    blogp = np.zeros((b, width), dtype=np.float32)
+    vers = np.full((b, width), -1, dtype=np.int64)
+    atype = np.full((b, width), trajectory_pb2.ACTION_TYPE_UNSPECIFIED, dtype=np.int64)
     groups: dict[str, int] = {}
     gidx = torch.zeros(b, dtype=torch.long)
     share = torch.ones(b, dtype=torch.float32)
@@ -135,11 +138,11 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
     for r, (i, a, e) in enumerate(rows):
         t, n = trajs[i], e - a
         tok_T, m_T, lp_T, v_T = (x[a:e] for x in arrays[i])
-        ids[r, :n] = torch.from_numpy(tok_T.astype("int64"))
+        ids[r, :n] = tok_T
         att[r, :n] = 1
-        mask[r, :n] = torch.from_numpy(m_T.astype("float32"))
-        blogp[r, :n] = torch.from_numpy(lp_T)
-        vers[r, :n] = torch.from_numpy(v_T)
+        mask[r, :n] = m_T
+        blogp[r, :n] = lp_T
+        vers[r, :n] = v_T
         for span in t.pb.spans:
             lo, hi = max(span.token_start, a), min(span.token_end, e)
             if lo < hi:
@@ -149,7 +152,9 @@ def build_batch(trajs: list[Trajectory], pad_id: int) -> Batch:
         if total and (a, e) != (0, len(t)):
             share[r] = float((m_T == 1).sum()) / total
     reward = torch.tensor([trajs[i].reward for i, _, _ in rows], dtype=torch.float32)
-    return Batch(ids, att, mask, blogp, vers, reward, gidx, [trajs[i].trajectory_id for i, _, _ in rows], atype,
+    return Batch(torch.from_numpy(ids), torch.from_numpy(att), torch.from_numpy(mask), torch.from_numpy(blogp),
+                 torch.from_numpy(vers), reward, gidx, [trajs[i].trajectory_id for i, _, _ in rows],
+                 torch.from_numpy(atype),
                  torch.tensor([i for i, _, _ in rows], dtype=torch.long), share)
 
 

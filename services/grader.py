@@ -224,7 +224,16 @@ class GraderService(Service):
                      traj: Trajectory | None = None) -> tuple[bytes, str | None, str]:
         """(What to publish on TRAJ_GRADED, its message id, its group id: "" when not a trajectory).
         `task`: the task record (an evaluation request's); None: the store's, read from Redis.
-        `traj`: `data` parsed already (pairwise judging parses every message first)."""
+        `traj`: `data` parsed already (pairwise judging parses every message first).
+
+        The verdict is set on the parsed message and the message serialized again. Its per-token
+        arrays are one opaque bytes field (the token block), so parsing and serializing copy them
+        as one memcpy each and never touch a token: the block published is byte for byte the one
+        received. Appending the verdict's fields to `data` instead would save those two copies but
+        not be idempotent: on a redelivery of a message graded before (or a re-grade), map entries
+        of `raw_reward_components` from the first verdict would survive beside the second's, and
+        the audit suffix of `verifier_output` would be appended twice. `set_reward` replaces them
+        all, so grading twice gives the message grading once gives (tests/unit/services/test_grader_block.py)."""
         if traj is None:
             try:
                 traj = Trajectory.from_bytes(data)

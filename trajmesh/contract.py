@@ -4,6 +4,11 @@ Every service that produces or consumes trajectories goes through `Trajectory`: 
 one turn by turn with the `append_*` helpers, the store and the learner call `validate()` on intake
 and quarantine anything it reports, and everyone ships `to_bytes()` / `Trajectory.from_bytes()`.
 
+The per-token arrays travel as one packed columnar block (`token_block`, trajmesh/token_block.py):
+the `append_*` helpers gather the engine's arrays and pack them once, when the message is first
+needed; the `_T` views are numpy views of the block's bytes. A record written before the block
+carries them in the repeated fields 10-13 and 31 instead and reads the same (its views are copies).
+
 Layout of a multi-turn trajectory (per-token arrays, all of one length T)::
 
     tokens      | prompt .......... | sampled (turn 0) | observation | sampled (turn 1) | ...
@@ -32,6 +37,8 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
+from trajmesh import token_block
+from trajmesh.token_block import BlockError, TokenColumns
 from trajmesh.v1 import trajectory_pb2
 
 ActionType = trajectory_pb2.ActionType
@@ -54,6 +61,10 @@ UNSAMPLED_VERSION = -1
 VIOLATION_NAMES: tuple[str, ...] = (
     "missing_trajectory_id",
     "missing_task_id",
+    "token_block_mixed",
+    token_block.MALFORMED,
+    token_block.LENGTH,
+    token_block.CHECKSUM,
     "length_mismatch",
     "empty_tokens",
     "token_out_of_vocab",
@@ -91,16 +102,41 @@ def _where(bad_T: npt.NDArray[np.bool_], what: str) -> str:
     return f"{idx.size} token(s) {what}, first at index {int(idx[0])}"
 
 
+_PER_TOKEN_FIELDS = ("token_ids", "loss_mask", "behavior_logprobs", "behavior_versions", "teacher_logprobs")
+"""The repeated per-token fields of records written before `token_block`."""
+_COLUMN_DTYPES: tuple[tuple[str, type[np.generic]], ...] = (
+    ("token_ids", np.int64), ("loss_mask", np.int64), ("behavior_logprobs", np.float32),
+    ("behavior_versions", np.int64), ("teacher_logprobs", np.float32),
+)
+"""`TokenColumns`' fields in order, with the dtype a replacement is read as (ints wide, so the
+block's encoder sees a value out of its column's range rather than a wrapped one)."""
+
+
 class Trajectory:
     """A typed view over one `trajectory_pb2.Trajectory`; the message itself is `.pb`.
 
-    Per-token numpy views carry the `_T` suffix (T = number of tokens) and are fresh copies.
+    Per-token numpy views carry the `_T` suffix (T = number of tokens). They are read-only views of
+    the token block (copies for a record without one). The per-token arrays change only through
+    this class's methods: a message whose block or repeated fields were edited through `.pb` is
+    read again by a new `Trajectory(pb)`.
     """
 
-    __slots__ = ("pb",)
+    __slots__ = ("_pb", "_cols", "_pending")
 
     def __init__(self, pb: trajectory_pb2.Trajectory | None = None) -> None:
-        self.pb: trajectory_pb2.Trajectory = pb if pb is not None else trajectory_pb2.Trajectory()
+        self._pb: trajectory_pb2.Trajectory = pb if pb is not None else trajectory_pb2.Trajectory()
+        self._cols: TokenColumns | None = None
+        """The per-token arrays of `_pb` (decoded on first use, kept: the block's bytes are copied
+        out of the message once)."""
+        self._pending: list[TokenColumns] = []
+        """Arrays appended since the block was last packed (`_pack` runs when the message is read)."""
+
+    @property
+    def pb(self) -> trajectory_pb2.Trajectory:
+        """The message, with every appended token packed into its block."""
+        if self._pending:
+            self._pack()
+        return self._pb
 
     # ---------------------------------------------------------------- creation and wire format
 
@@ -142,6 +178,12 @@ class Trajectory:
         """Deterministic protobuf wire bytes (map entries sorted); float32 log-probs bit-exact."""
         return self.pb.SerializeToString(deterministic=True)
 
+    @property
+    def token_block(self) -> bytes:
+        """The packed per-token arrays (b"" for a record written before the block, and for an
+        empty trajectory that never had one)."""
+        return self.pb.token_block
+
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Trajectory:
         """Parse wire bytes; raises ContractError if they are not a trajectory."""
@@ -150,20 +192,87 @@ class Trajectory:
             pb.ParseFromString(bytes(data))
         except DecodeError as exc:
             raise ContractError(f"not a trajectory: protobuf decode failed ({exc})") from exc
-        if not pb.trajectory_id and len(pb.token_ids) == 0:
+        if not pb.trajectory_id and len(pb.token_ids) == 0 and not pb.token_block:
             raise ContractError(
                 f"not a trajectory: {len(data)} byte(s) decode to no trajectory_id and no tokens"
             )
         return cls(pb)
 
     def __len__(self) -> int:
-        return len(self.pb.token_ids)
+        return self.num_tokens
 
     def __repr__(self) -> str:
         return (
             f"Trajectory(id={self.trajectory_id!r}, task={self.task_id!r}, tokens={len(self)}, "
-            f"spans={len(self.pb.spans)}, terminal={TerminalReason.Name(self.pb.terminal_reason)})"
+            f"spans={len(self._pb.spans)}, terminal={TerminalReason.Name(self._pb.terminal_reason)})"
         )
+
+    # ---------------------------------------------------------------- the per-token arrays
+
+    def _columns(self) -> TokenColumns:
+        """Every token's arrays, packed first if any were appended. Raises ContractError on a
+        block that cannot be read (`validate` names what is wrong with it)."""
+        if self._pending:
+            self._pack()
+        return self._stored()
+
+    def _stored(self) -> TokenColumns:
+        """The arrays in the message (without those still pending)."""
+        if self._cols is None:
+            block = self._pb.token_block
+            if block:
+                try:  # the checksum is `validate`'s: a view needs only a sound layout
+                    self._cols = token_block.decode(block, check_crc=False)
+                except BlockError as exc:
+                    raise ContractError(f"unreadable token block: {exc}") from exc
+            else:
+                pb = self._pb
+                teacher = np.array(pb.teacher_logprobs, dtype=np.float32) if len(pb.teacher_logprobs) else None
+                self._cols = TokenColumns(np.array(pb.token_ids, dtype=np.uint32),
+                                          np.array(pb.loss_mask, dtype=np.uint32),
+                                          np.array(pb.behavior_logprobs, dtype=np.float32),
+                                          np.array(pb.behavior_versions, dtype=np.int64), teacher)
+        return self._cols
+
+    def _append_columns(self, cols: TokenColumns) -> None:
+        if self._stored().teacher_logprobs_T is not None:
+            raise ContractError("tokens appended after a teacher scored the trajectory")
+        self._pending.append(cols)
+
+    def _pack(self) -> None:
+        """Writes the stored and pending arrays as the message's block (a record in the old
+        layout moves to the block: its repeated fields are cleared)."""
+        stored = self._stored()
+        if stored.num_tokens or self._pb.token_block:
+            parts = [stored, *self._pending]
+        else:
+            parts = self._pending
+        self._set_columns(token_block.concat_columns(parts))
+
+    def _set_columns(self, cols: TokenColumns) -> None:
+        block = token_block.encode(cols)
+        for name in _PER_TOKEN_FIELDS:
+            self._pb.ClearField(name)  # type: ignore[arg-type]
+        self._pb.token_block = block
+        self._pending = []
+        self._cols = token_block.decode(block, check_crc=False)
+
+    def replace_token_arrays(self, **arrays_T: npt.ArrayLike) -> None:
+        """Replaces whole per-token arrays by name (`token_ids`, `loss_mask`, `behavior_logprobs`,
+        `behavior_versions`, `teacher_logprobs`), each of the trajectory's length: what a tool or
+        a test that edits tokens calls (a record in the old layout moves to the block)."""
+        cols = self._columns()
+        values = {name: getattr(cols, f"{name}_T") for name in _PER_TOKEN_FIELDS}
+        unknown = set(arrays_T) - set(values)
+        if unknown:
+            raise ContractError(f"replace_token_arrays: no per-token array {sorted(unknown)}")
+        values.update({name: np.asarray(v).reshape(-1) for name, v in arrays_T.items()})
+        typed: dict[str, Any] = {name: None if values[name] is None else np.asarray(values[name], dtype=dtype)
+                                 for name, dtype in _COLUMN_DTYPES}
+        try:
+            self._set_columns(TokenColumns(**{f"{name}_T": array for name, array in typed.items()}))
+        except ValueError as exc:
+            raise ContractError(str(exc)) from exc
 
     # ---------------------------------------------------------------- typed fields
 
@@ -186,7 +295,7 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         """T, the length of every per-token array (token_ids' length if they disagree)."""
-        return len(self.pb.token_ids)
+        return self._stored().num_tokens + sum(p.num_tokens for p in self._pending)
 
     @property
     def prompt_length(self) -> int:
@@ -232,39 +341,36 @@ class Trajectory:
     # ---------------------------------------------------------------- numpy views
 
     @property
-    def token_ids_T(self) -> npt.NDArray[np.int64]:
-        return np.array(self.pb.token_ids, dtype=np.int64)
+    def token_ids_T(self) -> npt.NDArray[np.uint32]:
+        """uint32 token ids (a read-only view of the block)."""
+        return self._columns().token_ids_T
 
     @property
-    def loss_mask_T(self) -> npt.NDArray[np.int64]:
-        return np.array(self.pb.loss_mask, dtype=np.int64)
+    def loss_mask_T(self) -> npt.NDArray[np.unsignedinteger[Any]]:
+        """The loss mask, uint8 in the block (uint32 in a record written before it)."""
+        return self._columns().loss_mask_T
 
     @property
     def behavior_logprobs_T(self) -> npt.NDArray[np.float32]:
-        """float32 behavior log-probs, bit-exact as stored (finite values, infinities, NaNs).
-
-        The arrays are copied through the repeated fields' buffer protocol (upb), ~30x faster than
-        iterating them; any NaN fails `validate()` anyway.
-        """
-        return np.array(self.pb.behavior_logprobs, dtype=np.float32)
+        """float32 behavior log-probs, bit-exact as stored (finite values, infinities, NaNs)."""
+        return self._columns().behavior_logprobs_T
 
     @property
-    def behavior_versions_T(self) -> npt.NDArray[np.int64]:
-        return np.array(self.pb.behavior_versions, dtype=np.int64)
+    def behavior_versions_T(self) -> npt.NDArray[np.signedinteger[Any]]:
+        """int32 in the block when every version fits (else int64), int64 in a record written before it."""
+        return self._columns().behavior_versions_T
 
     @property
     def teacher_logprobs_T(self) -> npt.NDArray[np.float32] | None:
         """The teacher's float32 log-prob of each token (on-policy distillation); None when no
         teacher scored this trajectory."""
-        return np.array(self.pb.teacher_logprobs, dtype=np.float32) if len(self.pb.teacher_logprobs) else None
+        return self._columns().teacher_logprobs_T
 
     def set_teacher_logprobs(self, logprobs_T: npt.ArrayLike, teacher: str) -> None:
         """Records a teacher's log-probs of every token (0 is stored where loss_mask is 0) and its name."""
         lp_T = np.where(self.loss_mask_T == 1, np.asarray(logprobs_T, dtype=np.float32), np.float32(0.0))
-        del self.pb.teacher_logprobs[:]
-        payload = lp_T.astype("<f4").tobytes()
-        self.pb.MergeFromString(b"".join([_TEACHER_LOGPROBS_KEY, varint(len(payload)), payload]))
-        self.pb.teacher = teacher
+        self.replace_token_arrays(teacher_logprobs=lp_T)
+        self._pb.teacher = teacher
 
     # ---------------------------------------------------------------- construction helpers
 
@@ -277,10 +383,11 @@ class Trajectory:
     def start_segment(self) -> None:
         """The tokens appended next begin a new sequence (an agent session's segment, see
         ``sequence_starts``): the learner trains it as a row of its own. Append its prompt first."""
-        if not self.pb.sequence_starts:
-            self.pb.sequence_starts.append(0)
-        if len(self.pb.token_ids) > self.pb.sequence_starts[-1]:
-            self.pb.sequence_starts.append(len(self.pb.token_ids))
+        starts, n = self._pb.sequence_starts, self.num_tokens
+        if not starts:
+            starts.append(0)
+        if n > starts[-1]:
+            starts.append(n)
 
     def append_observation(
         self, token_ids: Sequence[int] | npt.ArrayLike, turn_index: int | None = None
@@ -320,15 +427,7 @@ class Trajectory:
                 f"append_sampled: {ids_T.size} token ids, {logprobs_T.size} logprobs, {versions_T.size} versions"
             )
         span = self._new_span(action_type, turn_index, ids_T.size)
-        if ids_T.size < _WIRE_FROM_TOKENS:
-            self.pb.token_ids.extend(ids_T.tolist())
-            self.pb.loss_mask.extend([1] * ids_T.size)
-            self.pb.behavior_logprobs.extend(logprobs_T.tolist())
-            self.pb.behavior_versions.extend(versions_T.tolist())
-            return span
-        versions = varint(int(versions) & _UINT64_MASK) * ids_T.size if isinstance(versions, (int, np.integer)) \
-            else _varints(versions_T)
-        self._extend_per_token(_varints(ids_T), b"\x01" * ids_T.size, logprobs_T.astype("<f4").tobytes(), versions)
+        self._append_columns(TokenColumns(ids_T, np.ones(ids_T.size, np.uint8), logprobs_T, versions_T))
         return span
 
     def add_tool_call(
@@ -409,38 +508,20 @@ class Trajectory:
     ) -> trajectory_pb2.Span:
         ids_T = _as_token_ids(token_ids)
         # Everything so far is prompt (no sampled token yet): the prompt grows with these tokens.
-        extends_prompt = self.pb.prompt_length == len(self.pb.token_ids)
+        n = self.num_tokens
+        extends_prompt = self._pb.prompt_length == n
         span = self._new_span(action_type, turn_index, ids_T.size)
-        if ids_T.size < _WIRE_FROM_TOKENS:
-            self.pb.token_ids.extend(ids_T.tolist())
-            self.pb.loss_mask.extend([0] * ids_T.size)
-            self.pb.behavior_logprobs.extend([0.0] * ids_T.size)
-            self.pb.behavior_versions.extend([UNSAMPLED_VERSION] * ids_T.size)
-        else:
-            self._extend_per_token(_varints(ids_T), bytes(ids_T.size), bytes(4 * ids_T.size),
-                                   _UNSAMPLED_VERSION_VARINT * ids_T.size)
+        self._append_columns(TokenColumns(ids_T, np.zeros(ids_T.size, np.uint8), np.zeros(ids_T.size, np.float32),
+                                          np.full(ids_T.size, UNSAMPLED_VERSION, np.int64)))
         if extends_prompt:
-            self.pb.prompt_length = len(self.pb.token_ids)
+            self._pb.prompt_length = n + ids_T.size
         return span
-
-    def _extend_per_token(self, token_ids: bytes, loss_mask: bytes, logprobs: bytes, versions: bytes) -> None:
-        """Appends to the four per-token arrays their packed wire encodings (`_varints`, float32
-        bytes). Merging wire bytes appends to repeated fields, and upb parses them in C, where
-        `extend` converts every element to a Python object and back (~100 µs per 4k-token array):
-        a 4k-token turn from the engine's lists is built in ~0.2 ms instead of ~0.7 ms (about a
-        third of the rollout's CPU in the mesh benchmark). The message is the one `extend` builds,
-        field for field (tests/unit/trajmesh/test_contract.py). Below `_WIRE_FROM_TOKENS` tokens the
-        builders still `extend`: this path's fixed cost (~25 µs) is more than a few elements cost."""
-        self.pb.MergeFromString(b"".join([
-            _TOKEN_IDS_KEY, varint(len(token_ids)), token_ids, _LOSS_MASK_KEY, varint(len(loss_mask)), loss_mask,
-            _LOGPROBS_KEY, varint(len(logprobs)), logprobs, _VERSIONS_KEY, varint(len(versions)), versions,
-        ]))
 
     def _new_span(
         self, action_type: trajectory_pb2.ActionType, turn_index: int | None, num_tokens: int
     ) -> trajectory_pb2.Span:
         """Add a span over the next `num_tokens` tokens, wired to its turn's root (see module doc)."""
-        spans = self.pb.spans
+        spans = self._pb.spans
         if turn_index is None:
             turn_index = spans[-1].turn_index if spans else 0
         if turn_index < 0:
@@ -453,7 +534,7 @@ class Trajectory:
             parent = earlier_roots[turn_index]
         elif earlier_roots and min(earlier_roots) < turn_index:
             parent = earlier_roots[max(t for t in earlier_roots if t < turn_index)]
-        start = len(self.pb.token_ids)
+        start = self.num_tokens
         return spans.add(
             span_id=self._next_span_id(),
             parent_span_id=parent,
@@ -465,11 +546,11 @@ class Trajectory:
 
     def _next_span_id(self) -> str:
         """'<trajectory_id>/<n>': unique within and across trajectories, deterministic for tests."""
-        taken = {s.span_id for s in self.pb.spans}
-        n = len(self.pb.spans)
-        while f"{self.pb.trajectory_id}/{n}" in taken:
+        taken = {s.span_id for s in self._pb.spans}
+        n = len(self._pb.spans)
+        while f"{self._pb.trajectory_id}/{n}" in taken:
             n += 1
-        return f"{self.pb.trajectory_id}/{n}"
+        return f"{self._pb.trajectory_id}/{n}"
 
     # ---------------------------------------------------------------- invariants
 
@@ -482,6 +563,9 @@ class Trajectory:
         Per-token checks that relate two arrays look at their common prefix, so a length mismatch
         does not hide other problems.
         """
+        block = list(self._check_block())
+        if block:  # no per-token array to check: name what is wrong with the block, and the rest
+            return [*self._check_identity(), *block, *self._check_terminal_reason(), *self._check_reward()]
         return [
             *self._check_identity(),
             *self._check_tokens(vocab_size, learner_version),
@@ -490,6 +574,24 @@ class Trajectory:
             *self._check_reward(),
             *self._check_sequence_starts(),
         ]
+
+    def _check_block(self) -> Iterator[Violation]:
+        """The block's header, length and checksum (trajmesh/token_block.py), and that a record
+        with a block leaves the old repeated per-token fields empty."""
+        pb = self.pb
+        block = pb.token_block
+        if not block:
+            return
+        mixed = [name for name in _PER_TOKEN_FIELDS if len(getattr(pb, name))]
+        if mixed:
+            yield Violation("token_block_mixed", "a token block and the repeated field(s) " + ", ".join(mixed))
+            return
+        try:
+            cols = token_block.decode(block)
+        except BlockError as exc:
+            yield Violation(exc.name, exc.detail)
+            return
+        self._cols = cols  # the bytes just checked are the ones the views read
 
     def _check_identity(self) -> Iterator[Violation]:
         if not self.pb.trajectory_id:
@@ -506,15 +608,15 @@ class Trajectory:
             "behavior_logprobs": logprobs_T.size,
             "behavior_versions": versions_T.size,
         }
-        if len(self.pb.teacher_logprobs):
-            lengths["teacher_logprobs"] = len(self.pb.teacher_logprobs)
+        if (teacher := self.teacher_logprobs_T) is not None:
+            lengths["teacher_logprobs"] = teacher.size
         if len(set(lengths.values())) > 1:
             yield Violation("length_mismatch", ", ".join(f"{k}={v}" for k, v in lengths.items()))
         if (teacher_T := self.teacher_logprobs_T) is not None and teacher_T.size == mask_T.size:
             act_T = mask_T == 1
             if (bad_T := act_T & ~(np.isfinite(teacher_T) & (teacher_T <= 0))).any():
                 yield Violation("teacher_logprob_invalid", _where(bad_T, "with a teacher log-prob not finite and <= 0"))
-        infra = self.pb.terminal_reason == trajectory_pb2.INFRA_FAILURE
+        infra = self._pb.terminal_reason == trajectory_pb2.INFRA_FAILURE
         if ids_T.size == 0 and not infra:  # an episode whose environment never answered has none
             yield Violation("empty_tokens", "token_ids is empty")
         if vocab_size is not None and (oov_T := ids_T >= vocab_size).any():
@@ -555,7 +657,7 @@ class Trajectory:
 
     def _check_spans(self) -> Iterator[Violation]:
         mask_T = self.loss_mask_T
-        num_tokens = len(self.pb.token_ids)
+        num_tokens = self.num_tokens
         out_of_range: list[str] = []
         mismatched: list[str] = []
         for s in self.pb.spans:
@@ -588,7 +690,7 @@ class Trajectory:
         starts = list(self.pb.sequence_starts)
         if not starts:
             return
-        n = len(self.pb.token_ids)
+        n = self.num_tokens
         problems = []
         if starts[0] != 0:
             problems.append(f"first start is {starts[0]}, not 0")
@@ -596,8 +698,8 @@ class Trajectory:
             problems.append(f"not strictly increasing: {starts[:8]}")
         if any(s >= n for s in starts):
             problems.append(f"a start at or past the {n} tokens: {starts[-1]}")
-        mask = self.pb.loss_mask
-        opens = [s for s in starts if s < min(n, len(mask)) and mask[s] != 0]
+        mask_T = self.loss_mask_T
+        opens = [s for s in starts if s < min(n, mask_T.size) and mask_T[s] != 0]
         if opens:
             problems.append(f"segment(s) starting on a mask-1 token at {opens[:3]} (no prompt)")
         if problems:
@@ -606,8 +708,8 @@ class Trajectory:
     def segment_bounds(self) -> list[tuple[int, int]]:
         """[start, end) of each sequence in the per-token arrays: one (0, T) unless
         ``sequence_starts`` splits the trajectory into an agent session's segments."""
-        n = len(self.pb.token_ids)
-        starts = [s for s in self.pb.sequence_starts if s < n] or [0]
+        n = self.num_tokens
+        starts = [s for s in self._pb.sequence_starts if s < n] or [0]
         return [(a, b) for a, b in zip(starts, [*starts[1:], n], strict=True) if b > a]
 
 
@@ -650,47 +752,4 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _field_key(name: str) -> bytes:
-    """The wire key of a packed repeated field of Trajectory (wire type 2: length-delimited)."""
-    return varint(trajectory_pb2.Trajectory.DESCRIPTOR.fields_by_name[name].number << 3 | 2)
-
-
-_TOKEN_IDS_KEY = _field_key("token_ids")
-_LOSS_MASK_KEY = _field_key("loss_mask")
-_LOGPROBS_KEY = _field_key("behavior_logprobs")
-_VERSIONS_KEY = _field_key("behavior_versions")
-_TEACHER_LOGPROBS_KEY = _field_key("teacher_logprobs")
-_UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
-"""An int64 on the wire is the varint of its 64-bit two's complement (10 bytes when negative)."""
-_UNSAMPLED_VERSION_VARINT = varint(UNSAMPLED_VERSION & _UINT64_MASK)
 _UINT32_MAX = int(np.iinfo(np.uint32).max)
-_WIRE_FROM_TOKENS = 64
-"""Appends of at least this many tokens go through wire bytes (`Trajectory._extend_per_token`)."""
-
-
-def _varints(values_T: npt.NDArray[np.int64]) -> bytes:
-    """The varints of int64 values (negative ones as their 64-bit two's complement, as protobuf
-    encodes int64), vectorized: 7-bit groups column by column, low group first, the continuation
-    bit on every group but a value's last, then the groups each value needs, in order."""
-    v_T: npt.NDArray[np.unsignedinteger[Any]] = np.ascontiguousarray(values_T, dtype=np.int64).view(np.uint64)
-    if v_T.size == 0:
-        return b""
-    top = int(v_T.max())
-    if top < 0x80:  # one byte each (masks, small ids and versions)
-        return v_T.astype(np.uint8).tobytes()
-    if top <= 0xFFFF_FFFF:
-        v_T = v_T.astype(np.uint32)  # narrower arithmetic for token ids
-    width = (top.bit_length() + 6) // 7
-    groups = np.empty((v_T.size, width), dtype=np.uint8)
-    keep = np.empty((v_T.size, width), dtype=np.bool_)
-    keep[:, 0] = True
-    rest: npt.NDArray[Any] = v_T
-    for j in range(width):  # 1-D operations per column: much faster than broadcasting over (T, width)
-        nxt = rest >> 7
-        more = nxt != 0
-        groups[:, j] = rest & 0x7F
-        groups[:, j] |= more.view(np.uint8) << 7
-        if j + 1 < width:
-            keep[:, j + 1] = more
-        rest = nxt
-    return groups[keep].tobytes()

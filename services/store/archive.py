@@ -5,6 +5,11 @@ Parquet files are immutable, so "append" means: rows are buffered and written as
 `flush_seconds`, and on close. A record is one row; a trajectory may have several rows over its
 life (``accepted`` at intake, then ``trained`` or ``quarantined`` once the learner reports) and its
 final outcome is its last row by `seq`. Readers use `read_archive` / `final_outcomes`.
+
+A trajectory's per-token arrays are archived as its token block, as it came (one binary column,
+`token_block`: no Python object per token); `read_archive` unpacks each block into the per-token
+list columns, so a reader sees the same columns for parts written before the block (which hold the
+lists themselves) and after.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from trajmesh import token_block
 
 OUTCOMES = ("accepted", "trained", "filtered", "quarantined", "failed_infra", "in_flight_at_stop", "duplicate")
 """accepted is intermediate; the others are final (duplicate rows are not admissions;
@@ -53,6 +60,7 @@ SCHEMA = pa.schema(
         ("roc_tool_error_score", pa.float64()),
         ("roc_format_score", pa.float64()),
         ("payload_sha256", pa.string()),
+        ("token_block", pa.binary()),
     ]
 )
 
@@ -123,6 +131,20 @@ group by (services/store/roc.py; null where RoC did not decide), on its ``accept
 ``filtered`` row, whose reason says the decision. Parts written before a column existed read it as null."""
 
 
+_PER_TOKEN_COLUMNS = ("token_ids", "loss_mask", "behavior_versions", "behavior_logprobs", "teacher_logprobs")
+"""The list columns a row's token block unpacks into (`read_archive`)."""
+
+
+def _list_array(values: list[Any], dtype: Any) -> pa.Array:
+    """A list column from one numpy array (or None) per row, as offsets + values."""
+    lengths = np.array([0 if v is None else len(v) for v in values], dtype=np.int64)
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate([v for v in values if v is not None] or [np.zeros(0, dtype=dtype)])
+    mask = pa.array([v is None for v in values])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(dtype, copy=False)), mask=mask)
+
+
 def _to_table(rows: list[dict[str, Any]]) -> pa.Table:
     """Columns built from numpy (list columns as offsets + values): ~100x faster than from_pylist
     for 4k-token trajectories."""
@@ -130,25 +152,48 @@ def _to_table(rows: list[dict[str, Any]]) -> pa.Table:
     for field in SCHEMA:
         values = [r[field.name] for r in rows]
         if field.name in _LIST_COLUMNS:
-            dtype = _LIST_COLUMNS[field.name]
-            lengths = np.array([0 if v is None else len(v) for v in values], dtype=np.int64)
-            offsets = np.zeros(len(values) + 1, dtype=np.int32)
-            np.cumsum(lengths, out=offsets[1:])
-            flat = np.concatenate([v for v in values if v is not None] or [np.zeros(0, dtype=dtype)])
-            mask = pa.array([v is None for v in values])
-            columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(dtype)), mask=mask))
+            columns.append(_list_array(values, _LIST_COLUMNS[field.name]))
         else:
             columns.append(pa.array(values, type=field.type))
     return pa.Table.from_arrays(columns, schema=SCHEMA)
 
 
 def read_archive(directory: str | Path) -> pa.Table:
-    """All rows of all part files, sorted by seq."""
+    """All rows of all part files, sorted by seq, each row's token block unpacked into the
+    per-token list columns."""
     files = sorted(Path(directory).glob("part-*.parquet"))
     if not files:
         return SCHEMA.empty_table()
     table = pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files])
-    return table.sort_by("seq")
+    return unpack_blocks(table.sort_by("seq"))
+
+
+def unpack_blocks(table: pa.Table) -> pa.Table:
+    """`table` with the per-token list columns of every row that has a token block filled from
+    it (rows without one, written before the block, keep their lists). A block that does not
+    read (a quarantined record's) leaves that row's lists null."""
+    blocks = table.column("token_block").to_pylist()
+    if not any(blocks):
+        return table
+    unpacked: list[token_block.TokenColumns | None] = []
+    for block in blocks:
+        try:
+            unpacked.append(token_block.decode(block) if block else None)
+        except token_block.BlockError:
+            unpacked.append(None)
+    for name in _PER_TOKEN_COLUMNS:
+        old = table.column(name).combine_chunks()
+        values: list[Any] = []
+        for i, (block, cols) in enumerate(zip(blocks, unpacked, strict=True)):
+            if not block:
+                values.append(None if not old[i].is_valid else old[i].values.to_numpy(zero_copy_only=False))
+            elif cols is None:
+                values.append(None)
+            else:
+                array = getattr(cols, f"{name}_T")
+                values.append(np.zeros(0, _LIST_COLUMNS[name]) if array is None else array)
+        table = table.set_column(table.schema.get_field_index(name), name, _list_array(values, _LIST_COLUMNS[name]))
+    return table
 
 
 def final_outcomes(table: pa.Table) -> dict[str, dict[str, Any]]:

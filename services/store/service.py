@@ -55,7 +55,7 @@ from trajmesh import bus as busmod
 from trajmesh import security
 from trajmesh.bus import Bus, Consumer
 from trajmesh.config import RunConfig
-from trajmesh.contract import Trajectory, varint
+from trajmesh.contract import ContractError, Trajectory, varint
 from trajmesh.gate import AsyncStalenessGate
 from trajmesh.service import STOP_WORK_S, Service, supervise
 from trajmesh.services.store import roc as roc_mod
@@ -735,7 +735,7 @@ class TrajectoryStore(Service):
     def _filter_reason(self, members: list[Trajectory]) -> str:
         """Why a complete group of these members is dropped ('' = kept: `filter_reason`)."""
         # A group a teacher scored carries a per-token signal whatever its rewards (distillation).
-        taught = any(len(t.pb.teacher_logprobs) for t in members)
+        taught = any(t.teacher_logprobs_T is not None for t in members)
         return filter_reason([t.reward for t in members],
                              drop_zero_variance=self.cfg.store.drop_zero_variance_groups and not taught)
 
@@ -905,17 +905,13 @@ class TrajectoryStore(Service):
                  roc_scores: roc_mod.Scores | None = None) -> None:
         OUTCOMES.labels(outcome=outcome, reason=reason or "none").inc()
         pb = traj.pb
-        mask_T = traj.loss_mask_T
         self.w.archive.append(
             trajectory_id=pb.trajectory_id, task_id=pb.task_id, group_id=pb.group_id,
             task_source=pb.task_source, manifest_id=pb.manifest_id, outcome=outcome, reason=reason,
             reward=pb.reward, terminal_reason=trajectory_pb2.TerminalReason.Name(pb.terminal_reason)
             if pb.terminal_reason in trajectory_pb2.TerminalReason.values() else str(pb.terminal_reason),
-            learner_version=learner_version, num_tokens=len(pb.token_ids), num_action_tokens=int(mask_T.sum()),
-            token_ids=traj.token_ids_T, loss_mask=np.minimum(mask_T, 255),
-            behavior_versions=traj.behavior_versions_T, behavior_logprobs=traj.behavior_logprobs_T,
-            sequence_starts=list(pb.sequence_starts), step_rewards=list(pb.step_rewards),
-            teacher_logprobs=list(pb.teacher_logprobs), teacher=pb.teacher,
+            learner_version=learner_version, **_token_columns(traj),
+            sequence_starts=list(pb.sequence_starts), step_rewards=list(pb.step_rewards), teacher=pb.teacher,
             reward_components=dict(pb.raw_reward_components), grader_revision=pb.grader_revision,
             verifier_output=pb.verifier_output,
             roc_tool_error_score=roc_scores.tool_error if roc_scores else None,
@@ -1083,6 +1079,24 @@ class _StoreServicer(services_pb2_grpc.TrajectoryStoreServicer):
     async def Report(self, request: Any, context: Any) -> services_pb2.ReportResponse:  # noqa: N802
         await self.store.report(request)
         return services_pb2.ReportResponse()
+
+
+def _token_columns(traj: Trajectory) -> dict[str, Any]:
+    """A trajectory's per-token archive columns: its token block as it came (one bytes value, no
+    Python object per token), or for a record written before the block its arrays as lists; with
+    the token counts where the arrays read (not for a quarantined record's unreadable block)."""
+    block = traj.token_block
+    try:
+        mask_T = traj.loss_mask_T
+    except ContractError:
+        return {"token_block": block}
+    counts = {"num_tokens": len(traj), "num_action_tokens": int(mask_T.sum())}
+    if block:
+        return {"token_block": block, **counts}
+    teacher_T = traj.teacher_logprobs_T
+    return {"token_ids": traj.token_ids_T, "loss_mask": np.minimum(mask_T, 255),
+            "behavior_versions": traj.behavior_versions_T, "behavior_logprobs": traj.behavior_logprobs_T,
+            "teacher_logprobs": teacher_T if teacher_T is not None else [], **counts}
 
 
 _BATCH_FIELD_KEY = bytes([services_pb2.NextBatchResponse.DESCRIPTOR.fields_by_name["trajectories"].number << 3 | 2])

@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from contract_layouts import old_layout
 from mesh_checks import FINAL_OUTCOMES, check_gate_reconciles, check_no_stale, write_manifest
 
 from trajmesh import bus as busmod
@@ -70,16 +71,19 @@ def _bad_messages(task_id: str, future_version: int) -> dict[str, bytes]:
         t.set_reward(1.0)
         return t
 
-    mismatched = base("bad-lengths")
+    mismatched = old_layout(base("bad-lengths"))  # a record in the layout before the token block
     mismatched.pb.behavior_logprobs.append(-1.0)
+    truncated = base("bad-block")
+    truncated.pb.token_block = truncated.token_block[:-1]
     nan = base("bad-nan")
-    nan.pb.behavior_logprobs[3] = math.nan
+    nan.replace_token_arrays(behavior_logprobs=[0.0, 0.0, 0.0, math.nan, -0.1])
     future = base("bad-future")
-    future.pb.behavior_versions[3] = future_version
+    future.replace_token_arrays(behavior_versions=[-1, -1, -1, future_version, 0])
     unknown = base("bad-unknown-task")
     unknown.pb.task_id = "no-such-task"
     return {
         "length_mismatch": mismatched.to_bytes(),
+        "token_block_length": truncated.to_bytes(),
         "logprob_not_finite": nan.to_bytes(),
         "version_from_future": future.to_bytes(),
         "unknown_task_id": unknown.to_bytes(),
@@ -190,6 +194,7 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
     # Bad input: each quarantined with its reason; the run went on.
     by_id = {r["trajectory_id"]: r for r in rows if (r["trajectory_id"] or "").startswith("bad-")}
     assert by_id["bad-lengths"]["reason"] == "length_mismatch"
+    assert by_id["bad-block"]["reason"] == "token_block_length"
     assert "logprob_not_finite" in by_id["bad-nan"]["reason"]
     assert "version_from_future" in by_id["bad-future"]["reason"]
     assert by_id["bad-unknown-task"]["reason"] == "unknown_task_id"

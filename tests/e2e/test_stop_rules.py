@@ -47,7 +47,7 @@ def _build_traj(tid: str, *, reward: float, components: dict[str, float], termin
     t = Trajectory.new(trajectory_id=tid)
     t.append_prompt([1, 5, 6])
     t.append_sampled([7, 2], [-0.5, -0.1], 0)
-    t.pb.behavior_versions[3], t.pb.behavior_versions[4] = versions
+    t.replace_token_arrays(behavior_versions=[-1, -1, -1, *versions])
     t.finish(terminal)
     t.set_reward(reward, components=components)
     return t
@@ -133,13 +133,14 @@ def test_probe_of_a_model_scoring_its_own_samples_is_near_zero(tiny_model_dir: s
     with torch.no_grad():
         logp_BT, _ = token_logprobs(model, build_batch(trajs, 0), 1.0)
     for i, t in enumerate(trajs):  # behavior log-probs = the model's own (as a matched engine would return)
-        for j in range(3, 6):
-            t.pb.behavior_logprobs[j] = float(logp_BT[i, j])
+        t.replace_token_arrays(behavior_logprobs=[0.0] * 3 + [float(logp_BT[i, j]) for j in range(3, 6)])
     out = consistency.probe(model, trajs, version=2, pad_id=0, temperature=1.0, max_trajectories=2)
     assert out[consistency.TOKENS] == 6  # two trajectories x three sampled tokens
     assert out[consistency.MAX_ABS] < 1e-5
     t = trajs[0]
-    t.pb.behavior_logprobs[4] -= 0.25  # an engine that disagrees on one token
+    lp_T = t.behavior_logprobs_T.copy()
+    lp_T[4] -= 0.25  # an engine that disagrees on one token
+    t.replace_token_arrays(behavior_logprobs=lp_T)
     out = consistency.probe(model, trajs, version=2, pad_id=0, temperature=1.0, max_trajectories=2)
     assert out[consistency.MAX_ABS] == pytest.approx(0.25, abs=1e-4)
     assert consistency.probe(model, trajs, version=3, pad_id=0, temperature=1.0, max_trajectories=2) == {

@@ -126,7 +126,7 @@ class Timing(_message.Message):
     def __init__(self, created_unix_seconds: _Optional[float] = ..., rollout_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., grading_seconds: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., deadline_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "task_id", "group_id", "task_source", "task_revision", "environment_revision", "reset_seed", "initial_state_hash", "spans", "token_ids", "loss_mask", "behavior_logprobs", "behavior_versions", "tool_calls", "raw_reward_components", "verifier_output", "grader_revision", "reward", "graded", "terminal_reason", "truncated", "timing", "retry_lineage", "manifest_id", "prompt_length", "rollout_worker", "state_hashes", "final_answer", "sequence_starts", "step_rewards", "teacher_logprobs", "teacher", "infra_cause")
+    __slots__ = ("trajectory_id", "task_id", "group_id", "task_source", "task_revision", "environment_revision", "reset_seed", "initial_state_hash", "spans", "token_ids", "loss_mask", "behavior_logprobs", "behavior_versions", "tool_calls", "raw_reward_components", "verifier_output", "grader_revision", "reward", "graded", "terminal_reason", "truncated", "timing", "retry_lineage", "manifest_id", "prompt_length", "rollout_worker", "state_hashes", "final_answer", "sequence_starts", "step_rewards", "teacher_logprobs", "teacher", "infra_cause", "token_block")
     class RawRewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class Trajectory(_message.Message):
     TEACHER_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
     INFRA_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BLOCK_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     task_id: str
     group_id: str
@@ -200,7 +201,8 @@ class Trajectory(_message.Message):
     teacher_logprobs: _containers.RepeatedScalarFieldContainer[float]
     teacher: str
     infra_cause: InfraCause
-    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_source: _Optional[str] = ..., task_revision: _Optional[str] = ..., environment_revision: _Optional[str] = ..., reset_seed: _Optional[int] = ..., initial_state_hash: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., behavior_versions: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., raw_reward_components: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., grader_revision: _Optional[str] = ..., reward: _Optional[float] = ..., graded: _Optional[bool] = ..., terminal_reason: _Optional[_Union[TerminalReason, str]] = ..., truncated: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., retry_lineage: _Optional[_Iterable[str]] = ..., manifest_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., rollout_worker: _Optional[str] = ..., state_hashes: _Optional[_Iterable[str]] = ..., final_answer: _Optional[str] = ..., sequence_starts: _Optional[_Iterable[int]] = ..., step_rewards: _Optional[_Iterable[float]] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., teacher: _Optional[str] = ..., infra_cause: _Optional[_Union[InfraCause, str]] = ...) -> None: ...
+    token_block: bytes
+    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_source: _Optional[str] = ..., task_revision: _Optional[str] = ..., environment_revision: _Optional[str] = ..., reset_seed: _Optional[int] = ..., initial_state_hash: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., behavior_versions: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., raw_reward_components: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., grader_revision: _Optional[str] = ..., reward: _Optional[float] = ..., graded: _Optional[bool] = ..., terminal_reason: _Optional[_Union[TerminalReason, str]] = ..., truncated: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., retry_lineage: _Optional[_Iterable[str]] = ..., manifest_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., rollout_worker: _Optional[str] = ..., state_hashes: _Optional[_Iterable[str]] = ..., final_answer: _Optional[str] = ..., sequence_starts: _Optional[_Iterable[int]] = ..., step_rewards: _Optional[_Iterable[float]] = ..., teacher_logprobs: _Optional[_Iterable[float]] = ..., teacher: _Optional[str] = ..., infra_cause: _Optional[_Union[InfraCause, str]] = ..., token_block: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "max_turns")

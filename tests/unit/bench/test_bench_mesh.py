@@ -11,8 +11,8 @@ from pathlib import Path
 from repo_paths import REPO
 
 from trajmesh import bus as busmod
+from trajmesh.contract import Trajectory
 from trajmesh.infra import NatsServer
-from trajmesh.v1 import trajectory_pb2
 
 _spec = importlib.util.spec_from_file_location("bench_mesh", REPO / "bench" / "bench_mesh.py")
 assert _spec is not None and _spec.loader is not None
@@ -25,9 +25,8 @@ def test_tokens_option_sets_the_cells_lengths_and_defaults_to_4k_and_64k() -> No
     assert bm.parse_args([]).tokens == [4096, 65536]
     args = bm.parse_args(["--tokens", "1024,2048,8192", "--stores", "1"])
     assert args.tokens == [1024, 2048, 8192] and args.stores == [1]
-    one = trajectory_pb2.Trajectory.FromString(bm._sample_bytes(1024))
-    assert len(one.token_ids) == 1024
-    assert len(trajectory_pb2.Trajectory.FromString(bm._sample_bytes(65536)).token_ids) == 65536
+    assert len(Trajectory.from_bytes(bm._sample_bytes(1024))) == 1024
+    assert len(Trajectory.from_bytes(bm._sample_bytes(65536))) == 65536
 
 
 def test_64k_travels_through_the_object_store_and_4k_inline_on_the_bench_server(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from contract_layouts import old_layout
 
 from trajmesh.contract import Trajectory
 from trajmesh.learner import advantages, step
@@ -92,7 +93,10 @@ def test_contract_checks_teacher_logprobs() -> None:
     t = _traj("a", [1], [-1.6], [-0.7], reward=0.0)
     assert np.asarray(t.teacher_logprobs_T).tolist() == pytest.approx([0.0, 0.0, -0.7])
     assert t.validate() == []
-    t.pb.teacher_logprobs.append(-1.0)  # one more than there are tokens
-    assert [v.name for v in t.validate()] == ["length_mismatch"]
+    old = old_layout(t)  # a record written before the token block, with one more than there are tokens
+    old.pb.teacher_logprobs.append(-1.0)
+    assert [v.name for v in Trajectory(old.pb).validate()] == ["length_mismatch"]
+    t.pb.teacher_logprobs.append(-1.0)  # the same beside a token block: a record no writer makes
+    assert [v.name for v in t.validate()] == ["token_block_mixed"]
     bad = _traj("b", [1], [-1.6], [0.3], reward=0.0)  # a log-prob above 0
     assert [v.name for v in bad.validate()] == ["teacher_logprob_invalid"]

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from contract_layouts import old_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,7 +150,7 @@ def test_builders_fill_arrays_spans_and_tool_calls() -> None:
     assert traj.loss_mask_T.tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1]
     assert traj.behavior_versions_T.tolist() == [-1, -1, -1, 4, 4, -1, -1, 5, 5]
     assert traj.behavior_logprobs_T.tolist() == [0, 0, 0, -0.5, -1.25, 0, 0, -0.125, -2.0]
-    assert traj.behavior_logprobs_T.dtype == np.float32 and traj.behavior_versions_T.dtype == np.int64
+    assert traj.behavior_logprobs_T.dtype == np.float32 and traj.behavior_versions_T.dtype in (np.int32, np.int64)
     assert traj.prompt_length == 3 and traj.num_turns == 2
     prompt, text, obs, call = traj.spans
     assert [(s.action_type, s.turn_index, s.token_start, s.token_end) for s in traj.spans] == [
@@ -204,28 +205,19 @@ def test_builders_reject_bad_input(call: Callable[[Trajectory], Any]) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.integers(0, 2**32 - 1), max_size=150),  # either side of the builders' 64-token switch
+    st.lists(st.integers(0, 2**32 - 1), max_size=150),
     st.lists(st.tuples(st.integers(0, 2**32 - 1), _any_float32, st.integers(-(2**63), 2**63 - 1)), min_size=1,
              max_size=150),
     st.sampled_from(["list", "numpy", "one_version"]),
 )
-def test_builders_write_what_per_element_extend_writes(
+def test_builders_write_every_value_exactly(
     prompt: list[int], sampled: list[tuple[int, float, int]], form: str
 ) -> None:
-    """The builders append wire bytes from 64 tokens on (trajmesh/contract.py `_extend_per_token`):
-    the message is the one `extend` builds, for every uint32 id, float32 log-prob and int64 version,
-    lists or arrays."""
+    """The builders pack what they are given into the token block: every uint32 id, float32
+    log-prob (bit for bit) and int64 version, from lists or arrays, and the views read them back
+    from the block's bytes (read-only, no copy)."""
     ids, logprobs, versions = (list(x) for x in zip(*sampled, strict=True))
     one = versions[0] if form == "one_version" else None
-    expected = pb.Trajectory(trajectory_id="t")
-    expected.spans.add(span_id="t/0", action_type=pb.PROMPT, token_end=len(prompt))
-    expected.spans.add(span_id="t/1", action_type=pb.TEXT, token_start=len(prompt), token_end=len(prompt) + len(ids),
-                       parent_span_id="t/0")
-    expected.token_ids.extend(prompt + ids)
-    expected.loss_mask.extend([0] * len(prompt) + [1] * len(ids))
-    expected.behavior_logprobs.extend([0.0] * len(prompt) + np.asarray(logprobs, dtype=np.float32).tolist())
-    expected.behavior_versions.extend([-1] * len(prompt) + ([one] * len(ids) if one is not None else versions))
-    expected.prompt_length = len(prompt)
     traj = Trajectory.new(trajectory_id="t")
     if form == "numpy":
         traj.append_prompt(np.array(prompt, dtype=np.int64))
@@ -234,8 +226,16 @@ def test_builders_write_what_per_element_extend_writes(
     else:
         traj.append_prompt(prompt)
         traj.append_sampled(ids, logprobs, one if one is not None else versions)
-    expected.timing.created_unix_seconds = 0.0
-    assert traj.to_bytes() == expected.SerializeToString(deterministic=True)
+    back = Trajectory.from_bytes(traj.to_bytes())
+    assert not back.pb.token_ids and back.pb.token_block == traj.token_block
+    np.testing.assert_array_equal(back.token_ids_T, np.array(prompt + ids, dtype=np.uint32))
+    np.testing.assert_array_equal(back.loss_mask_T, [0] * len(prompt) + [1] * len(ids))
+    np.testing.assert_array_equal(back.behavior_logprobs_T.view(np.uint32),
+                                  np.array([0.0] * len(prompt) + logprobs, dtype=np.float32).view(np.uint32))
+    np.testing.assert_array_equal(back.behavior_versions_T,
+                                  [-1] * len(prompt) + ([one] * len(ids) if one is not None else versions))
+    assert [(sp.token_start, sp.token_end) for sp in back.spans] == [(0, len(prompt)), (len(prompt), len(prompt) + len(ids))]
+    assert back.pb.prompt_length == len(prompt) and not back.behavior_logprobs_T.flags.writeable
 
 
 # ---------------------------------------------------------------- wire format
@@ -245,10 +245,9 @@ def test_nan_payloads_survive_the_wire_bit_for_bit() -> None:
     bits = np.array([0x7FC12345, 0x7F812345, 0xFFC00001, 0x00000001, 0x80000000, 0xFF800000], dtype=np.uint32)
     traj = Trajectory.new(_build_task())
     traj.append_sampled(np.arange(bits.size), np.zeros(bits.size, dtype=np.float32), 0)
-    # Splice raw float32 bits into the packed logprob field, bypassing Python floats entirely.
-    traj.pb.ClearField("behavior_logprobs")
+    # Raw float32 bits into the block's log-prob column, bypassing Python floats entirely.
+    traj.replace_token_arrays(behavior_logprobs=bits.view(np.float32))
     packed = bits.astype("<u4").tobytes()
-    traj.pb.MergeFromString(bytes([12 << 3 | 2, len(packed)]) + packed)
     data = traj.to_bytes()
     assert packed in data
     assert Trajectory.from_bytes(data).to_bytes() == data
@@ -275,28 +274,57 @@ def test_from_bytes_accepts_memoryview() -> None:
 
 def _set(field: str, index: int, value: Any) -> Callable[[Trajectory], None]:
     def mutate(traj: Trajectory) -> None:
-        getattr(traj.pb, field)[index] = value
+        values = getattr(traj, f"{field}_T").astype(np.float64 if "logprobs" in field else np.int64)
+        values[index] = value
+        traj.replace_token_arrays(**{field: values})
 
     return mutate
 
 
-def _only_prompt_and_observation(traj: Trajectory) -> None:
-    traj.pb.CopyFrom(Trajectory.new(_build_task(), trajectory_id="traj-2").pb)
+def _block_edit(edit: Callable[[bytearray], bytes]) -> Callable[[Trajectory], Trajectory]:
+    """A mutation that rewrites the token block's bytes (read again by a new Trajectory)."""
+    def mutate(traj: Trajectory) -> Trajectory:
+        traj.pb.token_block = edit(bytearray(traj.token_block))
+        return Trajectory(traj.pb)
+
+    return mutate
+
+
+def _flip_last_byte(block: bytearray) -> bytes:
+    block[-1] ^= 1
+    return bytes(block)
+
+
+def _old_layout_one_more_logprob(traj: Trajectory) -> Trajectory:
+    old = old_layout(traj)
+    old.pb.behavior_logprobs.append(-1.0)
+    return Trajectory(old.pb)
+
+
+def _only_prompt_and_observation(traj: Trajectory) -> Trajectory:
+    traj = Trajectory.new(_build_task(), trajectory_id="traj-2")
     traj.append_prompt([1, 2])
     traj.append_observation([3])
     traj.finish(pb.ENV_DONE)
+    return traj
 
 
-def _clear_tokens(traj: Trajectory) -> None:
-    for field in ("token_ids", "loss_mask", "behavior_logprobs", "behavior_versions", "spans"):
-        traj.pb.ClearField(field)
+def _clear_tokens(traj: Trajectory) -> Trajectory:
+    for field in ("token_block", "spans"):
+        traj.pb.ClearField(field)  # type: ignore[arg-type]
+    return Trajectory(traj.pb)
 
 
-# name -> (mutation of _build_valid(), validate() keyword arguments)
-VIOLATION_CASES: dict[str, tuple[Callable[[Trajectory], None], dict[str, int]]] = {
+# name -> (mutation of _build_valid(), returning the trajectory to check when it makes a new one;
+# validate() keyword arguments)
+VIOLATION_CASES: dict[str, tuple[Callable[[Trajectory], Trajectory | None], dict[str, int]]] = {
     "missing_trajectory_id": (lambda t: t.pb.ClearField("trajectory_id"), {}),
     "missing_task_id": (lambda t: t.pb.ClearField("task_id"), {}),
-    "length_mismatch": (lambda t: t.pb.behavior_logprobs.append(-1.0), {}),
+    "token_block_mixed": (lambda t: t.pb.behavior_logprobs.append(-1.0), {}),
+    "token_block_malformed": (_block_edit(lambda b: b"XXXX" + b[4:]), {}),
+    "token_block_length": (_block_edit(lambda b: bytes(b[:-1])), {}),
+    "token_block_checksum": (_block_edit(_flip_last_byte), {}),
+    "length_mismatch": (_old_layout_one_more_logprob, {}),
     "empty_tokens": (_clear_tokens, {}),
     "token_out_of_vocab": (_set("token_ids", 4, VOCAB_SIZE), {"vocab_size": VOCAB_SIZE}),
     "mask_not_binary": (_set("loss_mask", 3, 2), {}),
@@ -327,7 +355,8 @@ def test_valid_trajectory_has_no_violations() -> None:
 def test_violation_is_reported_by_name(name: str) -> None:
     mutate, kwargs = VIOLATION_CASES[name]
     traj = _build_valid()
-    mutate(traj)
+    changed = mutate(traj)
+    traj = traj if changed is None else changed
     violations = traj.validate(**kwargs)
     assert name in _names(violations), violations
     assert all(v.detail for v in violations)
@@ -336,8 +365,7 @@ def test_violation_is_reported_by_name(name: str) -> None:
 def test_an_infra_failure_without_tokens_is_valid_for_intake() -> None:
     # A rollout whose environment never answered Reset publishes an INFRA_FAILURE with no tokens:
     # an infrastructure outcome (failed_infra), not malformed input (quarantined).
-    traj = _build_valid()
-    _clear_tokens(traj)
+    traj = _clear_tokens(_build_valid())
     traj.finish(pb.INFRA_FAILURE)
     assert traj.validate(vocab_size=VOCAB_SIZE, learner_version=5) == []
     from trajmesh.services.store.intake import judge
@@ -350,14 +378,15 @@ def test_an_infra_failure_without_tokens_is_valid_for_intake() -> None:
 def test_two_problems_are_both_reported() -> None:
     traj = _build_valid()
     traj.pb.ClearField("task_id")
-    traj.pb.behavior_logprobs[4] = 0.5
+    _set("behavior_logprobs", 4, 0.5)(traj)
     assert sorted(_names(traj.validate())) == ["logprob_positive", "missing_task_id"]
 
 
 def test_length_mismatch_does_not_hide_per_token_problems() -> None:
-    traj = _build_valid()
+    traj = old_layout(_build_valid())
     traj.pb.behavior_versions.append(-1)
     traj.pb.behavior_logprobs[3] = math.inf
+    traj = Trajectory(traj.pb)
     assert sorted(_names(traj.validate())) == ["length_mismatch", "logprob_not_finite"]
 
 

@@ -16,6 +16,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from contract_layouts import old_layout
 from store_checks import admit_and_take, graded, store_config, take
 
 from trajmesh import bus as busmod
@@ -83,9 +84,9 @@ def test_gate_records_stay_flat_over_many_groups(tmp_path: Path, nats_server: Na
         # A malformed trajectory claiming that trimmed task under an id not one of its samples
         # (the mesh e2e's injected bad input, arriving after the task settled): quarantined for
         # what is wrong with it, not taken for a duplicate of a sample it never was.
-        intruder = Trajectory.from_bytes(graded(first_kept, "intruder-group", 0, 0.5, 0, G))
+        intruder = old_layout(Trajectory.from_bytes(graded(first_kept, "intruder-group", 0, 0.5, 0, G)))
         intruder.pb.trajectory_id = "intruder"
-        intruder.pb.behavior_logprobs.append(-1.0)
+        intruder.pb.behavior_logprobs.append(-1.0)  # in the layout before the token block
         await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, intruder.to_bytes())
         await take(store, 1)
         await store._commit_final()

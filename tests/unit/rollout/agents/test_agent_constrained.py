@@ -216,9 +216,9 @@ def _trajectory_outputs(h: Harness, sid: str) -> list[list[int]]:
     session = h.ep.close_session(sid)
     task = trajectory_pb2.Task(task_id=sid, group_id="g", source="external_agent", revision="r")
     (traj,) = session.trajectories(task, base_id=sid)
-    ids = list(traj.pb.token_ids)
+    ids = traj.token_ids_T.tolist()
     return [ids[s.token_start:s.token_end] for s in traj.pb.spans if s.action_type != 0 and
-            all(m == 1 for m in traj.pb.loss_mask[s.token_start:s.token_end])]
+            all(m == 1 for m in traj.loss_mask_T.tolist()[s.token_start:s.token_end])]
 
 
 def _masked_logprobs(h: Harness, prompt: list[int], output: list[int], ebnf: str) -> tuple[list[float], list[float]]:

@@ -204,9 +204,9 @@ def h(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _sampled(traj: Any) -> list[list[int]]:
     """The token ids of each sampled span of a trajectory."""
-    ids = list(traj.pb.token_ids)
+    ids = traj.token_ids_T.tolist()
     return [ids[s.token_start:s.token_end] for s in traj.pb.spans if s.action_type != 0 and
-            all(m == 1 for m in traj.pb.loss_mask[s.token_start:s.token_end])]
+            all(m == 1 for m in traj.loss_mask_T.tolist()[s.token_start:s.token_end])]
 
 
 def _engine_outputs(h: Any, since: int) -> list[list[int]]:
@@ -230,8 +230,8 @@ def test_chat_completion_is_recorded_with_the_engine_tokens(h: Harness) -> None:
     for t in trajs:
         t.finish(trajectory_pb2.EOS)
         assert t.validate(vocab_size=h.tok.vocab_size, learner_version=0) == []
-        assert all(v == 0 for v, m in zip(t.pb.behavior_versions, t.pb.loss_mask, strict=True) if m)
-        assert all(lp <= 0 for lp, m in zip(t.pb.behavior_logprobs, t.pb.loss_mask, strict=True) if m)
+        assert all(v == 0 for v, m in zip(t.behavior_versions_T.tolist(), t.loss_mask_T.tolist(), strict=True) if m)
+        assert all(lp <= 0 for lp, m in zip(t.behavior_logprobs_T.tolist(), t.loss_mask_T.tolist(), strict=True) if m)
     assert [t.pb.trajectory_id.split("-")[-1] for t in trajs] == ["first", "sibling"]
 
 
@@ -261,10 +261,10 @@ def test_tool_call_round_trip_keeps_the_generated_tokens(h: Harness) -> None:
     assert h.tok.encode(ANSWER) != out2[:-1]  # re-encoding the text would have drifted
     (traj,) = session.trajectories(None, base_id="t")
     assert _sampled(traj) == [out1, out2]
-    assert list(traj.pb.token_ids) == in2 + out2
-    assert sum(traj.pb.loss_mask) == len(out1) + len(out2)
+    assert traj.token_ids_T.tolist() == in2 + out2
+    assert sum(traj.loss_mask_T.tolist()) == len(out1) + len(out2)
     spans = [s for s in traj.pb.spans if s.action_type != 0]
-    sampled_spans = [s for s in spans if traj.pb.loss_mask[s.token_start] == 1]
+    sampled_spans = [s for s in spans if traj.loss_mask_T[s.token_start] == 1]
     assert sampled_spans[1].parent_span_id == sampled_spans[0].span_id  # the call graph
 
 
@@ -286,9 +286,9 @@ def test_changed_history_starts_a_new_segment(h: Harness) -> None:
     traj.finish(trajectory_pb2.EOS)
     assert traj.validate() == []
     assert list(traj.pb.sequence_starts) == [0, len(in2) + len(out2)]
-    assert list(traj.pb.token_ids) == in2 + out2 + in3 + out3
+    assert traj.token_ids_T.tolist() == in2 + out2 + in3 + out3
     assert _sampled(traj) == [out1, out2, out3]
-    assert sum(traj.pb.loss_mask) == len(out1) + len(out2) + len(out3)  # no token trained twice
+    assert sum(traj.loss_mask_T.tolist()) == len(out1) + len(out2) + len(out3)  # no token trained twice
     from trajmesh.learner.step import build_batch
 
     batch = build_batch([traj], pad_id=0)
@@ -445,7 +445,7 @@ def test_example_agent_runs_in_its_own_process_through_the_endpoint(h: Harness) 
     (traj,) = trajs
     assert _sampled(traj) == [h.script["call"], h.script["answer"]]
     assert traj.pb.terminal_reason == trajectory_pb2.EOS and traj.pb.task_id == "ext1"
-    assert sum(traj.pb.loss_mask) == len(h.script["call"]) + len(h.script["answer"])
+    assert sum(traj.loss_mask_T.tolist()) == len(h.script["call"]) + len(h.script["answer"])
     assert traj.validate(vocab_size=h.tok.vocab_size, learner_version=0) == []
     assert "ex1" not in h.ep.sessions  # closed: later calls are refused
 
@@ -462,7 +462,7 @@ def test_agent_that_edits_history_yields_one_trajectory_with_two_segments(h: Har
     (in1, out1), (in2, out2), (in3, out3) = h.engine.records[before:before + 3]
     (traj,) = trajs  # one per sample, both segments in it
     assert list(traj.pb.sequence_starts) == [0, len(in2) + len(out2)]
-    assert list(traj.pb.token_ids) == in2 + out2 + in3 + out3
+    assert traj.token_ids_T.tolist() == in2 + out2 + in3 + out3
     assert _sampled(traj) == [out1, out2, out3] and (out1, out2) == (h.script["call"], h.script["answer"])
     assert traj.pb.final_answer == ANSWER
     assert traj.validate(vocab_size=h.tok.vocab_size, learner_version=0) == []
@@ -679,7 +679,7 @@ def test_call_in_flight_across_a_weight_update(h: Harness) -> None:
     assert prompt + comp.output_ids[:3] in [i for i, _ in mine]
     (traj,) = session.trajectories(_task(QUESTION), base_id="u")
     traj.finish(trajectory_pb2.EOS)
-    sampled = [v for v, m in zip(traj.pb.behavior_versions, traj.pb.loss_mask, strict=True) if m]
+    sampled = [v for v, m in zip(traj.behavior_versions_T.tolist(), traj.loss_mask_T.tolist(), strict=True) if m]
     assert sampled == comp.versions and traj.validate(vocab_size=h.tok.vocab_size, learner_version=1) == []
     assert len(late.calls) == 1 and late.calls[0].completions[0].versions == [1] * len(h.script["call"])
     assert result["update2"].choices[0].message.tool_calls[0].function.name == "add"

@@ -71,10 +71,10 @@ def test_resent_conversation_keeps_the_generated_tokens(tools: tuple[Any, ChatFo
     between = tok.tokenizer.decode(c2.prompt_ids[len(c1.prompt_ids) + len(out1):], skip_special_tokens=False)
     assert between == "\n<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
     (traj,) = s.trajectories(None, base_id="t")
-    ids, mask = list(traj.pb.token_ids), list(traj.pb.loss_mask)
+    ids, mask = traj.token_ids_T.tolist(), traj.loss_mask_T.tolist()
     assert ids == c2.prompt_ids + out2
     assert [i for i, m in zip(ids, mask, strict=True) if m] == out1 + out2
-    assert set(traj.pb.behavior_versions[i] for i, m in enumerate(mask) if m) == {3}
+    assert set(traj.behavior_versions_T.tolist()[i] for i, m in enumerate(mask) if m) == {3}
     assert traj.pb.trajectory_id == "t-s0-first"
 
 
@@ -110,10 +110,10 @@ def test_edited_history_branch_and_retry(tools: tuple[Any, ChatFormat]) -> None:
     trajs = s.trajectories(trajectory_pb2.Task(task_id="x", group_id="g"), base_id="t")
     assert [t.pb.trajectory_id for t in trajs] == ["t-s0-first", "t-s1-branch", "t-s2-history_changed"]
     branch = trajs[1]
-    mask = list(branch.pb.loss_mask)
-    assert [i for i, m in zip(branch.pb.token_ids, mask, strict=True) if m] == tok.encode("hello") + [end]
-    assert list(branch.pb.token_ids) == c3.prompt_ids + tok.encode("hello") + [end]  # c1's tokens masked 0 here
-    assert [i for i, m in zip(trajs[2].pb.token_ids, trajs[2].pb.loss_mask, strict=True) if m] == \
+    mask = branch.loss_mask_T.tolist()
+    assert [i for i, m in zip(branch.token_ids_T.tolist(), mask, strict=True) if m] == tok.encode("hello") + [end]
+    assert branch.token_ids_T.tolist() == c3.prompt_ids + tok.encode("hello") + [end]  # c1's tokens masked 0 here
+    assert [i for i, m in zip(trajs[2].token_ids_T.tolist(), trajs[2].loss_mask_T.tolist(), strict=True) if m] == \
         tok.encode("fine") + [end]
     assert s.final_segment() == 2
     # published: ONE trajectory, the three segments as sequences of their own
@@ -121,9 +121,9 @@ def test_edited_history_branch_and_retry(tools: tuple[Any, ChatFormat]) -> None:
     assert whole is not None
     hi, hello, fine = (tok.encode(w) + [end] for w in ("hi", "hello", "fine"))
     seg0, seg1, seg2 = c2.prompt_ids + hi, c3.prompt_ids + hello, c5.prompt_ids + fine
-    assert list(whole.pb.token_ids) == seg0 + seg1 + seg2
+    assert whole.token_ids_T.tolist() == seg0 + seg1 + seg2
     assert list(whole.pb.sequence_starts) == [0, len(seg0), len(seg0) + len(seg1)]
-    trained = [i for i, m in zip(whole.pb.token_ids, whole.pb.loss_mask, strict=True) if m]
+    trained = [i for i, m in zip(whole.token_ids_T.tolist(), whole.loss_mask_T.tolist(), strict=True) if m]
     assert trained == tok.encode("5") + [end] + hi + hello + fine  # each generated token once
     whole.finish(trajectory_pb2.EOS)
     assert whole.validate() == []

@@ -604,9 +604,9 @@ def test_a_teacher_on_the_engine_scores_a_sampled_trajectory(engine, model_and_t
             await teacher.close()
 
     traj = _run(go())
-    sampled = list(traj.pb.token_ids)[len(prompt):]
+    sampled = traj.token_ids_T.tolist()[len(prompt):]
     want = learner_logprobs(model, prompt, sampled, 1.0)
-    got = list(traj.pb.teacher_logprobs)
+    got = traj.teacher_logprobs_T.tolist()
     tol = 1e-4 if engine["kind"] != "sglang" else 2e-2
     assert traj.pb.teacher == "s@conformance" and len(got) == len(prompt) + len(sampled) == len(prompt) + 12
     assert got[:len(prompt)] == [0.0] * len(prompt)

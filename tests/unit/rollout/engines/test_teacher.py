@@ -94,7 +94,7 @@ def test_teacher_scores_each_segment_in_one_batch(teacher_url: str, tiny_model_d
     assert sum(b.get() for b in TEACHER_BATCH.labels("t-batch@r1")._buckets) == 1  # ... in one request
     for t in (one, two):
         assert t.pb.teacher == "t-batch@r1" and t.pb.terminal_reason == trajectory_pb2.EOS
-        ids, lp, mask = list(t.pb.token_ids), list(t.pb.teacher_logprobs), list(t.pb.loss_mask)
+        ids, lp, mask = t.token_ids_T.tolist(), t.teacher_logprobs_T.tolist(), t.loss_mask_T.tolist()
         for a, e in t.segment_bounds():
             want = _hf_logprobs(tiny_model_dir, ids[a:e])
             for k in range(a + 1, e):
@@ -117,5 +117,5 @@ def test_an_unserved_teacher_fails_its_trajectory_after_retry_s() -> None:
             await teacher.close()
 
     asyncio.run(go())
-    assert t.pb.terminal_reason == trajectory_pb2.INFRA_FAILURE and not t.pb.teacher_logprobs
+    assert t.pb.terminal_reason == trajectory_pb2.INFRA_FAILURE and t.teacher_logprobs_T is None
     assert TEACHER_FAILURES.labels("t-down@r2", "unavailable")._value.get() == before + 1

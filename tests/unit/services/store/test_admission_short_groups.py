@@ -24,6 +24,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from contract_layouts import old_layout
 from store_checks import graded, store_config, take
 
 from trajmesh import bus as busmod
@@ -57,7 +58,7 @@ async def _send(store: TrajectoryStore, task_id: str, gid: str, version: int, g:
     for i in range(g):
         data = graded(task_id, gid, i, float(i % 2 == 0), version, g)
         if i >= g - quarantined:
-            t = Trajectory.from_bytes(data)
+            t = old_layout(Trajectory.from_bytes(data))  # the layout before the token block
             t.pb.behavior_logprobs.append(-1.0)
             data = t.to_bytes()
         await store.w.bus.publish(busmod.SUBJECT_TRAJ_GRADED, data, msg_id=f"{task_id}-{i}")

@@ -9,6 +9,7 @@ import math
 import os
 
 import pytest
+from contract_layouts import old_layout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,27 +64,45 @@ def test_truncated_and_extended_messages(n_prompt: int, n_action: int, data: st.
     _check(raw + data.draw(st.binary(max_size=64)))
 
 
+_EXTREMES = {"token_ids": st.sampled_from([VOCAB, 2**32 - 1]), "loss_mask": st.sampled_from([2, 255]),
+             "behavior_logprobs": st.sampled_from([math.nan, math.inf, -math.inf, 1e30, 3.0]),
+             "behavior_versions": st.sampled_from([-(2**63), -5, 2**63 - 1, 10**9])}
+
+
 @_fuzz(FAST)
 @given(st.integers(1, 20), st.integers(1, 20), st.data())
 def test_inconsistent_arrays_and_extreme_values(n_prompt: int, n_action: int, data: st.DataObject) -> None:
+    """In the token block: an extreme value in one column, or the block's bytes cut, grown or
+    flipped; in the layout before the block (repeated fields): a column one longer or shorter too."""
     t = _build_valid(n_prompt, n_action)
-    pb = t.pb
-    field = data.draw(st.sampled_from(["token_ids", "loss_mask", "behavior_logprobs", "behavior_versions"]))
-    action = data.draw(st.sampled_from(["append", "drop", "extreme"]))
-    arr = getattr(pb, field)
-    if action == "append":
-        arr.append(data.draw({"token_ids": st.integers(0, 2**32 - 1), "loss_mask": st.integers(0, 2**32 - 1),
-                              "behavior_logprobs": st.floats(width=32),
-                              "behavior_versions": st.integers(-(2**63), 2**63 - 1)}[field]))
-    elif action == "drop" and len(arr):
-        del arr[-1]
+    field = data.draw(st.sampled_from(sorted(_EXTREMES)))
+    action = data.draw(st.sampled_from(["extreme", "cut", "grow", "flip", "old_append", "old_drop", "old_extreme"]))
+    if action == "extreme":
+        values = getattr(t, f"{field}_T").tolist()
+        values[data.draw(st.integers(0, len(values) - 1))] = data.draw(_EXTREMES[field])
+        t.replace_token_arrays(**{field: values})
+    elif action in ("cut", "grow", "flip"):
+        block = bytearray(t.token_block)
+        if action == "cut":
+            del block[data.draw(st.integers(0, len(block) - 1)):]
+        elif action == "grow":
+            block += data.draw(st.binary(min_size=1, max_size=64))
+        else:
+            block[data.draw(st.integers(0, len(block) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        t.pb.token_block = bytes(block)
     else:
-        i = data.draw(st.integers(0, len(arr) - 1))
-        arr[i] = data.draw({"token_ids": st.sampled_from([VOCAB, 2**32 - 1]),
-                            "loss_mask": st.sampled_from([2, 255, 2**32 - 1]),
-                            "behavior_logprobs": st.sampled_from([math.nan, math.inf, -math.inf, 1e30, 3.0]),
-                            "behavior_versions": st.sampled_from([-(2**63), -5, 2**63 - 1, 10**9])}[field])
-    pb.reward = data.draw(st.sampled_from([1.0, math.nan, math.inf, -1e308]))
+        t = old_layout(t)
+        arr = getattr(t.pb, field)
+        if action == "old_append":
+            arr.append(data.draw({"token_ids": st.integers(0, 2**32 - 1), "loss_mask": st.integers(0, 2**32 - 1),
+                                  "behavior_logprobs": st.floats(width=32),
+                                  "behavior_versions": st.integers(-(2**63), 2**63 - 1)}[field]))
+        elif action == "old_drop":
+            del arr[-1]
+        else:
+            arr[data.draw(st.integers(0, len(arr) - 1))] = data.draw(
+                st.sampled_from([2**32 - 1]) if field == "loss_mask" else _EXTREMES[field])
+    t.pb.reward = data.draw(st.sampled_from([1.0, math.nan, math.inf, -1e308]))
     _check(t.to_bytes())
 
 
@@ -101,7 +120,7 @@ def test_known_verdicts() -> None:
     assert judge(good.to_bytes(), {"group_id": "g2"}, vocab_size=VOCAB, learner_version=3).reason == "group_mismatch"
     assert judge(b"\xff\xff", TASK, vocab_size=VOCAB, learner_version=3).reason == "not_a_trajectory"
     future = _build_valid(3, 2)
-    future.pb.behavior_versions[-1] = 9
+    future.replace_token_arrays(behavior_versions=[-1, -1, -1, 0, 9])
     assert "version_from_future" in judge(future.to_bytes(), TASK, vocab_size=VOCAB, learner_version=3).reason
 
 
