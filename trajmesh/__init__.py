@@ -3,6 +3,7 @@
 This folder is the core every service shares, torch-free (docs/ARCHITECTURE.md):
 
     contract.py     the trajectory contract around the `trajmesh.v1` protos (v1/: generated code)
+    token_block.py  the packed columnar block a trajectory's per-token arrays travel in
     config.py       the typed run configuration, one YAML file
     plugins.py      the plug-in registry: task sources, engines, graders ("module:attr", loaded lazily)
     bus.py          the JetStream layout and a typed wrapper over nats-py
