@@ -4,6 +4,7 @@ copy, and every way a block can be damaged named by `decode` and by `Trajectory.
 from __future__ import annotations
 
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -47,6 +48,17 @@ def test_round_trip_is_exact(n: int, teacher: bool, wide: bool) -> None:
     per_token = (8 if wide and n else 4) + 4 + (4 if teacher else 0) + 4 + 1
     assert len(block) == token_block.HEADER.size + n * per_token
     _assert_columns_equal(cols, token_block.decode(block))
+
+
+def test_the_bytes_are_the_documented_layout() -> None:
+    """The block is a wire format other processes (and archives) read: built here by hand from the
+    module docstring's layout, field by field, so a change to the layout fails this test."""
+    cols = TokenColumns(np.array([7, 70000], np.uint32), np.array([0, 1], np.uint8),
+                        np.array([0.0, -0.5], np.float32), np.array([-1, 3], np.int64), np.array([0.0, -2.0], np.float32))
+    body = (struct.pack("<2i", -1, 3) + struct.pack("<2f", 0.0, -0.5) + struct.pack("<2f", 0.0, -2.0)
+            + struct.pack("<2I", 7, 70000) + bytes([0, 1]))
+    header = b"TMTB" + bytes([1, 0b11111, 1, 4]) + struct.pack("<2I", 2, zlib.crc32(body))
+    assert token_block.encode(cols) == header + body
 
 
 def test_views_read_the_block_without_a_copy() -> None:
