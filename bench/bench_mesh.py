@@ -177,7 +177,7 @@ async def play_learner(cfg, seconds: float, warmup: float,  # type: ignore[no-un
         resp = await store.next_batch(version, timeout_s=10.0)
         ids = [t.trajectory_id for t in resp.trajectories]
         counted += len(ids)
-        tokens += sum(len(t.token_ids) for t in resp.trajectories)
+        tokens += sum(len(Trajectory(t)) for t in resp.trajectories)  # the block's T (or the old fields')
         await store.report(services_pb2.ReportRequest(learner_version=version, trained_ids=ids),
                            {t.trajectory_id: t.group_id for t in resp.trajectories})
         version += 1

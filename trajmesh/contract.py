@@ -243,11 +243,7 @@ class Trajectory:
         """Writes the stored and pending arrays as the message's block (a record in the old
         layout moves to the block: its repeated fields are cleared)."""
         stored = self._stored()
-        if stored.num_tokens or self._pb.token_block:
-            parts = [stored, *self._pending]
-        else:
-            parts = self._pending
-        self._set_columns(token_block.concat_columns(parts))
+        self._set_columns(token_block.concat_columns([stored, *self._pending] if stored.num_tokens else self._pending))
 
     def _set_columns(self, cols: TokenColumns) -> None:
         block = token_block.encode(cols)
@@ -294,8 +290,13 @@ class Trajectory:
 
     @property
     def num_tokens(self) -> int:
-        """T, the length of every per-token array (token_ids' length if they disagree)."""
-        return self._stored().num_tokens + sum(p.num_tokens for p in self._pending)
+        """T, the length of every per-token array (token_ids' length if they disagree; 0 for a
+        block that cannot be read, so `len` and truth tests never raise)."""
+        try:
+            stored = self._stored().num_tokens
+        except ContractError:
+            return 0
+        return stored + sum(p.num_tokens for p in self._pending)
 
     @property
     def prompt_length(self) -> int:
