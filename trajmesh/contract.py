@@ -422,7 +422,7 @@ class Trajectory:
         if isinstance(versions, (int, np.integer)):
             versions_T = np.full(ids_T.size, int(versions), dtype=np.int64)
         else:
-            versions_T = np.asarray(versions, dtype=np.int64).reshape(-1)
+            versions_T = _as_array(versions, np.int64, "q")  # an engine's list: packed, not converted one by one
         if not (ids_T.size == logprobs_T.size == versions_T.size):
             raise ContractError(
                 f"append_sampled: {ids_T.size} token ids, {logprobs_T.size} logprobs, {versions_T.size} versions"
