@@ -226,7 +226,7 @@ def test_mesh_trains_asynchronously_and_accounts_for_everything(tmp_path: Path, 
 
     # Accounting: admitted = trained + filtered + quarantined + failed_infra (injected ones aside).
     outcomes = acct["outcomes"]
-    injected = {"bad-lengths", "bad-nan", "bad-future", "bad-unknown-task"}
+    injected = {"bad-lengths", "bad-block", "bad-nan", "bad-future", "bad-unknown-task"}
     injected_quarantined = sum(1 for t in injected if t in by_id)
     assert outcomes.get("accepted", 0) == 0, "an accepted trajectory has no final outcome"
     total = sum(outcomes.get(k, 0) for k in FINAL_OUTCOMES)
