@@ -88,8 +88,11 @@ class Prejudged:
 def prejudge(traj: Trajectory, *, vocab_size: int | None) -> Prejudged:
     """`Prejudged` of `traj`: `Trajectory.validate` once, without the learner version."""
     names = frozenset(v.name for v in traj.validate(vocab_size=vocab_size))
-    versions_T = traj.behavior_versions_T
-    mask_T = traj.loss_mask_T
+    try:
+        versions_T = traj.behavior_versions_T
+        mask_T = traj.loss_mask_T
+    except ContractError:  # a damaged token block (`validate` names it): never valid, no versions to read
+        return Prejudged(names or frozenset({"token_block_malformed"}), -1, -1, False)
     # (arrays of different lengths break `length_mismatch`: never valid, their staleness unused)
     sampled_T = versions_T[mask_T == 1] if versions_T.size == mask_T.size else versions_T[:0]
     newest = int(versions_T.max()) if versions_T.size else -1
