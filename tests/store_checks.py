@@ -7,6 +7,8 @@ next sampler position) and taking its members in through the real intake.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +91,25 @@ def redis_command_names(packed: Any) -> list[str]:
                 names.append(data[end + 2:end + 2 + size].decode().upper())
             i = end + 2 + size + 2
     return names
+
+
+@contextmanager
+def recorded_round_trips(connection_class: Any, *, handshakes: bool = False) -> Iterator[list[list[str]]]:
+    """Every round trip made through `connection_class` (a redis-py async connection class:
+    `client.connection_pool.connection_class`) while the block runs, as the command names it
+    carried (one command, or a pipeline's); a new connection's handshake left out unless
+    `handshakes`. The class's `send_packed_command` is restored after."""
+    trips: list[list[str]] = []
+    send = connection_class.send_packed_command
+
+    async def recording(self: Any, command: Any, check_health: bool = True) -> None:
+        names = redis_command_names(command)
+        if handshakes or not set(names) <= HANDSHAKE:
+            trips.append(names)
+        await send(self, command, check_health)
+
+    connection_class.send_packed_command = recording
+    try:
+        yield trips
+    finally:
+        connection_class.send_packed_command = send

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from store_checks import HANDSHAKE, redis_command_names
+from store_checks import recorded_round_trips
 
 from trajmesh.config import load_config
 from trajmesh.contract import Trajectory
@@ -51,8 +51,7 @@ async def _grade_as_the_loop_does(svc: GraderService, samples: list[bytes]) -> l
     return [Trajectory.from_bytes(g.result()[0]) for g in graded]
 
 
-def test_a_fetch_reads_its_task_records_in_one_round_trip(redis_server: RedisServer, tiny_model_dir: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fetch_reads_its_task_records_in_one_round_trip(redis_server: RedisServer, tiny_model_dir: str) -> None:
     cfg = load_config(None, {})
     specs = load_split(cfg.tasks.sources[0], 5, 1)[0][:5]
     keys = RedisKeys("")
@@ -67,38 +66,27 @@ def test_a_fetch_reads_its_task_records_in_one_round_trip(redis_server: RedisSer
             await r.hset(keys.tasks, task_id, json.dumps({
                 "group_id": f"g-{task_id}", "group_size": G, "source": spec.source, "answer": spec.answer,
                 "prompt": spec.prompt, "metadata": spec.metadata}))
-        trips: list[list[str]] = []
-        cls = r.connection_pool.connection_class
-        send = cls.send_packed_command
+        with recorded_round_trips(r.connection_pool.connection_class) as trips:
+            try:
+                fetch = [_sample(task_id, i, svc.tokenizer) for task_id in task_ids[:4] for i in range(G)]
+                out = await _grade_as_the_loop_does(svc, fetch)
+                assert trips == [["HMGET"]], trips
+                assert all(t.graded for t in out), [t.pb.verifier_output for t in out]
 
-        async def recording(self: Any, command: Any, check_health: bool = True) -> None:
-            names = redis_command_names(command)
-            if not set(names) <= HANDSHAKE:
-                trips.append(names)
-            await send(self, command, check_health)
+                trips.clear()  # the same tasks again: the records are kept
+                out = await _grade_as_the_loop_does(svc, fetch[:G] + fetch[-G:])
+                assert trips == [] and all(t.graded for t in out)
 
-        monkeypatch.setattr(cls, "send_packed_command", recording)
-        try:
-            fetch = [_sample(task_id, i, svc.tokenizer) for task_id in task_ids[:4] for i in range(G)]
-            out = await _grade_as_the_loop_does(svc, fetch)
-            assert trips == [["HMGET"]], trips
-            assert all(t.graded for t in out), [t.pb.verifier_output for t in out]
-
-            trips.clear()  # the same tasks again: the records are kept
-            out = await _grade_as_the_loop_does(svc, fetch[:G] + fetch[-G:])
-            assert trips == [] and all(t.graded for t in out)
-
-            late = [_sample(task_ids[4], i, svc.tokenizer) for i in range(2)]
-            out = await _grade_as_the_loop_does(svc, late)  # not written yet: forwarded ungraded
-            assert trips == [["HMGET"]] and not any(t.graded for t in out)
-            await r.hset(keys.tasks, task_ids[4], json.dumps({
-                "group_id": f"g-{task_ids[4]}", "group_size": G, "source": specs[4].source,
-                "answer": specs[4].answer, "prompt": specs[4].prompt, "metadata": specs[4].metadata}))
-            trips.clear()
-            out = await _grade_as_the_loop_does(svc, late)  # an unknown id was not cached
-            assert trips == [["HMGET"]] and all(t.graded for t in out)
-        finally:
-            monkeypatch.undo()
-            await r.aclose()
+                late = [_sample(task_ids[4], i, svc.tokenizer) for i in range(2)]
+                out = await _grade_as_the_loop_does(svc, late)  # not written yet: forwarded ungraded
+                assert trips == [["HMGET"]] and not any(t.graded for t in out)
+                await r.hset(keys.tasks, task_ids[4], json.dumps({
+                    "group_id": f"g-{task_ids[4]}", "group_size": G, "source": specs[4].source,
+                    "answer": specs[4].answer, "prompt": specs[4].prompt, "metadata": specs[4].metadata}))
+                trips.clear()
+                out = await _grade_as_the_loop_does(svc, late)  # an unknown id was not cached
+                assert trips == [["HMGET"]] and all(t.graded for t in out)
+            finally:
+                await r.aclose()
 
     asyncio.run(main())

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_checks import HANDSHAKE, graded, redis_command_names, store_config, take
+from store_checks import graded, recorded_round_trips, store_config, take
 
 from trajmesh import bus as busmod
 from trajmesh.contract import Trajectory
@@ -92,14 +92,6 @@ def _scenario(tmp_path: Path, nats: NatsServer, redis: RedisServer, model: str, 
         await store.setup()
         trips: list[list[str]] = []
         runs: list[list[list[str]]] = []
-        cls = store.w.redis.connection_pool.connection_class
-        send = cls.send_packed_command
-
-        async def recording(self: Any, command: Any, check_health: bool = True) -> None:
-            names = redis_command_names(command)
-            if not set(names) <= HANDSHAKE:
-                trips.append(names)
-            await send(self, command, check_health)
 
         async def run(messages: list[tuple[bytes, str]]) -> None:
             for data, msg_id in messages:
@@ -112,25 +104,25 @@ def _scenario(tmp_path: Path, nats: NatsServer, redis: RedisServer, model: str, 
         admission = store.w.repo.admission  # every script loaded: no NOSCRIPT retry in the count
         for script in (admission._admit, admission._finish_group, admission._refill, admission._intake):
             await store.w.redis.script_load(script.script)
-        cls.send_packed_command = recording
+        cls = store.w.redis.connection_pool.connection_class
         try:
-            (a, ga), (b, gb), (c, gc), (d, gd) = [await _admit(store, base) for base in "abcd"]
-            first = [(graded(a, ga, i, float(i % 2), 0, G), f"{a}-{i}") for i in range(G)]
-            first += [(graded(b, gb, i, 1.0, 0, G), f"{b}-{i}") for i in range(G)]  # zero variance
-            first += [(graded(c, gc, i, float(i), 0, G), f"{c}-{i}") for i in range(2)]
-            first += [(graded(c, gc, 2, 0.5, 9, G), f"{c}-2"),  # a version the learner has not reached
-                      (graded("nope-c99", "g99-nope", 0, 1.0, 0, G), "nope"),  # unknown task
-                      (_mismatched(a), "mismatched")]
-            await run(first)
-            await store.w.gate.set_version(ETA + 2)  # what was sampled at v0 is stale on arrival
-            second = [(graded(c, gc, 3, 3.0, ETA + 2, G), f"{c}-3"), (graded(a, ga, 0, 0.0, 0, G), "again")]
-            second += [(graded(d, gd, i, float(i), 0 if i < 2 else ETA + 2, G), f"{d}-{i}") for i in range(G)]
-            await run(second)
-            # Every group is due at v5 (admitted at v0, eta 3): one batch takes them all.
-            handed = sorted(t.trajectory_id for t in await store.next_batch(ETA + 2, 64, timeout_s=5.0))
-            return await _dump(store, f"{namespace}:"), handed, runs
+            with recorded_round_trips(cls) as trips:  # what `run` reads
+                (a, ga), (b, gb), (c, gc), (d, gd) = [await _admit(store, base) for base in "abcd"]
+                first = [(graded(a, ga, i, float(i % 2), 0, G), f"{a}-{i}") for i in range(G)]
+                first += [(graded(b, gb, i, 1.0, 0, G), f"{b}-{i}") for i in range(G)]  # zero variance
+                first += [(graded(c, gc, i, float(i), 0, G), f"{c}-{i}") for i in range(2)]
+                first += [(graded(c, gc, 2, 0.5, 9, G), f"{c}-2"),  # a version the learner has not reached
+                          (graded("nope-c99", "g99-nope", 0, 1.0, 0, G), "nope"),  # unknown task
+                          (_mismatched(a), "mismatched")]
+                await run(first)
+                await store.w.gate.set_version(ETA + 2)  # what was sampled at v0 is stale on arrival
+                second = [(graded(c, gc, 3, 3.0, ETA + 2, G), f"{c}-3"), (graded(a, ga, 0, 0.0, 0, G), "again")]
+                second += [(graded(d, gd, i, float(i), 0 if i < 2 else ETA + 2, G), f"{d}-{i}") for i in range(G)]
+                await run(second)
+                # Every group is due at v5 (admitted at v0, eta 3): one batch takes them all.
+                handed = sorted(t.trajectory_id for t in await store.next_batch(ETA + 2, 64, timeout_s=5.0))
+                return await _dump(store, f"{namespace}:"), handed, runs
         finally:
-            cls.send_packed_command = send
             await store.stop()
 
     dump, handed, runs = asyncio.run(main())
