@@ -45,13 +45,9 @@ class RunRecord:
         """After a learner restart from a checkpoint: a wiped Redis must not replay drawn tasks."""
         await self.redis.set(self.keys.sampler_cursor, max(await self.sampler_cursor(), at_least))
 
-    async def task(self, task_id: str) -> dict[str, Any] | None:
-        """The admitted task's record (reference answer, group size...); None once settled or unknown."""
-        raw = await self.redis.hget(self.keys.tasks, task_id)
-        return None if raw is None else json.loads(raw)  # type: ignore[no-any-return]
-
     async def tasks(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
-        """`task` of each id, in one round trip."""
+        """Each admitted task's record (reference answer, group size...), in one round trip; None for
+        an id settled or unknown."""
         if not task_ids:
             return []
         return [None if raw is None else json.loads(raw) for raw in await self.redis.hmget(self.keys.tasks, task_ids)]
