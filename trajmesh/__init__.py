@@ -21,3 +21,12 @@ Imports: the core imports nothing of envs/, graders/, rollout/, learner/ or serv
 strings name them; tests/unit/repo/test_import_graph.py checks both).
 """
 __version__ = "0.1.0"
+
+import os as _os
+
+# gRPC core's fork handlers off, before anything imports grpc (core reads this once, at import). Our
+# processes fork children (engine servers, NATS/Redis, sandboxes) while their event loops are inside
+# gRPC calls; with the handlers on, core skips or half-runs them and a child can die of SIGABRT or
+# SIGSEGV before its exec (tests/unit/trajmesh/test_grpc_fork.py). No child of ours uses its
+# parent's gRPC state, so nothing needs them. An explicit setting in the environment wins.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
