@@ -32,13 +32,14 @@ import gc
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+
+from trajmesh.infra import free_port
 
 VOCAB = 32000
 STEP_GOAL = 1.2
@@ -241,7 +242,7 @@ def _ref_child(zero_stage: int, reference: str) -> None:
 def _world(world: int, *child_args: str) -> list[dict[str, float]]:
     """Runs `world` ranks of this file with `child_args`; each rank's last JSON line ({} for a rank
     that prints none), by rank."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -287,12 +288,6 @@ def _reference_memory() -> None:
     for ref in ("copied", "partitioned"):
         print(f"reference_zero3_{ref}_over_zero0_added_peak_ratio={added[3, ref] / added[0, 'copied']:.2f} "
               "(report; a half-copy is 0.5)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ranks_tokens_per_s(world: int, steps: int = RANK_STEPS) -> float:

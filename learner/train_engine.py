@@ -33,7 +33,6 @@ import contextlib
 import math
 import os
 import random
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from trajmesh.infra import free_port
 
 __all__ = [
     "TRAIN_ENGINES",
@@ -464,12 +465,6 @@ def _prepare_deepspeed_env() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _no_shm_comm_op() -> Iterator[None]:
     """Skip DeepSpeed's CPU shared-memory allreduce op while the backend is created.
@@ -516,7 +511,7 @@ def ensure_distributed(backend: str = "gloo") -> bool:
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
             RANK="0",
             LOCAL_RANK="0",
             WORLD_SIZE="1",

@@ -23,12 +23,14 @@ import atexit
 import ctypes
 import hashlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import urllib.error
@@ -62,8 +64,68 @@ class ServerStartError(RuntimeError):
     """A server process exited or did not become healthy in time; the message quotes its log."""
 
 
+# free_port's leases: one file per port handed out, so no two callers on this machine (any process)
+# get the same port while the first has not bound it yet; a lease older than this may be taken again.
+_PORT_LEASE_S = 1800.0
+_PORT_FLOOR = 10000
+_PORT_TRIES = 200
+_port_rng = random.SystemRandom()  # not the global generator: tests seed that one
+
+
+def _ephemeral_ports() -> range:
+    """The kernel's ephemeral range (the local ports of outgoing connections)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("0.0.0.0", port))  # what a server binding any address needs (a loopback one too)
+        except OSError:
+            return False
+    return True
+
+
+def _lease(port: int, leases: Path) -> bool:
+    """Take the lease on `port`: True when this call holds it now."""
+    path = leases / str(port)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - path.stat().st_mtime > _PORT_LEASE_S:
+                path.unlink()  # expired: free for a later try (by anyone), not taken here
+        except FileNotFoundError:
+            pass
+        return False
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    """A TCP port free on every local address, that no other caller of this function on this machine
+    gets for the next 30 minutes (a lease file under the temp directory).
+
+    The port comes from outside the kernel's ephemeral range: a port that the OS picks (bind to 0) is
+    free only until a later pick or any outgoing connection takes it, and a service binds its port
+    seconds later, after its imports (a CI run lost a store to "address already in use" so). Where
+    there is no room outside the range or no lease directory, the OS picks, as before."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in (range(_PORT_FLOOR, ephemeral.start), range(ephemeral.stop, 65536)) if len(p)]
+    leases = Path(tempfile.gettempdir()) / f"trajmesh-ports-{os.getuid()}"
+    try:
+        leases.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        candidates = []
+    if sum(len(r) for r in candidates) >= 1000:
+        weights = [len(r) for r in candidates]
+        for _ in range(_PORT_TRIES):
+            port = _port_rng.choice(_port_rng.choices(candidates, weights)[0])
+            if _lease(port, leases) and _port_free(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((_HOST, 0))
         return int(sock.getsockname()[1])

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from trajmesh.contract import Trajectory
+from trajmesh.infra import free_port
 from trajmesh.learner import advantages, step
 from trajmesh.learner.logprobs import PolicyLogprobs
 from trajmesh.learner.models import (
@@ -134,16 +134,10 @@ def test_eos_ids_include_generation_config(qwen2_dir: Path) -> None:
     assert model_eos_ids(load_causal_lm(qwen2_dir), tok.eos_token_id) >= {tok.eos_token_id, EXTRA_EOS}  # the engine's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_greedy(model_dir: Path, prompts: list[list[int]], max_new: int, log: Path) -> list[list[int]]:
     from trajmesh.rollout.engines.engine_client import EngineClient
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", str(model_dir),
                              "--port", str(port), "--host", "127.0.0.1", "--version", "0", "--threads", "1"],
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))  # noqa: SIM115

@@ -14,13 +14,14 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from repo_paths import TESTS
+
+from trajmesh.infra import free_port
 
 
 def _worker(out_dir: str) -> None:
@@ -56,15 +57,9 @@ def _worker(out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(numbers))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(world: int, out: Path) -> list[tuple[subprocess.Popen[bytes], object]]:
     out.mkdir(parents=True)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),

@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Any
 
 import pytest
 from repo_paths import TESTS
+
+from trajmesh.infra import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 
@@ -169,16 +170,10 @@ def _worker(out_dir: str, mode: str) -> None:
     Path(out_dir, f"result{rank}.json").write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, out: Path, mode: str) -> list[dict]:
     """Start `world` rank processes of this file; every rank's result (a hang fails, never blocks)."""
     out.mkdir(parents=True)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),

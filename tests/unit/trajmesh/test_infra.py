@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -109,6 +110,26 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_free_port_stays_out_of_the_range_outgoing_connections_take() -> None:
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    inside = [p for p in (free_port() for _ in range(50)) if low <= p <= high]
+    assert inside == [], f"ports the kernel may give any outgoing connection meanwhile: {inside}"
+
+
+_TAKE_PORTS = "import sys; from trajmesh.infra import free_port; print(*(free_port() for _ in range(400)))"
+
+
+def test_free_port_never_hands_one_port_to_two_processes() -> None:
+    """Two processes take 400 ports each at once (as xdist workers and a mesh's services do): no port
+    twice. Random picks alone would repeat one here almost surely (800 from ~27,000)."""
+    takers = [subprocess.Popen([sys.executable, "-c", _TAKE_PORTS], stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    taken = [[int(p) for p in t.communicate(timeout=120)[0].split()] for t in takers]
+    assert [len(t) for t in taken] == [400, 400]
+    both = set(taken[0]) & set(taken[1])
+    assert not both and len(set(taken[0])) == 400, f"handed out twice: {sorted(both)[:10]}"
 
 
 def test_nats_start_stop_leaves_no_process(tmp_path: Path) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from sglang_fixture_server import VERSIONS as SGLANG_FIXTURE_VERSIONS  # noqa: E
 from sglang_fixture_server import serve_in_thread  # noqa: E402
 from vllm_server import VLLMServer, start_all  # noqa: E402
 
+from trajmesh.infra import free_port  # noqa: E402
 from trajmesh.learner.models import (  # noqa: E402
     build_char_tokenizer,
     build_tiny_model,
@@ -67,12 +67,6 @@ SGLANG_MODEL = os.environ.get("TRAJMESH_SGLANG_MODEL")
 STARTUP_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -92,7 +86,7 @@ def _torch_engine(root: Path) -> dict[str, Any]:
     dims = {"hidden": 32, "layers": 2, "heads": 2, "max_positions": 4096}
     build_tiny_model(root / "a", root / "tok", seed=0, **dims)
     build_tiny_model(root / "b", root / "tok", seed=1, **dims)
-    port = _free_port()
+    port = free_port()
     log = open(root / "engine.log", "w")  # noqa: SIM115 - closed with the engine
     proc = subprocess.Popen(
         [sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model", str(root / "a"), "--port", str(port),

@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from trajmesh.infra import free_port  # noqa: E402
 from trajmesh.learner.models import build_char_tokenizer, build_tiny_model, encode_prompt, load_model  # noqa: E402
 from trajmesh.rollout.engines.base import wait_healthy  # noqa: E402
 from trajmesh.rollout.engines.engine_client import CoalescingEngine, EngineClient, EngineError  # noqa: E402
 from trajmesh.service import StartFailed  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_models(root: Path) -> tuple[Path, Path]:
@@ -37,7 +31,7 @@ def _build_models(root: Path) -> tuple[Path, Path]:
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
     model_a, model_b = _build_models(root)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
