@@ -31,9 +31,11 @@ enters the store's accounting and never trains. What is its own: which versions 
 vs sampled passes, their seeds, and the record. The held-out split of each source is drawn as
 `trajmesh train` draws it (`heldout_tasks`: `trajmesh.tasks.load_split`, disjoint from training).
 
-Sources whose episodes the rollout does not play through the environment service either (a
-source plug-in's own runner, `rollout_episodes`: external agents, verifiers) are played here
-in-process by `evaluate_source` through `EnginePolicy`, with the source's own held-out player.
+Every held-out episode is played by `run_episode`, as the rollout plays a training sample: through
+the environment service, or by the source plug-in's own runner (`rollout_episodes`: external agents
+and verifiers harnesses, through the agent endpoint this process serves, `rollout_setup`) where the
+rollout uses one too. Its sessions sample at the evaluation's temperature, top-p and budget, whatever
+the agent asks (`AgentSession.forced`). Every episode is graded by the grader service.
 """
 
 from __future__ import annotations
@@ -58,13 +60,12 @@ from trajmesh.learner.evaluate import (
     Outcome,
     PassRunner,
     eval_budgets,
-    evaluate_source,
     heldout_result,
     heldout_tasks,
     pass_figures,
     source_figures,
 )
-from trajmesh.rollout.engines.generation import TurnSampler, sampling_seed
+from trajmesh.rollout.engines.generation import TurnSampler
 from trajmesh.service import supervise
 from trajmesh.services.rollout import RolloutService
 from trajmesh.services.store.record import RunRecord
@@ -105,27 +106,6 @@ episode counts as an infra failure."""
 FINISH_POLL_S = 2.0
 """How often the eval loop reads `run_finished` while no new version arrives (Redis has no event
 for the key; the read is one EXISTS)."""
-
-
-class EnginePolicy:
-    """`Policy` (rollout/agents/episode.py) over the run's engine: each `generate` call of play_episodes
-    (in a worker thread) samples its contexts concurrently with the rollout's `TurnSampler` on the
-    service's event loop, one engine sampling seed per row and call (deterministic per pass)."""
-
-    def __init__(self, sampler: TurnSampler, loop: asyncio.AbstractEventLoop, seed: int) -> None:
-        self.sampler, self.loop, self.seed = sampler, loop, seed
-        self.calls = 0
-
-    def generate(self, contexts: list[list[int]], params: Any) -> list[Any]:
-        self.calls += 1
-        return asyncio.run_coroutine_threadsafe(self._turns(contexts, params, self.calls), self.loop).result()
-
-    async def _turns(self, contexts: list[list[int]], params: Any, call: int) -> list[Any]:
-        from trajmesh.rollout.engines.torch_sampler import Sampled
-
-        turns = await asyncio.gather(*(self.sampler.sample(ctx, params, sampling_seed(self.seed, f"eval-{call}", i))
-                                       for i, ctx in enumerate(contexts)))
-        return [Sampled(t.ids, t.logps, {"type": t.finish}) for t in turns]
 
 
 class EvaluatorService(RolloutService):
@@ -172,6 +152,7 @@ class EvaluatorService(RolloutService):
                                    context_len=context_len, loaded_version=lambda: self.version)
         self.version_changed = asyncio.Condition()
         self._connect_environments()  # as the rollout reaches them: held-out episodes are played there
+        await self._source_setups()  # the sources' own runners (the agent endpoint), as the rollout's
         if await announce.latest_version(self.bus) > 0 \
                 and (await self.bus.stream_info(busmod.STREAM_EVAL)).state.messages > 0:
             self.last_evaluated = -1  # a run under way, evaluated before: its base model is done
@@ -263,16 +244,10 @@ class EvaluatorService(RolloutService):
         start = time.monotonic()
         log.info("evaluating v%d (%s): %d sources", version, phase, len(self.held))
 
-        def make_policy(seed: int) -> EnginePolicy:
-            return EnginePolicy(self.sampler, loop, seed)
-
         per = {}
         for name, tasks in self.held.items():
-            if self._plays_itself(tasks):  # a plug-in's own runner: not through the environment service
-                per[name] = await asyncio.to_thread(evaluate_source, make_policy, self.format, tasks, cfg, samples, noise)
-            else:
-                run = self._mesh_pass(version, name, tasks, loop)
-                per[name] = await asyncio.to_thread(source_figures, run, cfg, samples, noise)
+            run = self._mesh_pass(version, name, tasks, loop)
+            per[name] = await asyncio.to_thread(source_figures, run, cfg, samples, noise)
         result = heldout_result(per, cfg.eval.selection_metric, noise)
         seconds = time.monotonic() - start
         record = {"kind": "eval", "phase": phase, "version": version, "rl_seconds": self._rl_seconds(version),
@@ -289,12 +264,6 @@ class EvaluatorService(RolloutService):
         return record
 
     # ------------------------------------------------------------------ episodes through the services
-    def _plays_itself(self, tasks: list[dict[str, Any]]) -> bool:
-        """Whether a source's environments run their own episodes in the rollout (a plug-in's
-        `rollout_episodes`, e.g. verifiers, external agents) rather than through the environment
-        service: they are evaluated in-process by their own held-out player."""
-        return any(str(t.get("environment") or "single_answer") in self.episode_runners for t in tasks)
-
     def _mesh_pass(self, version: int, source: str, tasks: list[dict[str, Any]],
                    loop: asyncio.AbstractEventLoop) -> PassRunner:
         """`source_figures`' pass runner (called in its worker thread): `play_pass` on this loop."""

@@ -88,10 +88,12 @@ def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[s
 def train_to_end(cfg: RunConfig, timeout_s: float = 300.0) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]]]:
     """A whole short run: the manifest, the mesh, the learner to its budget (exit 0), the end of the
     run; then the checks every healthy run passes (`check_archive` with the run's η,
-    `check_gate_reconciles`, `check_no_stale`). Stops every process. Returns the mesh's config,
-    the accounting and the archive rows."""
+    `check_gate_reconciles`, `check_no_stale`). With the evaluator service (`eval.in_mesh`), waits
+    for its record of the last version first, as `trajmesh train` does. Stops every process. Returns
+    the mesh's config, the accounting and the archive rows."""
     from trajmesh.run.launcher import accounting, start_mesh
     from trajmesh.run.run_end import end_run
+    from trajmesh.run.train import wait_final_eval
 
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
@@ -100,6 +102,8 @@ def train_to_end(cfg: RunConfig, timeout_s: float = 300.0) -> tuple[RunConfig, d
         cfg = mesh.cfg
         learner = next(p for p in mesh.procs if p.name == "learner")
         assert learner.popen.wait(timeout=timeout_s) == 0, learner.log_path.read_text()[-3000:]
+        if any(p.name == "evaluator" for p in mesh.procs):
+            assert wait_final_eval(mesh, timeout_s) is not None, "no evaluator record of the last version"
         assert end_run(mesh) == 0
         acct = accounting(cfg)
         rows = check_archive(cfg, acct, cfg.effective_eta)
@@ -119,16 +123,22 @@ def store_draws(rows: list[dict[str, Any]]) -> dict[str, str]:
 
 def train_and_evaluate(cfg: RunConfig, steps: int, timeout_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`train_to_end`, the learner's versions 1..`steps`, then the held-out evaluation of the final
-    weights, one sample a task, each source through its own environment and grader (what `trajmesh
-    train` writes to summary.json): every source evaluated its held-out tasks. Returns the archive
-    rows and the evaluation."""
+    weights, each source through its own environment and grader (what `trajmesh train` writes to
+    summary.json): every source evaluated its held-out tasks. With `eval.in_mesh` the evaluation is
+    the evaluator service's record of the last version; else one sample a task in this process.
+    Returns the archive rows and the evaluation."""
     from trajmesh.learner.evaluate import heldout_tasks
     from trajmesh.run.train import evaluate_dir, latest_weights_dir, read_metrics
 
     _, _, rows = train_to_end(cfg, timeout_s=timeout_s)
-    versions = [m["version"] for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
+    records = read_metrics(Path(cfg.run_dir))
+    versions = [m["version"] for m in records if m.get("kind") == "learner_step"]
     assert versions == list(range(1, steps + 1))
-    result = evaluate_dir(str(latest_weights_dir(Path(cfg.run_dir))), heldout_tasks(cfg), cfg, samples=1)
+    if cfg.eval.in_mesh:
+        result = next(r for r in reversed(records) if r.get("kind") == "eval" and r.get("phase") == "after")
+        assert result["version"] == steps and result["source"] == "evaluator", result
+    else:
+        result = evaluate_dir(str(latest_weights_dir(Path(cfg.run_dir))), heldout_tasks(cfg), cfg, samples=1)
     for src in cfg.tasks.sources:
         per = result["heldout"][src.name]
         assert per["n_tasks"] == cfg.tasks.heldout_size and per["terminal_reasons"], result

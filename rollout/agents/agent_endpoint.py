@@ -297,12 +297,14 @@ class AgentEndpoint:
 
     # ----------------------------------------------------------------- sessions
 
-    def open_session(self, session_id: str | None = None) -> AgentSession:
+    def open_session(self, session_id: str | None = None, *, forced: Any = None) -> AgentSession:
+        """A new session; `forced`: a held-out evaluation's `SamplingParams` (`AgentSession.forced`)."""
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             raise ValueError(f"session {sid} is already open")
-        self.sessions[sid] = AgentSession(sid, self.tokenizer, self.chat, self.turn_end_id)
-        return self.sessions[sid]
+        session = self.sessions[sid] = AgentSession(sid, self.tokenizer, self.chat, self.turn_end_id)
+        session.forced = forced
+        return session
 
     def close_session(self, session_id: str) -> AgentSession:
         """Stops taking calls for the session and hands it over (its calls stay recorded)."""
@@ -385,6 +387,11 @@ class AgentEndpoint:
     async def generate(self, session: AgentSession, api: str, plan: PromptPlan, params: SimpleNamespace, n: int,
                        request: Request) -> tuple[Call, list[Sample]]:
         """Samples `n` choices for one call, records them, drops them if the caller hung up."""
+        if session.forced is not None:  # a held-out episode: the evaluation's sampling, not the agent's
+            f = session.forced
+            params.temperature, params.top_p = float(f.temperature), float(f.top_p) or 1.0
+            if f.max_new_tokens > 0 and params.max_new_tokens > f.max_new_tokens:
+                params.max_new_tokens, params.max_asked = int(f.max_new_tokens), False
         self.fit_context(api, len(plan.prompt_ids), params)
         fingerprint = request_fingerprint(api, await request.body())
         if int(request.headers.get("x-stainless-retry-count", "0") or 0) > 0:

@@ -101,8 +101,8 @@ class AgentRunner:
                   ) -> tuple[list[Trajectory], AgentOutcome]:
         """Runs `agent` on `task`: the session's one trajectory (none without an LLM call), finished
         with the outcome's reason. `python_path`: this run's extra agent module folders (before the
-        runner's own)."""
-        session = self.endpoint.open_session(session_id)
+        runner's own). A held-out task (`task.evaluation`) samples at its own sampling."""
+        session = self.endpoint.open_session(session_id, forced=task.sampling if task.evaluation else None)
         session.environment = hosted_environment(task)
         base_url = f"{self.endpoint_url}/sessions/{session_id}/v1"
         start = time.monotonic()

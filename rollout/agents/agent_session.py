@@ -157,6 +157,9 @@ class AgentSession:
         """No more calls are taken (the task ended, timed out or was abandoned)."""
         self.environment: HostedEnvironment | None = None
         """The environment the agent acts on (None: the agent brings its own, graded by its answer)."""
+        self.forced: Any = None
+        """A held-out evaluation's sampling (a `SamplingParams`): every call samples at its temperature
+        and top-p, within its max_new_tokens, whatever the agent asks (None: as the agent asks)."""
         self._chat_continuations: dict[str, tuple[Completion, list[dict[str, Any]]]] = {}
         """conversation key of (request messages + returned assistant message) -> (completion, messages)."""
         self._text_continuations: dict[str, Completion] = {}

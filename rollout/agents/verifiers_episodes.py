@@ -125,7 +125,7 @@ async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int)
     sid = f"{tid}-{os.urandom(4).hex()}"
     env, tasks = await _ENVS.get(meta)
     vtask = tasks[int(meta["idx"])]
-    session = endpoint.open_session(sid)
+    session = endpoint.open_session(sid, forced=task.sampling if task.evaluation else None)
     ctx = vf.ModelContext(model=endpoint.model_name, client=vf.EvalClientConfig(
         base_url=f"{agents.endpoint_url}/sessions/{sid}/v1", api_key_var=API_KEY_VAR))
     start = time.monotonic()

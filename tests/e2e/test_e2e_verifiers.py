@@ -11,8 +11,9 @@ tokens carry a version and a log-prob, the rest mask 0 and version -1); a rubric
 recomputed here from its own turns (the sums: exact reply and mention; the tools: a tool result came
 back, which is read off the trajectory's tokens, and the reply after it is the sum); the rubric's
 components are archived, one per reward function; and the held-out evaluation of both sources
-(what `trajmesh train` writes to summary.json) runs through the harness and its tools, with
-verifiers' version in the revision.
+(what `trajmesh train` writes to summary.json) is the evaluator service's: its episodes run as the
+rollout's do, through the harness and its tools at the evaluation's sampling, graded by the grader
+service, with verifiers' version in the revision.
 
 verifiers 0.4 pins openai < 3, which the dev extra's agent frameworks cannot share a venv with: this
 runs where verifiers is installed, skipped elsewhere. ``make test`` (after the main suite; also
@@ -111,16 +112,19 @@ def test_verifiers_tasksets_train_through_the_mesh(tmp_path: Path, chat_model_di
         "store.drop_zero_variance_groups": False,
         "learner.engine.type": "torch", "learner.batch_groups": 2, "learner.max_steps": STEPS,
         "learner.checkpoint_every": STEPS,
+        "eval.in_mesh": True, "eval.samples": 1, "eval.noise_seeds": 0, "eval.every_versions": STEPS,
     })
     answers_dir = tmp_path / "engine-answers"  # every answer the torch engines give, for check_engine_tokens
     answers_dir.mkdir()
     monkeypatch.setenv(ANSWER_LOG_ENV, str(answers_dir))
     rows, result = train_and_evaluate(cfg, STEPS, timeout_s=420)
     answers = engine_answers(answers_dir)
-    # held-out through the harness and its tools (rollout/agents/verifiers_episodes.py play_heldout): the
-    # greedy policy's tool call is answered, which the rubric's tool_answered (1) credits; a reply
-    # scored without the harness could earn at most `correct` (1) on a sum that happens to be 3
+    # held-out by the evaluator service through the harness and its tools (verifiers_episodes.py
+    # run_episode, as in training): the greedy policy's tool call is answered, which the rubric's
+    # tool_answered (1) credits; a reply scored without the harness could earn at most `correct` (1)
+    # on a sum that happens to be 3
     assert result["heldout"]["tools"]["greedy_accuracy"] >= 1.0, result["heldout"]["tools"]
+    assert result["greedy_infra_failures"] == 0 and result["sampled_infra_failures"] == 0, result
     assert evaluation_protocol(cfg, heldout_tasks(cfg))["sources"]["tools"]["environments"] == {
         "verifiers": f"verifiers-adapter-v1+verifiers-{importlib.metadata.version('verifiers')}"}
 

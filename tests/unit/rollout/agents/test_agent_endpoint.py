@@ -235,6 +235,22 @@ def test_chat_completion_is_recorded_with_the_engine_tokens(h: Harness) -> None:
     assert [t.pb.trajectory_id.split("-")[-1] for t in trajs] == ["first", "sibling"]
 
 
+def test_held_out_session_samples_at_the_evaluations_sampling(h: Harness) -> None:
+    """A held-out episode's session (`forced`: the evaluation's `SamplingParams`, services/evaluator.py)
+    samples greedy within the evaluation's budget whatever the agent asks; a training session as asked."""
+    forced = trajectory_pb2.SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=5)
+    seen = {}
+    for sid, kw in (("heldout1", {"forced": forced}), ("train1", {})):
+        h.ep.open_session(sid, **kw)
+        before = len(h.engine.samplings)
+        h.openai(sid).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi."}],
+                                              max_tokens=40, temperature=1.3, top_p=0.5)
+        (seen[sid],) = h.engine.samplings[before:]
+        h.ep.close_session(sid)
+    assert (seen["heldout1"]["temperature"], seen["heldout1"]["top_p"], seen["heldout1"]["max_new_tokens"]) == (0.0, 1.0, 5)
+    assert (seen["train1"]["temperature"], seen["train1"]["top_p"], seen["train1"]["max_new_tokens"]) == (1.3, 0.5, 40)
+
+
 def _tool_round_trip_chat(client: Any) -> tuple[Any, Any]:
     tools = [{"type": "function", "function": ADD_FN}]
     msgs: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
