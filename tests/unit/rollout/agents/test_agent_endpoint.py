@@ -466,6 +466,21 @@ def test_example_agent_runs_in_its_own_process_through_the_endpoint(h: Harness) 
     assert "ex1" not in h.ep.sessions  # closed: later calls are refused
 
 
+def test_held_out_agent_run_samples_at_the_tasks_sampling(h: Harness) -> None:
+    """An external agent's held-out task (`evaluation`, as the evaluator sends it): every call the
+    agent makes (it asks temperature 0, 64 tokens) samples at the task's sampling."""
+    from trajmesh.rollout.agents.agent_runner import AgentRunner
+
+    runner = AgentRunner(h.ep, h.url, python_path=[str(REPO / "examples")])
+    task = _task(QUESTION)
+    task.evaluation = True
+    task.sampling.CopyFrom(trajectory_pb2.SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20))
+    before = len(h.engine.samplings)
+    asyncio.run(runner.run(task, "openai_agent:solve", 300, session_id="ex-heldout"))
+    calls = h.engine.samplings[before:]
+    assert calls and {(c["temperature"], c["top_p"], c["max_new_tokens"]) for c in calls} == {(0.7, 0.9, 20)}, calls
+
+
 def test_agent_that_edits_history_yields_one_trajectory_with_two_segments(h: Harness, tmp_path: Path) -> None:
     from trajmesh.rollout.agents.agent_runner import AgentRunner
 
