@@ -85,12 +85,14 @@ def check_archive(cfg: RunConfig, acct: dict[str, Any], eta: int) -> list[dict[s
     return rows
 
 
-def train_to_end(cfg: RunConfig, timeout_s: float = 300.0) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]]]:
-    """A whole short run: the manifest, the mesh, the learner to its budget (exit 0), the end of the
-    run; then the checks every healthy run passes (`check_archive` with the run's η,
-    `check_gate_reconciles`, `check_no_stale`). With the evaluator service (`eval.in_mesh`), waits
-    for its record of the last version first, as `trajmesh train` does. Stops every process. Returns
-    the mesh's config, the accounting and the archive rows."""
+def train_to_end(cfg: RunConfig, timeout_s: float = 300.0, *, during: Callable[[Any], None] | None = None,
+                 before_end: Callable[[Any], None] | None = None,
+                 ) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]]]:
+    """A whole short run: the manifest, the mesh, `during(mesh)` while it runs, the learner to its
+    budget (exit 0), `before_end(mesh)`, the end of the run; then the checks every healthy run passes
+    (`check_archive` with the run's η, `check_gate_reconciles`, `check_no_stale`). With the evaluator
+    service (`eval.in_mesh`), waits for its record of the last version before the end, as `trajmesh
+    train` does. Stops every process. Returns the mesh's config, the accounting and the archive rows."""
     from trajmesh.run.launcher import accounting, start_mesh
     from trajmesh.run.run_end import end_run
     from trajmesh.run.train import wait_final_eval
@@ -100,10 +102,14 @@ def train_to_end(cfg: RunConfig, timeout_s: float = 300.0) -> tuple[RunConfig, d
     mesh = start_mesh(cfg)
     try:
         cfg = mesh.cfg
+        if during is not None:
+            during(mesh)
         learner = next(p for p in mesh.procs if p.name == "learner")
         assert learner.popen.wait(timeout=timeout_s) == 0, learner.log_path.read_text()[-3000:]
         if any(p.name == "evaluator" for p in mesh.procs):
             assert wait_final_eval(mesh, timeout_s) is not None, "no evaluator record of the last version"
+        if before_end is not None:
+            before_end(mesh)
         assert end_run(mesh) == 0
         acct = accounting(cfg)
         rows = check_archive(cfg, acct, cfg.effective_eta)

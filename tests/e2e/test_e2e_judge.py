@@ -38,12 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_checks import FINAL_OUTCOMES, check_archive, check_gate_reconciles, check_no_stale, write_manifest
+from mesh_checks import FINAL_OUTCOMES, train_to_end
 
 from trajmesh.config import RunConfig, load_config
 from trajmesh.infra import die_with_parent, free_port
-from trajmesh.run.launcher import Mesh, accounting, start_mesh
-from trajmesh.run.run_end import end_run
+from trajmesh.run.launcher import Mesh
 from trajmesh.tasks import load_split
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -147,30 +146,17 @@ def _config(run_dir: Path, model_dir: str, judge: dict[str, Any], sources: list[
 
 def _run(cfg: RunConfig, during: Callable[[Mesh], None] | None = None,
          ) -> tuple[RunConfig, dict[str, Any], list[dict[str, Any]], str]:
-    """Manifest, mesh, `during` (the mesh running), the learner to its budget, the grader's
-    /metrics, the end of the run, and the checks of every healthy run (`check_archive`,
-    `check_gate_reconciles`, `check_no_stale`)."""
-    Path(cfg.run_dir).mkdir(parents=True)
-    write_manifest(cfg)
-    mesh = start_mesh(cfg)
-    try:
-        cfg = mesh.cfg
-        if during is not None:
-            during(mesh)
-        learner = next(p for p in mesh.procs if p.name == "learner")
-        assert learner.popen.wait(timeout=300) == 0, learner.log_path.read_text()[-3000:]
+    """`train_to_end` with `during` (the mesh running), and the grader's /metrics once the learner
+    is done."""
+    metrics: list[str] = []
+
+    def read_grader_metrics(mesh: Mesh) -> None:
         grader = next(p for p in mesh.procs if p.name == "grader")
         with urllib.request.urlopen(f"http://127.0.0.1:{grader.metrics_port}/metrics", timeout=10) as resp:
-            metrics = resp.read().decode()
-        assert end_run(mesh) == 0
-        acct = accounting(cfg)
-        rows = check_archive(cfg, acct, cfg.effective_eta)
-        check_gate_reconciles(cfg, rows)
-    finally:
-        mesh.stop_services()
-        mesh.stop_infra()
-    check_no_stale(acct, cfg.run_dir)
-    return cfg, acct, rows, metrics
+            metrics.append(resp.read().decode())
+
+    cfg, acct, rows = train_to_end(cfg, during=during, before_end=read_grader_metrics)
+    return cfg, acct, rows, metrics[0]
 
 
 def _counter(metrics: str, name: str, **labels: str) -> float:
