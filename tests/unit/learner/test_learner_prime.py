@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from learner_batches import two_groups_of_four
 from tiny_llama import tiny_llama_dir
 
 from trajmesh.config import load_config
-from trajmesh.contract import Trajectory
 from trajmesh.learner.advantages import (
     implicit_process_rewards,
     prime_advantages_BT,
@@ -27,7 +27,6 @@ from trajmesh.learner.advantages import (
 from trajmesh.learner.metrics import PRIME_METRIC_NAMES
 from trajmesh.learner.objective import implicit_prm_loss
 from trajmesh.learner.step import Batch
-from trajmesh.v1 import trajectory_pb2
 
 # ------------------------------------------------------------------ the math, by hand
 
@@ -150,22 +149,6 @@ def test_the_prime_advantage_adds_the_outcome_and_process_components() -> None:
 # ------------------------------------------------------------------ the learner service
 
 
-def _trajectories(step: int) -> list[Trajectory]:
-    """Two groups of four. A trajectory is correct (reward 1) when its first sampled token is 3 or
-    4, incorrect when it is 5 or 6: a label the PRM can learn from the tokens."""
-    out = []
-    for g in range(2):
-        for i in range(4):
-            t = Trajectory.new(trajectory_id=f"s{step}-g{g}-{i}")
-            t.pb.group_id, t.pb.task_id = f"g{step}-{g}", f"task{g}"
-            t.append_prompt([1, 2 + g])
-            t.append_sampled([3 + i, 8 + i + g, 14 + (i + step) % 4], [-3.0, -3.1, -2.9], 0)
-            t.finish(trajectory_pb2.EOS)
-            t.set_reward(float(i < 2))
-            out.append(t)
-    return out
-
-
 def _service(tmp_path: Path, model: str, run: str, **over: Any) -> Any:
     from trajmesh.services.learner import LearnerService
 
@@ -179,7 +162,7 @@ def _service(tmp_path: Path, model: str, run: str, **over: Any) -> Any:
 
 
 def _steps(svc: Any, first: int, last: int) -> list[dict[str, Any]]:
-    return [svc._train_step(_trajectories(s), eta=100, temperature=1.0).metrics for s in range(first, last)]
+    return [svc._train_step(two_groups_of_four(s), eta=100, temperature=1.0).metrics for s in range(first, last)]
 
 
 def test_the_learner_trains_the_prm_on_the_outcome_label(tmp_path: Path) -> None:

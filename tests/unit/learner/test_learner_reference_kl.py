@@ -15,12 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from learner_batches import two_groups_of_four
 from tiny_llama import tiny_llama_dir
 
 from trajmesh.config import ObjectiveConfig, load_config
-from trajmesh.contract import Trajectory
 from trajmesh.learner.objective import kl_penalty, reference_kl_loss
-from trajmesh.v1 import trajectory_pb2
 
 # ------------------------------------------------------------------ the estimators, by hand
 
@@ -71,21 +70,6 @@ def test_the_term_reduces_with_the_objective_denominators_and_ignores_padding() 
 # ------------------------------------------------------------------ the learner service
 
 
-def _trajectories(step: int) -> list[Trajectory]:
-    """Two groups of four; in each, two trajectories rewarded 1 and two 0 (GRPO advantages ±)."""
-    out = []
-    for g in range(2):
-        for i in range(4):
-            t = Trajectory.new(trajectory_id=f"s{step}-g{g}-{i}")
-            t.pb.group_id, t.pb.task_id = f"g{step}-{g}", f"task{g}"
-            t.append_prompt([1, 2 + g])
-            t.append_sampled([3 + i, 8 + i + g, 14 + (i + step) % 4], [-3.0, -3.1, -2.9], 0)
-            t.finish(trajectory_pb2.EOS)
-            t.set_reward(float(i < 2))
-            out.append(t)
-    return out
-
-
 def _service(tmp_path: Path, model: str, run: str, **over: Any) -> Any:
     from trajmesh.services.learner import LearnerService
 
@@ -98,7 +82,7 @@ def _service(tmp_path: Path, model: str, run: str, **over: Any) -> Any:
 
 
 def _steps(svc: Any, first: int, last: int) -> list[dict[str, Any]]:
-    return [svc._train_step(_trajectories(s), eta=100, temperature=1.0).metrics for s in range(first, last)]
+    return [svc._train_step(two_groups_of_four(s), eta=100, temperature=1.0).metrics for s in range(first, last)]
 
 
 def test_the_reference_and_the_optimizer_reset_at_the_configured_versions(tmp_path: Path,
@@ -193,7 +177,7 @@ def test_under_zero3_the_reference_is_partitioned_like_the_policy_and_resets_fro
         pairs = ref._pairs(engine)
         assert pairs and all(hasattr(r, "ds_id") and r.ds_tensor.numel() == p.ds_tensor.numel()
                              for r, p in pairs)
-        batch = step.build_batch(_trajectories(0), pad_id=0)
+        batch = step.build_batch(two_groups_of_four(0), pad_id=0)
         adv_BT = advantages.advantages_BT(batch, "grpo", scale_by_std=True, eps=1e-6)
         kl = ReferenceConfig(enabled=True, kl_coef=0.1)
 
