@@ -36,6 +36,7 @@ from typing import Any
 
 import grpc
 import nats.errors
+import nats.js.errors
 from prometheus_client import Counter, Gauge, Histogram
 
 from trajmesh import bus as busmod
@@ -66,6 +67,9 @@ log = logging.getLogger("trajmesh.rollout")
 TRAJECTORIES = Counter("trajmesh_rollout_trajectories_total", "Trajectories published", ["terminal_reason"])
 WEIGHT_UPDATES = Counter("trajmesh_rollout_weight_updates_total", "Weight versions loaded")
 WEIGHT_UPDATE_FAILURES = Counter("trajmesh_rollout_weight_update_failures_total", "Weight versions that failed to load")
+WEIGHT_WATCH_MISSES = Counter("trajmesh_rollout_weight_watch_misses_total",
+                              "Announced versions the weights watch had not delivered when a task waited for them "
+                              "(loaded from a read of the announcement instead)")
 ANCHOR_REQUESTS_SENT = Counter("trajmesh_rollout_weight_anchor_requests_total",
                                "Full anchors asked of the learner after a version could not be rebuilt")
 WEIGHT_SYNC_SECONDS = Histogram("trajmesh_rollout_weight_sync_seconds",
@@ -142,6 +146,10 @@ class RolloutService(Service):
         local = self.cfg.weights.local_dir or Path(tempfile.gettempdir()) / "trajmesh-weights"
         self.local_weights = LocalWeights(Path(local) / self.worker_id)
         """``weights.sync: delta``: the checkpoints rebuilt on this process's disk (deleted at stop)."""
+        self.newest_weights = NewestOnly()
+        """The newest announcement not loaded yet: the weights watch offers, `weights_loop` loads."""
+        self.watched_version = -1
+        """The newest version the weights watch has delivered (-1: none yet)."""
 
     def _live_bus(self) -> busmod.Bus:
         assert self.bus is not None, "used before setup()"
@@ -260,11 +268,12 @@ class RolloutService(Service):
     async def weights_loop(self) -> None:
         """Keeps only the newest weight announcement (KV watch) and loads it whenever the engine is
         free: versions announced while a load runs are skipped, never loaded in order."""
-        newest = NewestOnly()
+        newest = self.newest_weights
 
         async def watch() -> None:
             """Consumes the KV watch; replaces the pending announcement; unblocks load()."""
             async for ann in announce.watch(self._live_bus(), include_current=True):
+                self.watched_version = max(self.watched_version, int(ann.version))
                 newest.offer(ann)
 
         async def load() -> None:
@@ -424,17 +433,39 @@ class RolloutService(Service):
 
     async def _wait_for_version(self, version: int, timeout_s: float = 30.0) -> None:
         """A task admitted at learner version v is not sampled with weights older than v (the
-        announcement may reach this process after the task does). Gives up after `timeout_s`:
+        announcement may reach this process after the task does). After `timeout_s` it reads the
+        announcement itself: one the watch has not delivered is handed to `weights_loop` (counted
+        in `trajmesh_rollout_weight_watch_misses_total`) and waited for once more. Then it gives up:
         the learner's per-token check still bounds the lag."""
-        if self.version >= version:
+        if await self._version_within(version, timeout_s):
             return
+        try:
+            latest = await announce.latest(self._live_bus())
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("weights v%d not loaded after %.0fs and the announcement unreadable (%r)", version,
+                        timeout_s, exc)
+            latest = None
+        if latest is not None and latest.version >= version:
+            if latest.version > self.watched_version:
+                # A CI run's rollout once got no announcement from its watch (neither the watch nor
+                # its poll delivered v1, v2): it sampled with v0 for minutes, and the store cut it all.
+                WEIGHT_WATCH_MISSES.inc()
+                log.error("weights v%d are announced but the watch has not delivered them in %.0fs; loading "
+                          "them", latest.version, timeout_s)
+                self.newest_weights.offer(latest)
+            if await self._version_within(version, timeout_s):  # the load (under way, or just handed over)
+                return
+        log.warning("weights v%d not loaded after %.0fs; sampling with v%d", version, timeout_s, self.version)
+
+    async def _version_within(self, version: int, timeout_s: float) -> bool:
+        """Whether this process holds weights `version` or newer within `timeout_s`."""
         async with self.version_changed:
             try:
                 async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancel
                     await self.version_changed.wait_for(lambda: self.version >= version)
             except TimeoutError:
-                log.warning("weights v%d not announced after %.0fs; sampling with v%d", version, timeout_s,
-                            self.version)
+                return False
+        return True
 
     async def utilization_loop(self) -> None:
         """Exports busy/idle seconds once a second (the async-overlap evidence)."""
