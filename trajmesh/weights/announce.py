@@ -170,6 +170,7 @@ async def watch(
     # rollout once never got that marker nor any update from its watch (no error either) and
     # sampled with its first weights for minutes while the learner published v1, v2, ...
     tasks = [asyncio.ensure_future(watch_kv()), asyncio.ensure_future(poll())]
+    _log.info("watching weight announcements (%s, polled every %.0f s)", LATEST_KEY, poll_s)
     last, seen_current = 0, False
     try:
         while True:
