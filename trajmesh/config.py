@@ -287,7 +287,8 @@ class AgentEndpointConfig(_Strict):
     host: str = "127.0.0.1"
     """Interface the endpoint listens on (agents run next to the rollout process by default)."""
     port: int = Field(0, ge=0, le=65535)
-    """TCP port (0: a free port per rollout process)."""
+    """TCP port (0: a free port per process). The evaluator serves one too, for its held-out
+    episodes: a fixed port fits one such process per host (a pod each on a cluster)."""
     api_key: str | None = None
     """When set, agents must send it (``Authorization: Bearer`` or ``x-api-key``)."""
     max_tokens: int = Field(256, gt=0)
