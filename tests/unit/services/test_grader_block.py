@@ -5,36 +5,21 @@ redelivery, or a message graded before) gives the message that grading it once g
 from __future__ import annotations
 
 import asyncio
-import json
-from pathlib import Path
 
 import pytest
+from grader_checks import grader_with_bpe
 
 from trajmesh.config import load_config
 from trajmesh.contract import Trajectory
 from trajmesh.services.grader import GraderService
 from trajmesh.tasks import load_split
-from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import trajectory_pb2
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> GraderService:
     """The service with a small byte-level BPE tokenizer trained here (any text round-trips)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(["the answer is 12 + 30 = 42"], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    model: Path = tmp_path_factory.mktemp("tok")
-    core.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    svc = GraderService(load_config(None, {}))
-    svc.tokenizer = load_tokenizer(model)
-    return svc
+    return grader_with_bpe(tmp_path_factory.mktemp("tok"), ["the answer is 12 + 30 = 42"], vocab_size=300)
 
 
 def _raw(svc: GraderService, answer: str, *, filler: int = 4000) -> bytes:

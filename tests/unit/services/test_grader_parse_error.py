@@ -10,17 +10,16 @@ record the store writes, as the service grades TRAJ_RAW messages.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import pytest
+from grader_checks import grader_with_bpe
 
 from trajmesh.config import load_config
 from trajmesh.contract import Trajectory
 from trajmesh.graders import PARSE_ERROR, Grade, Sample, UnparseableAnswer, grade_sample, make_grader
 from trajmesh.services.grader import GraderService
 from trajmesh.tasks import TaskSpec, load_split
-from trajmesh.tokenizer import load_tokenizer
 from trajmesh.v1 import trajectory_pb2
 
 GARBAGE = "zz-not-an-answer-zz"
@@ -29,20 +28,7 @@ GARBAGE = "zz-not-an-answer-zz"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> GraderService:
     """The service with a real byte-level BPE tokenizer (any text round-trips), trained here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(["the answer is 2 3 5 7 11", GARBAGE], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    model = tmp_path_factory.mktemp("tok")
-    core.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    svc = GraderService(load_config(None, {}))
-    svc.tokenizer = load_tokenizer(model)
-    return svc
+    return grader_with_bpe(tmp_path_factory.mktemp("tok"), ["the answer is 2 3 5 7 11", GARBAGE])
 
 
 def _task(family: str = "prime_factorization") -> TaskSpec:
