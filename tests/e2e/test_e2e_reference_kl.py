@@ -10,11 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from mesh_checks import learner_steps, write_manifest
+from mesh_checks import learner_steps, train_to_end
 
 from trajmesh.config import load_config
-from trajmesh.run.launcher import start_mesh
-from trajmesh.run.run_end import end_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -32,16 +30,7 @@ def _run(run_dir: Path, model_dir: str, coef: float) -> tuple[list[float], dict]
         "learner.lr": 5e-2, "learner.warmup_steps": 0, "learner.checkpoint_every": STEPS,
         "learner.reference.enabled": True, "learner.reference.kl_coef": coef,
     })
-    run_dir.mkdir(parents=True)
-    write_manifest(cfg)
-    mesh = start_mesh(cfg)
-    try:
-        learner = next(p for p in mesh.procs if p.name == "learner")
-        assert learner.popen.wait(timeout=600) == 0, learner.log_path.read_text()[-3000:]
-        assert end_run(mesh) == 0
-    finally:
-        mesh.stop_services()
-        mesh.stop_infra()
+    train_to_end(cfg, timeout_s=600)  # and the checks of every healthy run: exact accounting, no stale
     steps = learner_steps(cfg)
     assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
     manifest = json.loads((run_dir / "manifest.json").read_text())
