@@ -67,7 +67,7 @@ log = logging.getLogger("trajmesh.rollout")
 TRAJECTORIES = Counter("trajmesh_rollout_trajectories_total", "Trajectories published", ["terminal_reason"])
 WEIGHT_UPDATES = Counter("trajmesh_rollout_weight_updates_total", "Weight versions loaded")
 WEIGHT_UPDATE_FAILURES = Counter("trajmesh_rollout_weight_update_failures_total", "Weight versions that failed to load")
-WEIGHT_WATCH_MISSES = Counter("trajmesh_rollout_weight_watch_misses_total",
+WEIGHT_WATCH_MISSES = Counter("trajmesh_rollout_weight_watch_missed_versions_total",
                               "Announced versions the weights watch had not delivered when a task waited for them "
                               "(loaded from a read of the announcement instead)")
 ANCHOR_REQUESTS_SENT = Counter("trajmesh_rollout_weight_anchor_requests_total",
@@ -435,7 +435,7 @@ class RolloutService(Service):
         """A task admitted at learner version v is not sampled with weights older than v (the
         announcement may reach this process after the task does). After `timeout_s` it reads the
         announcement itself: one the watch has not delivered is handed to `weights_loop` (counted
-        in `trajmesh_rollout_weight_watch_misses_total`) and waited for once more. Then it gives up:
+        in `trajmesh_rollout_weight_watch_missed_versions_total`) and waited for once more. Then it gives up:
         the learner's per-token check still bounds the lag."""
         if await self._version_within(version, timeout_s):
             return

@@ -22,7 +22,7 @@ from trajmesh.config import load_config  # noqa: E402
 from trajmesh.services.rollout import RolloutService  # noqa: E402
 from trajmesh.weights import announce  # noqa: E402
 
-MISSES = "trajmesh_rollout_weight_watch_misses_total"
+MISSES = "trajmesh_rollout_weight_watch_missed_versions_total"
 
 
 def _service(monkeypatch: pytest.MonkeyPatch, delivered: list[int], load_s: float) -> tuple[RolloutService, list[int]]:
