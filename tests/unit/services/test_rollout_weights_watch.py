@@ -25,9 +25,16 @@ from trajmesh.weights import announce  # noqa: E402
 MISSES = "trajmesh_rollout_weight_watch_missed_versions_total"
 
 
-def _service(monkeypatch: pytest.MonkeyPatch, delivered: list[int], load_s: float) -> tuple[RolloutService, list[int]]:
-    """A rollout at v0 whose watch delivers the versions in `delivered` then nothing, whose
-    announcement reads v2, and whose loads take `load_s`; returns it and the versions it loaded."""
+WAIT_S = 2.0
+"""Each of the task's two waits; the first always runs out (nothing loads before it)."""
+
+
+def _service(monkeypatch: pytest.MonkeyPatch, delivered: list[int], *, load_after_read: bool
+             ) -> tuple[RolloutService, list[int]]:
+    """A rollout at v0 whose watch delivers the versions in `delivered` then nothing, and whose
+    announcement reads v2. With `load_after_read` a load finishes only once the task has read the
+    announcement (its first wait over: a load still under way then). Returns it and the versions
+    it loaded."""
     service = RolloutService(load_config(None, {}))
     service.version = 0
     service.version_changed = asyncio.Condition()
@@ -38,13 +45,17 @@ def _service(monkeypatch: pytest.MonkeyPatch, delivered: list[int], load_s: floa
             yield announce.Announcement(version=v, path=f"/w/v{v}")
         await asyncio.Event().wait()  # then silent, without an error
 
+    read = asyncio.Event()
+
     async def latest(bus: Any) -> Any:
+        read.set()
         return announce.Announcement(version=2, path="/w/v2")
 
     loaded: list[int] = []
 
     async def load(ann: Any) -> None:
-        await asyncio.sleep(load_s)
+        if load_after_read:
+            await read.wait()
         loaded.append(int(ann.version))
         service.version = int(ann.version)
         async with service.version_changed:
@@ -56,11 +67,11 @@ def _service(monkeypatch: pytest.MonkeyPatch, delivered: list[int], load_s: floa
     return service, loaded
 
 
-def _wait_for_v2(service: RolloutService, timeout_s: float) -> None:
+def _wait_for_v2(service: RolloutService) -> None:
     async def main() -> None:
         weights = asyncio.create_task(service.weights_loop())
         try:
-            await service._wait_for_version(2, timeout_s=timeout_s)
+            await service._wait_for_version(2, timeout_s=WAIT_S)
         finally:
             weights.cancel()
 
@@ -68,16 +79,16 @@ def _wait_for_v2(service: RolloutService, timeout_s: float) -> None:
 
 
 def test_a_version_the_watch_never_delivers_is_loaded_once_a_task_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    service, loaded = _service(monkeypatch, delivered=[], load_s=0.0)
+    service, loaded = _service(monkeypatch, delivered=[], load_after_read=False)
     before = REGISTRY.get_sample_value(MISSES) or 0.0
-    _wait_for_v2(service, timeout_s=0.3)
+    _wait_for_v2(service)
     assert (loaded, service.version) == ([2], 2)
     assert (REGISTRY.get_sample_value(MISSES) or 0.0) == before + 1
 
 
 def test_a_delivered_version_still_loading_is_waited_for_not_counted_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
-    service, loaded = _service(monkeypatch, delivered=[2], load_s=0.5)  # the load outlasts the first wait
+    service, loaded = _service(monkeypatch, delivered=[2], load_after_read=True)  # outlasts the first wait
     before = REGISTRY.get_sample_value(MISSES) or 0.0
-    _wait_for_v2(service, timeout_s=0.3)
+    _wait_for_v2(service)
     assert (loaded, service.version) == ([2], 2)
     assert (REGISTRY.get_sample_value(MISSES) or 0.0) == before
