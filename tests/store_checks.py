@@ -94,17 +94,17 @@ def redis_command_names(packed: Any) -> list[str]:
 
 
 @contextmanager
-def recorded_round_trips(connection_class: Any, *, handshakes: bool = False) -> Iterator[list[list[str]]]:
+def recorded_round_trips(connection_class: Any) -> Iterator[list[list[str]]]:
     """Every round trip made through `connection_class` (a redis-py async connection class:
     `client.connection_pool.connection_class`) while the block runs, as the command names it
-    carried (one command, or a pipeline's); a new connection's handshake left out unless
-    `handshakes`. The class's `send_packed_command` is restored after."""
+    carried (one command, or a pipeline's); a new connection's handshake left out. The class's
+    `send_packed_command` is restored after."""
     trips: list[list[str]] = []
     send = connection_class.send_packed_command
 
     async def recording(self: Any, command: Any, check_health: bool = True) -> None:
         names = redis_command_names(command)
-        if handshakes or not set(names) <= HANDSHAKE:
+        if not set(names) <= HANDSHAKE:
             trips.append(names)
         await send(self, command, check_health)
 

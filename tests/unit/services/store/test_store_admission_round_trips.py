@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
-import pytest
-from store_checks import HANDSHAKE, redis_command_names, store_config
+from store_checks import recorded_round_trips, store_config
 
 from trajmesh import bus as busmod
 from trajmesh.infra import NatsServer, RedisServer
@@ -28,22 +27,6 @@ from trajmesh.services.store.service import TrajectoryStore
 from trajmesh.v1 import trajectory_pb2
 
 G = 4
-
-
-def _count_round_trips(store: TrajectoryStore, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """Every round trip the store's Redis client makes from now on, as the command names it
-    carried (its connection class's `send_packed_command`, recorded; nothing else in this process
-    talks to Redis)."""
-    trips: list[list[str]] = []
-    cls = store.w.redis.connection_pool.connection_class
-    send = cls.send_packed_command
-
-    async def recording(self: Any, command: Any, check_health: bool = True) -> None:
-        trips.append(redis_command_names(command))
-        await send(self, command, check_health)
-
-    monkeypatch.setattr(cls, "send_packed_command", recording)
-    return trips
 
 
 async def _wait_for(check: Any, what: str, timeout_s: float = 60.0) -> None:
@@ -64,7 +47,7 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
 
 
 def test_an_admission_is_one_round_and_one_script(tmp_path: Path, nats_server: NatsServer,
-                                                  redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  redis_server: RedisServer) -> None:
     model = tmp_path / "model"
     build_char_tokenizer(model)
     (model / "config.json").write_text("{}")
@@ -79,9 +62,6 @@ def test_an_admission_is_one_round_and_one_script(tmp_path: Path, nats_server: N
             tasks = await store.w.bus.pull_subscribe(busmod.STREAM_TASKS, "rollout", ack_wait_s=30.0)
             assert await store.w.gate.capacity() == 3 * G  # (eta + v + 1)·B at v 0: three groups
             assert await store._publish_next_task(0)  # one admitted outside the loop (loads the script)
-            all_trips = _count_round_trips(store, monkeypatch)
-            trips = [t for t in all_trips if not set(t) <= HANDSHAKE]
-            loop = asyncio.ensure_future(store.admission_loop())
             seeds: list[int] = []
 
             async def tasks_on_bus(n: int) -> bool:
@@ -89,17 +69,20 @@ def test_an_admission_is_one_round_and_one_script(tmp_path: Path, nats_server: N
                     for msg in await tasks.fetch(batch=n - len(seeds), timeout=0.2):
                         seeds.append(trajectory_pb2.Task.FromString(await tasks.resolve(msg)).seed)
                         await msg.ack()
-                trips[:] = [t for t in all_trips if not set(t) <= HANDSHAKE]
                 return len(seeds) >= n
 
-            async def idle_round_done() -> bool:
-                trips[:] = [t for t in all_trips if not set(t) <= HANDSHAKE]
-                return len(trips) >= 6  # 2 tasks, the round clearing the last mark, a round without capacity
+            # Every round trip of the store's Redis client from here (nothing else in this process
+            # talks to Redis), a new connection's handshake left out.
+            with recorded_round_trips(store.w.redis.connection_pool.connection_class) as trips:
+                loop = asyncio.ensure_future(store.admission_loop())
 
-            await _wait_for(lambda: tasks_on_bus(3), "the loop's two tasks on TASKS")
-            await _wait_for(idle_round_done, "a round without capacity")
-            first = list(trips)
-            draws = sum(t.count("INCRBY") for t in trips)
+                async def idle_round_done() -> bool:
+                    return len(trips) >= 6  # 2 tasks, the round clearing the last mark, a round without capacity
+
+                await _wait_for(lambda: tasks_on_bus(3), "the loop's two tasks on TASKS")
+                await _wait_for(idle_round_done, "a round without capacity")
+                first = list(trips)
+            draws = sum(t.count("INCRBY") for t in first)
             await store.w.gate.set_version(1)  # B more slots: the position held is admitted
             store.capacity_changed.set()
             await _wait_for(lambda: tasks_on_bus(4), "a task after the version")

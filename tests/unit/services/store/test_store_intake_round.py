@@ -90,7 +90,6 @@ def _scenario(tmp_path: Path, nats: NatsServer, redis: RedisServer, model: str, 
     async def main() -> tuple[dict[str, Any], list[str], list[list[list[str]]]]:
         store = TrajectoryStore(cfg)
         await store.setup()
-        trips: list[list[str]] = []
         runs: list[list[list[str]]] = []
 
         async def run(messages: list[tuple[bytes, str]]) -> None:
