@@ -118,7 +118,7 @@ def test_free_port_stays_out_of_the_range_outgoing_connections_take() -> None:
     assert inside == [], f"ports the kernel may give any outgoing connection meanwhile: {inside}"
 
 
-_TAKE_PORTS = "import sys; from trajmesh.infra import free_port; print(*(free_port() for _ in range(400)))"
+_TAKE_PORTS = "from trajmesh.infra import free_port; print(*(free_port() for _ in range(400)))"
 
 
 def test_free_port_never_hands_one_port_to_two_processes() -> None:
