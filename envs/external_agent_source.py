@@ -1,7 +1,8 @@
 """The ``external_agent`` task source's plug-in entry (`trajmesh.plugins`): reasoning-gym tasks that a
 user's own agent solves through the rollout's agent endpoint (rollout/agents/agent_runner.py runs the agent,
-graders/external_agent.py scores its answer; rollout/agents/agent_episodes.py holds the rollout hooks the
-plug-in names: serve the endpoint, run one agent per sample). No torch."""
+in the environment service: its ``RunAgent``, the plug-in's ``environment_agents``; graders/external_agent.py
+scores its answer; rollout/agents/agent_episodes.py holds the rollout hooks the plug-in names: serve the
+endpoint, hand one agent run per sample to the environment service). No torch."""
 
 from __future__ import annotations
 
@@ -67,4 +68,5 @@ PLUGIN = SourcePlugin(
     graders={"external_agent": "trajmesh.graders.external_agent:ExternalAgentGrader"},
     rollout_setup="trajmesh.rollout.agents.agent_episodes:serve_endpoint",
     rollout_episodes={"external_agent": "trajmesh.rollout.agents.agent_episodes:run_episode"},
+    environment_agents={"external_agent": "trajmesh.rollout.agents.agent_runner:external_agent_play"},
     description="a user's own agent solves reasoning-gym or workplace tasks through the rollout's agent endpoint")

@@ -5,6 +5,9 @@
     rollout ── Reset(session, task, seed) ──▶ session table ── make_environment(task.environment)
     rollout ── Step(session, action) ───────▶ env.step → observation, done, state hash
     rollout ── Close(session) ──────────────▶ forget
+    rollout ── RunAgent(task, endpoint session) ▶ the source's agent or harness (`environment_agents`:
+               a user's external agent, a verifiers harness) runs here, in this pod, every model
+               call going to the rollout's endpoint session ─▶ EOS / WALL_TIMEOUT / INFRA_FAILURE
 
 Sessions idle longer than `SESSION_TTL_S` are dropped (a rollout that died never closes).
 A stateless environment (its class sets `stateless`: one turn, reset and step pure functions of
@@ -35,7 +38,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from trajmesh import plugins, sandbox, security
 from trajmesh.envs.base import Environment, StepResult, make_environment
 from trajmesh.service import Service
-from trajmesh.v1 import services_pb2, services_pb2_grpc
+from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
 
 log = logging.getLogger("trajmesh.environment")
 
@@ -48,6 +51,8 @@ INVALID_ACTIONS = Counter("trajmesh_environment_invalid_actions_total", "Invalid
                           ["environment", "reason"])
 PARSER_ERRORS = Counter("trajmesh_environment_parser_errors_total", "Unparseable tool calls", ["environment"])
 TOOL_TIMEOUTS = Counter("trajmesh_environment_tool_timeouts_total", "Tool calls past their deadline", ["environment"])
+AGENT_RUN_SECONDS = Histogram("trajmesh_environment_agent_run_seconds", "RunAgent: one agent or harness run",
+                              ["environment"], buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800))
 SANDBOX_VIOLATIONS = Counter("trajmesh_environment_sandbox_violations_total", "Sandbox errors by subclass",
                              ["environment", "subclass"])
 
@@ -107,6 +112,11 @@ class EnvironmentService(Service):
         """Sessions of held-out evaluation episodes (the task's `evaluation` flag)."""
         self._last_expire = 0.0
         self.server: grpc.aio.Server | None = None
+        self.agent_hooks: dict[str, str] = plugins.environment_agents()
+        """Environment key -> "module:function" that runs a sample's agent (``RunAgent``)."""
+        self.agent_resources = contextlib.AsyncExitStack()
+        """What the agent hooks keep serving between runs (verifiers' environments), closed at stop."""
+        self.agent_cache: dict[str, Any] = {}
 
     async def setup(self) -> None:
         init_series()
@@ -130,6 +140,7 @@ class EnvironmentService(Service):
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        await self.agent_resources.aclose()
 
     def close_session(self, session_id: str) -> None:
         """Forgets a session (idempotent)."""
@@ -267,3 +278,31 @@ class _EnvServicer(services_pb2_grpc.EnvironmentServicer):
         self.svc.close_session(request.session_id)
         CALLS.labels("close", "ok").inc()
         return services_pb2.CloseResponse()
+
+    async def RunAgent(self, request: Any, context: Any) -> services_pb2.RunAgentResponse:  # noqa: N802
+        """One sample's agent or harness, run here by its source's hook; answers when the run ends
+        (the hook ends it at `budget_s`). A hook that raises is the agent's infrastructure failure,
+        never this service's crash."""
+        from trajmesh.rollout.agents.agent_runner import AgentCall, AgentOutcome
+
+        kind = environment_kind(request.task)
+        hook = self.svc.agent_hooks.get(kind)
+        if hook is None:
+            CALLS.labels("run_agent", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"environment {kind!r} runs no agent; "
+                                f"those that do: {sorted(self.svc.agent_hooks)}")
+        assert hook is not None  # abort raises
+        call = AgentCall(task=request.task, base_url=request.base_url, api_key=request.api_key, model=request.model,
+                         budget_s=float(request.budget_s), resources=self.svc.agent_resources,
+                         cache=self.svc.agent_cache)
+        start = time.perf_counter()
+        try:
+            outcome: AgentOutcome = await plugins.load(hook)(call)
+        except Exception as exc:  # noqa: BLE001 - the user's agent or harness: its failure, one sample's
+            log.exception("agent run %s (%s) raised", request.session_id, kind)
+            outcome = AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", f"{type(exc).__name__}: {exc}")
+        AGENT_RUN_SECONDS.labels(kind).observe(time.perf_counter() - start)
+        CALLS.labels("run_agent", trajectory_pb2.TerminalReason.Name(outcome.terminal_reason).lower()).inc()
+        return services_pb2.RunAgentResponse(terminal_reason=outcome.terminal_reason, answer=outcome.answer,
+                                             detail=outcome.detail[-2000:],
+                                             environment_revision=str(plugins.environment_class(kind).revision))

@@ -127,16 +127,17 @@ def store_draws(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {r["task_id"]: r["task_source"] for r in rows if r["task_id"]}
 
 
-def train_and_evaluate(cfg: RunConfig, steps: int, timeout_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def train_and_evaluate(cfg: RunConfig, steps: int, timeout_s: float, *,
+                       before_end: Callable[[Any], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`train_to_end`, the learner's versions 1..`steps`, then the held-out evaluation of the final
     weights, each source through its own environment and grader (what `trajmesh train` writes to
     summary.json): every source evaluated its held-out tasks. With `eval.in_mesh` the evaluation is
     the evaluator service's record of the last version; else one sample a task in this process.
-    Returns the archive rows and the evaluation."""
+    `before_end(mesh)` as `train_to_end` runs it. Returns the archive rows and the evaluation."""
     from trajmesh.learner.evaluate import heldout_tasks
     from trajmesh.run.train import evaluate_dir, latest_weights_dir, read_metrics
 
-    _, _, rows = train_to_end(cfg, timeout_s=timeout_s)
+    _, _, rows = train_to_end(cfg, timeout_s=timeout_s, before_end=before_end)
     records = read_metrics(Path(cfg.run_dir))
     versions = [m["version"] for m in records if m.get("kind") == "learner_step"]
     assert versions == list(range(1, steps + 1))

@@ -285,12 +285,18 @@ class AgentEndpointConfig(_Strict):
     """rollout/agents/agent_endpoint.py as the rollout service serves it."""
 
     host: str = "127.0.0.1"
-    """Interface the endpoint listens on (agents run next to the rollout process by default)."""
+    """Interface the endpoint listens on. The agents run in the environment service (its RunAgent
+    RPC), next to the rollout on one host; on a cluster, in the environment's pods: listen on
+    0.0.0.0 there (the chart does)."""
+    advertise_host: str = ""
+    """The address the environment service reaches the endpoint at. Empty: `host`, or for 0.0.0.0
+    the pod's IP (``POD_IP``) or this host name's address."""
     port: int = Field(0, ge=0, le=65535)
     """TCP port (0: a free port per process). The evaluator serves one too, for its held-out
     episodes: a fixed port fits one such process per host (a pod each on a cluster)."""
     api_key: str | None = None
-    """When set, agents must send it (``Authorization: Bearer`` or ``x-api-key``)."""
+    """The key agents must send (``Authorization: Bearer`` or ``x-api-key``); the environment
+    service passes it to each run. Unset: a random key per rollout process."""
     max_tokens: int = Field(256, gt=0)
     """Completion budget of a call that names none (capped to what fits the engine's context)."""
     model_name: str = ""

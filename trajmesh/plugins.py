@@ -18,7 +18,11 @@ A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the 
 * ``rollout_setup`` / ``rollout_episodes``  optional rollout hooks: a "module:function" the rollout
                    runs at setup when the source is configured, and environment keys whose episodes
                    the rollout hands to the source's own runner instead of its environment loop
-                   (external_agent: the agent endpoint and the agent's run);
+                   (external_agent, verifiers: the agent endpoint, and the agent's run through the
+                   environment service);
+* ``environment_agents``  optional: environment keys whose agent or harness the environment service
+                   runs for one sample (its ``RunAgent`` RPC), its model calls going to the rollout's
+                   agent endpoint session (a verifiers harness, a user's external agent);
 * ``heldout_episodes``  optional: environment keys whose held-out episodes the source plays itself
                    (verifiers: its harness through an agent endpoint over the evaluation's policy)
                    instead of `play_episodes`' in-process loop.
@@ -87,6 +91,10 @@ class SourcePlugin:
     rollout_episodes: Mapping[str, str] = field(default_factory=dict)
     """Environment key -> "module:function" ``async (rollout_service, task, index) -> Trajectory``:
     the rollout runs a task whose ``environment`` is a key with it instead of its environment loop."""
+    environment_agents: Mapping[str, str] = field(default_factory=dict)
+    """Environment key -> "module:function" ``async (trajmesh.rollout.agents.agent_runner.AgentCall)
+    -> AgentOutcome``: the environment service's ``RunAgent`` runs a sample's agent or harness with
+    it, in that service's process (and pod), against the rollout's endpoint session."""
     heldout_episodes: Mapping[str, str] = field(default_factory=dict)
     """Environment key -> "module:function" ``(policy, fmt, tasks, params, *, samples, seed) ->
     [Episode]``: held-out evaluation (learner/evaluate.py) plays those tasks with it instead of
@@ -194,6 +202,12 @@ def rollout_episodes() -> dict[str, str]:
     """Environment key -> "module:function" of its own episode runner (`SourcePlugin.rollout_episodes`),
     over every source."""
     return _merged_hooks("rollout_episodes")
+
+
+def environment_agents() -> dict[str, str]:
+    """Environment key -> "module:function" the environment service runs a sample's agent with
+    (`SourcePlugin.environment_agents`), over every source."""
+    return _merged_hooks("environment_agents")
 
 
 def heldout_episodes() -> dict[str, str]:

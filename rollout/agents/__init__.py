@@ -7,8 +7,11 @@
     agent_endpoint        an OpenAI/Anthropic-compatible endpoint turning an agent's calls into
                           trajectories ─ agent_session (one agent's calls, with the engine's tokens),
                           agent_runner (runs a user's agent on a task through it)
-    agent_episodes        the ``external_agent`` source's rollout hooks
-    verifiers_episodes    the ``verifiers`` source's rollout hooks
+    agent_episodes        the rollout hooks of sources that run their own agent (external agents,
+                          verifiers): serve the endpoint, run each sample's agent in the
+                          environment service (its RunAgent)
+    verifiers_episodes    the ``verifiers`` source's agent hook (run in the environment service)
+                          and held-out player
 
 Imports: trajmesh's core and `trajmesh.rollout.engines`.
 """

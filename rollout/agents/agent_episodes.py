@@ -1,35 +1,55 @@
-"""The ``external_agent`` source's rollout hooks, named by its plug-in (envs/external_agent_source.py:
-``rollout_setup`` and ``rollout_episodes``, `trajmesh.plugins.SourcePlugin`): the rollout process
-serves the OpenAI/Anthropic-compatible agent endpoint (rollout/agents/agent_endpoint.py) and runs the
-user's agent once per sample against it (rollout/agents/agent_runner.py). services/rollout.py calls them
-through the registry and names no source.
+"""The rollout hooks of sources that run their own agent or harness (envs/external_agent_source.py,
+envs/verifiers_env.py: ``rollout_setup`` and ``rollout_episodes``, `trajmesh.plugins.SourcePlugin`):
+the rollout process serves the OpenAI/Anthropic-compatible agent endpoint (rollout/agents/agent_endpoint.py),
+and each sample's agent runs in the environment service (its ``RunAgent`` RPC, the source's
+``environment_agents`` hook), in the environment's pod, against this sample's endpoint session:
+
+::
+
+    rollout ── open session <sid> ── RunAgent(task, base_url=<advertised endpoint>/sessions/<sid>/v1,
+       │                                       api_key, model, budget_s) ──▶ environment service
+       │                                             runs the user's agent / the verifiers harness
+       │        every model call ◀── POST <base_url>/chat/completions ◀──┘ (recorded with its token
+       │                                             ids, log-probs and versions by the session)
+       ◀── RunAgentResponse(EOS / WALL_TIMEOUT / INFRA_FAILURE, answer) ── close session
+       ▼
+    session.trajectory(task): the sample's one trajectory, the answer as its ``final_answer``
+
+An environment replica that fails before the agent made any call is retried on the next one (and
+waited for, `rollout.environment_wait_s`, as a Reset is); one that fails mid-run ends the sample
+INFRA_FAILURE with cause INFRA_ENVIRONMENT (the store refills its group). services/rollout.py calls
+these hooks through the registry and names no source.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 from prometheus_client import Counter
 
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
-from trajmesh.rollout.agents.agent_runner import AgentRunner
-from trajmesh.v1 import trajectory_pb2
+from trajmesh.rollout.agents.agent_runner import AgentOutcome, AgentRunner
+from trajmesh.v1 import services_pb2, trajectory_pb2
 
 
 class AgentHost(Protocol):
     """What the hooks may ask of the rollout process that runs them (services/rollout.py's
     `RolloutService` is one): its config, tokenizer, chat template, sampler and weight-load pause,
-    its worker id, and three slots the hooks fill (the endpoint's server and serving task, closed by
-    the service's stop, and the agent runner)."""
+    its worker id, its environment service stubs, and three slots the hooks fill (the endpoint's
+    server and serving task, closed by the service's stop, and the agent runner)."""
 
     cfg: Any
+    envs: list[Any]
     tokenizer: Any
     chat: Any
     sampler: Any
@@ -41,6 +61,13 @@ class AgentHost(Protocol):
 
 log = logging.getLogger("trajmesh.rollout")
 
+RUN_AGENT_MARGIN_S = 30.0
+"""How long past a sample's budget the rollout waits for the environment service's RunAgent answer
+(the service ends the agent at the budget, then answers)."""
+
+AGENT_ENV_FAILURES = Counter("trajmesh_rollout_agent_environment_failures_total",
+                             "RunAgent calls the environment service failed (retried before the agent's first "
+                             "model call, else the sample ends INFRA_FAILURE)", ["code"])
 AGENT_SEGMENTED = Counter("trajmesh_rollout_agent_segmented_trajectories_total",
                           "External agents' trajectories holding several segments (each trained as its own row)")
 
@@ -51,45 +78,108 @@ def served_model_name(configured: str, model_path: str) -> str:
     return configured or Path(model_path.rstrip("/")).name
 
 
+def advertised_host(host: str, advertise: str = "") -> str:
+    """The address the environment service reaches this process's endpoint at: `advertise` when
+    set; for an endpoint listening on every interface, the pod's IP (``POD_IP``, set by the chart)
+    or this host name's address; else the interface it listens on."""
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", ""):
+        return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+    return host
+
+
 async def serve_endpoint(rollout: AgentHost, sources: list[Any]) -> None:
-    """``rollout_setup``: the endpoint external agents call, generating with this rollout process's
+    """``rollout_setup``: the endpoint the agents call, generating with this rollout process's
     sampler (pauses for weight loads included); sets ``rollout.agent_server`` / ``agent_serve_task``
-    (closed by `RolloutService.stop`) and ``rollout.agents``, the runner `run_episode` uses."""
+    (closed by `RolloutService.stop`) and ``rollout.agents``, the runner `run_episode` uses. The
+    agents run in another process (the environment service, on a cluster another pod), so the
+    endpoint always checks a key: the configured one, else a random one of this process's."""
     from trajmesh.rollout.agents.agent_endpoint import AgentEndpoint, serve
 
+    if rollout.agents is not None:  # another source's setup already serves it
+        return
     ecfg = rollout.cfg.rollout.agent_endpoint
+    api_key = ecfg.api_key or os.urandom(16).hex()
     endpoint = AgentEndpoint(rollout.tokenizer, rollout.chat, rollout.sampler, rollout.pause,
                              model_name=served_model_name(ecfg.model_name, rollout.cfg.model.path),
-                             default_max_tokens=ecfg.max_tokens, api_key=ecfg.api_key)
+                             default_max_tokens=ecfg.max_tokens, api_key=api_key)
     port = ecfg.port or free_port()
     rollout.agent_server, rollout.agent_serve_task = await serve(endpoint, ecfg.host, port)
-    rollout.agents = AgentRunner(endpoint, f"http://{ecfg.host}:{port}", api_key=ecfg.api_key or "trajmesh")
-    log.info("agent endpoint on http://%s:%d/sessions/<sid>/v1", ecfg.host, port)
+    url = f"http://{advertised_host(ecfg.host, ecfg.advertise_host)}:{port}"
+    rollout.agents = AgentRunner(endpoint, url, api_key=api_key)
+    log.info("agent endpoint on %s:%d, reached at %s/sessions/<sid>/v1", ecfg.host, port, url)
+
+
+async def run_in_environment(rollout: AgentHost, task: trajectory_pb2.Task, tid: str, base_url: str,
+                             session: Any, budget_s: float) -> AgentOutcome:
+    """The sample's agent run by the environment service (``RunAgent``) on the session's sticky
+    replica. A replica that fails before the agent made a call (nothing of the sample exists yet)
+    is retried on the next ones, and waited for with backoff for `rollout.environment_wait_s`; one
+    that fails after is the sample's end: INFRA_FAILURE, cause INFRA_ENVIRONMENT."""
+    agents = rollout.agents
+    envs = list(rollout.envs)
+    if not envs:
+        return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", "no environment service to run the agent in "
+                            "(infra.environment_addresses)", cause=trajectory_pb2.INFRA_ENVIRONMENT)
+    req = services_pb2.RunAgentRequest(session_id=tid, task=task, base_url=base_url, api_key=agents.api_key,
+                                       model=agents.endpoint.model_name, budget_s=budget_s)
+    first = int(hashlib.sha256(tid.encode()).hexdigest(), 16) % len(envs)
+    deadline = time.monotonic() + rollout.cfg.rollout.environment_wait_s
+    delay = 0.2
+    while True:
+        for k in range(len(envs)):
+            try:
+                reply = await envs[(first + k) % len(envs)].RunAgent(req, timeout=budget_s + RUN_AGENT_MARGIN_S)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise  # a config error (no agent hook for this environment there), not infrastructure
+                AGENT_ENV_FAILURES.labels(exc.code().name.lower()).inc()
+                hosted = session.environment
+                if session.calls or (hosted is not None and hosted.steps):  # the agent ran: no retry
+                    return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", f"environment service failed "
+                                        f"mid-run: {exc.code().name}", cause=trajectory_pb2.INFRA_ENVIRONMENT)
+                continue
+            return AgentOutcome(reply.terminal_reason, reply.answer, reply.detail,
+                                environment_revision=reply.environment_revision)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", "no environment replica answered RunAgent for "
+                                f"{rollout.cfg.rollout.environment_wait_s:.0f}s", cause=trajectory_pb2.INFRA_ENVIRONMENT)
+        await asyncio.sleep(min(delay, left))  # backoff while the environment is away
+        delay = min(delay * 2, 2.0)
 
 
 async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int) -> Trajectory:
-    """``rollout_episodes["external_agent"]``: one sample of an external_agent task is the agent's run
-    (rollout/agents/agent_runner.py). The session's one trajectory, every segment in it (one per sample
-    keeps the gate's accounting; the learner trains each segment as a row). No LLM call: INFRA_FAILURE."""
+    """``rollout_episodes`` of external agents and verifiers harnesses: one sample is one agent run
+    in the environment service (`run_in_environment`) through its own endpoint session. The
+    session's one trajectory, every segment in it (one per sample keeps the gate's accounting; the
+    learner trains each segment as a row). No LLM call: INFRA_FAILURE."""
     agents = rollout.agents
-    assert isinstance(agents, AgentRunner), "external_agent task without the agent endpoint"
+    assert isinstance(agents, AgentRunner), f"{task.environment} task without the agent endpoint"
     meta = json.loads(task.metadata_json or "{}")
     tid = f"{task.task_id}-{index}"
-    trajs, outcome = await agents.run(task, str(meta["agent"]), float(meta.get("budget_s", 300.0)),
-                                      session_id=f"{tid}-{os.urandom(4).hex()}",
-                                      rollout_worker=rollout.worker_id,
-                                      python_path=list(meta.get("python_path") or []))
+    sid = f"{tid}-{os.urandom(4).hex()}"
+    budget_s = float(meta.get("budget_s", 300.0))
+
+    async def in_environment(base_url: str, session: Any) -> AgentOutcome:
+        return await run_in_environment(rollout, task, sid, base_url, session, budget_s)
+
+    trajs, outcome = await agents.run_session(task, in_environment, session_id=sid, rollout_worker=rollout.worker_id)
     if outcome.detail:
         log.warning("agent on %s: %s", tid, outcome.detail[-500:])
-    if not trajs:
+    if not trajs:  # the agent never called the model: nothing to train, never rewarded
         traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=rollout.worker_id,
                               created_unix_seconds=time.time())
         traj.append_prompt(rollout.tokenizer.encode(task.prompt))
-        traj.fail_infra(trajectory_pb2.INFRA_AGENT)
+        traj.fail_infra(outcome.cause if outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE
+                        else trajectory_pb2.INFRA_AGENT, outcome.detail[-500:] or "the agent made no model call")
         return traj
     if outcome.segments > 1:
         AGENT_SEGMENTED.inc()
     (traj,) = trajs
     traj.pb.trajectory_id = tid
     traj.pb.timing.rollout_seconds = outcome.seconds
+    if outcome.environment_revision:
+        traj.pb.environment_revision = outcome.environment_revision
     return traj

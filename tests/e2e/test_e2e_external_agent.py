@@ -1,6 +1,8 @@
 """An external agent (examples/openai_agent.py, the official `openai` client and a tool loop) trains
-a few learner steps through the real mesh: the rollout serves the agent endpoint, runs the agent in
-its own process per sample, and publishes the session as one trajectory (every segment in it).
+a few learner steps through the real mesh: the rollout serves the agent endpoint, the environment
+service runs the agent in a process of its own per sample (RunAgent), and the rollout publishes the
+session as one trajectory (every segment in it). Every agent process's parent is the environment
+service's process.
 
 Checked in the archive: exact accounting (every admitted trajectory ends as exactly one final
 outcome, nothing trained twice, every trained token's lag within η, the gate's counters reconcile),
@@ -61,10 +63,25 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_chatml_model(root / "model", texts, max_positions=1024))
 
 
+WHERE_AGENT = '''
+import os
+from pathlib import Path
+
+from openai_agent import solve as example_solve
+
+
+def solve(task, base_url, api_key):
+    """The example agent, after writing down which process started it."""
+    with open(Path(__file__).with_name("parents.txt"), "a") as f:
+        f.write(f"{os.getppid()}\\n")
+    return example_solve(task, base_url, api_key)
+'''
+
+
 def _train_through_the_mesh(tmp_path: Path, model_dir: str, source: dict[str, Any], steps: int
-                            ) -> tuple[RunConfig, list[dict[str, Any]]]:
+                            ) -> tuple[RunConfig, list[dict[str, Any]], dict[str, list[int]]]:
     """The whole mesh on one external-agent source until the learner's `steps`; exact accounting,
-    no stale, gate = archive. The run's config and archive rows."""
+    no stale, gate = archive. The run's config, archive rows and each service's process ids."""
     cfg = load_config(None, {
         "run_dir": str(tmp_path / "run"), "model.path": model_dir, "gate.eta": 1,
         "tasks.sources": [source], "tasks.group_size": 2, "tasks.train_size": 30, "tasks.heldout_size": 5,
@@ -76,6 +93,9 @@ def _train_through_the_mesh(tmp_path: Path, model_dir: str, source: dict[str, An
     Path(cfg.run_dir).mkdir(parents=True)
     write_manifest(cfg)
     mesh = start_mesh(cfg)
+    pids: dict[str, list[int]] = defaultdict(list)
+    for p in mesh.procs:
+        pids[p.name].append(p.popen.pid)
     try:
         learner = next(p for p in mesh.procs if p.name == "learner")
         assert learner.popen.wait(timeout=360) == 0, learner.log_path.read_text()[-3000:]
@@ -87,11 +107,17 @@ def _train_through_the_mesh(tmp_path: Path, model_dir: str, source: dict[str, An
     finally:
         mesh.stop_services()
         mesh.stop_infra()
-    return cfg, rows
+    return cfg, rows, pids
 
 
 def test_example_agent_trains_through_the_mesh(tmp_path: Path, chat_model_dir: str) -> None:
-    cfg, rows = _train_through_the_mesh(tmp_path, chat_model_dir, SOURCE, STEPS)
+    agents = tmp_path / "agents"
+    agents.mkdir()
+    (agents / "where_agent.py").write_text(WHERE_AGENT)
+    source = {**SOURCE, "agent": "where_agent:solve", "python_path": [str(agents), EXAMPLES]}
+    cfg, rows, pids = _train_through_the_mesh(tmp_path, chat_model_dir, source, STEPS)
+    parents = (agents / "parents.txt").read_text().split()
+    assert parents and set(parents) <= {str(p) for p in pids["environment"]}, (parents, dict(pids))
     steps = [m for m in read_metrics(Path(cfg.run_dir)) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
     from trajmesh.tokenizer import load_tokenizer
@@ -231,7 +257,7 @@ def test_agent_frameworks_train_exactly_what_they_received(tmp_path: Path, chat_
     monkeypatch.setenv("TRAJMESH_AGENT_RECORD", str(record))
     with AgentServer() as server:
         source = {**SOURCE, "agent": f"http://127.0.0.1:{server.port}/solve", "python_path": []}
-        _, rows = _train_through_the_mesh(tmp_path, chat_model_dir, source, STEPS)
+        _, rows, _ = _train_through_the_mesh(tmp_path, chat_model_dir, source, STEPS)
     from trajmesh.tokenizer import load_tokenizer
 
     tok = load_tokenizer(chat_model_dir)

@@ -24,6 +24,7 @@ learner (``make setup-verifiers-mesh``).
 from __future__ import annotations
 
 import importlib.metadata
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,23 @@ def test_verifiers_tasksets_train_through_the_mesh(tmp_path: Path, chat_model_di
     answers_dir = tmp_path / "engine-answers"  # every answer the torch engines give, for check_engine_tokens
     answers_dir.mkdir()
     monkeypatch.setenv(ANSWER_LOG_ENV, str(answers_dir))
-    rows, result = train_and_evaluate(cfg, STEPS, timeout_s=420)
+    agent_runs: list[float] = []
+
+    def count_agent_runs(mesh: Any) -> None:  # the environment service's RunAgent runs, however they ended
+        from prometheus_client.parser import text_string_to_metric_families
+
+        (env,) = [p for p in mesh.procs if p.name == "environment"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{env.metrics_port}/metrics", timeout=10) as resp:
+            families = text_string_to_metric_families(resp.read().decode())
+        agent_runs.append(sum(s.value for f in families for s in f.samples if s.name == "trajmesh_environment_calls_total"
+                              and s.labels["method"] == "run_agent" and s.labels["status"] != "invalid"))
+
+    rows, result = train_and_evaluate(cfg, STEPS, timeout_s=420, before_end=count_agent_runs)
     answers = engine_answers(answers_dir)
-    # held-out by the evaluator service through the harness and its tools (verifiers_episodes.py
+    # every harness ran in the environment service (RunAgent): each trained sample and each held-out
+    # episode of the evaluator (2 sources x 2 tasks, greedy and sampled, before and after)
+    assert agent_runs[0] >= len([r for r in rows if r["outcome"] == "accepted"]) + 8, agent_runs
+    # held-out by the evaluator service through the harness and its tools (agent_episodes.py
     # run_episode, as in training): the greedy policy's tool call is answered, which the rubric's
     # tool_answered (1) credits; a reply scored without the harness could earn at most `correct` (1)
     # on a sum that happens to be 3

@@ -251,6 +251,8 @@ class LocalKubelet:
                     value = pod.name
                 elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
                     value = self.namespace
+                elif ref.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+                    value = "127.0.0.1"  # every pod here is a process on this host
                 elif label := re.fullmatch(r"metadata\.labels\['([^']+)'\]", ref.get("fieldRef", {}).get("fieldPath", "")):
                     assert label.group(1) in pod.labels, f"{pod.name}: no label {label.group(1)}"
                     value = pod.labels[label.group(1)]

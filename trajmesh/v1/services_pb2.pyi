@@ -108,3 +108,31 @@ class CloseRequest(_message.Message):
 class CloseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RunAgentRequest(_message.Message):
+    __slots__ = ("session_id", "task", "base_url", "api_key", "model", "budget_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    task: _trajectory_pb2.Task
+    base_url: str
+    api_key: str
+    model: str
+    budget_s: float
+    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[_Union[_trajectory_pb2.Task, _Mapping]] = ..., base_url: _Optional[str] = ..., api_key: _Optional[str] = ..., model: _Optional[str] = ..., budget_s: _Optional[float] = ...) -> None: ...
+
+class RunAgentResponse(_message.Message):
+    __slots__ = ("terminal_reason", "answer", "detail", "environment_revision")
+    TERMINAL_REASON_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_REVISION_FIELD_NUMBER: _ClassVar[int]
+    terminal_reason: _trajectory_pb2.TerminalReason
+    answer: str
+    detail: str
+    environment_revision: str
+    def __init__(self, terminal_reason: _Optional[_Union[_trajectory_pb2.TerminalReason, str]] = ..., answer: _Optional[str] = ..., detail: _Optional[str] = ..., environment_revision: _Optional[str] = ...) -> None: ...

@@ -164,6 +164,11 @@ class EnvironmentStub:
                 request_serializer=trajmesh_dot_v1_dot_services__pb2.CloseRequest.SerializeToString,
                 response_deserializer=trajmesh_dot_v1_dot_services__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.RunAgent = channel.unary_unary(
+                '/trajmesh.v1.Environment/RunAgent',
+                request_serializer=trajmesh_dot_v1_dot_services__pb2.RunAgentRequest.SerializeToString,
+                response_deserializer=trajmesh_dot_v1_dot_services__pb2.RunAgentResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServicer:
@@ -189,6 +194,13 @@ class EnvironmentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunAgent(self, request, context):
+        """Runs a source's own agent for one sample (SourcePlugin.environment_agents) and answers when it ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +218,11 @@ def add_EnvironmentServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=trajmesh_dot_v1_dot_services__pb2.CloseRequest.FromString,
                     response_serializer=trajmesh_dot_v1_dot_services__pb2.CloseResponse.SerializeToString,
+            ),
+            'RunAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunAgent,
+                    request_deserializer=trajmesh_dot_v1_dot_services__pb2.RunAgentRequest.FromString,
+                    response_serializer=trajmesh_dot_v1_dot_services__pb2.RunAgentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -289,6 +306,33 @@ class Environment:
             '/trajmesh.v1.Environment/Close',
             trajmesh_dot_v1_dot_services__pb2.CloseRequest.SerializeToString,
             trajmesh_dot_v1_dot_services__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trajmesh.v1.Environment/RunAgent',
+            trajmesh_dot_v1_dot_services__pb2.RunAgentRequest.SerializeToString,
+            trajmesh_dot_v1_dot_services__pb2.RunAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -298,6 +298,10 @@ trajmesh.security). (dict "root" $ "component" "rollout")
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
+- name: POD_IP  # where the environment's pods reach a rollout's agent endpoint (rollout.agent_endpoint)
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
 {{- if and (not $root.Values.nats.enabled) $root.Values.nats.external.urlSecret.name }}
 - name: TRAJMESH_NATS_URL
   valueFrom:

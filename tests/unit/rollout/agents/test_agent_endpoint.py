@@ -1010,3 +1010,166 @@ def test_openai_agents_sdk_runs_streamed_on_the_responses_model(h: Harness) -> N
     (traj,) = h.ep.close_session("oa-sdk1").trajectories(None, base_id="t")
     assert _sampled(traj) == [h.script["call"], h.script["answer"]]
     assert [c.reason for c in session.calls] == ["first", "continued"]
+
+
+# ------------------------------------------------ the agent run by the environment service (RunAgent)
+
+WHERE_AGENT = '''
+import os
+from pathlib import Path
+
+from openai_agent import solve as example_solve
+
+
+def solve(task, base_url, api_key):
+    """The example agent, after writing down which process started it."""
+    with open(Path(__file__).with_name("parents.txt"), "a") as f:
+        f.write(f"{os.getppid()}\\n")
+    return example_solve(task, base_url, api_key)
+'''
+
+HANG_HOOK = '''
+import asyncio
+
+import openai
+
+from trajmesh.rollout.agents.agent_runner import AgentOutcome
+from trajmesh.v1 import trajectory_pb2
+
+STATE = {"runs": [], "called": None}
+
+
+async def call_then_hang(call):
+    """One model call, then hangs until the service running it goes away; a second run (a retry
+    elsewhere) answers at once."""
+    STATE["runs"].append(call.cache["name"])
+    if len(STATE["runs"]) > 1:
+        return AgentOutcome(trajectory_pb2.EOS, "retried")
+    client = openai.AsyncOpenAI(base_url=call.base_url, api_key=call.api_key, timeout=120)
+    await client.chat.completions.create(model=call.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    STATE["called"].set()
+    await asyncio.Event().wait()
+'''
+
+
+def _agent_task(tid: str, agent: str, python_path: list[str]) -> Any:
+    meta = {"agent": agent, "python_path": python_path, "budget_s": 120}
+    return trajectory_pb2.Task(task_id=tid, group_id="g1", source="external_agent", revision="r1", prompt=QUESTION,
+                               answer="5", environment="external_agent", metadata_json=json.dumps(meta))
+
+
+def _rollout_host(h: Harness, tmp_path: Path, ports: list[int], wait_s: float = 60.0) -> Any:
+    """What `agent_episodes.run_episode` asks of the rollout process, stubs to environment services on `ports`."""
+    import grpc
+
+    from trajmesh.config import load_config
+    from trajmesh.rollout.agents.agent_runner import AgentRunner
+    from trajmesh.v1 import services_pb2_grpc
+
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "rollout.environment_wait_s": wait_s})
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
+    return SimpleNamespace(cfg=cfg, envs=[services_pb2_grpc.EnvironmentStub(c) for c in channels], channels=channels,
+                           agents=AgentRunner(h.ep, h.url), tokenizer=h.tok, worker_id="rollout-test")
+
+
+async def _environment_service(tmp_path: Path, name: str) -> Any:
+    from trajmesh.config import load_config
+    from trajmesh.services.environment import EnvironmentService
+
+    svc = EnvironmentService(load_config(None, {"run_dir": str(tmp_path / name)}))
+    svc.agent_cache["name"] = name
+    await svc.setup()
+    return svc
+
+
+def test_the_agent_runs_in_the_environment_service(h: Harness, tmp_path: Path) -> None:
+    """A sample of an external agent: the rollout hands the run to the environment service's RunAgent,
+    whose process starts the agent; the agent's calls reach the rollout's endpoint session and make
+    the trajectory. An environment with no agent hook is a config error (INVALID_ARGUMENT)."""
+    import grpc
+
+    from trajmesh.rollout.agents import agent_episodes
+    from trajmesh.services.environment import CALLS
+
+    (tmp_path / "where_agent.py").write_text(WHERE_AGENT)
+    task = _agent_task("env1", "where_agent:solve", [str(tmp_path), EXAMPLES])
+
+    async def scenario() -> Any:
+        svc = await _environment_service(tmp_path, "env-a")
+        host = _rollout_host(h, tmp_path, [svc.grpc_port])
+        try:
+            traj = await agent_episodes.run_episode(host, task, 0)
+            plain = _agent_task("env2", "where_agent:solve", [])
+            plain.environment = "single_answer"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await agent_episodes.run_episode(host, plain, 0)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "external_agent" in str(err.value.details())
+            return traj
+        finally:
+            await svc.stop()
+
+    runs = CALLS.labels("run_agent", "eos")._value.get()
+    before = len(h.engine.records)
+    traj = asyncio.run(scenario())
+    assert CALLS.labels("run_agent", "eos")._value.get() == runs + 1  # through RunAgent
+    assert (tmp_path / "parents.txt").read_text().split() == [str(os.getpid())]  # the service's process started it
+    assert traj.pb.terminal_reason == trajectory_pb2.EOS and traj.pb.final_answer == ANSWER
+    assert traj.pb.trajectory_id == "env1-0" and traj.pb.environment_revision
+    assert _sampled(traj) == [out for _, out in h.engine.records[before:]] == [h.script["call"], h.script["answer"]]
+
+
+def test_no_environment_service_ends_the_sample_as_an_environment_failure(h: Harness, tmp_path: Path) -> None:
+    """No replica answers RunAgent: the rollout waits `rollout.environment_wait_s` (nothing of the
+    sample exists yet), then ends it INFRA_FAILURE with cause INFRA_ENVIRONMENT; the agent never ran."""
+    from trajmesh.rollout.agents import agent_episodes
+
+    (tmp_path / "where_agent.py").write_text(WHERE_AGENT)
+    before = len(h.engine.records)
+
+    async def scenario() -> Any:
+        host = _rollout_host(h, tmp_path, [free_port()], wait_s=1.0)
+        return await agent_episodes.run_episode(host, _agent_task("none1", "where_agent:solve", [str(tmp_path)]), 0)
+
+    traj = asyncio.run(scenario())
+    assert (traj.pb.terminal_reason, traj.pb.infra_cause) == (trajectory_pb2.INFRA_FAILURE,
+                                                              trajectory_pb2.INFRA_ENVIRONMENT)
+    assert len(h.engine.records) == before and not (tmp_path / "parents.txt").exists()
+
+
+def test_an_environment_that_dies_mid_run_is_not_retried(h: Harness, tmp_path: Path) -> None:
+    """Two environment replicas. The one running the agent goes away after the agent's first model
+    call: the sample ends INFRA_FAILURE (INFRA_ENVIRONMENT) with that call in it, and it is not run
+    again on the other replica (a second run would mix two runs' calls in one session)."""
+    import importlib
+
+    from trajmesh.rollout.agents import agent_episodes
+
+    (tmp_path / "hang_hook.py").write_text(HANG_HOOK)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        hook = importlib.import_module("hang_hook")
+
+        async def scenario() -> Any:
+            hook.STATE["called"] = asyncio.Event()
+            services = {name: await _environment_service(tmp_path, name) for name in ("env-a", "env-b")}
+            for svc in services.values():
+                svc.agent_hooks["external_agent"] = "hang_hook:call_then_hang"
+            host = _rollout_host(h, tmp_path, [s.grpc_port for s in services.values()])
+            try:
+                run = asyncio.create_task(agent_episodes.run_episode(host, _agent_task("die1", "unused:x", []), 0))
+                await asyncio.wait_for(hook.STATE["called"].wait(), 120)
+                (running,) = hook.STATE["runs"]
+                await services[running].stop()
+                return await asyncio.wait_for(run, 120)
+            finally:
+                for svc in services.values():
+                    await svc.stop()
+
+        traj = asyncio.run(scenario())
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("hang_hook", None)
+    assert len(hook.STATE["runs"]) == 1, hook.STATE["runs"]  # never run again on the other replica
+    assert (traj.pb.terminal_reason, traj.pb.infra_cause) == (trajectory_pb2.INFRA_FAILURE,
+                                                              trajectory_pb2.INFRA_ENVIRONMENT)
+    assert len(_sampled(traj)) == 1  # the call it made before the replica went away
