@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -240,9 +240,45 @@ async def supervise(*loops: Awaitable[None], stopping: asyncio.Event | None = No
             if task in done:
                 _check_loop(task, names[tasks.index(task)], stopping)
     finally:
-        for t in tasks:
+        await cancel_and_wait(tasks, names)
+
+
+RECANCEL_S = 2.0
+"""How long a cancelled task may run on before it is cancelled again (`cancel_and_wait`)."""
+
+async def cancel_and_wait(tasks: Sequence[asyncio.Future[Any]], names: Sequence[str] | None = None, *,
+                          recancel_s: float | None = None) -> None:
+    """Cancels `tasks` and waits until every one has ended, cancelling again each one still running
+    `recancel_s` later. On Python 3.11 `asyncio.wait_for` returns its result, swallowing the
+    cancellation, when the awaited call completes as the cancel arrives (fixed in 3.12), and
+    libraries call it under our loops: redis-py 8.2's connection handshake sends its commands through
+    it (a command that reconnects swallowed ~1 cancel in 2 in tests/unit/trajmesh/test_service.py's
+    probe). A loop that swallowed its one cancellation went on looping, and a store never stopped
+    (docs/RELIABILITY.md). A cancellation of this wait itself cancels the tasks again at once; it
+    still waits for them, then propagates. `recancel_s`: None is `RECANCEL_S`."""
+    recancel_s = RECANCEL_S if recancel_s is None else recancel_s
+    labels = names or [_loop_name(t) for t in tasks]
+    for t in tasks:
+        t.cancel()
+    pending = {t for t in tasks if not t.done()}
+    cancelled = False
+    while pending:
+        try:
+            _, still = await asyncio.wait(pending, timeout=recancel_s)
+        except asyncio.CancelledError:
+            cancelled = True
+            for t in pending:
+                t.cancel()
+            pending = {t for t in pending if not t.done()}
+            continue
+        pending = still
+        for t in pending:
+            log.warning("task %s still running %.0fs after its cancellation (swallowed): cancelling it again",
+                        labels[tasks.index(t)], recancel_s)
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _check_loop(task: asyncio.Future[None], name: str, stopping: asyncio.Event | None) -> None:
@@ -336,7 +372,12 @@ async def _run_until_stopped(service: Service) -> None:
         if service.graceful_stop_s > 0 and service.failure is None:
             await asyncio.wait({run_task}, timeout=max(0.0, service.stop_time_left() - service.stop_timeout_s))
         run_task.cancel()
-        await asyncio.wait({run_task}, timeout=service.stop_time_left())
+        while not run_task.done() and service.stop_time_left() > 0:
+            await asyncio.wait({run_task}, timeout=min(RECANCEL_S, service.stop_time_left()))
+            if not run_task.done():  # swallowed (see `cancel_and_wait`): ask again
+                log.warning("%s: run() still running %.0fs after its cancellation: cancelling it again",
+                            service.worker_id, RECANCEL_S)
+                run_task.cancel()
         if not run_task.done():  # a loop swallowed its cancellation, or waits on something that never ends
             log.error("%s: run() did not end within %.0fs of its cancellation; still pending:\n%s",
                       service.worker_id, service.stop_timeout_s, pending_report(asyncio.get_running_loop()))
