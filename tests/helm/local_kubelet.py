@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trajmesh.infra import free_port
+
 WORKLOADS = {"Deployment", "StatefulSet", "Job"}
 PODEXEC = Path(__file__).resolve().parent / "podexec.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -75,12 +77,6 @@ def _delegate_cgroup(pod_name: str, run_as: RunAs) -> Any:
         return cgroups.delegate(run_as.uid, run_as.gid, f"trajmesh-pod-{pod_name}")
     except OSError:
         return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -150,6 +146,7 @@ class LocalKubelet:
                 if o["kind"] == "StatefulSet":  # what the StatefulSet controller adds to its pods
                     labels |= {"apps.kubernetes.io/pod-index": str(i), "statefulset.kubernetes.io/pod-name": name}
                 pod = Pod(name, o["kind"], labels, tmpl["spec"], claims)
+                # leased, outside the ephemeral range: a pod binds its port seconds after this
                 pod.ports = {int(p["containerPort"]): free_port() for p in pod.container_ports()}
                 self.pods.append(pod)
                 for c in pod.spec.get("initContainers", []) + pod.spec["containers"]:
