@@ -803,7 +803,7 @@ async def _dispatch(ep: AgentEndpoint, path: str, sid: str | None, request: Requ
         return JSONResponse(_error_body(api, err), status_code=err.status)
 
 
-def env_step(ep: AgentEndpoint, session: AgentSession, body: Any) -> dict[str, Any]:
+async def env_step(ep: AgentEndpoint, session: AgentSession, body: Any) -> dict[str, Any]:
     """One action on the session's hosted environment: ``{"tool_call": {"name", "arguments"}}``
     (written in the model's native tool-call format, as the environment reads a model's turn) or
     ``{"action": text}``. Answers the observation, whether the episode is over and the state hash."""
@@ -821,11 +821,13 @@ def env_step(ep: AgentEndpoint, session: AgentSession, body: Any) -> dict[str, A
     else:
         action = body.get("action")
         _require(isinstance(action, str), "give 'tool_call' {name, arguments} or 'action' (text)", "action")
-    res = hosted.env.step(action)
-    hosted.steps += 1
-    hosted.done = bool(res.done)
-    hosted.state_hashes.append(res.state_hash)
-    return {"observation": res.observation, "done": hosted.done, "state_hash": res.state_hash, "step": hosted.steps}
+    try:
+        observation, done, state_hash = await hosted.step(action)
+    except Exception as exc:  # the environment service failed (recorded on `hosted`): the agent may retry
+        if not hosted.failed:
+            raise
+        raise ApiError(503, f"the environment is unavailable: {hosted.failed}", kind="overloaded_error") from exc
+    return {"observation": observation, "done": done, "state_hash": state_hash, "step": hosted.steps}
 
 
 def create_app(ep: AgentEndpoint) -> FastAPI:
@@ -854,7 +856,7 @@ def create_app(ep: AgentEndpoint) -> FastAPI:
                 body = json.loads(await request.body())
             except ValueError:
                 raise ApiError(400, "the body is not valid JSON") from None
-            return JSONResponse(env_step(ep, session, body))
+            return JSONResponse(await env_step(ep, session, body))
         except ApiError as err:
             return JSONResponse(_error_body("env", err), status_code=err.status)
 

@@ -39,6 +39,7 @@ from prometheus_client import Counter
 from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
 from trajmesh.rollout.agents.agent_runner import AgentOutcome, AgentRunner
+from trajmesh.rollout.agents.agent_session import HostedEnvironment
 from trajmesh.v1 import services_pb2, trajectory_pb2
 
 
@@ -165,16 +166,23 @@ async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int)
     async def in_environment(base_url: str, session: Any) -> AgentOutcome:
         return await run_in_environment(rollout, task, sid, base_url, session, budget_s)
 
-    trajs, outcome = await agents.run_session(task, in_environment, session_id=sid, rollout_worker=rollout.worker_id)
+    hosted: HostedEnvironment | None = None
+    if meta.get("agent_environment"):  # the task's own environment, hosted by the environment service
+        hosted = await hosted_in_environment(rollout, task, sid, str(meta["agent_environment"]))
+        if hosted is None:
+            return _no_call(rollout, task, tid, trajectory_pb2.INFRA_ENVIRONMENT,
+                            "no environment replica answered the hosted environment's Reset")
+    try:
+        trajs, outcome = await agents.run_session(task, in_environment, session_id=sid,
+                                                  rollout_worker=rollout.worker_id, hosted=hosted)
+    finally:
+        if hosted is not None:
+            await _close_hosted(hosted)
     if outcome.detail:
         log.warning("agent on %s: %s", tid, outcome.detail[-500:])
     if not trajs:  # the agent never called the model: nothing to train, never rewarded
-        traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=rollout.worker_id,
-                              created_unix_seconds=time.time())
-        traj.append_prompt(rollout.tokenizer.encode(task.prompt))
-        traj.fail_infra(outcome.cause if outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE
+        return _no_call(rollout, task, tid, outcome.cause if outcome.terminal_reason == trajectory_pb2.INFRA_FAILURE
                         else trajectory_pb2.INFRA_AGENT, outcome.detail[-500:] or "the agent made no model call")
-        return traj
     if outcome.segments > 1:
         AGENT_SEGMENTED.inc()
     (traj,) = trajs
@@ -183,3 +191,46 @@ async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int)
     if outcome.environment_revision:
         traj.pb.environment_revision = outcome.environment_revision
     return traj
+
+
+def _no_call(rollout: AgentHost, task: trajectory_pb2.Task, tid: str, cause: int, detail: str) -> Trajectory:
+    """A sample with no model call: its prompt alone, ended INFRA_FAILURE (never trained or rewarded)."""
+    traj = Trajectory.new(task, trajectory_id=tid, rollout_worker=rollout.worker_id, created_unix_seconds=time.time())
+    traj.append_prompt(rollout.tokenizer.encode(task.prompt))
+    traj.fail_infra(cause, detail)  # type: ignore[arg-type]
+    return traj
+
+
+async def hosted_in_environment(rollout: AgentHost, task: trajectory_pb2.Task, sid: str,
+                                kind: str) -> HostedEnvironment | None:
+    """The task's hosted environment (``metadata.agent_environment``, e.g. workplace) reset in the
+    environment service, on the session's sticky replica (the next ones on an infrastructure
+    error): the agent's ``/env/step`` calls become that session's Steps. None: no replica answered."""
+    from trajmesh.rollout.agents.agent_session import HostedEnvironment
+
+    envs = list(rollout.envs)
+    if not envs:
+        return None
+    req = services_pb2.ResetRequest(session_id=f"{sid}-env", seed=int(task.seed))
+    req.task.CopyFrom(task)
+    req.task.environment = kind
+    first = int(hashlib.sha256(sid.encode()).hexdigest(), 16) % len(envs)
+    for k in range(len(envs)):
+        stub = envs[(first + k) % len(envs)]
+        try:
+            reset = await stub.Reset(req, timeout=60.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            AGENT_ENV_FAILURES.labels(exc.code().name.lower()).inc()
+            continue
+        return HostedEnvironment(None, [reset.state_hash], remote=(stub, req.session_id))
+    return None
+
+
+async def _close_hosted(hosted: HostedEnvironment) -> None:
+    stub, session_id = hosted.remote
+    try:
+        await stub.Close(services_pb2.CloseRequest(session_id=session_id), timeout=5.0)
+    except grpc.aio.AioRpcError as exc:  # its TTL ends it
+        AGENT_ENV_FAILURES.labels(exc.code().name.lower()).inc()

@@ -160,19 +160,26 @@ class AgentRunner:
         return await self.run_session(task, here, session_id=session_id, rollout_worker=rollout_worker)
 
     async def run_session(self, task: trajectory_pb2.Task, play: Play, *, session_id: str,
-                          rollout_worker: str = "") -> tuple[list[Trajectory], AgentOutcome]:
+                          rollout_worker: str = "", hosted: HostedEnvironment | None = None
+                          ) -> tuple[list[Trajectory], AgentOutcome]:
         """Opens endpoint session `session_id`, awaits `play(base_url, session)` (wherever it runs
         the agent: here, or the environment service), closes the session and returns its one
         trajectory (none without an LLM call), finished with the outcome's reason. A held-out task
-        (`task.evaluation`) samples at its own sampling, whatever the agent asks."""
+        (`task.evaluation`) samples at its own sampling, whatever the agent asks. The task's hosted
+        environment: `hosted` (the environment service's, reset already), else one reset here
+        (`hosted_environment`); a run whose hosted environment failed a step is the environment's
+        infrastructure failure."""
         session = self.endpoint.open_session(session_id, forced=task.sampling if task.evaluation else None)
-        session.environment = hosted_environment(task)
+        session.environment = hosted if hosted is not None else hosted_environment(task)
         base_url = f"{self.endpoint_url}/sessions/{session_id}/v1"
         start = time.monotonic()
         try:
             outcome = await play(base_url, session)
         finally:
             self.endpoint.close_session(session_id)
+        if session.environment is not None and session.environment.failed:
+            outcome = AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", session.environment.failed,
+                                   cause=trajectory_pb2.INFRA_ENVIRONMENT)
         outcome.seconds = time.monotonic() - start
         whole = session.trajectory(task, trajectory_id=session_id, rollout_worker=rollout_worker)
         trajs = [whole] if whole is not None else []

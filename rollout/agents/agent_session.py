@@ -131,11 +131,41 @@ class HostedEnvironment:
     the last one is what the run is graded by."""
 
     env: Any
-    """A project environment (``reset``/``step``, envs/base.py), reset on the task."""
+    """A project environment (``reset``/``step``, envs/base.py), reset on the task; None when the
+    environment service hosts it (`remote`)."""
     state_hashes: list[str]
     """The state after reset, then after each step."""
     steps: int = 0
     done: bool = False
+    remote: Any = None
+    """(environment service stub, its session id): the episode lives in that service (the mesh's
+    agent runs); None: `env`, in this process."""
+    failed: str = ""
+    """Why the environment service failed a step ("": it did not): the run is then the
+    environment's infrastructure failure, not the agent's."""
+
+    async def step(self, action: str) -> tuple[str, bool, str]:
+        """One action: (observation, done, state hash), recorded. A failing environment service
+        raises its `grpc.aio.AioRpcError` (recorded in `failed`)."""
+        if self.remote is None:
+            res = self.env.step(action)
+            observation, done, state_hash = res.observation, bool(res.done), res.state_hash
+        else:
+            import grpc
+
+            from trajmesh.v1 import services_pb2
+
+            stub, session_id = self.remote
+            try:
+                reply = await stub.Step(services_pb2.StepRequest(session_id=session_id, action=action), timeout=60.0)
+            except grpc.aio.AioRpcError as exc:
+                self.failed = f"environment service Step: {exc.code().name}"
+                raise
+            observation, done, state_hash = reply.observation, bool(reply.done), reply.state_hash
+        self.steps += 1
+        self.done = done
+        self.state_hashes.append(state_hash)
+        return observation, done, state_hash
 
 
 class AgentSession:

@@ -734,7 +734,7 @@ def act(task, base_url, api_key):
     for name, arguments in ACTIONS:
         body = json.dumps({"tool_call": {"name": name, "arguments": arguments}}).encode()
         req = urllib.request.Request(base_url.removesuffix("/v1") + "/env/step", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
         with urllib.request.urlopen(req) as resp:
             json.load(resp)
     return json.dumps(sorted(task["metadata"]))
@@ -1173,3 +1173,71 @@ def test_an_environment_that_dies_mid_run_is_not_retried(h: Harness, tmp_path: P
     assert (traj.pb.terminal_reason, traj.pb.infra_cause) == (trajectory_pb2.INFRA_FAILURE,
                                                               trajectory_pb2.INFRA_ENVIRONMENT)
     assert len(_sampled(traj)) == 1  # the call it made before the replica went away
+
+
+def test_a_hosted_environment_lives_in_the_environment_service(h: Harness, tmp_path: Path) -> None:
+    """A workplace task run through the mesh's path (`agent_episodes.run_episode`): the hosted
+    environment is a session of the environment service, reset there and stepped there by the
+    agent's /env/step calls; the trajectory records its states, graded as before. A service that
+    lost the session before a step (a replica restarted) makes the run the environment's
+    infrastructure failure, whatever the agent does with the endpoint's 503."""
+    from trajmesh.config import load_config
+    from trajmesh.contract import Trajectory
+    from trajmesh.envs.workplace import WorkplaceEnv
+    from trajmesh.graders.external_agent import ExternalAgentGrader
+    from trajmesh.rollout.agents import agent_episodes
+    from trajmesh.services.environment import CALLS
+    from trajmesh.services.grader import GraderService
+    from trajmesh.tasks import load_split
+
+    cfg = load_config(None, {"tasks.sources": [{"type": "external_agent", "agent": "unused:act",
+                                                "tasks_from": "workplace"}]})
+    spec = load_split(cfg.tasks.sources[0], 2, 1)[0][0]
+    actions = spec.metadata["solution"]
+    (tmp_path / "agent_wp_env.py").write_text(WORKPLACE_AGENT.replace("__ACTIONS__", repr(actions)))
+    meta = {**spec.metadata, "agent": "agent_wp_env:act", "python_path": [str(tmp_path)], "budget_s": 120}
+    task = trajectory_pb2.Task(task_id="wpe", group_id="g1", source=spec.source, revision="r1", prompt=spec.prompt,
+                               answer=spec.answer, environment="external_agent", metadata_json=json.dumps(meta), seed=3)
+    record = {"prompt": spec.prompt, "answer": spec.answer, "metadata": spec.metadata}
+    initial = WorkplaceEnv().reset(record, 3)[1]
+
+    async def scenario(stop_first: bool) -> Any:
+        svc = await _environment_service(tmp_path, "env-wp")
+        host = _rollout_host(h, tmp_path, [svc.grpc_port])
+        try:
+            if stop_first:  # the service answers the Reset, then loses the session before the agent's steps
+                real = host.agents.run_session
+
+                async def run_session(*args: Any, **kwargs: Any) -> Any:
+                    svc.close_session(kwargs["hosted"].remote[1])  # as a restarted replica has lost it
+                    return await real(*args, **kwargs)
+
+                host.agents.run_session = run_session
+            return await agent_episodes.run_episode(host, task, 0)
+        finally:
+            await svc.stop()
+
+    if h.engine.loop is None:  # the endpoint's loop (uvicorn's thread) is known once it generated
+        h.ep.open_session("wpe-warm")
+        h.openai("wpe-warm").completions.create(model="tiny", prompt="Hi", max_tokens=1)
+        h.ep.close_session("wpe-warm")
+    loop = h.engine.loop
+    assert loop is not None
+
+    def on_endpoint_loop(coro: Any) -> Any:
+        """The mesh runs the endpoint, the stubs and the episode on one loop, as the rollout does."""
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(300)
+
+    steps = CALLS.labels("step", "ok")._value.get()
+    traj = on_endpoint_loop(scenario(stop_first=False))
+    assert CALLS.labels("step", "ok")._value.get() == steps + len(actions)  # stepped in the service
+    assert traj.pb.terminal_reason == trajectory_pb2.EOS
+    hashes = list(traj.pb.state_hashes)
+    assert len(hashes) == len(actions) + 1 and hashes[0] == initial and hashes[-1] != initial
+    sample = GraderService._sample(SimpleNamespace(tokenizer=h.tok),  # type: ignore[arg-type]
+                                   Trajectory.from_bytes(traj.to_bytes()))
+    assert ExternalAgentGrader().grade(sample, record).reward == 1.0
+
+    failed = on_endpoint_loop(scenario(stop_first=True))
+    assert (failed.pb.terminal_reason, failed.pb.infra_cause) == (trajectory_pb2.INFRA_FAILURE,
+                                                                  trajectory_pb2.INFRA_ENVIRONMENT)
