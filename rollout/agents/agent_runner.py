@@ -209,6 +209,9 @@ async def _process(entry: str, task: dict[str, Any], base_url: str, api_key: str
         _kill_group(proc.pid)
         await proc.wait()
         return AgentOutcome(trajectory_pb2.WALL_TIMEOUT, "", f"no answer within {budget_s}s")
+    except BaseException:  # cancelled (the sample's deadline, the caller gone, a stop): the agent goes too
+        _kill_group(proc.pid)
+        raise
     if proc.returncode != 0:
         tail = err.decode(errors="replace")[-2000:]
         return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", f"agent exited {proc.returncode}: {tail}")

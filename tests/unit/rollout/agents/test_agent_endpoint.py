@@ -426,6 +426,14 @@ def call_then_hang(task, base_url, api_key):
     time.sleep(3600)
 
 
+def pid_then_hang(task, base_url, api_key):
+    import os
+    from pathlib import Path
+
+    Path(task["metadata"]["pid_file"]).write_text(str(os.getpid()))
+    time.sleep(3600)
+
+
 def tool_loop_then_return(task, base_url, api_key):
     """The example's tool loop (the model's last turn is its answer), then returns something else."""
     from openai_agent import solve
@@ -1241,3 +1249,35 @@ def test_a_hosted_environment_lives_in_the_environment_service(h: Harness, tmp_p
     failed = on_endpoint_loop(scenario(stop_first=True))
     assert (failed.pb.terminal_reason, failed.pb.infra_cause) == (trajectory_pb2.INFRA_FAILURE,
                                                                   trajectory_pb2.INFRA_ENVIRONMENT)
+
+
+def test_a_cancelled_run_kills_the_agent(h: Harness, tmp_path: Path) -> None:
+    """A run cancelled from outside (the sample's deadline, a rollout gone: the environment service's
+    RunAgent handler is cancelled) kills the agent's process group, not only a run past its budget."""
+    from trajmesh.rollout.agents.agent_runner import AgentRunner
+
+    (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
+    pid_file = tmp_path / "agent.pid"
+    task = _task("Hi")
+    task.metadata_json = json.dumps({"pid_file": str(pid_file)})
+    runner = AgentRunner(h.ep, h.url, python_path=[str(tmp_path)])
+
+    async def scenario() -> int:
+        run = asyncio.create_task(runner.run(task, "agents_for_test:pid_then_hang", 300, session_id="cancel1"))
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():  # the agent is up
+            assert time.monotonic() < deadline and not run.done()
+            await asyncio.sleep(0.05)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        return int(pid_file.read_text())
+
+    pid = asyncio.run(scenario())
+    # SIGKILLed before the cancel propagated: dead (a zombie until reaped) or gone once the kernel
+    # has run the kill; the old code left it sleeping out its hour
+    state = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + 30
+    while state.exists() and state.read_text().split(") ")[1][0] not in "ZX":
+        assert time.monotonic() < deadline, state.read_text()
+        time.sleep(0.05)
