@@ -1253,7 +1253,8 @@ def test_a_hosted_environment_lives_in_the_environment_service(h: Harness, tmp_p
 
 def test_a_cancelled_run_kills_the_agent(h: Harness, tmp_path: Path) -> None:
     """A run cancelled from outside (the sample's deadline, a rollout gone: the environment service's
-    RunAgent handler is cancelled) kills the agent's process group, not only a run past its budget."""
+    RunAgent handler is cancelled) kills the agent's process group, not only a run past its budget:
+    here, and through the environment service."""
     from trajmesh.rollout.agents.agent_runner import AgentRunner
 
     (tmp_path / "agents_for_test.py").write_text(AGENTS_FOR_TEST)
@@ -1273,11 +1274,47 @@ def test_a_cancelled_run_kills_the_agent(h: Harness, tmp_path: Path) -> None:
             await run
         return int(pid_file.read_text())
 
-    pid = asyncio.run(scenario())
-    # SIGKILLed before the cancel propagated: dead (a zombie until reaped) or gone once the kernel
-    # has run the kill; the old code left it sleeping out its hour
-    state = Path(f"/proc/{pid}/stat")
-    deadline = time.monotonic() + 30
-    while state.exists() and state.read_text().split(") ")[1][0] not in "ZX":
-        assert time.monotonic() < deadline, state.read_text()
-        time.sleep(0.05)
+    def dies(pid: int) -> None:
+        """SIGKILLed before the cancel propagated: dead (a zombie until reaped) or gone once the
+        kernel has run the kill; the old code left it sleeping out its hour."""
+        state = Path(f"/proc/{pid}/stat")
+        deadline = time.monotonic() + 30
+        while state.exists() and state.read_text().split(") ")[1][0] not in "ZX":
+            assert time.monotonic() < deadline, state.read_text()
+            time.sleep(0.05)
+
+    dies(asyncio.run(scenario()))
+
+    # through the environment service: the rollout's side cancelled (its sample deadline), the
+    # cancellation crosses gRPC to RunAgent's handler, which kills the agent
+    from trajmesh.rollout.agents import agent_episodes
+
+    pid_file.unlink()
+    meta = {"agent": "agents_for_test:pid_then_hang", "python_path": [str(tmp_path)], "budget_s": 300,
+            "pid_file": str(pid_file)}
+    remote = _agent_task("cancel2", "unused:x", [])
+    remote.metadata_json = json.dumps(meta)
+
+    async def through_the_service() -> int:
+        svc = await _environment_service(tmp_path, "env-cancel")
+        host = _rollout_host(h, tmp_path, [svc.grpc_port])
+        try:
+            run = asyncio.create_task(agent_episodes.run_episode(host, remote, 0))
+            deadline = time.monotonic() + 120
+            while not pid_file.exists() or not pid_file.read_text():
+                assert time.monotonic() < deadline and not run.done()
+                await asyncio.sleep(0.05)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            pid = int(pid_file.read_text())
+            state = Path(f"/proc/{pid}/stat")
+            deadline = time.monotonic() + 30  # the service keeps serving meanwhile: its stop is not what kills it
+            while state.exists() and state.read_text().split(") ")[1][0] not in "ZX":
+                assert time.monotonic() < deadline, state.read_text()
+                await asyncio.sleep(0.05)
+            return pid
+        finally:
+            await svc.stop()
+
+    asyncio.run(through_the_service())
