@@ -8,9 +8,10 @@ rubric or harness error (an exception in a reward function, a failed harness run
 the error as the verifier output, never an infrastructure failure: the policy's run happened, the
 rubric could not credit it. A run that did not end EOS (WALL_TIMEOUT: the budget ran out) scores 0.
 
-Held-out evaluation (learner/evaluate.py) plays the task as training does, by its harness and tools
-through an agent endpoint over the evaluation's policy (rollout/agents/verifiers_episodes.py
-`play_heldout`), and scores what the rubric recorded there the same way.
+Held-out evaluation plays the task as training does, by its harness and tools: the evaluator
+service through the environment service (`eval.in_mesh`, the default), or in-process through an
+agent endpoint over the evaluation's policy (rollout/agents/verifiers_episodes.py `play_heldout`,
+``eval.in_mesh: false``), and scores what the rubric recorded there the same way.
 """
 
 from __future__ import annotations

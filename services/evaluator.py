@@ -33,8 +33,8 @@ vs sampled passes, their seeds, and the record. The held-out split of each sourc
 
 Every held-out episode is played by `run_episode`, as the rollout plays a training sample: through
 the environment service, or by the source plug-in's own runner (`rollout_episodes`: external agents
-and verifiers harnesses, through the agent endpoint this process serves, `rollout_setup`) where the
-rollout uses one too. Its sessions sample at the evaluation's temperature, top-p and budget, whatever
+and verifiers harnesses, which the environment service runs with its RunAgent against the agent
+endpoint this process serves, `rollout_setup`) where the rollout uses one too. Its sessions sample at the evaluation's temperature, top-p and budget, whatever
 the agent asks (`AgentSession.forced`). Every episode is graded by the grader service.
 """
 
