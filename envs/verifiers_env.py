@@ -19,8 +19,9 @@ the plain chat loop, ``bash`` and the others give the model tools) run by a ``Si
   engine and recorded with its token ids, log-probs and versions, exactly as an external agent's
   (docs/AGENTS.md). The session's calls become the trajectory. The environment service needs
   verifiers and the taskset installed; the rollout does not.
-* Held-out evaluation (learner/evaluate.py): the same episode, through an agent endpoint served for
-  the evaluation's policy (rollout/agents/verifiers_episodes.py `play_heldout`), tools included.
+* Held-out evaluation: the same episode, played by the evaluator service through the environment
+  service (`eval.in_mesh`, the default); the launcher's in-process evaluation refuses it
+  (trajmesh/run/train.py `check_in_process`).
 * Reward: the taskset's own rubric, run by verifiers at the end of the episode; what it recorded
   (each reward function's score and weight, the trace's errors) travels on the trajectory as its
   final answer (JSON) and graders/verifiers.py turns it into the reward (the weighted sum) and raw
@@ -137,8 +138,7 @@ def draw(src: VerifiersSource, seed: int, n: int, exclude: set[str]) -> list[dic
 class VerifiersEnv(SingleAnswerEnv):
     """The registry entry of ``verifiers`` tasks. Nothing steps it: verifiers' harness plays the task
     in the environment service against the rollout's agent endpoint (rollout/agents/verifiers_episodes.py
-    `play`, training and the evaluator service's held-out episodes), or against one over an
-    in-process policy (`play_heldout`, ``eval.in_mesh: false``)."""
+    `play`, training and the evaluator service's held-out episodes)."""
 
     revision = f"verifiers-adapter-v1+verifiers-{package_version('verifiers')}"
     config_keys = ("taskset", "taskset_args", "harness", "idx", "key")
@@ -152,5 +152,4 @@ PLUGIN = SourcePlugin(
     rollout_setup="trajmesh.rollout.agents.agent_episodes:serve_endpoint",
     rollout_episodes={"verifiers": "trajmesh.rollout.agents.agent_episodes:run_episode"},
     environment_agents={"verifiers": "trajmesh.rollout.agents.verifiers_episodes:play"},
-    heldout_episodes={"verifiers": "trajmesh.rollout.agents.verifiers_episodes:play_heldout"},
     description="a verifiers taskset: its harness plays through the rollout's agent endpoint, its rubric scores")

@@ -9,9 +9,8 @@ the error as the verifier output, never an infrastructure failure: the policy's 
 rubric could not credit it. A run that did not end EOS (WALL_TIMEOUT: the budget ran out) scores 0.
 
 Held-out evaluation plays the task as training does, by its harness and tools: the evaluator
-service through the environment service (`eval.in_mesh`, the default), or in-process through an
-agent endpoint over the evaluation's policy (rollout/agents/verifiers_episodes.py `play_heldout`,
-``eval.in_mesh: false``), and scores what the rubric recorded there the same way.
+service through the environment service (`eval.in_mesh`, the default; the launcher's in-process
+evaluation refuses the source), and scores what the rubric recorded there the same way.
 """
 
 from __future__ import annotations

@@ -2,15 +2,17 @@
 
 The episodes are played by ``play_episodes`` (rollout/agents/episode.py): the same ``EpisodeFormat`` the
 rollout service feeds its engine (chat template or BOS + text, tool/user observation messages,
-every stop id), the same environment classes (`envs/`, in-process: tools and the sandbox included),
-budgets and terminal reasons. Each episode is scored by its source's grader (`graders/`):
-reasoning-gym ``score_answer``, math-verify, search normalized exact match, workplace final state.
-The policy is a hook (`Policy`): the model sampled in-process with ``sample_batch``
-(rollout/engines/torch_sampler.py, ``ModelPolicy``) in `trajmesh train` with ``eval.in_mesh: false``
-(evaluation in the launcher's process, before any service is up), a scripted one in tests. This
-in-process loop is not the mesh's: the evaluator service (services/evaluator.py) plays its
-episodes through the environment service and has them graded by the grader service, as training
-does, and hands `source_figures` its own pass runner.
+every stop id), the same environment classes (`envs/`, in-process), budgets and terminal reasons.
+Each episode is scored by its source's grader (`graders/`): reasoning-gym ``score_answer``,
+math-verify, search normalized exact match, workplace final state. The policy is a hook
+(`Policy`): the model sampled in-process with ``sample_batch`` (rollout/engines/torch_sampler.py,
+``ModelPolicy``) in `trajmesh train` with ``eval.in_mesh: false`` (evaluation in the launcher's
+process, before any service is up), a scripted one in tests. This in-process loop is not the
+mesh's: the evaluator service (services/evaluator.py) plays its episodes through the environment
+service and has them graded by the grader service, as training does, and hands `source_figures`
+its own pass runner. A run's held-out score comes from this loop only for what the rollout
+itself plays in its own process (stateless environments, graders without the sandbox:
+trajmesh/run/train.py `check_in_process` refuses the rest).
 
 Above the episodes sits what both callers share: the held-out split of every source
 (`heldout_tasks`), one pass's figures from its episodes' outcomes (`pass_figures`: an episode that
@@ -120,26 +122,8 @@ def grade_episode(ep: Episode, fmt: EpisodeFormat, graders: dict[str, Any]) -> A
     grader = graders.get(kind) or graders.setdefault(kind, make_grader(kind))
     tok = fmt.tokenizer
     sample = Sample(tok.decode(flat), [tok.decode(ids) for ids in turns],
-                    bool(flat) and flat[-1] == tok.eos_token_id, list(ep.state_hashes), ep.terminal_reason,
-                    ep.final_answer)
+                    bool(flat) and flat[-1] == tok.eos_token_id, list(ep.state_hashes), ep.terminal_reason)
     return grader.grade(sample, ep.task)
-
-
-def play_heldout(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any]], params: Any, *, max_turns: int,
-                 samples: int, seed: int) -> list[Episode]:
-    """The episodes of `tasks`: each source's own player for the environments that have one
-    (`trajmesh.plugins.heldout_episodes`), `play_episodes` for the rest."""
-    from trajmesh.plugins import heldout_episodes, load
-
-    players = heldout_episodes()
-    env_of = [str(t.get("environment") or "single_answer") for t in tasks]
-    episodes = play_episodes(policy, fmt, [t for t, e in zip(tasks, env_of, strict=True) if e not in players], params,
-                             max_turns=max_turns, samples=samples, seed=seed)
-    for key, path in players.items():
-        own = [t for t, e in zip(tasks, env_of, strict=True) if e == key]
-        if own:
-            episodes += load(path)(policy, fmt, own, params, samples=samples, seed=seed)
-    return episodes
 
 
 def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any]], *, temperature: float,
@@ -155,7 +139,7 @@ def evaluate_tasks(policy: Policy, fmt: EpisodeFormat, tasks: list[dict[str, Any
     if temperature <= GREEDY_EPS:
         samples = 1
     params = fmt.sampling(temperature, top_p, max_new_tokens)
-    episodes = play_heldout(policy, fmt, tasks, params, max_turns=max_turns, samples=samples, seed=seed)
+    episodes = play_episodes(policy, fmt, tasks, params, max_turns=max_turns, samples=samples, seed=seed)
     graders: dict[str, Any] = {}
     outcomes = [Outcome(ep.task["task_id"],
                         None if ep.terminal_reason == INFRA_FAILURE else float(grade_episode(ep, fmt, graders).reward),

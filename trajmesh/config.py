@@ -950,7 +950,9 @@ class EvalConfig(_Strict):
     """Who evaluates. True: the evaluator service (services/evaluator.py, one process with its own
     engine, as on a cluster) starts with the mesh, and summary.json's before/after figures are its
     records of the first and last version. False: `trajmesh train` evaluates in its own process
-    (before RL, every `--eval-every` seconds, after RL). None (default): True for `trajmesh
+    (before RL, every `--eval-every` seconds, after RL), only sources whose episodes the rollout
+    itself plays in process (stateless environments, graders without the sandbox; any other is
+    refused before the run starts). None (default): True for `trajmesh
     train`; a mesh started by itself (`trajmesh.run.launcher.start_mesh`) has no evaluator."""
     every_versions: int = Field(10, ge=1)
     """The evaluator service evaluates a version at least this many versions after the last one

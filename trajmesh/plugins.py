@@ -23,9 +23,6 @@ A task source is ONE `SourcePlugin` that lives with its code (``PLUGIN`` at the 
 * ``environment_agents``  optional: environment keys whose agent or harness the environment service
                    runs for one sample (its ``RunAgent`` RPC), its model calls going to the rollout's
                    agent endpoint session (a verifiers harness, a user's external agent);
-* ``heldout_episodes``  optional: environment keys whose held-out episodes the source plays itself
-                   (verifiers: its harness through an agent endpoint over the evaluation's policy)
-                   instead of `play_episodes`' in-process loop.
 * ``reward_from``  ``reference`` (default: the grader scores the task's reference answer),
                    ``environment`` (the environment's own reward: games, rubrics, gym-style
                    environments) or ``judge`` (no program verifier: only the judge scores it, and
@@ -95,10 +92,6 @@ class SourcePlugin:
     """Environment key -> "module:function" ``async (trajmesh.rollout.agents.agent_runner.AgentCall)
     -> AgentOutcome``: the environment service's ``RunAgent`` runs a sample's agent or harness with
     it, in that service's process (and pod), against the rollout's endpoint session."""
-    heldout_episodes: Mapping[str, str] = field(default_factory=dict)
-    """Environment key -> "module:function" ``(policy, fmt, tasks, params, *, samples, seed) ->
-    [Episode]``: held-out evaluation (learner/evaluate.py) plays those tasks with it instead of
-    `play_episodes`; an episode's ``final_answer`` goes to the grader."""
     reward_from: Literal["reference", "environment", "judge"] = "reference"
     """What the grader scores: ``reference``, the sampled answer against the task's reference answer
     (``answer``), which the verifier audit (trajmesh/run/audit.py) grades and expects to score 1;
@@ -208,12 +201,6 @@ def environment_agents() -> dict[str, str]:
     """Environment key -> "module:function" the environment service runs a sample's agent with
     (`SourcePlugin.environment_agents`), over every source."""
     return _merged_hooks("environment_agents")
-
-
-def heldout_episodes() -> dict[str, str]:
-    """Environment key -> "module:function" of its own held-out player (`SourcePlugin.heldout_episodes`),
-    over every source."""
-    return _merged_hooks("heldout_episodes")
 
 
 def _merged_hooks(attr: str) -> dict[str, str]:

@@ -116,9 +116,6 @@ class Episode:
     turn_ids: list[list[int]] = field(default_factory=list)
     terminal_reason: str = ""
     """A `TerminalReason` name (EOS, ENV_DONE, MAX_TOKENS, MAX_TURNS, SANDBOX_ERROR, ...); "" while live."""
-    final_answer: str | None = None
-    """What a source's own player recorded for the grader (`SourcePlugin.heldout_episodes`: the
-    verifiers rubric's outcome), as a trajectory's ``final_answer``; None for `play_episodes`."""
 
 
 def start_episode(task: dict[str, Any], seed: int, fmt: EpisodeFormat) -> Episode:

@@ -277,13 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from trajmesh.run.audit import VerifierAuditRefused
             from trajmesh.run.launcher import StartupError
-            from trajmesh.run.train import RunDirExists, train
+            from trajmesh.run.train import InProcessEvaluationRefused, RunDirExists, train
 
             cfg = load_config(args.config, _overrides(args.set))
             signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the run as Ctrl-C does
             try:
                 summary = train(cfg, resume=args.resume, fresh=args.fresh, eval_every_s=args.eval_every)
-            except (RunDirExists, VerifierAuditRefused) as exc:
+            except (RunDirExists, VerifierAuditRefused, InProcessEvaluationRefused) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
             except StartupError as exc:  # services stopped; the line names the log to read

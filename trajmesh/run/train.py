@@ -84,14 +84,55 @@ def evaluation_protocol(cfg: RunConfig, held: dict[str, list[dict[str, Any]]]) -
             "sources": sources}
 
 
+class InProcessEvaluationRefused(ValueError):
+    """A held-out split this process may not play (`in_process_refusals`)."""
+
+
+def in_process_refusals(held: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Why each source's held-out split cannot be evaluated in this process ([] when all can).
+
+    This process plays only what the rollout itself plays in its own process: a stateless
+    environment (`rollout.stateless_environments_in_process`: one turn, reset and step pure, the
+    environment service's own code), graded by a grader that runs no sandboxed code. Any other
+    episode (tools, sandboxed code, games, agents and harnesses, hosted environments) is played by
+    the environment service, where the sandbox is, and graded by the grader service: the evaluator
+    service does that (`eval.in_mesh`, the default)."""
+    from trajmesh import plugins
+    from trajmesh.graders import grader_kind
+    from trajmesh.services.environment import stateless
+
+    out = []
+    for name, tasks in held.items():
+        envs = sorted({str(t.get("environment") or "single_answer") for t in tasks})
+        if stateful := [e for e in envs if not stateless(e)]:
+            out.append(f"{name}: environment {', '.join(stateful)} keeps state (the environment service plays it)")
+        graders = sorted({grader_kind(t) for t in tasks}
+                         | {str(g) for t in tasks if (g := (t.get("metadata") or {}).get("answer_grader"))})
+        if sandboxed := [g for g in graders if getattr(plugins.grader_class(g), "uses_sandbox", False)]:
+            out.append(f"{name}: grader {', '.join(sandboxed)} runs code in the sandbox (the grader service grades it)")
+    return out
+
+
+def check_in_process(held: dict[str, list[dict[str, Any]]]) -> None:
+    """Raises `InProcessEvaluationRefused` naming every source this process may not evaluate."""
+    if refusals := in_process_refusals(held):
+        raise InProcessEvaluationRefused(
+            "eval.in_mesh: false evaluates held-out episodes in the launcher's process, which plays only "
+            "stateless environments graded without the sandbox; " + "; ".join(refusals)
+            + ". Leave eval.in_mesh unset or true: the evaluator service plays every episode through the "
+            "environment service and grades it through the grader service, as training does")
+
+
 def evaluate_dir(model_dir: str, held: dict[str, list[dict[str, Any]]], cfg: RunConfig, samples: int = 4,
                  noise_seeds: int = 0) -> dict[str, Any]:
     """Held-out figures of a model dir per source (`heldout.<source>`), greedy and sampled, each
     source through its own environment and grader; pooled headline keys kept for old readers.
+    Played in this process, so only sources `check_in_process` admits (otherwise it raises).
 
     With `noise_seeds` = k > 0, the sampled accuracy is also measured with k sampling seeds (one
     sample per problem each): `sampled_accuracy_seed_std` is the evaluation noise of one such
     measurement (pooled over sources)."""
+    check_in_process(held)
     import torch
 
     from trajmesh.learner.models import load_model
@@ -258,6 +299,8 @@ def train(cfg: RunConfig, *, resume: bool = False, fresh: bool = False, eval_eve
           eval_samples: int | None = None) -> dict[str, Any]:
     """`eval_samples` (None: `eval.samples_during`) is the samples per problem during RL."""
     preflight(cfg)
+    if cfg.eval.in_mesh is False:  # before anything starts: what this process may not play
+        check_in_process(heldout_tasks(cfg))
     run_dir = Path(cfg.run_dir)
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)

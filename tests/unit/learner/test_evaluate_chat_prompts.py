@@ -121,9 +121,10 @@ def _prefilled_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]
     return calls
 
 
-@pytest.mark.parametrize("source", ["chain_sum", "search"])
-def test_evaluate_dir_prompts_are_the_rollouts(chat_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               source: str) -> None:
+def test_evaluate_dir_prompts_are_the_rollouts(chat_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`evaluate_dir` (the launcher's evaluation, stateless sources only: a tool source such as
+    search is refused there and played by the evaluator service with the rollout's own loop)."""
+    source = "chain_sum"
     cfg = _cfg(chat_dir, tmp_path, source, max_turns=1)
     tasks = train_mod.heldout_tasks(cfg)[source]
     calls = _prefilled_prompts(monkeypatch)

@@ -175,65 +175,42 @@ def test_held_out_evaluation_scores_the_toy_source_with_its_own_grader(toy: plug
     assert res["environment_revisions"] == {"toy_env": TOY_ENV_REVISION}
 
 
-def test_a_source_with_its_own_heldout_player_plays_its_tasks(toy: plugins.SourcePlugin) -> None:
-    """`heldout_episodes`: the toy tasks go to the source's player (with the evaluation's policy,
-    sampling and sample count), never to the in-process loop, and the grader gets each episode's
-    final answer; the other sources' tasks still go through `play_episodes`."""
-    from trajmesh.learner.evaluate import evaluate_tasks
-    from trajmesh.rollout.agents.episode import Episode, EpisodeFormat
-    from trajmesh.rollout.engines.torch_sampler import Sampled, SamplingParams
-    from trajmesh.run.train import heldout_tasks
+def test_in_process_evaluation_takes_only_what_the_rollout_plays_in_process(toy: plugins.SourcePlugin) -> None:
+    """`eval.in_mesh: false` evaluates in the launcher's process: a plug-in's stateless environment
+    with a grader that runs no code is evaluated there; a stateful environment or a sandboxed
+    grader is refused with the source and the reason named (the evaluator service plays it)."""
+    from trajmesh.run.train import (
+        InProcessEvaluationRefused,
+        check_in_process,
+        heldout_tasks,
+        in_process_refusals,
+    )
 
-    class AnswerGrader:
-        revision = "answer-grader-v1"
-        components = ()
+    class StatefulEnv(ToyEnv):
+        stateless = False
 
-        def grade(self, sample: Sample, task: dict[str, Any]) -> Grade:
-            ok = float(sample.final_answer == task["answer"])
-            return Grade(ok, {}, str(sample.final_answer), self.revision)
-
-    codec = _CharCodec()
-    calls: list[tuple[Any, list[str], float, int]] = []
-
-    def player(policy: Any, fmt: Any, tasks: list[dict[str, Any]], params: SamplingParams, *, samples: int,
-               seed: int) -> list[Episode]:
-        calls.append((policy, [t["task_id"] for t in tasks], params.temperature, samples))
-        return [Episode(t, ToyEnv(), [], [], turn_ids=[codec.encode("x")], terminal_reason="EOS",
-                        final_answer=t["answer"] if k == 0 else "wrong") for t in tasks for k in range(samples)]
+    class SandboxedGrader(ToyGrader):
+        uses_sandbox = True
 
     plugins.register_source(plugins.SourcePlugin(
-        type="played", config=PlayedSource, draw=_draw_played, environments={"played_env": ToyEnv},
-        graders={"answer": AnswerGrader}, heldout_episodes={"played_env": player}))
+        type="played", config=PlayedSource, draw=_draw_played, environments={"played_env": StatefulEnv},
+        graders={"sandboxed": SandboxedGrader}))
     try:
         cfg = load_config(overrides={"tasks.sources": [{"type": "toy"}, {"type": "played"}], "tasks.heldout_size": 3})
         held = heldout_tasks(cfg)
-
-        class SumPolicy:
-            seen: list[str] = []
-
-            def generate(self, contexts: list[list[int]], params: SamplingParams) -> list[Sampled]:
-                out = []
-                for ctx in contexts:
-                    self.seen.append(codec.decode(ctx))
-                    a, b = codec.decode(ctx).rstrip("=").split("+")
-                    ids = codec.encode(str(int(a) + int(b))) + [0]
-                    out.append(Sampled(ids, [-1.0] * len(ids), {"type": "stop", "matched": 0}))
-                return out
-
-        policy = SumPolicy()
-        res = evaluate_tasks(policy, EpisodeFormat(codec, None, {0}), held["toy"] + held["played"], temperature=0.7,
-                             samples=2, max_new_tokens=16, max_turns=1)
+        assert in_process_refusals({"toy": held["toy"]}) == []
+        check_in_process({"toy": held["toy"]})  # the toy source (stateless, no sandbox) plays here
+        refusals = in_process_refusals(held)
+        assert refusals == ["played: environment played_env keeps state (the environment service plays it)",
+                            "played: grader sandboxed runs code in the sandbox (the grader service grades it)"]
+        with pytest.raises(InProcessEvaluationRefused, match=r"eval\.in_mesh: false .*played: environment played_env"):
+            check_in_process(held)
     finally:
         plugins.unregister_source("played")
-    assert calls == [(policy, [t["task_id"] for t in held["played"]], 0.7, 2)]
-    assert sorted(policy.seen) == sorted([t["prompt"] for t in held["toy"]] * 2)  # the toy tasks only, in-process
-    # toy: all right (2 samples each); played: sample 0 right, sample 1 wrong
-    assert res["accuracy"] == pytest.approx((6 + 3) / 12)
-    assert res["grader_revisions"] == {"answer": "answer-grader-v1", "toy": TOY_GRADER_REVISION}
 
 
 class PlayedSource(SourceConfig):
-    """A test-only source whose held-out episodes its own player plays."""
+    """A test-only source with a stateful environment and a sandboxed grader."""
 
     type: Literal["played"] = "played"
     """Selects this source."""
@@ -243,7 +220,7 @@ class PlayedSource(SourceConfig):
 
 def _draw_played(src: PlayedSource, seed: int, n: int, exclude: set[str]) -> list[dict[str, Any]]:
     return [{"prompt": f"play {seed} {i}", "answer": f"answer {i}", "task_id": f"played-{seed}-{i}",
-             "metadata": {"source": src.name, "grader": "answer", "environment": "played_env"}}
+             "metadata": {"source": src.name, "grader": "sandboxed", "environment": "played_env"}}
             for i in range(n) if f"play {seed} {i}" not in exclude]
 
 

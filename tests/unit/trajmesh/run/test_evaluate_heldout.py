@@ -19,34 +19,61 @@ from trajmesh.run.train import (
     heldout_tasks,
 )
 
+GCD = {"type": "reasoning_gym", "name": "gcd", "family": "gcd", "answer": "last_integer"}
+
 
 def test_evaluate_dir_reports_each_source_with_its_own_grader(tiny_model_dir: str, tmp_path: Path) -> None:
     cfg = load_config(None, {
         "run_dir": str(tmp_path / "run"), "model.path": tiny_model_dir, "tasks.heldout_size": 6,
-        "tasks.sources": [{"type": "reasoning_gym"}, {"type": "search", "corpus_size": 20}],
+        "tasks.sources": [{"type": "reasoning_gym"}, GCD],
         "tasks.sampling.max_new_tokens": 6, "tasks.sampling.max_turns": 2, "eval.samples": 2})
     held = heldout_tasks(cfg)
-    assert sorted(held) == ["chain_sum", "search"] and all(len(t) == 6 for t in held.values())
+    assert sorted(held) == ["chain_sum", "gcd"] and all(len(t) == 6 for t in held.values())
     res = evaluate_dir(tiny_model_dir, held, cfg, samples=2, noise_seeds=2)
     per = res["heldout"]
-    assert sorted(per) == ["chain_sum", "search"]
+    assert sorted(per) == ["chain_sum", "gcd"]
     for r in per.values():
         assert r["n_tasks"] == 6 and r["samples"] == 2 and 0.0 <= r["sampled_accuracy"] <= 1.0
         assert set(r) >= {"greedy_accuracy", "sampled_pass_at_1", "sampled_pass_at_2", "terminal_reasons"}
         assert len(r["sampled_accuracy_seeds"]) == 2
-    # The tiny chain_sum model never writes <answer>: search scores 0 (its own EM grader, not a string match).
-    assert per["search"]["sampled_accuracy"] == 0.0 and per["search"]["greedy_accuracy"] == 0.0
     # Pooled headline = problem-weighted mean (6 + 6 problems); the score = mean over sources.
-    g = [per[s]["greedy_accuracy"] for s in ("chain_sum", "search")]
+    g = [per[s]["greedy_accuracy"] for s in ("chain_sum", "gcd")]
     assert res["greedy_accuracy"] == pytest.approx((6 * g[0] + 6 * g[1]) / 12)
-    sa = [per[s]["sampled_accuracy"] for s in ("chain_sum", "search")]
+    sa = [per[s]["sampled_accuracy"] for s in ("chain_sum", "gcd")]
     assert res["score"] == pytest.approx(sum(sa) / 2)
     assert evaluate_dir(tiny_model_dir, held, cfg, samples=2) ["heldout"]["chain_sum"]["sampled_accuracy"] == \
         per["chain_sum"]["sampled_accuracy"]  # deterministic given the run seed
     protocol = evaluation_protocol(cfg, held)
     assert protocol["sampled"]["samples_per_problem"] == 2 and protocol["max_turns"] == 2
-    assert protocol["sources"]["search"]["graders"] == {"search": "search-em-v1"}
+    assert protocol["sources"]["gcd"]["environments"] == {"reasoning_gym": "single_answer-v1"}
     assert protocol["sources"]["chain_sum"]["environments"] == {"chain_sum": "single_answer-v1"}
+
+
+def test_in_process_evaluation_refuses_what_the_environment_service_plays(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A tool environment (search) and a sandboxed grader (math_tool's code tool runs in its
+    environment; code graders in the sandbox) are never evaluated in the launcher's process:
+    `evaluate_dir` raises before it loads a model, and `trajmesh train` with `eval.in_mesh: false`
+    exits 2 before the run dir exists."""
+    from trajmesh.run.cli import main
+    from trajmesh.run.train import InProcessEvaluationRefused
+
+    cfg = load_config(None, {"run_dir": str(tmp_path / "run"), "tasks.heldout_size": 3,
+                             "tasks.sources": [{"type": "reasoning_gym"}, {"type": "search", "corpus_size": 20},
+                                               {"type": "math_tool"}]})
+    held = heldout_tasks(cfg)
+    with pytest.raises(InProcessEvaluationRefused) as err:
+        evaluate_dir(str(tmp_path / "no-model-here"), held, cfg)
+    assert "search: environment search keeps state" in str(err.value)
+    assert "math_tool: environment math_tool keeps state" in str(err.value)
+    assert "chain_sum" not in str(err.value)
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"run_dir": str(tmp_path / "run"), "tasks": {"heldout_size": 3, "sources": [
+        {"type": "search", "corpus_size": 20}]}, "eval": {"in_mesh": False}}))
+    capsys.readouterr()
+    assert main(["train", str(config)]) == 2
+    assert "error: eval.in_mesh: false evaluates held-out episodes in the launcher's process" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_regression_needs_two_consecutive_evaluations_below_best_minus_margin() -> None:
