@@ -56,7 +56,9 @@ def engine(tmp_path_factory):
     async def _wait_healthy() -> bool:  # the rollout's own wait (rollout/engines/base.py)
         async with EngineClient(url) as client:
             try:
-                await wait_healthy(client, 30.0, proc=proc, what="torch engine", poll_s=0.1)
+                # A process start (torch, transformers): ~12 s of imports alone at load 5 on 2 cores;
+                # a server that dies fails at once (`proc`).
+                await wait_healthy(client, 120.0, proc=proc, what="torch engine", poll_s=0.1)
             except StartFailed:
                 return False
         return True
