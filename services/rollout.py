@@ -24,7 +24,6 @@ index starts at `Task.first_sample` (G + k).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import shutil
@@ -42,6 +41,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from trajmesh import bus as busmod
 from trajmesh import plugins, security
 from trajmesh.contract import Trajectory
+from trajmesh.rollout.agents.environment_replicas import sticky_call
 from trajmesh.rollout.agents.episode import EpisodeFormat
 from trajmesh.rollout.engines import spawn_torch_server
 from trajmesh.rollout.engines.base import EngineContext, StartedEngine, wait_healthy
@@ -615,28 +615,18 @@ class RolloutService(Service):
         """Reset on the session's sticky replica; on an infrastructure error try the next replicas,
         and while none answers keep trying with backoff for `rollout.environment_wait_s` (the
         task's heartbeat keeps it meanwhile). None: still no replica by then."""
-        first = int(hashlib.sha256(tid.encode()).hexdigest(), 16) % len(self.envs)
-        deadline = time.monotonic() + self.cfg.rollout.environment_wait_s
-        delay = 0.2
-        while True:
-            for k in range(len(self.envs)):
-                env = self.envs[(first + k) % len(self.envs)]
-                try:
-                    req = services_pb2.ResetRequest(session_id=tid, task=task, seed=seed)
-                    return env, await env.Reset(req, timeout=ENV_STEP_TIMEOUT_S)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        raise  # a config error (unknown environment), not infrastructure: fail loudly
-                    ENV_FAILURES.labels(exc.code().name.lower()).inc()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("no environment replica answered a Reset of %s for %.0fs", tid,
-                            self.cfg.rollout.environment_wait_s)
-                return None
-            wait_s = min(delay, left)
-            ENV_WAIT_SECONDS.inc(wait_s)
-            await asyncio.sleep(wait_s)  # backoff while the environment is away
-            delay = min(delay * 2, 2.0)
+        req = services_pb2.ResetRequest(session_id=tid, task=task, seed=seed)
+
+        def failed(exc: grpc.aio.AioRpcError) -> bool:
+            ENV_FAILURES.labels(exc.code().name.lower()).inc()
+            return True
+
+        got = await sticky_call(self.envs, tid, lambda env: env.Reset(req, timeout=ENV_STEP_TIMEOUT_S),
+                                wait_s=self.cfg.rollout.environment_wait_s, failed=failed, waited=ENV_WAIT_SECONDS.inc)
+        if got is None:
+            log.warning("no environment replica answered a Reset of %s for %.0fs", tid,
+                        self.cfg.rollout.environment_wait_s)
+        return got
 
     async def _generate(
         self, context: list[int], sp: trajectory_pb2.SamplingParams, seed: int

@@ -24,7 +24,6 @@ these hooks through the registry and names no source.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from trajmesh.contract import Trajectory
 from trajmesh.infra import free_port
 from trajmesh.rollout.agents.agent_runner import AgentOutcome, AgentRunner
 from trajmesh.rollout.agents.agent_session import HostedEnvironment
+from trajmesh.rollout.agents.environment_replicas import sticky_call
 from trajmesh.v1 import services_pb2, trajectory_pb2
 
 
@@ -125,30 +125,26 @@ async def run_in_environment(rollout: AgentHost, task: trajectory_pb2.Task, tid:
                             "(infra.environment_addresses)", cause=trajectory_pb2.INFRA_ENVIRONMENT)
     req = services_pb2.RunAgentRequest(session_id=tid, task=task, base_url=base_url, api_key=agents.api_key,
                                        model=agents.endpoint.model_name, budget_s=budget_s)
-    first = int(hashlib.sha256(tid.encode()).hexdigest(), 16) % len(envs)
-    deadline = time.monotonic() + rollout.cfg.rollout.environment_wait_s
-    delay = 0.2
-    while True:
-        for k in range(len(envs)):
-            try:
-                reply = await envs[(first + k) % len(envs)].RunAgent(req, timeout=budget_s + RUN_AGENT_MARGIN_S)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise  # a config error (no agent hook for this environment there), not infrastructure
-                AGENT_ENV_FAILURES.labels(exc.code().name.lower()).inc()
-                hosted = session.environment
-                if session.calls or (hosted is not None and hosted.steps):  # the agent ran: no retry
-                    return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", f"environment service failed "
-                                        f"mid-run: {exc.code().name}", cause=trajectory_pb2.INFRA_ENVIRONMENT)
-                continue
-            return AgentOutcome(reply.terminal_reason, reply.answer, reply.detail,
-                                environment_revision=reply.environment_revision)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", "no environment replica answered RunAgent for "
-                                f"{rollout.cfg.rollout.environment_wait_s:.0f}s", cause=trajectory_pb2.INFRA_ENVIRONMENT)
-        await asyncio.sleep(min(delay, left))  # backoff while the environment is away
-        delay = min(delay * 2, 2.0)
+
+    def failed(exc: grpc.aio.AioRpcError) -> bool:
+        """Counted; the next replica only while the agent has not run (nothing of the sample exists)."""
+        AGENT_ENV_FAILURES.labels(exc.code().name.lower()).inc()
+        hosted = session.environment
+        return not (session.calls or (hosted is not None and hosted.steps))
+
+    try:
+        got = await sticky_call(envs, tid, lambda stub: stub.RunAgent(req, timeout=budget_s + RUN_AGENT_MARGIN_S),
+                                wait_s=rollout.cfg.rollout.environment_wait_s, failed=failed)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise  # a config error (no agent hook for this environment there), not infrastructure
+        return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", f"environment service failed mid-run: {exc.code().name}",
+                            cause=trajectory_pb2.INFRA_ENVIRONMENT)  # the agent ran: no retry
+    if got is None:
+        return AgentOutcome(trajectory_pb2.INFRA_FAILURE, "", "no environment replica answered RunAgent for "
+                            f"{rollout.cfg.rollout.environment_wait_s:.0f}s", cause=trajectory_pb2.INFRA_ENVIRONMENT)
+    reply = got[1]
+    return AgentOutcome(reply.terminal_reason, reply.answer, reply.detail, environment_revision=reply.environment_revision)
 
 
 async def run_episode(rollout: AgentHost, task: trajectory_pb2.Task, index: int) -> Trajectory:
@@ -205,27 +201,24 @@ async def hosted_in_environment(rollout: AgentHost, task: trajectory_pb2.Task, s
                                 kind: str) -> HostedEnvironment | None:
     """The task's hosted environment (``metadata.agent_environment``, e.g. workplace) reset in the
     environment service, on the session's sticky replica (the next ones on an infrastructure
-    error): the agent's ``/env/step`` calls become that session's Steps. None: no replica answered."""
+    error, waited for as an episode's Reset is: `rollout.environment_wait_s`): the agent's
+    ``/env/step`` calls become that session's Steps. None: no replica answered."""
     from trajmesh.rollout.agents.agent_session import HostedEnvironment
 
-    envs = list(rollout.envs)
-    if not envs:
-        return None
     req = services_pb2.ResetRequest(session_id=f"{sid}-env", seed=int(task.seed))
     req.task.CopyFrom(task)
     req.task.environment = kind
-    first = int(hashlib.sha256(sid.encode()).hexdigest(), 16) % len(envs)
-    for k in range(len(envs)):
-        stub = envs[(first + k) % len(envs)]
-        try:
-            reset = await stub.Reset(req, timeout=60.0)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            AGENT_ENV_FAILURES.labels(exc.code().name.lower()).inc()
-            continue
-        return HostedEnvironment(None, [reset.state_hash], remote=(stub, req.session_id))
-    return None
+
+    def failed(exc: grpc.aio.AioRpcError) -> bool:
+        AGENT_ENV_FAILURES.labels(exc.code().name.lower()).inc()
+        return True
+
+    got = await sticky_call(list(rollout.envs), sid, lambda stub: stub.Reset(req, timeout=60.0),
+                            wait_s=rollout.cfg.rollout.environment_wait_s, failed=failed)
+    if got is None:
+        return None
+    stub, reset = got
+    return HostedEnvironment(None, [reset.state_hash], remote=(stub, req.session_id))
 
 
 async def _close_hosted(hosted: HostedEnvironment) -> None:
