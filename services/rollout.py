@@ -603,10 +603,13 @@ class RolloutService(Service):
 
     def _in_process(self, task: trajectory_pb2.Task) -> bool:
         """Whether this episode is played in this process (`rollout.stateless_environments_in_process`):
-        its environment is stateless, and no simulated latency or injected Reset failure asks for
-        the service."""
+        a training episode whose environment is stateless, with no simulated latency or injected
+        Reset failure asking for the service. A held-out episode (`task.evaluation`, the evaluator's)
+        always goes to the environment service: every held-out score comes from an episode played
+        there, and evaluation is too little traffic for the round trips to matter."""
         env_cfg = self.cfg.environment
-        return (self.cfg.rollout.stateless_environments_in_process and env_cfg.simulated_step_latency.median_s == 0
+        return (not task.evaluation and self.cfg.rollout.stateless_environments_in_process
+                and env_cfg.simulated_step_latency.median_s == 0
                 and env_cfg.inject_reset_failure_rate == 0 and environment.stateless(environment.environment_kind(task)))
 
     async def _reset(

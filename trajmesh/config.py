@@ -334,8 +334,9 @@ class RolloutConfig(_Strict):
     own process, with the environment service's code and replies (`services/environment.py`
     `InProcessSession`): no Reset/Step/Close round trips, the same trajectories. Episodes go through
     the service all the same while `environment.simulated_step_latency` or
-    `environment.inject_reset_failure_rate` is set (they model the service). False: every episode
-    goes through the service (bench/bench_mesh.py `--variants base,new` compares both)."""
+    `environment.inject_reset_failure_rate` is set (they model the service), and held-out episodes
+    (the evaluator's) always do. False: every episode goes through the service
+    (bench/bench_mesh.py `--variants base,new` compares both)."""
 
 
 class SimulatedLatency(_Strict):

@@ -7,7 +7,8 @@ metric (`trajmesh_environment_calls_total` by method). A chain_sum task (single_
 case where the rollout closes the session), and its trajectory is byte for byte the one the service
 path gives (`rollout.stateless_environments_in_process: false`, which does call the service: the
 signal that the calls would be counted). A math_tool task (a tool environment with state) is still
-Reset on the service and stepped or closed there.
+Reset on the service and stepped or closed there, and so is a held-out chain_sum episode (the
+evaluator's `evaluation` tasks: every held-out score comes from the environment service).
 """
 
 from __future__ import annotations
@@ -125,3 +126,13 @@ def test_a_stateful_task_still_resets_and_closes_on_the_service(tmp_path: Path, 
     assert calls == {"reset": 2, "step": 1, "close": 1}, calls
     assert [t.terminal_reason for t in trajs] == [trajectory_pb2.ENV_DONE, trajectory_pb2.MAX_TOKENS]
     assert {t.pb.environment_revision for t in trajs} == {MathToolEnv.revision}
+
+
+def test_a_held_out_single_turn_task_is_played_on_the_service(tmp_path: Path, char_model: str) -> None:
+    tasks = [(_task("e1-c0", "chain_sum", "3 + 4 = ?", "7", 8), "7", "stop"),
+             (_task("e2-c1", "chain_sum", "5 + 6 = ?", "11", 2), "12", "length")]
+    for task, _, _ in tasks:
+        task.evaluation = True
+    trajs, calls = _play(_cfg(tmp_path, char_model), tasks)
+    assert calls == {"reset": 2, "step": 1, "close": 1}, calls
+    assert [t.terminal_reason for t in trajs] == [trajectory_pb2.ENV_DONE, trajectory_pb2.MAX_TOKENS]
