@@ -114,12 +114,17 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from trajmesh.run.sweep import parse_grid, run_sweep, train_run
+    from trajmesh.run.train import InProcessEvaluationRefused
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
     out = args.out or f"runs/sweep-{Path(args.config).stem}"
-    records = run_sweep(args.config, parse_grid(args.grid), args.seeds, out, overrides=_overrides(args.set),
-                        run_fn=train_run(args.eval_every))
+    try:
+        records = run_sweep(args.config, parse_grid(args.grid), args.seeds, out, overrides=_overrides(args.set),
+                            run_fn=train_run(args.eval_every))
+    except InProcessEvaluationRefused as exc:  # every cell would be refused alike
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"{len(records)} runs; results in {out}/results.md, results.csv, results.png")
     print(Path(out, "results.md").read_text())
     return 0

@@ -74,6 +74,8 @@ def test_in_process_evaluation_refuses_what_the_environment_service_plays(tmp_pa
     assert main(["train", str(config)]) == 2
     assert "error: eval.in_mesh: false evaluates held-out episodes in the launcher's process" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+    assert main(["sweep", str(config), "--seeds", "1", "--out", str(tmp_path / "sweep")]) == 2  # each cell trains
+    assert "search: environment search keeps state" in capsys.readouterr().err
 
 
 def test_regression_needs_two_consecutive_evaluations_below_best_minus_margin() -> None:
