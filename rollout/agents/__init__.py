@@ -10,8 +10,9 @@
     agent_episodes        the rollout hooks of sources that run their own agent (external agents,
                           verifiers): serve the endpoint, run each sample's agent in the
                           environment service (its RunAgent)
+    environment_replicas  one call on a session's sticky environment replica (Reset, RunAgent),
+                          the next replicas on an infrastructure error, backoff while none answers
     verifiers_episodes    the ``verifiers`` source's agent hook (run in the environment service)
-                          and held-out player
 
 Imports: trajmesh's core and `trajmesh.rollout.engines`.
 """
