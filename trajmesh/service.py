@@ -246,15 +246,38 @@ async def supervise(*loops: Awaitable[None], stopping: asyncio.Event | None = No
 RECANCEL_S = 2.0
 """How long a cancelled task may run on before it is cancelled again (`cancel_and_wait`)."""
 
+_STDLIB_WAIT_FOR = asyncio.wait_for
+
+
+async def wait_for(aw: Awaitable[Any], timeout: float | None) -> Any:
+    """`asyncio.wait_for` with Python 3.12's semantics: the awaitable runs in this task under
+    `asyncio.timeout`, so a cancellation that arrives as the call completes is raised, never traded
+    for the call's result. Python 3.11's `wait_for` runs it as a separate task and returns the
+    result then: the caller's cancellation is lost and its loop goes on. redis-py 8.2 sends every
+    command through it (its default `socket_timeout` is 5 s), and nats-py its requests and fetches;
+    a loop of Redis commands swallowed about 1 cancel in 2 (tests/unit/trajmesh/test_service.py).
+    A timeout ≤ 0 keeps the standard library's answer (a call already done still returns)."""
+    if timeout is not None and timeout <= 0:
+        return await _STDLIB_WAIT_FOR(aw, timeout)
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+def keep_cancellations() -> None:
+    """On Python 3.11, make `asyncio.wait_for` the process's :func:`wait_for`, for the libraries
+    that call it by that name (redis-py, nats-py). `run_service` does it before its event loop
+    starts; Python 3.12 and later already behave so, and nothing changes there."""
+    if sys.version_info[:2] == (3, 11):
+        asyncio.wait_for = wait_for  # type: ignore[assignment]
+
 async def cancel_and_wait(tasks: Sequence[asyncio.Future[Any]], names: Sequence[str] | None = None, *,
                           recancel_s: float | None = None) -> None:
     """Cancels `tasks` and waits until every one has ended, cancelling again each one still running
     `recancel_s` later. On Python 3.11 `asyncio.wait_for` returns its result, swallowing the
-    cancellation, when the awaited call completes as the cancel arrives (fixed in 3.12), and
-    libraries call it under our loops: redis-py 8.2's connection handshake sends its commands through
-    it (a command that reconnects swallowed ~1 cancel in 2 in tests/unit/trajmesh/test_service.py's
-    probe). A loop that swallowed its one cancellation went on looping, and a store never stopped
-    (docs/RELIABILITY.md). A cancellation of this wait itself cancels the tasks again at once; it
+    cancellation, when the awaited call completes as the cancel arrives (see :func:`wait_for`,
+    which `run_service` installs), and code of our own may catch a cancel too. A loop that swallowed
+    its one cancellation went on looping, and a store never stopped (docs/RELIABILITY.md). Each
+    cancel of such a loop is a new draw, so it ends after a few. A cancellation of this wait itself cancels the tasks again at once; it
     still waits for them, then propagates. `recancel_s`: None is `RECANCEL_S`."""
     recancel_s = RECANCEL_S if recancel_s is None else recancel_s
     labels = names or [_loop_name(t) for t in tasks]
@@ -353,8 +376,10 @@ async def serve(service: Service) -> None:
 def run_service(service: Service) -> None:
     """The process entry point (`trajmesh serve`): `serve` the service in a fresh event loop, with
     the stop watchdog armed: a stop that outlives its deadline ends the process with
-    `STOP_TIMEOUT_EXIT_CODE`. Raises what `serve` raises (the process exits non-zero)."""
+    `STOP_TIMEOUT_EXIT_CODE`, and cancellations kept (`keep_cancellations`). Raises what `serve`
+    raises (the process exits non-zero)."""
     service.exit_on_stop_timeout = True
+    keep_cancellations()
     asyncio.run(serve(service))
 
 

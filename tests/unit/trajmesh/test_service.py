@@ -180,16 +180,20 @@ def test_a_crashed_loop_makes_the_process_exit_non_zero_naming_loop_and_error() 
 
 def test_redis_commands_swallow_cancels_and_supervise_still_ends(redis_server: Any,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """On Python 3.11, a redis-py command that reconnects can swallow its task's cancellation
-    (`asyncio.wait_for` in the connection handshake returns its result instead): the loop goes on
+    """On Python 3.11, a redis-py command can swallow its task's cancellation (`asyncio.wait_for`,
+    which redis-py sends every command through, returns its result instead): the loop goes on
     looping. A clean-clone CI run's store never stopped that way (its admission loop). First the
     probe: loops of real Redis commands, each cancelled once; some go on. Then the same loops
-    under `supervise`, cancelled once: every one ends (it cancels again what is still running)."""
+    under `supervise`, cancelled once: every one ends, since it cancels again what is still running
+    (each cancel is a new draw: up to 11 were needed in 200 loops, so each loop has 60 s, 120
+    re-cancels). Last, with the process's `wait_for` made `service.wait_for` (`run_service` does
+    it): no loop goes on after its one cancel."""
     import redis.asyncio
 
     from trajmesh import service as service_mod
 
     monkeypatch.setattr(service_mod, "RECANCEL_S", 0.5)
+    monkeypatch.setattr(asyncio, "wait_for", service_mod._STDLIB_WAIT_FOR)
 
     async def commands(r: Any, ran: list[int]) -> None:
         while True:
@@ -198,7 +202,8 @@ def test_redis_commands_swallow_cancels_and_supervise_still_ends(redis_server: A
             await asyncio.sleep(0)
 
     async def trials(supervised: bool) -> int:
-        """Loops still running 5 s after one cancellation, of 20."""
+        """Of 20 loops, each cancelled once: those that went on (supervised: ran 60 s on; else:
+        issued 3 more commands)."""
         r = redis.asyncio.Redis.from_url(redis_server.url)
         left = 0
         try:
@@ -209,8 +214,12 @@ def test_redis_commands_swallow_cancels_and_supervise_still_ends(redis_server: A
                 while len(ran) < 3:  # the loop is issuing commands
                     await asyncio.sleep(0.001)
                 task.cancel()
-                done, _ = await asyncio.wait({task}, timeout=5.0)
-                if not done:
+                went_on = len(ran) + 3
+                deadline = asyncio.get_running_loop().time() + (60.0 if supervised else 30.0)
+                while not task.done() and (supervised or len(ran) < went_on) \
+                        and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.wait({task}, timeout=0.01)
+                if not task.done():
                     left += 1
                     while not task.done():  # the probe's own clean-up
                         task.cancel()
@@ -223,7 +232,14 @@ def test_redis_commands_swallow_cancels_and_supervise_still_ends(redis_server: A
     if swallowed == 0:
         pytest.skip(f"redis-py {redis.__version__} swallowed no cancellation in 20 loops: nothing to check here "
                     "(test_a_loop_that_swallows_its_cancellation_still_ends still checks supervise)")
-    assert asyncio.run(trials(supervised=True)) == 0, f"the probe: {swallowed} of 20 loops went on"
+    hung = asyncio.run(trials(supervised=True))
+    assert hung == 0, f"{hung} of 20 loops under supervise went on 60 s after their cancellation " \
+                      f"(the probe: {swallowed} of 20 went on after one cancel)"
+    service_mod.keep_cancellations()  # monkeypatch puts the standard library's back
+    assert asyncio.wait_for is service_mod.wait_for
+    kept = asyncio.run(trials(supervised=False))
+    assert kept == 0, f"with service.wait_for, {kept} of 20 loops went on after their one cancel " \
+                      f"(the standard library's: {swallowed})"
 
 
 def test_a_loop_that_swallows_its_cancellation_still_ends(monkeypatch: pytest.MonkeyPatch) -> None:
