@@ -90,7 +90,7 @@ prometheus:
 # them, the rest of the suite on both (the scopes: tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup setup-vllm setup-verifiers-mesh models prometheus
-	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope --durations=30
 	$(VERIFIERS_PY) -m pytest -m "not slow and not gpu" -q $(VERIFIERS_TEST_FILES)
 
 # Everything, slow studies included; then the verifiers source's tests, its mesh run with them, in
