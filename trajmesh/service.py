@@ -270,6 +270,7 @@ def keep_cancellations() -> None:
     if sys.version_info[:2] == (3, 11):
         asyncio.wait_for = wait_for  # type: ignore[assignment]
 
+
 async def cancel_and_wait(tasks: Sequence[asyncio.Future[Any]], names: Sequence[str] | None = None, *,
                           recancel_s: float | None = None) -> None:
     """Cancels `tasks` and waits until every one has ended, cancelling again each one still running
@@ -277,8 +278,9 @@ async def cancel_and_wait(tasks: Sequence[asyncio.Future[Any]], names: Sequence[
     cancellation, when the awaited call completes as the cancel arrives (see :func:`wait_for`,
     which `run_service` installs), and code of our own may catch a cancel too. A loop that swallowed
     its one cancellation went on looping, and a store never stopped (docs/RELIABILITY.md). Each
-    cancel of such a loop is a new draw, so it ends after a few. A cancellation of this wait itself cancels the tasks again at once; it
-    still waits for them, then propagates. `recancel_s`: None is `RECANCEL_S`."""
+    cancel of such a loop is a new draw, so it ends after a few. A cancellation of this wait itself
+    cancels the tasks again at once; it still waits for them, then propagates. `recancel_s`: None
+    is `RECANCEL_S`."""
     recancel_s = RECANCEL_S if recancel_s is None else recancel_s
     labels = names or [_loop_name(t) for t in tasks]
     for t in tasks:
