@@ -17,6 +17,7 @@ BENCHES = {
     "async": "bench_async.py",          # async (η=2) vs sync wall time to the same accuracy (goal ≥ 2×)
     "learning": "bench_learning.py",    # async vs sync held-out accuracy vs wall clock, 3 seeds each, 95% CIs (~45 min)
     "verify": "bench_verify.py",        # math / sandboxed-code verifications per second
+    "decode": "bench_decode.py",        # the grader's decode: tokenizers library vs byte table
     "learner": "bench_learner.py",      # learner peak memory: 4x/1x batch (goal ≤ 1.2), chunked/naive log-probs (≤ 0.25)
     "systems": "bench_systems.py",      # async (η=1,2,4) vs sync trained tokens/s on a GPU-like timing model (goal ≥ 2×)
     "engines": "bench_engines.py",      # torch engine vs vLLM-CPU tokens/s at 1/8/32 concurrent, weight swap time

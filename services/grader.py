@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 from prometheus_client import Counter, Histogram
 from redis.asyncio import Redis
 
@@ -400,18 +401,18 @@ class GraderService(Service):
     def _sample(self, traj: Trajectory) -> Sample:
         """The sampled tokens decoded, whole and per turn (spans with mask 1, grouped by turn)."""
         ids_T = traj.token_ids_T
-        turns: dict[int, list[int]] = {}
+        spans: dict[int, list[np.ndarray]] = {}
         for span in traj.spans:
             if span.action_type in (trajectory_pb2.TEXT, trajectory_pb2.TOOL_CALL, trajectory_pb2.CODE):
-                turns.setdefault(int(span.turn_index), []).extend(ids_T[span.token_start:span.token_end].tolist())
-        keys = sorted(turns)
-        per_turn = [self.tokenizer.decode(turns[k]) for k in keys]
-        if len(keys) == 1:  # one turn (most tasks): the whole response is that turn, decoded once
-            ids, whole = turns[keys[0]], per_turn[0]
+                spans.setdefault(int(span.turn_index), []).append(ids_T[span.token_start:span.token_end])
+        turns = [s[0] if len(s) == 1 else np.concatenate(s) for _, s in sorted(spans.items())]
+        per_turn = [self.tokenizer.decode(t) for t in turns]  # arrays: the tokenizer's byte table reads them as they are
+        if len(turns) == 1:  # one turn (most tasks): the whole response is that turn, decoded once
+            ids, whole = turns[0], per_turn[0]
         else:
-            ids = [t for k in keys for t in turns[k]]
+            ids = np.concatenate(turns) if turns else np.zeros(0, np.int64)
             whole = self.tokenizer.decode(ids)
-        ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+        ended_with_eos = bool(ids.size) and int(ids[-1]) == self.tokenizer.eos_token_id
         return Sample(whole, per_turn, ended_with_eos, list(traj.pb.state_hashes),
                       trajectory_pb2.TerminalReason.Name(traj.terminal_reason),
                       traj.pb.final_answer if traj.pb.HasField("final_answer") else None)

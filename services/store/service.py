@@ -302,7 +302,7 @@ class TrajectoryStore(Service):
         roc = cfg.store.resample_on_correct
         if roc.enabled:
             tag = re.compile(roc.answer_pattern)
-            self.roc_scores = lambda t: roc_mod.scores(t, tokenizer.decode(t.token_ids_T[t.loss_mask_T == 1].tolist()), tag)
+            self.roc_scores = lambda t: roc_mod.scores(t, tokenizer.decode(t.token_ids_T[t.loss_mask_T == 1]), tag)
         self.sampler = TaskSampler(cfg.tasks, seed=cfg.seed, profile_in=profile_path(cfg.tasks, cfg.run_dir),
                                    profile_out=Path(cfg.run_dir) / "task_profile.json")
         for name, share in self.mixture.weight_share.items():
