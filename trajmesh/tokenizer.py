@@ -77,8 +77,8 @@ class TokenBytes:
     ``ByteLevel`` decoder (GPT-2, Llama 3, Qwen, SmolLM2: each token's characters map to bytes) or
     ``Fuse`` (the demo's character tokenizer). Special tokens (skipped) and ids the vocabulary does
     not know (dropped by the tokenizer) are empty. The grader decodes every sampled token of every
-    trajectory; the tokenizer spends ~0.45 us a token on SmolLM2's vocabulary, the table a tenth of
-    that (docs/RESULTS.md). Other decoders (Metaspace, ByteFallback: Llama 2, Gemma) have none."""
+    trajectory; the library spends ~0.36 us a token on SmolLM2's vocabulary, the table a fifth of
+    that (`python bench/run.py decode`, docs/RESULTS.md). Other decoders (Metaspace, ByteFallback: Llama 2, Gemma) have none."""
 
     def __init__(self, data: bytes, lengths: np.ndarray) -> None:
         self.buf = np.frombuffer(data, np.uint8)
