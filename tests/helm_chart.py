@@ -15,6 +15,16 @@ helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's safe loader where PyYAML has it (its wheels do): the same documents as yaml.safe_load_all,
+11x faster on a rendered chart (0.04 against 0.41 s of CPU for the default values), which every
+test of the chart parses."""
+
+
+def load_all(text: str) -> list[Any]:
+    """Every YAML document in `text`, as `yaml.safe_load_all` reads them."""
+    return list(yaml.load_all(text, Loader=_LOADER))
+
 CHART = REPO / "deploy" / "helm" / "trajmesh"
 HELM_TESTS = TESTS / "helm"
 GOLDEN = HELM_TESTS / "golden"
@@ -66,7 +76,7 @@ def _objects(case: str) -> list[dict[str, Any]]:
     for path, text in sorted(_render(case).items()):
         if path.endswith("NOTES.txt"):
             continue
-        for doc in yaml.safe_load_all(text):
+        for doc in load_all(text):
             if doc:
                 doc.setdefault("metadata", {}).setdefault("annotations", {})
                 doc["_template"] = path
@@ -114,4 +124,4 @@ def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
 def _objects_of(values: dict[str, Any]) -> list[dict[str, Any]]:
     out = _chart().render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
     return [d for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
-            for d in yaml.safe_load_all(text) if d]
+            for d in load_all(text) if d]

@@ -55,6 +55,7 @@ from helm_chart import (
     helm,
     jsonschema,
     kubernetes_validate,
+    load_all,
 )
 from repo_paths import REPO
 
@@ -948,7 +949,7 @@ class _NatsConf:
 
 
 def _nats_conf(out: dict[str, str]) -> str:
-    cm = next(d for d in yaml.safe_load_all(out["trajmesh/templates/nats/nats.yaml"]) if d and d["kind"] == "ConfigMap")
+    cm = next(d for d in load_all(out["trajmesh/templates/nats/nats.yaml"]) if d and d["kind"] == "ConfigMap")
     return str(cm["data"]["nats.conf"])
 
 
@@ -1052,7 +1053,7 @@ def test_each_pod_gets_only_its_own_nats_password(case: str) -> None:
 
 def _secret_passwords(case_or_out: str | dict[str, str]) -> dict[str, str]:
     out = _render(case_or_out) if isinstance(case_or_out, str) else case_or_out
-    docs = [d for d in yaml.safe_load_all(out["trajmesh/templates/secrets.yaml"]) if d]
+    docs = [d for d in load_all(out["trajmesh/templates/secrets.yaml"]) if d]
     nats = [d for d in docs if d["metadata"]["name"].endswith("-nats-auth")]
     return {k: base64.b64decode(v).decode() for d in nats for k, v in d["data"].items()}
 
@@ -1084,7 +1085,7 @@ def test_given_passwords_stay_in_the_secret() -> None:
     for path, text in out.items():
         if path == "trajmesh/templates/secrets.yaml":
             continue
-        for doc in yaml.safe_load_all(text) if path.endswith(".yaml") else []:
+        for doc in load_all(text) if path.endswith(".yaml") else []:
             if doc and doc["kind"] == "ConfigMap":
                 assert not [pw for pw in got.values() if pw in json.dumps(doc)], path
         assert given["store"] not in text and given["admin"] not in text, path
