@@ -34,6 +34,7 @@ import threading
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +88,13 @@ def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120
     asyncio.run(go())
 
 
-@pytest.fixture
-def judge_engine(judge_model_dir: str, tmp_path: Path) -> Iterator[str]:
-    """A torch engine server serving the judge model (stopped by pid)."""
+@contextmanager
+def _judge_server(model_dir: str, log_path: Path) -> Iterator[str]:
+    """A torch engine server serving the judge model, stopped by pid."""
     port = free_port()
-    with open(tmp_path / "judge-engine.log", "wb") as log:
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "trajmesh.rollout.engines.engine_server", "--model",
-                                 judge_model_dir, "--port", str(port), "--host", "127.0.0.1", "--version", "0",
+                                 model_dir, "--port", str(port), "--host", "127.0.0.1", "--version", "0",
                                  "--threads", "1"], stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=die_with_parent(signal.SIGKILL))  # no orphan if the test dies
     try:
@@ -102,6 +103,24 @@ def judge_engine(judge_model_dir: str, tmp_path: Path) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def judge_engine(judge_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The judge for the mesh runs, one server for the module: they only ask it for verdicts (none
+    loads weights into it or pauses it), a mesh's verdicts depend on its timing anyway, and a start
+    costs a torch import and a model load (8 s of the suite's time per test on 2 cores)."""
+    with _judge_server(judge_model_dir, tmp_path_factory.mktemp("judge-engine") / "judge-engine.log") as url:
+        yield url
+
+
+@pytest.fixture
+def fresh_judge_engine(judge_model_dir: str, tmp_path: Path) -> Iterator[str]:
+    """The judge for the audits, started for the test: an audit's requests go out in a fixed order
+    and the server samples (T = 1) from its seed at start, so its verdicts are the same in every run
+    only from a fresh server (from the module's one they would depend on the meshes before it)."""
+    with _judge_server(judge_model_dir, tmp_path / "judge-engine.log") as url:
+        yield url
 
 
 @pytest.fixture
@@ -256,14 +275,14 @@ def test_pairwise_judge_compares_each_group_in_a_circle(tmp_path: Path, tiny_mod
 
 
 def test_verifier_audit_probes_the_judge(tmp_path: Path, tiny_model_dir: str, judge_model_dir: str,
-                                         judge_engine: str) -> None:
+                                         fresh_judge_engine: str) -> None:
     """The run-start audit asks the judge itself: a judge at chance (T = 1 over 0 / 1) scores empty,
     garbage or echoed answers high on some of 8 tasks and the run is refused; the same verdicts on
     a 0-10 scale never score high (1/10), so the source passes, with its gold answers reported as
     scored low (a problem, not a refusal)."""
     from trajmesh.run.audit import VerifierAuditRefused, audit_run
 
-    judge = {"sources": ["chain_sum"], "type": "torch", "urls": [judge_engine], "model_path": judge_model_dir,
+    judge = {"sources": ["chain_sum"], "type": "torch", "urls": [fresh_judge_engine], "model_path": judge_model_dir,
              "rubric": RUBRIC, "max_score": 1, "max_new_tokens": 3, "temperature": 1.0}
     cfg = _config(tmp_path / "a", tiny_model_dir, judge, [{"type": "reasoning_gym"}])
     (tmp_path / "a").mkdir()
@@ -327,13 +346,13 @@ def test_an_open_ended_source_trains_on_the_judge_alone(tmp_path: Path, tiny_mod
 
 
 def test_the_audit_probes_an_open_ended_source_through_the_judge(tmp_path: Path, tiny_model_dir: str,
-                                                                 judge_model_dir: str, judge_engine: str) -> None:
+                                                                 judge_model_dir: str, fresh_judge_engine: str) -> None:
     """No gold answer is no refusal: the empty, garbage and prompt-echo probes go to the judge on
     every task. At chance over 0 / 1 (T = 1) some probe scores high and the source is refused for
     it, for nothing else; on a 0-10 scale (1/10 at most) none does and it passes."""
     from trajmesh.run.audit import JUDGE_PROBES, VerifierAuditRefused, audit_run
 
-    judge = {"sources": ["notes"], "type": "torch", "urls": [judge_engine], "model_path": judge_model_dir,
+    judge = {"sources": ["notes"], "type": "torch", "urls": [fresh_judge_engine], "model_path": judge_model_dir,
              "rubric": RUBRIC, "max_score": 1, "max_new_tokens": 3, "temperature": 1.0}
     source = _open_ended_source(tmp_path)
     cfg = _config(tmp_path / "a", tiny_model_dir, judge, [source])
