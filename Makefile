@@ -88,23 +88,22 @@ prometheus:
 
 # Two workers (pytest-xdist): the meshes (tests/e2e/, tests/slow/) run one after another on one of
 # them, the rest of the suite on both (the scopes: tests/conftest.py). TEST_WORKERS=0: one process.
+# The verifiers source's tests and its mesh run, which need .venv-verifiers (the main venv has no
+# verifiers: they skip there), run in it as the suite's last test (tests/unit/envs/test_verifiers_venv.py),
+# on the worker that finishes the unit modules while the other still runs the meshes.
 TEST_WORKERS ?= 2
 test: setup setup-vllm setup-verifiers-mesh models prometheus
 	$(PY) -m pytest -m "not slow and not gpu" -q -n $(TEST_WORKERS) --dist loadscope --durations=30
-	$(VERIFIERS_PY) -m pytest -m "not slow and not gpu" -q $(VERIFIERS_TEST_FILES)
 
-# Everything, slow studies included; then the verifiers source's tests, its mesh run with them, in
-# .venv-verifiers (the main venv has no verifiers: they skip there).
+# Everything, slow studies included (the verifiers tests in .venv-verifiers among them, as above).
 test-all: setup setup-vllm setup-verifiers-mesh models models-gemma prometheus
 	$(PY) -m pytest -m "" -q
-	$(VERIFIERS_TESTS)
 
-# The verifiers source's tests and its mesh run (tests/e2e/test_e2e_verifiers.py: about 2 minutes
-# on 2 cores) in .venv-verifiers with torch: the last step of `make test` and of `make test-all`.
+# Only the verifiers source's tests and its mesh run (tests/e2e/test_e2e_verifiers.py: about 2 minutes
+# on 2 cores), in .venv-verifiers with torch.
 VERIFIERS_TEST_FILES = tests/unit/envs/test_env_verifiers.py tests/e2e/test_e2e_verifiers.py
-VERIFIERS_TESTS = $(VERIFIERS_PY) -m pytest -m "" -q $(VERIFIERS_TEST_FILES)
 test-verifiers: setup-verifiers-mesh
-	$(VERIFIERS_TESTS)
+	$(VERIFIERS_PY) -m pytest -m "" -q $(VERIFIERS_TEST_FILES)
 
 lint: setup
 	$(PY) -m ruff check trajmesh learner rollout envs graders services tests bench

@@ -64,6 +64,13 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(name)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that say ``RUN_LAST = True`` go to the end of the collection, so the scheduler below
+    hands them out after every other scope (tests/unit/envs/test_verifiers_venv.py: a whole session
+    in another venv, taken by the worker that finishes the unit modules while the meshes still run)."""
+    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "RUN_LAST", False)))
+
+
 # Node ids of the tests that run a mesh (every folder but unit/), for the scheduler below.
 MESH_FOLDERS = tuple(f"tests/{top}/" for top in FOLDER_MARKERS if top != "unit")
 

@@ -16,9 +16,9 @@ rollout's do, through the harness and its tools at the evaluation's sampling, gr
 service, with verifiers' version in the revision.
 
 verifiers 0.4 pins openai < 3, which the dev extra's agent frameworks cannot share a venv with: this
-runs where verifiers is installed, skipped elsewhere. ``make test`` (after the main suite; also
-``make test-verifiers`` and ``make test-all``) runs it in ``.venv-verifiers`` with torch and the
-learner (``make setup-verifiers-mesh``).
+runs where verifiers is installed, skipped elsewhere. ``make test`` (through
+tests/unit/envs/test_verifiers_venv.py; also ``make test-verifiers`` and ``make test-all``) runs it in
+``.venv-verifiers`` with torch and the learner (``make setup-verifiers-mesh``).
 """
 
 from __future__ import annotations
