@@ -8,8 +8,8 @@ modules (``mesh_checks``, ``repo_paths``, the tiny models...) sit in ``tests/`` 
 Also the CI rules every test run follows:
 - under ``CI=true`` hypothesis is derandomized (profile ``ci``: the same examples every run, the
   failing example and its reproduction blob printed), elsewhere it explores (profile ``dev``);
-- a test skipped because Prometheus is not installed names the command that installs it, and under
-  ``CI=true`` that skip is a failure (CI must run it);
+- a test skipped because Prometheus or ``.venv-verifiers`` is missing names the command that installs
+  it, and under ``CI=true`` that skip is a failure (CI must run it);
 - torch and every process a test starts run one OpenMP thread (``OMP_NUM_THREADS=1`` unless set),
   as the launcher runs the services: `make test` runs two workers on two cores, and OpenMP threads
   spin-waiting for a core another process holds made one 60-step SFT 12-130 s instead of 2.4 s
@@ -43,6 +43,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if CI else "dev"
 CI_REQUIRED_BINARIES = {
     "prometheus": "sudo apt-get install prometheus (`make test` does it when run as root)",
     "promtool": "sudo apt-get install prometheus (`make test` does it when run as root)",
+    ".venv-verifiers": "make setup-verifiers-mesh (`make test` does it)",
 }
 
 

@@ -29,11 +29,8 @@ PARENT_ONLY = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST
 
 @pytest.mark.timeout(1500)
 def test_verifiers_tests_pass_in_their_venv(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    if not VERIFIERS_PY.exists():
-        reason = f"{VERIFIERS_PY} is missing: run `make setup-verifiers-mesh`"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true and {reason}: CI must run the verifiers tests")
-        pytest.skip(reason)
+    if not VERIFIERS_PY.exists():  # a failure under CI=true (tests/conftest.py CI_REQUIRED_BINARIES)
+        pytest.skip(f"{VERIFIERS_PY} is missing")
     report = tmp_path / "verifiers.xml"
     env = {k: v for k, v in os.environ.items() if k not in PARENT_ONLY}
     cmd = [str(VERIFIERS_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
