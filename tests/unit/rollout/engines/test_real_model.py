@@ -220,9 +220,9 @@ def test_structured_outputs_with_a_real_vocabulary_on_vllm(served: Any, learner:
     end_ids = sorted(fmt.stop_ids)
     sp = {"temperature": 0, "max_new_tokens": 120, "stop_token_ids": end_ids}
 
-    async def go() -> tuple[Any, Any]:
+    async def go() -> tuple[Any, Any]:  # both requests at once: one batch on the server
         async with VLLMEngine(served["vllm"].url) as client:
-            return await client.generate(prompt, sp), await client.generate(prompt, {**sp, **grammar})
+            return await asyncio.gather(client.generate(prompt, sp), client.generate(prompt, {**sp, **grammar}))
 
     free, constrained = _run(go())
     text = tok.decode([t for t in constrained.output_ids if t not in end_ids], skip_special_tokens=False)
@@ -257,19 +257,23 @@ def test_tokens_across_turns_are_the_sampled_ones_and_chatml_between(served: Any
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(served["dir"]))
-    episodes, returned = [], []
-    for seed in range(4):
+
+    async def play(seed: int) -> tuple[Episode, list[list[int]]]:
         prompt = fmt.prompt_ids("Use the tool to count the letters of 'banana', then answer.")
         ep = Episode({"prompt": "", "answer": ""}, _ToolEcho(), list(prompt), ["0"], prompt_ids=list(prompt))
         turns = []
         for turn in range(3):
-            res = _run(_generate("vllm", served, list(ep.context), _sampling(fmt, 10 * seed + turn, n=24)))
+            res = await _generate("vllm", served, list(ep.context), _sampling(fmt, 10 * seed + turn, n=24))
             turns.append(list(res.output_ids))
             if res.finish_reason["type"] != "stop":  # cut by the budget: closed by hand as a stop turn
                 res.finish_reason = {"type": "stop"}
             advance_episode(ep, Sampled(list(res.output_ids), list(res.logprobs), res.finish_reason), fmt)
-        episodes.append(ep)
-        returned.append(turns)
+        return ep, turns
+
+    async def play_all() -> list[tuple[Episode, list[list[int]]]]:  # the episodes at once, as a rollout runs them
+        return list(await asyncio.gather(*(play(seed) for seed in range(4))))
+
+    episodes, returned = map(list, zip(*_run(play_all()), strict=True))
     recoded = 0
     for ep, turns in zip(episodes, returned, strict=True):
         rest = ep.context[len(ep.prompt_ids):]
