@@ -56,6 +56,7 @@ from trajmesh.rollout.engines.generation import (
 )
 from trajmesh.rollout.engines.synthetic_engine import SyntheticEngine
 from trajmesh.rollout.engines.teacher import Teacher, scorable
+from trajmesh.rollout.engines.vllm_engine import stop_server
 from trajmesh.service import Service, supervise
 from trajmesh.services import environment
 from trajmesh.v1 import services_pb2, services_pb2_grpc, trajectory_pb2
@@ -256,12 +257,7 @@ class RolloutService(Service):
         if self.bus is not None:
             await self.bus.close()
         for proc in [p for p in (self.engine_proc, *self.teacher_procs) if p is not None]:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc, timeout_s=10.0)  # its process tree, and a vLLM server's temporary directory
         shutil.rmtree(self.local_weights.local_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ weights

@@ -43,9 +43,11 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -163,18 +165,44 @@ def server_env(cfg: VLLMEngineConfig) -> dict[str, str]:
     return env
 
 
+_SERVER_TMPDIRS: dict[int, tuple[subprocess.Popen[bytes], str]] = {}
+"""The temporary directory of each server `start_server` started, by pid, until `stop_server`."""
+
+
+def server_tmpdir(proc: subprocess.Popen[bytes]) -> Path | None:
+    """The temporary directory `start_server` gave the server `proc` (None once stopped)."""
+    entry = _SERVER_TMPDIRS.get(proc.pid)
+    return Path(entry[1]) if entry and entry[0] is proc else None
+
+
+def _tmpdir_env(tmpdir: str) -> dict[str, str]:
+    """vLLM names its ZMQ sockets with fresh uuids under ``VLLM_RPC_BASE_PATH`` (default: the
+    system's temporary directory) and leaves them there when it stops: they go to `tmpdir` instead.
+    ``TMPDIR`` stays: torch's compile caches (``torchinductor_<user>``, its 150 MB precompiled
+    header among them) live under it, and the next start reuses them."""
+    return {"VLLM_RPC_BASE_PATH": tmpdir}
+
+
 def start_server(cfg: VLLMEngineConfig, model_path: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """Starts a vLLM server as a child of this process: it gets SIGTERM when this process dies (even
     by SIGKILL: PR_SET_PDEATHSIG), so vLLM stops its engine-core processes too. Call from the thread
-    that lives as long as the server (the event loop's)."""
+    that lives as long as the server (the event loop's). Its sockets go to a directory of its own
+    (`server_tmpdir`), which `stop_server` removes."""
     from trajmesh.infra import die_with_parent
 
     python = resolve_python(cfg.python)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as fh:
-        return subprocess.Popen(server_command(cfg, model_path, port, python=python), stdout=fh,
-                                stderr=subprocess.STDOUT, env=server_env(cfg),
-                                preexec_fn=die_with_parent(signal.SIGTERM))
+    tmpdir = tempfile.mkdtemp(prefix="trajmesh-vllm-")  # short: a Unix socket's path has 107 bytes
+    try:
+        with open(log_path, "ab") as fh:
+            proc = subprocess.Popen(server_command(cfg, model_path, port, python=python), stdout=fh,
+                                    stderr=subprocess.STDOUT, env={**server_env(cfg), **_tmpdir_env(tmpdir)},
+                                    preexec_fn=die_with_parent(signal.SIGTERM))
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    _SERVER_TMPDIRS[proc.pid] = (proc, tmpdir)
+    return proc
 
 
 def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 30.0, tree_grace_s: float = 5.0) -> None:
@@ -198,6 +226,10 @@ def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 30.0, tree_gra
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    tmpdir = server_tmpdir(proc)
+    if tmpdir is not None:
+        del _SERVER_TMPDIRS[proc.pid]
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _start_time(pid: int) -> str | None:
@@ -545,7 +577,7 @@ async def start(ctx: EngineContext) -> StartedEngine:
     try:
         port = free_port()
         proc = start_server(ec, str(ctx.cfg.model.path), port, log_path)
-        log.info("%s started (pid %d, log %s)", what, proc.pid, log_path)
+        log.info("%s started (pid %d, log %s, sockets in %s)", what, proc.pid, log_path, server_tmpdir(proc))
         engine = VLLMEngine(f"http://127.0.0.1:{port}", send_seed=ec.send_seed, proc=proc)
         try:
             await wait_healthy(engine, ec.startup_timeout_s, proc=proc, log_path=log_path, what=what, hint=hint)

@@ -10,6 +10,7 @@ every admitted trajectory ends as exactly one outcome, nothing quarantined or cu
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,11 @@ def test_mesh_trains_on_vllm_with_exact_accounting(tmp_path: Path) -> None:
     run_dir = Path(cfg.run_dir)
     engine_log = (run_dir / "logs" / "engine-0.log").read_text(errors="replace")
     assert "vllm" in engine_log.lower()  # the rollout's engine was the vLLM server
+    # the server's ZMQ sockets went to a directory of its own, gone with the rollout's stop
+    started = re.findall(r"started \(pid \d+, log .*, sockets in (\S+)\)",
+                         (run_dir / "logs" / "rollout-0.log").read_text(errors="replace"))
+    assert len(started) == 1 and Path(started[0]).name.startswith("trajmesh-vllm-"), started
+    assert not Path(started[0]).exists()
     steps = [m for m in read_metrics(run_dir) if m.get("kind") == "learner_step"]
     assert [m["version"] for m in steps] == list(range(1, STEPS + 1))
     rows = check_archive(cfg, acct, ETA)  # every trained token's lag in [0, η], exact accounting

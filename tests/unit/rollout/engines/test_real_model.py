@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,7 @@ from trajmesh.rollout.agents.episode import Episode, EpisodeFormat, advance_epis
 from trajmesh.rollout.engines.engine_client import EngineClient  # noqa: E402
 from trajmesh.rollout.engines.hf_model import load_causal_lm  # noqa: E402
 from trajmesh.rollout.engines.torch_sampler import Sampled  # noqa: E402
-from trajmesh.rollout.engines.vllm_engine import VLLMEngine  # noqa: E402
+from trajmesh.rollout.engines.vllm_engine import VLLMEngine, server_tmpdir  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -84,12 +86,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 await asyncio.sleep(0.1)
             raise AssertionError("torch engine not healthy after 240 s")
 
+    tmpdir = server_tmpdir(vllm.proc)
     try:
         start_all([vllm])
         _run(torch_healthy())
         yield {"dir": model_dir, "vllm": vllm, "torch_url": torch_url, "root": root}
     finally:
         vllm.stop()
+        assert tmpdir is not None and not tmpdir.exists(), tmpdir  # its sockets went with it
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
@@ -318,6 +322,16 @@ def test_a_template_without_a_tool_role_gets_tags(served: Any, fmt: EpisodeForma
                                           skip_special_tokens=False)
     assert text == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     assert vllm_log_clean(served)
+
+
+def test_the_vllm_servers_sockets_are_in_a_directory_of_its_own(served: Any) -> None:
+    """vLLM names its ZMQ sockets with fresh uuids in the system's temporary directory and leaves
+    them there; a server `start_server` starts puts them in its own directory, which `stop_server`
+    removes (checked when the module's fixture stops the server)."""
+    tmpdir = server_tmpdir(served["vllm"].proc)
+    assert tmpdir is not None and tmpdir.parent == Path(tempfile.gettempdir())
+    names = sorted(p.name for p in tmpdir.iterdir())
+    assert any(stat.S_ISSOCK((tmpdir / n).stat().st_mode) for n in names), names
 
 
 def vllm_log_clean(served: Any) -> bool:
