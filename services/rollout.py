@@ -257,7 +257,7 @@ class RolloutService(Service):
         if self.bus is not None:
             await self.bus.close()
         for proc in [p for p in (self.engine_proc, *self.teacher_procs) if p is not None]:
-            stop_server(proc, timeout_s=10.0)  # its process tree, and a vLLM server's temporary directory
+            stop_server(proc, timeout_s=10.0)  # its process tree, and a vLLM server's sockets directory
         shutil.rmtree(self.local_weights.local_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ weights

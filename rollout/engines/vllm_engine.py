@@ -165,22 +165,13 @@ def server_env(cfg: VLLMEngineConfig) -> dict[str, str]:
     return env
 
 
-_SERVER_TMPDIRS: dict[int, tuple[subprocess.Popen[bytes], str]] = {}
-"""The temporary directory of each server `start_server` started, by pid, until `stop_server`."""
+_SERVER_TMPDIRS: dict[subprocess.Popen[bytes], Path] = {}
+"""The directory of each server `start_server` started, until `stop_server` removes it."""
 
 
 def server_tmpdir(proc: subprocess.Popen[bytes]) -> Path | None:
-    """The temporary directory `start_server` gave the server `proc` (None once stopped)."""
-    entry = _SERVER_TMPDIRS.get(proc.pid)
-    return Path(entry[1]) if entry and entry[0] is proc else None
-
-
-def _tmpdir_env(tmpdir: str) -> dict[str, str]:
-    """vLLM names its ZMQ sockets with fresh uuids under ``VLLM_RPC_BASE_PATH`` (default: the
-    system's temporary directory) and leaves them there when it stops: they go to `tmpdir` instead.
-    ``TMPDIR`` stays: torch's compile caches (``torchinductor_<user>``, its 150 MB precompiled
-    header among them) live under it, and the next start reuses them."""
-    return {"VLLM_RPC_BASE_PATH": tmpdir}
+    """The directory `start_server` gave the server `proc` for its sockets (None once stopped)."""
+    return _SERVER_TMPDIRS.get(proc)
 
 
 def start_server(cfg: VLLMEngineConfig, model_path: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
@@ -192,16 +183,19 @@ def start_server(cfg: VLLMEngineConfig, model_path: str, port: int, log_path: Pa
 
     python = resolve_python(cfg.python)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    tmpdir = tempfile.mkdtemp(prefix="trajmesh-vllm-")  # short: a Unix socket's path has 107 bytes
+    # vLLM names its ZMQ sockets with fresh uuids under VLLM_RPC_BASE_PATH (default: the system's
+    # temporary directory) and leaves them there when it stops. TMPDIR stays: torch's compile caches
+    # (torchinductor_<user>, a 150 MB precompiled header among them) live under it for the next start.
+    tmpdir = Path(tempfile.mkdtemp(prefix="trajmesh-vllm-"))  # short: a Unix socket's path has 107 bytes
     try:
         with open(log_path, "ab") as fh:
             proc = subprocess.Popen(server_command(cfg, model_path, port, python=python), stdout=fh,
-                                    stderr=subprocess.STDOUT, env={**server_env(cfg), **_tmpdir_env(tmpdir)},
+                                    stderr=subprocess.STDOUT, env={**server_env(cfg), "VLLM_RPC_BASE_PATH": str(tmpdir)},
                                     preexec_fn=die_with_parent(signal.SIGTERM))
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
-    _SERVER_TMPDIRS[proc.pid] = (proc, tmpdir)
+    _SERVER_TMPDIRS[proc] = tmpdir
     return proc
 
 
@@ -226,9 +220,8 @@ def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 30.0, tree_gra
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    tmpdir = server_tmpdir(proc)
+    tmpdir = _SERVER_TMPDIRS.pop(proc, None)
     if tmpdir is not None:
-        del _SERVER_TMPDIRS[proc.pid]
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 

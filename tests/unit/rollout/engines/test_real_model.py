@@ -93,7 +93,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield {"dir": model_dir, "vllm": vllm, "torch_url": torch_url, "root": root}
     finally:
         vllm.stop()
-        assert tmpdir is not None and not tmpdir.exists(), tmpdir  # its sockets went with it
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
@@ -101,6 +100,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
             proc.kill()
             proc.wait()
         log.close()
+    assert tmpdir is not None and not tmpdir.exists(), tmpdir  # its sockets went with the server's stop
 
 
 @pytest.fixture(scope="module")
